@@ -1,0 +1,43 @@
+# The targets the README names. `make demo` runs the main job, `make test` the tests;
+# both set everything up first (venv, torch==2.13.0 CPU build, the project, the Bible corpus).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+SWORD_PACKAGES := sword-text-web sword-text-sparv sword-text-kjv
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+DEMO_MINUTES ?= 12
+
+.PHONY: venv sword test lint demo bench clean
+
+# torch first, pinned: an unpinned torch would pull a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+# The offline default corpus: World English Bible, Reina-Valera 1909, King James (Debian).
+sword:
+	@if dpkg -s $(SWORD_PACKAGES) >/dev/null 2>&1; then echo "SWORD modules present"; else \
+	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $(SWORD_PACKAGES); fi
+
+test: venv sword
+	$(BIN)/python -m pytest
+
+lint: venv
+	$(BIN)/ruff check src tests benchmarks
+
+demo: venv sword
+	$(BIN)/aiayn prepare --corpus bible:eng-spa --config configs/bible-small.yaml --out data/bible-eng-spa
+	$(BIN)/aiayn train --config configs/bible-small.yaml --data data/bible-eng-spa --out runs/demo --max-minutes $(DEMO_MINUTES)
+	$(BIN)/aiayn evaluate runs/demo --split test
+	printf '%s\n' "In the beginning God created the heavens and the earth." "The Lord is my shepherd." "Love your neighbor as yourself." | $(BIN)/aiayn translate runs/demo
+
+bench: venv
+	$(BIN)/python benchmarks/speed.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

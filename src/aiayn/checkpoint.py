@@ -1,0 +1,146 @@
+"""Checkpoints that survive a crash, and loading that never unpickles arbitrary objects.
+
+Every file is written atomically: to a temporary file in the same directory, flushed and
+fsync'ed, then renamed over the target (``os.replace`` is atomic on POSIX), then the
+directory is fsync'ed. A kill at any moment leaves either the old file or the new one.
+
+Weights are safetensors (tensors only, no code). Tied weights are stored once.
+
+A run directory (written by ``aiayn train``) looks like::
+
+    RUN_DIR/
+      config.yaml               the resolved Config (model, data, train)
+      tokenizer/                the tokenizer JSON files (see aiayn.tokenizer)
+      last.safetensors          weights after the latest save
+      best.safetensors          weights with the best dev BLEU so far
+      checkpoints/step_0001000.safetensors ...   the last few saves, for averaging
+      train_state.pt            optimizer, schedule, step, RNG, sampler position
+      metrics.jsonl, tb/        logs
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from aiayn.errors import AiaynError
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success, fsync it and rename it over ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # some filesystems do not allow opening directories
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict with each shared (tied) tensor kept once, under its first name."""
+    seen: set[int] = set()
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        key = tensor.untyped_storage().data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        tensors[name] = tensor.detach().cpu().contiguous()
+    return tensors
+
+
+def save_weights(model: nn.Module, path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """Write the model's weights as safetensors, atomically."""
+    model = getattr(model, "module", model)  # unwrap DistributedDataParallel
+    model = getattr(model, "_orig_mod", model)  # unwrap torch.compile
+    with atomic_path(path) as tmp:
+        save_file(unique_state_dict(model), str(tmp), metadata=metadata)
+
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    path = Path(path)
+    if not path.is_file():
+        raise AiaynError(f"weights file not found: {path}")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise AiaynError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
+def load_weights(model: nn.Module, path: str | Path) -> None:
+    """Load safetensors weights into ``model``; mismatches are reported by name and shape."""
+    tensors = read_weights(path)
+    load_state(model, tensors, str(path))
+
+
+def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
+    expected = model.state_dict()
+    stored_once = set(unique_state_dict(model))
+    missing = [k for k in stored_once if k not in tensors]
+    unexpected = [k for k in tensors if k not in expected]
+    if missing or unexpected:
+        raise AiaynError(
+            f"{source}: weights do not fit this model (missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}); is the config the one it was trained with?"
+        )
+    for name, tensor in tensors.items():
+        if tensor.shape != expected[name].shape:
+            raise AiaynError(
+                f"{source}: {name} has shape {tuple(tensor.shape)} but the model expects "
+                f"{tuple(expected[name].shape)} (vocabulary or size mismatch)"
+            )
+    model.load_state_dict(tensors, strict=False)
+
+
+def save_train_state(state: dict, path: str | Path) -> None:
+    """torch.save of plain containers and tensors, atomically (loaded with weights_only)."""
+    with atomic_path(path) as tmp:
+        torch.save(state, tmp)
+
+
+def load_train_state(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise AiaynError(f"training state not found: {path}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure is a bad file to the user
+        raise AiaynError(f"{path}: cannot read training state ({exc})") from None

@@ -1,0 +1,228 @@
+"""The `aiayn` command line: prepare | train | translate | evaluate | average | trace |
+attention | plot | bench.
+
+Each sub-command has an ``_add_<name>`` function (its arguments) and a ``_run_<name>``
+function (what it does, by calling the library). Errors a user can cause are AiaynError:
+printed as one line, exit status 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from aiayn.errors import AiaynError
+
+
+def _config_from_args(args, default: str | None = None):
+    from aiayn.config import Config, load_config
+
+    path = getattr(args, "config", None) or default
+    overrides = getattr(args, "set", None) or []
+    if path:
+        return load_config(path, overrides)
+    return Config().override(overrides).validate("defaults") if overrides else Config().validate()
+
+
+def _add_set(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config setting, e.g. --set train.max_steps=100 (repeatable)")
+
+
+# ---------------------------------------------------------------- prepare
+def _add_prepare(sub) -> None:
+    p = sub.add_parser("prepare", help="read a corpus, clean and split it, train tokenizers")
+    p.add_argument("--corpus", help="corpus spec, e.g. bible:eng-spa, hf:opus_books:en-it, "
+                   "tsv:PATH, jsonl:PATH, parallel:SRC,TGT (default: the config's)")
+    p.add_argument("--out", required=True, help="directory for the prepared data")
+    p.add_argument("--config", help="YAML config whose data section to use")
+    p.add_argument("--vocab-size", type=int, help="tokenizer vocabulary size")
+    p.add_argument("--tokenizer", choices=["bpe", "wordlevel"])
+    _add_set(p)
+
+
+def _run_prepare(args) -> int:
+    raise AiaynError("`aiayn prepare` is not implemented yet")
+
+
+# ---------------------------------------------------------------- train
+def _add_train(sub) -> None:
+    p = sub.add_parser("train", help="train a model on prepared data (or resume a run)")
+    p.add_argument("--config", help="YAML config (configs/*.yaml)")
+    p.add_argument("--data", help="prepared data directory (from `aiayn prepare`)")
+    p.add_argument("--out", help="run directory to create")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue this run exactly")
+    p.add_argument("--max-minutes", type=float, help="stop after this much wall time")
+    p.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    _add_set(p)
+
+
+def _run_train(args) -> int:
+    raise AiaynError("`aiayn train` is not implemented yet")
+
+
+# ---------------------------------------------------------------- translate
+def _add_translate(sub) -> None:
+    p = sub.add_parser("translate", help="translate sentences (stdin or a file), one per line")
+    p.add_argument("run_dir", help="run directory (from `aiayn train`)")
+    p.add_argument("--beam", type=int, default=4)
+    p.add_argument("--alpha", type=float, default=0.6, help="length penalty")
+    p.add_argument("--nbest", type=int, default=1)
+    p.add_argument("-i", "--input", help="input file (default: stdin)")
+    p.add_argument("-o", "--output", help="output file (default: stdout)")
+    p.add_argument("--weights", default="best", help="best, last, or a .safetensors path")
+
+
+def _run_translate(args) -> int:
+    raise AiaynError("`aiayn translate` is not implemented yet")
+
+
+# ---------------------------------------------------------------- evaluate
+def _add_evaluate(sub) -> None:
+    p = sub.add_parser("evaluate", help="score a run on the test or dev split")
+    p.add_argument("run_dir")
+    p.add_argument("--split", choices=["test", "dev"], default="test")
+    p.add_argument("--beam", type=int, default=4)
+    p.add_argument("--alpha", type=float, default=0.6)
+    p.add_argument("--data", help="prepared data directory (default: the one the run used)")
+    p.add_argument("--weights", default="best", help="best, last, or a .safetensors path")
+    p.add_argument("-o", "--output", help="file for the hypotheses")
+
+
+def _run_evaluate(args) -> int:
+    raise AiaynError("`aiayn evaluate` is not implemented yet")
+
+
+# ---------------------------------------------------------------- average
+def _add_average(sub) -> None:
+    p = sub.add_parser("average", help="average checkpoints (paper, 6.1)")
+    p.add_argument("paths", nargs="*", help="run directories or .safetensors files")
+    p.add_argument("--last", type=int, help="average the last N step checkpoints of one run")
+    p.add_argument("-o", "--output", required=True)
+
+
+def _run_average(args) -> int:
+    raise AiaynError("`aiayn average` is not implemented yet")
+
+
+# ---------------------------------------------------------------- trace
+def _add_trace(sub) -> None:
+    p = sub.add_parser("trace", help="print every module's output shape for one batch")
+    p.add_argument("--config", default=None, help="YAML config (default: configs/tiny.yaml "
+                   "sizes if given, else the built-in defaults)")
+    p.add_argument("--data", help="prepared data directory: trace a real batch from it")
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--depth", type=int, default=99, help="deepest nesting level to show")
+    p.add_argument("--seed", type=int, default=0)
+    _add_set(p)
+
+
+def _run_trace(args) -> int:
+    import torch
+
+    from aiayn.model import Transformer
+    from aiayn.trace import format_trace, trace_forward
+
+    config = _config_from_args(args)
+    torch.manual_seed(args.seed)
+    src, tgt = _trace_batch(config, args)
+    model = Transformer(config.model)
+    rows = trace_forward(model, src, tgt)
+    print(format_trace(rows, src, tgt, args.depth))
+    return 0
+
+
+def _trace_batch(config, args):
+    """A batch to trace: real sentences from --data, else random ids with some padding."""
+    import torch
+
+    from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+    if args.data:
+        from aiayn.data import sample_batch
+
+        batch = sample_batch(args.data, config, args.batch_size)
+        return batch.src, batch.tgt_in
+    m = config.model
+    B = max(1, args.batch_size)
+    src_lens = [max(2, min(m.max_len, 12 - 3 * i)) for i in range(B)]
+    tgt_lens = [max(2, min(m.max_len, 10 - 2 * i)) for i in range(B)]
+    src = torch.full((B, max(src_lens)), PAD_ID)
+    tgt = torch.full((B, max(tgt_lens)), PAD_ID)
+    for i in range(B):
+        src[i, : src_lens[i]] = torch.randint(4, m.src_vocab_size, (src_lens[i],))
+        src[i, src_lens[i] - 1] = EOS_ID
+        tgt[i, : tgt_lens[i]] = torch.randint(4, m.tgt_vocab_size, (tgt_lens[i],))
+        tgt[i, 0] = BOS_ID
+    return src, tgt
+
+
+# ---------------------------------------------------------------- attention
+def _add_attention(sub) -> None:
+    p = sub.add_parser("attention", help="attention heatmaps for one translated sentence")
+    p.add_argument("run_dir")
+    p.add_argument("sentence")
+    p.add_argument("-o", "--out", default="attention", help="output directory for the PNGs")
+    p.add_argument("--beam", type=int, default=1)
+    p.add_argument("--weights", default="best", help="best, last, or a .safetensors path")
+
+
+def _run_attention(args) -> int:
+    raise AiaynError("`aiayn attention` is not implemented yet")
+
+
+# ---------------------------------------------------------------- plot
+def _add_plot(sub) -> None:
+    p = sub.add_parser("plot", help="training curves (and positional-encoding/schedule plots)")
+    p.add_argument("run_dirs", nargs="*", help="run directories to overlay")
+    p.add_argument("-o", "--output", default="curves.png")
+    p.add_argument("--pe", action="store_true", help="plot the positional-encoding table")
+    p.add_argument("--schedule", metavar="CONFIG", help="plot the learning-rate schedule")
+
+
+def _run_plot(args) -> int:
+    raise AiaynError("`aiayn plot` is not implemented yet")
+
+
+COMMANDS = {
+    "prepare": (_add_prepare, _run_prepare),
+    "train": (_add_train, _run_train),
+    "translate": (_add_translate, _run_translate),
+    "evaluate": (_add_evaluate, _run_evaluate),
+    "average": (_add_average, _run_average),
+    "trace": (_add_trace, _run_trace),
+    "attention": (_add_attention, _run_attention),
+    "plot": (_add_plot, _run_plot),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="aiayn",
+        description="The Transformer of 'Attention Is All You Need': train, evaluate, translate.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add, _ in COMMANDS.values():
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _, run = COMMANDS[args.command]
+    try:
+        return run(args) or 0
+    except AiaynError as exc:
+        print(f"aiayn: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("aiayn: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `aiayn translate ... | head`
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

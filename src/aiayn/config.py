@@ -1,0 +1,258 @@
+"""Configuration as plain dataclasses, loaded from and saved to YAML.
+
+A config file has three sections, one per dataclass::
+
+    model: {d_model: 256, n_heads: 4, ...}
+    data:  {corpus: "bible:eng-spa", vocab_size: 8000, ...}
+    train: {warmup_steps: 4000, max_tokens: 4096, ...}
+
+Every section is optional (its defaults apply). Unknown keys and impossible values are
+refused with a message that names the setting and the file. Values can be overridden from
+the command line with ``--set section.key=value`` (the value is parsed as YAML).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from aiayn.errors import AiaynError
+
+TIE_CHOICES = ("none", "decoder", "all")
+
+
+@dataclass
+class ModelConfig:
+    """Sizes of the Transformer (paper, Table 3; "base" is 512/8/2048/6+6)."""
+
+    src_vocab_size: int = 8000
+    tgt_vocab_size: int = 8000
+    d_model: int = 512
+    n_heads: int = 8
+    d_ff: int = 2048
+    n_encoder_layers: int = 6
+    n_decoder_layers: int = 6
+    # P_drop (paper, 5.4): on each sub-layer output and on the embedding+position sums.
+    dropout: float = 0.1
+    # Dropout on the attention weights (not in the paper; tensor2tensor and torch.nn use it).
+    attention_dropout: float = 0.0
+    # Longest sequence (in tokens, special tokens included) the model accepts.
+    max_len: int = 256
+    # False: post-norm, LayerNorm(x + Sublayer(x)) as in the paper. True: pre-norm.
+    norm_first: bool = False
+    # "decoder": target embedding = generator weight (paper, 3.4);
+    # "all": also the source embedding (needs one shared vocabulary); "none": untied.
+    tie_embeddings: str = "decoder"
+    pad_id: int = 0
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass
+class DataConfig:
+    """Where sentence pairs come from and how they become token ids."""
+
+    corpus: str = "bible:eng-spa"
+    tokenizer: str = "bpe"  # "bpe" or "wordlevel"
+    vocab_size: int = 8000
+    joint_vocab: bool = True  # one vocabulary for both sides (lets all embeddings be tied)
+    min_frequency: int = 2
+    # What to do with a pair longer than model.max_len: "drop" it or "truncate" it.
+    long_policy: str = "drop"
+    # For corpora without a fixed split: fractions of pairs held out, and the seed.
+    dev_fraction: float = 0.01
+    test_fraction: float = 0.01
+    split_seed: int = 1234
+    # Bounds of the pair filter (in words): longer pairs and extreme length ratios are dropped.
+    max_words: int = 150
+    max_length_ratio: float = 3.0
+    # Field names for jsonl:PATH corpora.
+    src_field: str = "src"
+    tgt_field: str = "tgt"
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation (paper, 5.3-5.4), batching, evaluation and checkpointing."""
+
+    seed: int = 1
+    max_tokens: int = 4096  # token budget of one batch (source or target side, whichever is larger)
+    grad_accum: int = 1
+    # Learning rate = lr_scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)  (paper, eq. 3)
+    lr_scale: float = 1.0
+    warmup_steps: int = 4000
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_eps: float = 1e-9
+    weight_decay: float = 0.0
+    label_smoothing: float = 0.1
+    clip_norm: float = 1.0  # 0 disables clipping
+    max_steps: int = 100_000
+    max_epochs: int = 1000
+    max_minutes: float = 0.0  # 0 = no time budget
+    eval_every: int = 1000  # optimizer steps between validations
+    eval_max_sentences: int = 0  # 0 = the whole dev split
+    eval_beam: int = 1
+    save_every: int = 1000
+    keep_checkpoints: int = 5  # step checkpoints kept for averaging
+    log_every: int = 50
+    bf16: bool = False
+    compile: bool = False
+    num_samples: int = 3  # sample translations shown at each validation
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def validate(self, source: str = "config") -> Config:
+        """Refuse sizes that cannot build a model, naming the setting."""
+        m = self.model
+        for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "n_heads", "d_ff",
+                     "n_encoder_layers", "n_decoder_layers", "max_len"):
+            value = getattr(m, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise AiaynError(f"{source}: model.{name} must be a positive integer, got {value!r}")
+        if m.d_model % m.n_heads:
+            raise AiaynError(
+                f"{source}: model.d_model ({m.d_model}) must be divisible by "
+                f"model.n_heads ({m.n_heads})"
+            )
+        for name in ("dropout", "attention_dropout"):
+            value = getattr(m, name)
+            if not 0.0 <= float(value) < 1.0:
+                raise AiaynError(f"{source}: model.{name} must be in [0, 1), got {value!r}")
+        if m.tie_embeddings not in TIE_CHOICES:
+            raise AiaynError(
+                f"{source}: model.tie_embeddings must be one of {', '.join(TIE_CHOICES)}, "
+                f"got {m.tie_embeddings!r}"
+            )
+        if m.tie_embeddings == "all" and m.src_vocab_size != m.tgt_vocab_size:
+            raise AiaynError(
+                f"{source}: model.tie_embeddings='all' needs one shared vocabulary, but "
+                f"src_vocab_size={m.src_vocab_size} and tgt_vocab_size={m.tgt_vocab_size}"
+            )
+        if not 0 <= m.pad_id < min(m.src_vocab_size, m.tgt_vocab_size):
+            raise AiaynError(f"{source}: model.pad_id {m.pad_id} is outside the vocabulary")
+        d = self.data
+        if d.tokenizer not in ("bpe", "wordlevel"):
+            raise AiaynError(f"{source}: data.tokenizer must be 'bpe' or 'wordlevel', got {d.tokenizer!r}")
+        if d.long_policy not in ("drop", "truncate"):
+            raise AiaynError(f"{source}: data.long_policy must be 'drop' or 'truncate', got {d.long_policy!r}")
+        if d.vocab_size <= 4:
+            raise AiaynError(f"{source}: data.vocab_size must be larger than 4, got {d.vocab_size}")
+        t = self.train
+        for name in ("max_tokens", "grad_accum", "warmup_steps", "max_steps", "max_epochs",
+                     "eval_every", "save_every", "keep_checkpoints", "log_every", "eval_beam"):
+            value = getattr(t, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise AiaynError(f"{source}: train.{name} must be a positive integer, got {value!r}")
+        if not 0.0 <= t.label_smoothing < 1.0:
+            raise AiaynError(f"{source}: train.label_smoothing must be in [0, 1), got {t.label_smoothing}")
+        if t.max_tokens < m.max_len:
+            raise AiaynError(
+                f"{source}: train.max_tokens ({t.max_tokens}) is smaller than model.max_len "
+                f"({m.max_len}): the longest sentence would not fit in a batch"
+            )
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None, source: str = "config") -> Config:
+        raw = raw or {}
+        if not isinstance(raw, dict):
+            raise AiaynError(f"{source}: expected a mapping with sections model/data/train")
+        sections = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+        unknown = set(raw) - set(sections)
+        if unknown:
+            raise AiaynError(
+                f"{source}: unknown section(s) {', '.join(sorted(unknown))}; "
+                f"expected {', '.join(sections)}"
+            )
+        built = {}
+        for name, klass in sections.items():
+            built[name] = _build_section(klass, raw.get(name) or {}, f"{source}: {name}")
+        return cls(**built)
+
+    def override(self, assignments: list[str], source: str = "--set") -> Config:
+        """Apply ``section.key=value`` strings (values parsed as YAML)."""
+        raw = self.to_dict()
+        for item in assignments:
+            key, sep, value = item.partition("=")
+            section, dot, name = key.strip().partition(".")
+            if not sep or not dot:
+                raise AiaynError(f"{source} {item!r}: expected section.key=value, e.g. train.max_steps=100")
+            if section not in raw:
+                raise AiaynError(f"{source} {item!r}: unknown section {section!r} (model, data, train)")
+            if name not in raw[section]:
+                raise AiaynError(
+                    f"{source} {item!r}: unknown setting {section}.{name}; known: "
+                    f"{', '.join(raw[section])}"
+                )
+            try:
+                raw[section][name] = yaml.safe_load(value)
+            except yaml.YAMLError as exc:
+                raise AiaynError(f"{source} {item!r}: value is not valid YAML ({exc})") from None
+        return Config.from_dict(raw, source)
+
+
+def _build_section(klass, values: dict[str, Any], where: str):
+    if not isinstance(values, dict):
+        raise AiaynError(f"{where}: expected a mapping, got {type(values).__name__}")
+    known = {f.name: f for f in fields(klass)}
+    unknown = set(values) - set(known)
+    if unknown:
+        raise AiaynError(
+            f"{where}: unknown setting(s) {', '.join(sorted(unknown))}; known: {', '.join(known)}"
+        )
+    default = klass()
+    kwargs = {}
+    for name, value in values.items():
+        expected = type(getattr(default, name))
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if expected is not type(value):
+            raise AiaynError(
+                f"{where}.{name}: expected {expected.__name__}, got {value!r} ({type(value).__name__})"
+            )
+        kwargs[name] = value
+    return dataclasses.replace(default, **kwargs)
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Read a YAML (or JSON) config file, apply overrides, validate."""
+    path = Path(path)
+    if not path.is_file():
+        raise AiaynError(f"config file not found: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+        raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise AiaynError(f"{path}: not a valid config file ({str(exc).splitlines()[0]})") from None
+    config = Config.from_dict(raw, str(path))
+    if overrides:
+        config = config.override(overrides)
+    return config.validate(str(path))
+
+
+def save_config(config: Config, path: str | Path) -> None:
+    """Write the config as YAML (``.yaml``) or JSON (``.json``), atomically."""
+    from aiayn.checkpoint import atomic_write_text
+
+    path = Path(path)
+    if path.suffix == ".json":
+        text = json.dumps(config.to_dict(), indent=2) + "\n"
+    else:
+        text = yaml.safe_dump(config.to_dict(), sort_keys=False)
+    atomic_write_text(path, text)

@@ -1,0 +1,9 @@
+"""The one exception type for mistakes a user can make (bad file, spec, setting, checkpoint).
+
+The CLI prints its message as one line (``aiayn: error: ...``) and exits with status 2;
+anything else that escapes is a bug in aiayn and keeps its traceback.
+"""
+
+
+class AiaynError(Exception):
+    """A problem with the user's input, described in one line that names what to fix."""

@@ -1,0 +1,432 @@
+"""The Transformer of "Attention Is All You Need" (Vaswani et al., 2017), one block per class.
+
+Reading order follows the paper (section numbers in brackets):
+
+    TokenEmbedding        [3.4]  token ids -> vectors, scaled by sqrt(d_model)
+    PositionalEncoding    [3.5]  + sinusoids, then dropout
+    MultiHeadAttention    [3.2]  softmax(QK^T / sqrt(d_k)) V, h heads in parallel
+    FeedForward           [3.3]  max(0, x W1 + b1) W2 + b2
+    SublayerConnection    [5.4]  LayerNorm(x + Dropout(Sublayer(x)))  (or pre-norm)
+    EncoderLayer, DecoderLayer, Encoder, Decoder   [3.1]
+    Generator             [3.4]  hidden -> vocabulary logits
+    Transformer                  encode / decode / generator / forward
+
+Shapes: B batch, S source length, T target length, d d_model, H heads, d_k = d / H.
+Masks are boolean; in attention, True means "this key may be attended to". Padding masks
+passed by callers follow PyTorch's key_padding_mask convention: True marks a pad token.
+Targets are right-padded, so the causal mask alone keeps real target positions from
+seeing target padding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from aiayn.config import ModelConfig
+
+
+class TokenEmbedding(nn.Module):
+    """Learned embeddings multiplied by sqrt(d_model) (paper, 3.4)."""
+
+    def __init__(self, vocab_size: int, d_model: int):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab_size, d_model)
+        self.scale = math.sqrt(d_model)
+
+    def forward(self, ids: Tensor) -> Tensor:  # (B, L) -> (B, L, d)
+        return self.embedding(ids) * self.scale
+
+
+def sinusoid_table(max_len: int, d_model: int) -> Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)),  PE(pos, 2i+1) = cos(pos / 10000^(2i/d))  (3.5)."""
+    position = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)  # (L, 1)
+    two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # (d/2,)
+    angle = position / torch.pow(10000.0, two_i / d_model)  # (L, d/2)
+    table = torch.zeros(max_len, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(angle)
+    table[:, 1::2] = torch.cos(angle[:, : d_model // 2])
+    return table.float()
+
+
+class PositionalEncoding(nn.Module):
+    """Adds the fixed sinusoidal table to the embeddings, then dropout (3.5, 5.4)."""
+
+    def __init__(self, d_model: int, max_len: int, dropout: float):
+        super().__init__()
+        self.max_len = max_len
+        self.dropout = nn.Dropout(dropout)
+        # Not persistent: it is a formula, not a weight, so checkpoints stay free of it.
+        self.register_buffer("table", sinusoid_table(max_len, d_model), persistent=False)
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:  # (B, L, d) -> (B, L, d)
+        end = offset + x.size(1)
+        if end > self.max_len:
+            raise ValueError(
+                f"sequence of {end} positions is longer than model.max_len={self.max_len}"
+            )
+        return self.dropout(x + self.table[offset:end])
+
+
+class MultiHeadAttention(nn.Module):
+    """MultiHead(Q, K, V) = Concat(head_1..head_h) W^O,  head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V).
+
+    Attention(Q, K, V) = softmax(Q K^T / sqrt(d_k)) V      (paper, eq. 1, section 3.2)
+
+    Self-attention projects Q, K and V with one fused matrix; cross-attention projects Q
+    from the decoder and K, V (fused) from the encoder memory. The fast path calls
+    ``F.scaled_dot_product_attention``; ``need_weights=True`` computes the same thing
+    explicitly and also returns the (B, H, T_q, T_k) attention weights.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, cross: bool = False):
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
+        self.d_model, self.n_heads, self.d_k = d_model, n_heads, d_model // n_heads
+        self.cross = cross
+        self.dropout = dropout
+        if cross:
+            self.q_proj = nn.Linear(d_model, d_model)
+            self.kv_proj = nn.Linear(d_model, 2 * d_model)
+        else:
+            self.qkv_proj = nn.Linear(d_model, 3 * d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+        self.record_weights = False  # set by capture_attention(): keep the last weights
+        self.last_weights: Tensor | None = None
+
+    def _heads(self, x: Tensor) -> Tensor:  # (B, L, d) -> (B, H, L, d_k)
+        B, L, _ = x.shape
+        return x.view(B, L, self.n_heads, self.d_k).transpose(1, 2)
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor | None = None,
+        mask: Tensor | None = None,
+        is_causal: bool = False,
+        cache: dict[str, Tensor] | None = None,
+        need_weights: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """x: (B, T_q, d) queries; memory: (B, S, d) for cross-attention.
+
+        mask: bool, broadcastable to (B, H, T_q, T_k), True = may attend.
+        is_causal: query i may attend to keys <= i (only without a cache prefix).
+        cache: a dict this layer owns during incremental decoding. Self-attention appends
+        the new K/V to it; cross-attention fills it once from ``memory`` and reuses it.
+        """
+        if self.cross:
+            q = self._heads(self.q_proj(x))
+            if cache is not None and "k" in cache:
+                k, v = cache["k"], cache["v"]  # memory's K/V, computed at the first step
+            else:
+                if memory is None:
+                    raise ValueError("cross-attention needs the encoder memory")
+                k, v = (self._heads(t) for t in self.kv_proj(memory).chunk(2, dim=-1))
+                if cache is not None:
+                    cache["k"], cache["v"] = k, v
+        else:
+            q, k, v = (self._heads(t) for t in self.qkv_proj(x).chunk(3, dim=-1))
+            if cache is not None:
+                if "k" in cache:  # K/V of earlier positions, grown one step at a time
+                    k = torch.cat([cache["k"], k], dim=2)
+                    v = torch.cat([cache["v"], v], dim=2)
+                cache["k"], cache["v"] = k, v
+
+        p = self.dropout if self.training else 0.0
+        if need_weights or self.record_weights:
+            out, weights = explicit_attention(q, k, v, mask, is_causal, p)
+            if self.record_weights:
+                self.last_weights = weights.detach()
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
+                                                 is_causal=is_causal)
+            weights = None
+        B, _, T, _ = out.shape
+        out = self.out_proj(out.transpose(1, 2).reshape(B, T, self.d_model))  # Concat(...) W^O
+        return (out, weights) if need_weights else out
+
+
+def explicit_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, dropout_p: float
+) -> tuple[Tensor, Tensor]:
+    """softmax(Q K^T / sqrt(d_k)) V written out, returning the weights too (eq. 1)."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, H, T_q, T_k)
+    if is_causal:
+        mask = causal_mask(q.size(-2), k.size(-2), q.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    weights = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
+    return weights @ v, weights
+
+
+def causal_mask(n_queries: int, n_keys: int, device: torch.device | None = None) -> Tensor:
+    """(T_q, T_k) bool; query i (the last n_queries of n_keys positions) sees keys <= its position."""
+    offset = n_keys - n_queries
+    return torch.ones(n_queries, n_keys, dtype=torch.bool, device=device).tril(diagonal=offset)
+
+
+def padding_mask(pad: Tensor) -> Tensor:
+    """(B, S) True-at-pad -> (B, 1, 1, S) True-may-attend, broadcast over heads and queries."""
+    return ~pad[:, None, None, :]
+
+
+class FeedForward(nn.Module):
+    """FFN(x) = max(0, x W1 + b1) W2 + b2, applied at each position alike (3.3)."""
+
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.linear1 = nn.Linear(d_model, d_ff)
+        self.linear2 = nn.Linear(d_ff, d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear2(F.relu(self.linear1(x)))
+
+
+class SublayerConnection(nn.Module):
+    """Residual connection with layer normalisation and dropout (3.1, 5.4).
+
+    post-norm (paper):  LayerNorm(x + Dropout(Sublayer(x)))
+    pre-norm (option):  x + Dropout(Sublayer(LayerNorm(x)))
+    """
+
+    def __init__(self, d_model: int, dropout: float, norm_first: bool):
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.norm_first = norm_first
+
+    def forward(self, x: Tensor, sublayer) -> Tensor:
+        if self.norm_first:
+            return x + self.dropout(sublayer(self.norm(x)))
+        return self.norm(x + self.dropout(sublayer(x)))
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention, then feed-forward, each wrapped in a SublayerConnection (3.1)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
+        self.feed_forward = FeedForward(cfg.d_model, cfg.d_ff)
+        self.sublayer1 = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm_first)
+        self.sublayer2 = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm_first)
+
+    def forward(self, x: Tensor, src_mask: Tensor | None) -> Tensor:
+        x = self.sublayer1(x, lambda h: self.self_attn(h, mask=src_mask))
+        return self.sublayer2(x, self.feed_forward)
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, encoder-decoder attention, feed-forward (3.1)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
+        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout,
+                                             cross=True)
+        self.feed_forward = FeedForward(cfg.d_model, cfg.d_ff)
+        self.sublayer1 = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm_first)
+        self.sublayer2 = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm_first)
+        self.sublayer3 = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm_first)
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor,
+        src_mask: Tensor | None,
+        self_mask: Tensor | None,
+        is_causal: bool,
+        cache: dict[str, dict[str, Tensor]] | None = None,
+    ) -> Tensor:
+        self_cache = cache["self"] if cache is not None else None
+        cross_cache = cache["cross"] if cache is not None else None
+        x = self.sublayer1(x, lambda h: self.self_attn(h, mask=self_mask, is_causal=is_causal,
+                                                       cache=self_cache))
+        x = self.sublayer2(x, lambda h: self.cross_attn(h, memory, mask=src_mask,
+                                                        cache=cross_cache))
+        return self.sublayer3(x, self.feed_forward)
+
+
+class Encoder(nn.Module):
+    """N identical layers; pre-norm adds a final LayerNorm (post-norm already ends in one)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
+        self.norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else nn.Identity()
+
+    def forward(self, x: Tensor, src_mask: Tensor | None) -> Tensor:
+        for layer in self.layers:
+            x = layer(x, src_mask)
+        return self.norm(x)
+
+
+class Decoder(nn.Module):
+    """N identical layers over the target prefix and the encoder memory."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_decoder_layers))
+        self.norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else nn.Identity()
+
+    def forward(
+        self,
+        x: Tensor,
+        memory: Tensor,
+        src_mask: Tensor | None,
+        cache: KVCache | None = None,
+    ) -> Tensor:
+        T = x.size(1)
+        past = cache.length if cache is not None else 0
+        if past == 0:
+            self_mask, is_causal = None, T > 1  # the fused causal kernel
+        elif T == 1:
+            self_mask, is_causal = None, False  # one new query sees every cached key
+        else:
+            self_mask, is_causal = causal_mask(T, past + T, x.device), False
+        for i, layer in enumerate(self.layers):
+            layer_cache = cache.layers[i] if cache is not None else None
+            x = layer(x, memory, src_mask, self_mask, is_causal, layer_cache)
+        if cache is not None:
+            cache.length = past + T
+        return self.norm(x)
+
+
+class Generator(nn.Module):
+    """Linear projection of the decoder output to vocabulary logits (3.4)."""
+
+    def __init__(self, d_model: int, vocab_size: int):
+        super().__init__()
+        self.proj = nn.Linear(d_model, vocab_size, bias=False)
+
+    def forward(self, hidden: Tensor) -> Tensor:  # (B, T, d) -> (B, T, V)
+        return self.proj(hidden)
+
+
+class KVCache:
+    """Keys and values kept between decoding steps, one pair of dicts per decoder layer.
+
+    ``layers[i]["self"]`` holds the self-attention K/V of all positions decoded so far,
+    (B, H, t, d_k), grown by one position per step; ``layers[i]["cross"]`` holds the K/V
+    of the encoder memory, (B, H, S, d_k), computed at the first step and reused.
+    """
+
+    def __init__(self, n_layers: int):
+        self.layers: list[dict[str, dict[str, Tensor]]] = [
+            {"self": {}, "cross": {}} for _ in range(n_layers)
+        ]
+        self.length = 0  # positions already decoded (the next position's index)
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep rows ``index`` of every cached tensor (beam search: follow the chosen beams)."""
+        for layer in self.layers:
+            for kind in layer.values():
+                for name, tensor in kind.items():
+                    kind[name] = tensor.index_select(0, index)
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder Transformer (Figure 1 of the paper)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.src_embed = TokenEmbedding(cfg.src_vocab_size, cfg.d_model)
+        self.tgt_embed = TokenEmbedding(cfg.tgt_vocab_size, cfg.d_model)
+        self.src_pos = PositionalEncoding(cfg.d_model, cfg.max_len, cfg.dropout)
+        self.tgt_pos = PositionalEncoding(cfg.d_model, cfg.max_len, cfg.dropout)
+        self.encoder = Encoder(cfg)
+        self.decoder = Decoder(cfg)
+        self.generator = Generator(cfg.d_model, cfg.tgt_vocab_size)
+        self.reset_parameters()
+        self.tie_weights()
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform for every matrix, zeros for biases; LayerNorm stays (1, 0)."""
+        for name, p in self.named_parameters():
+            if p.dim() > 1:
+                nn.init.xavier_uniform_(p)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrices with the pre-softmax projection (3.4)."""
+        if self.cfg.tie_embeddings in ("decoder", "all"):
+            self.generator.proj.weight = self.tgt_embed.embedding.weight
+        if self.cfg.tie_embeddings == "all":
+            self.src_embed.embedding.weight = self.tgt_embed.embedding.weight
+
+    def _check_ids(self, ids: Tensor, name: str) -> None:
+        if ids.dim() != 2 or ids.dtype not in (torch.long, torch.int32, torch.int64):
+            raise ValueError(f"{name} must be a (batch, length) integer tensor, got "
+                             f"{tuple(ids.shape)} {ids.dtype}")
+
+    def src_pad_mask(self, src: Tensor) -> Tensor:
+        return src.eq(self.cfg.pad_id)
+
+    def encode(self, src: Tensor, src_pad: Tensor | None = None) -> Tensor:
+        """(B, S) source ids -> (B, S, d) memory. src_pad: (B, S), True at padding."""
+        self._check_ids(src, "src")
+        if src_pad is None:
+            src_pad = self.src_pad_mask(src)
+        x = self.src_pos(self.src_embed(src))
+        return self.encoder(x, padding_mask(src_pad))
+
+    def decode(
+        self,
+        tgt: Tensor,
+        memory: Tensor,
+        src_pad: Tensor,
+        cache: KVCache | None = None,
+    ) -> Tensor:
+        """(B, T) target ids (only the new ones when a cache holds the prefix) -> (B, T, d)."""
+        self._check_ids(tgt, "tgt")
+        offset = cache.length if cache is not None else 0
+        x = self.tgt_pos(self.tgt_embed(tgt), offset=offset)
+        return self.decoder(x, memory, padding_mask(src_pad), cache)
+
+    def new_cache(self) -> KVCache:
+        return KVCache(len(self.decoder.layers))
+
+    def forward(self, src: Tensor, tgt: Tensor) -> Tensor:
+        """Teacher forcing: (B, S) source, (B, T) decoder input -> (B, T, V) logits."""
+        src_pad = self.src_pad_mask(src)
+        memory = self.encode(src, src_pad)
+        return self.generator(self.decode(tgt, memory, src_pad))
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+@contextmanager
+def capture_attention(model: Transformer) -> Iterator[dict[str, list[Tensor]]]:
+    """Record every attention map of the forward passes run inside the block.
+
+    Yields a dict filled on exit from the block's last forward pass:
+    ``{"encoder": [...], "decoder_self": [...], "cross": [...]}``, one (B, H, T_q, T_k)
+    tensor per layer; rows are queries, columns are keys.
+    """
+    groups = {
+        "encoder": [layer.self_attn for layer in model.encoder.layers],
+        "decoder_self": [layer.self_attn for layer in model.decoder.layers],
+        "cross": [layer.cross_attn for layer in model.decoder.layers],
+    }
+    maps: dict[str, list[Tensor]] = {name: [] for name in groups}
+    for modules in groups.values():
+        for m in modules:
+            m.record_weights, m.last_weights = True, None
+    try:
+        yield maps
+    finally:
+        for name, modules in groups.items():
+            for m in modules:
+                if m.last_weights is not None:
+                    maps[name].append(m.last_weights)
+                m.record_weights, m.last_weights = False, None
