@@ -147,7 +147,9 @@ class Config:
         if d.tokenizer not in ("bpe", "wordlevel"):
             raise AiaynError(f"{source}: data.tokenizer must be 'bpe' or 'wordlevel', got {d.tokenizer!r}")
         if d.long_policy not in ("drop", "truncate"):
-            raise AiaynError(f"{source}: data.long_policy must be 'drop' or 'truncate', got {d.long_policy!r}")
+            raise AiaynError(
+                f"{source}: data.long_policy must be 'drop' or 'truncate', got {d.long_policy!r}"
+            )
         if d.vocab_size <= 4:
             raise AiaynError(f"{source}: data.vocab_size must be larger than 4, got {d.vocab_size}")
         t = self.train

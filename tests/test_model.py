@@ -1,0 +1,390 @@
+"""The model proven against torch.nn.Transformer, the paper's formulas and its own invariants."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from aiayn.config import Config, ModelConfig, load_config
+from aiayn.errors import AiaynError
+from aiayn.model import (
+    MultiHeadAttention,
+    Transformer,
+    capture_attention,
+    causal_mask,
+    padding_mask,
+    sinusoid_table,
+)
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+TINY = dict(src_vocab_size=23, tgt_vocab_size=29, d_model=32, n_heads=4, d_ff=48,
+            n_encoder_layers=2, n_decoder_layers=2, dropout=0.1, max_len=40,
+            tie_embeddings="none")
+
+
+def tiny(**overrides) -> ModelConfig:
+    return ModelConfig(**{**TINY, **overrides})
+
+
+def random_batch(cfg: ModelConfig, src_lens, tgt_lens, seed=0):
+    """Right-padded source (ending in EOS) and target (starting with BOS) ids."""
+    g = torch.Generator().manual_seed(seed)
+    src = torch.full((len(src_lens), max(src_lens)), PAD_ID)
+    tgt = torch.full((len(tgt_lens), max(tgt_lens)), PAD_ID)
+    for i, (s, t) in enumerate(zip(src_lens, tgt_lens)):
+        src[i, :s] = torch.randint(4, cfg.src_vocab_size, (s,), generator=g)
+        src[i, s - 1] = EOS_ID
+        tgt[i, :t] = torch.randint(4, cfg.tgt_vocab_size, (t,), generator=g)
+        tgt[i, 0] = BOS_ID
+    return src, tgt
+
+
+# ----------------------------------------------------------------- torch.nn reference
+def reference_stacks(cfg: ModelConfig):
+    enc_layer = nn.TransformerEncoderLayer(cfg.d_model, cfg.n_heads, cfg.d_ff, dropout=0.0,
+                                           batch_first=True, norm_first=cfg.norm_first)
+    dec_layer = nn.TransformerDecoderLayer(cfg.d_model, cfg.n_heads, cfg.d_ff, dropout=0.0,
+                                           batch_first=True, norm_first=cfg.norm_first)
+    enc_norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else None
+    dec_norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else None
+    encoder = nn.TransformerEncoder(enc_layer, cfg.n_encoder_layers, norm=enc_norm,
+                                    enable_nested_tensor=False)
+    decoder = nn.TransformerDecoder(dec_layer, cfg.n_decoder_layers, norm=dec_norm)
+    for p in list(encoder.parameters()) + list(decoder.parameters()):  # not the defaults
+        nn.init.normal_(p, std=0.2)
+    return encoder, decoder
+
+
+@torch.no_grad()
+def copy_reference_into(model: Transformer, encoder, decoder) -> None:
+    d = model.cfg.d_model
+    for ours, ref in zip(model.encoder.layers, encoder.layers):
+        ours.self_attn.qkv_proj.weight.copy_(ref.self_attn.in_proj_weight)
+        ours.self_attn.qkv_proj.bias.copy_(ref.self_attn.in_proj_bias)
+        ours.self_attn.out_proj.load_state_dict(ref.self_attn.out_proj.state_dict())
+        ours.feed_forward.linear1.load_state_dict(ref.linear1.state_dict())
+        ours.feed_forward.linear2.load_state_dict(ref.linear2.state_dict())
+        ours.sublayer1.norm.load_state_dict(ref.norm1.state_dict())
+        ours.sublayer2.norm.load_state_dict(ref.norm2.state_dict())
+    for ours, ref in zip(model.decoder.layers, decoder.layers):
+        ours.self_attn.qkv_proj.weight.copy_(ref.self_attn.in_proj_weight)
+        ours.self_attn.qkv_proj.bias.copy_(ref.self_attn.in_proj_bias)
+        ours.self_attn.out_proj.load_state_dict(ref.self_attn.out_proj.state_dict())
+        w, b = ref.multihead_attn.in_proj_weight, ref.multihead_attn.in_proj_bias
+        ours.cross_attn.q_proj.weight.copy_(w[:d])
+        ours.cross_attn.q_proj.bias.copy_(b[:d])
+        ours.cross_attn.kv_proj.weight.copy_(w[d:])
+        ours.cross_attn.kv_proj.bias.copy_(b[d:])
+        ours.cross_attn.out_proj.load_state_dict(ref.multihead_attn.out_proj.state_dict())
+        ours.feed_forward.linear1.load_state_dict(ref.linear1.state_dict())
+        ours.feed_forward.linear2.load_state_dict(ref.linear2.state_dict())
+        ours.sublayer1.norm.load_state_dict(ref.norm1.state_dict())
+        ours.sublayer2.norm.load_state_dict(ref.norm2.state_dict())
+        ours.sublayer3.norm.load_state_dict(ref.norm3.state_dict())
+    if model.cfg.norm_first:
+        model.encoder.norm.load_state_dict(encoder.norm.state_dict())
+        model.decoder.norm.load_state_dict(decoder.norm.state_dict())
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post-norm", "pre-norm"])
+def test_equals_torch_nn_transformer_with_same_embeddings_and_generator(norm_first):
+    torch.manual_seed(0)
+    cfg = tiny(norm_first=norm_first)
+    model = Transformer(cfg).eval()
+    encoder, decoder = reference_stacks(cfg)
+    encoder.eval(), decoder.eval()
+    copy_reference_into(model, encoder, decoder)
+    src, tgt = random_batch(cfg, [9, 5, 7], [6, 8, 3])
+
+    src_pad, tgt_pad = src.eq(PAD_ID), tgt.eq(PAD_ID)
+    causal = torch.ones(tgt.size(1), tgt.size(1), dtype=torch.bool).triu(1)  # True = hidden
+    with torch.no_grad():
+        memory = encoder(model.src_pos(model.src_embed(src)), src_key_padding_mask=src_pad)
+        hidden = decoder(model.tgt_pos(model.tgt_embed(tgt)), memory, tgt_mask=causal,
+                         tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=src_pad)
+        expected = model.generator(hidden)
+        got = model(src, tgt)
+    real = ~tgt_pad
+    assert got.shape == (3, 8, cfg.tgt_vocab_size)
+    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------- masks
+def test_causal_mask_hides_the_future():
+    torch.manual_seed(1)
+    cfg = tiny()
+    model = Transformer(cfg).eval()
+    src, tgt = random_batch(cfg, [7, 7], [9, 9])
+    changed = tgt.clone()
+    t = 4
+    changed[:, t + 1:] = torch.randint(4, cfg.tgt_vocab_size, changed[:, t + 1:].shape)
+    assert not torch.equal(changed, tgt)
+    with torch.no_grad():
+        a, b = model(src, tgt), model(src, changed)
+    torch.testing.assert_close(a[:, : t + 1], b[:, : t + 1], atol=0, rtol=0)
+    assert not torch.allclose(a[:, t + 1:], b[:, t + 1:])  # the future did change something
+
+
+def test_padding_is_invisible_on_both_sides():
+    torch.manual_seed(2)
+    cfg = tiny()
+    model = Transformer(cfg).eval()
+    src, tgt = random_batch(cfg, [6], [5])
+    padded_src = torch.cat([src, torch.full((1, 4), PAD_ID)], dim=1)
+    padded_tgt = torch.cat([tgt, torch.full((1, 3), PAD_ID)], dim=1)
+    with torch.no_grad():
+        plain = model(src, tgt)
+        padded = model(padded_src, padded_tgt)
+    torch.testing.assert_close(padded[:, :5], plain, atol=1e-6, rtol=1e-5)
+    # and a batch mixing lengths gives each sentence what it gets alone
+    src2, tgt2 = random_batch(cfg, [6, 11], [5, 9], seed=3)
+    with torch.no_grad():
+        batched = model(src2, tgt2)
+        alone = model(src2[:1, :6], tgt2[:1, :5])
+    torch.testing.assert_close(batched[:1, :5], alone, atol=1e-6, rtol=1e-5)
+
+
+def test_mask_helpers():
+    m = causal_mask(3, 5)  # 3 new queries after 2 cached positions
+    assert m.tolist() == [[True, True, True, False, False],
+                          [True, True, True, True, False],
+                          [True, True, True, True, True]]
+    pad = torch.tensor([[False, False, True]])
+    assert padding_mask(pad).shape == (1, 1, 1, 3)
+    assert padding_mask(pad)[0, 0, 0].tolist() == [True, True, False]
+
+
+# ----------------------------------------------------------------- attention paths
+def test_explicit_attention_equals_fast_path_and_weights_are_distributions():
+    torch.manual_seed(3)
+    mha = MultiHeadAttention(32, 4).eval()
+    x = torch.randn(2, 6, 32)
+    pad = torch.tensor([[False] * 6, [False] * 4 + [True] * 2])
+    mask = padding_mask(pad)
+    fast = mha(x, mask=mask)
+    slow, weights = mha(x, mask=mask, need_weights=True)
+    torch.testing.assert_close(slow, fast, atol=1e-6, rtol=1e-5)
+    assert weights.shape == (2, 4, 6, 6)
+    assert (weights >= 0).all()
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 4, 6))
+    assert (weights[1, :, :, 4:] == 0).all()  # padded keys get exactly zero
+
+    causal_fast = mha(x, is_causal=True)
+    causal_slow, cw = mha(x, is_causal=True, need_weights=True)
+    torch.testing.assert_close(causal_slow, causal_fast, atol=1e-6, rtol=1e-5)
+    assert (cw.triu(diagonal=1) == 0).all()
+
+
+def test_cross_attention_paths_agree():
+    torch.manual_seed(4)
+    mha = MultiHeadAttention(32, 4, cross=True).eval()
+    x, memory = torch.randn(2, 3, 32), torch.randn(2, 7, 32)
+    mask = padding_mask(torch.tensor([[False] * 7, [False] * 5 + [True] * 2]))
+    fast = mha(x, memory, mask=mask)
+    slow, w = mha(x, memory, mask=mask, need_weights=True)
+    torch.testing.assert_close(slow, fast, atol=1e-6, rtol=1e-5)
+    assert w.shape == (2, 4, 3, 7) and (w[1, ..., 5:] == 0).all()
+
+
+def test_capture_attention_records_every_layer_with_queries_as_rows():
+    torch.manual_seed(5)
+    cfg = tiny()
+    model = Transformer(cfg).eval()
+    src, tgt = random_batch(cfg, [7, 4], [5, 3])
+    with torch.no_grad():
+        plain = model(src, tgt)
+        with capture_attention(model) as maps:
+            captured = model(src, tgt)
+    torch.testing.assert_close(captured, plain, atol=1e-6, rtol=1e-5)
+    assert [m.shape for m in maps["encoder"]] == [(2, 4, 7, 7)] * 2
+    assert [m.shape for m in maps["decoder_self"]] == [(2, 4, 5, 5)] * 2
+    assert [m.shape for m in maps["cross"]] == [(2, 4, 5, 7)] * 2
+    assert all((m.triu(diagonal=1) == 0).all() for m in maps["decoder_self"])
+    assert all((m[1, ..., 4:] == 0).all() for m in maps["cross"])  # source padding
+    assert not any(layer.self_attn.record_weights for layer in model.encoder.layers)
+
+
+# ----------------------------------------------------------------- incremental decoding
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_incremental_decoding_equals_full_forward(norm_first):
+    torch.manual_seed(6)
+    cfg = tiny(norm_first=norm_first)
+    model = Transformer(cfg).eval()
+    src, tgt = random_batch(cfg, [8, 5], [7, 7])
+    with torch.no_grad():
+        full = model(src, tgt)
+        src_pad = model.src_pad_mask(src)
+        memory = model.encode(src, src_pad)
+        cache = model.new_cache()
+        steps = [model.generator(model.decode(tgt[:, t:t + 1], memory, src_pad, cache))
+                 for t in range(tgt.size(1))]
+    assert cache.length == tgt.size(1)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_cache_prefill_of_several_tokens_then_single_steps():
+    torch.manual_seed(7)
+    cfg = tiny()
+    model = Transformer(cfg).eval()
+    src, tgt = random_batch(cfg, [6, 6], [8, 8])
+    with torch.no_grad():
+        full = model(src, tgt)
+        src_pad = model.src_pad_mask(src)
+        memory = model.encode(src, src_pad)
+        cache = model.new_cache()
+        first = model.generator(model.decode(tgt[:, :3], memory, src_pad, cache))
+        middle = model.generator(model.decode(tgt[:, 3:6], memory, src_pad, cache))
+        last = model.generator(model.decode(tgt[:, 6:], memory, src_pad, cache))
+    torch.testing.assert_close(torch.cat([first, middle, last], 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_cache_reorder_follows_beams():
+    """After a beam-style reorder, each row continues the prefix of the row it was taken from."""
+    torch.manual_seed(8)
+    cfg = tiny()
+    model = Transformer(cfg).eval()
+    src, _ = random_batch(cfg, [6, 6, 6], [2, 2, 2])
+    src = src[:1].expand(3, -1).contiguous()  # three beams of one sentence
+    prefixes = torch.tensor([[BOS_ID, 5, 6], [BOS_ID, 7, 8], [BOS_ID, 9, 10]])
+    next_tokens = torch.tensor([[11], [12], [13]])
+    order = torch.tensor([2, 0, 0])  # beam 0 <- old beam 2, beams 1 and 2 <- old beam 0
+    with torch.no_grad():
+        src_pad = model.src_pad_mask(src)
+        memory = model.encode(src, src_pad)
+        cache = model.new_cache()
+        model.decode(prefixes, memory, src_pad, cache)
+        cache.reorder(order)
+        stepped = model.generator(model.decode(next_tokens, memory, src_pad, cache))[:, -1]
+        full = model(src, torch.cat([prefixes[order], next_tokens], dim=1))[:, -1]
+    torch.testing.assert_close(stepped, full, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------- formulas and plumbing
+def test_positional_encoding_equals_the_formula():
+    d, L = 16, 50
+    table = sinusoid_table(L, d)
+    for pos in (0, 1, 7, 49):
+        for i in range(d // 2):
+            angle = pos / 10000 ** (2 * i / d)
+            assert table[pos, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-6)
+            assert table[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
+    cfg = tiny(dropout=0.0)
+    model = Transformer(cfg).eval()
+    x = torch.zeros(1, 5, cfg.d_model)
+    torch.testing.assert_close(model.src_pos(x, offset=3)[0], model.src_pos.table[3:8])
+
+
+def test_embedding_is_scaled_by_sqrt_d_model():
+    cfg = tiny()
+    model = Transformer(cfg)
+    ids = torch.tensor([[4, 5]])
+    expected = model.src_embed.embedding.weight[ids] * math.sqrt(cfg.d_model)
+    torch.testing.assert_close(model.src_embed(ids), expected)
+
+
+def test_longer_than_max_len_is_a_clear_error():
+    cfg = tiny(max_len=8)
+    model = Transformer(cfg)
+    with pytest.raises(ValueError, match="max_len=8"):
+        model(torch.full((1, 9), 5), torch.full((1, 3), 5))
+
+
+def test_every_parameter_receives_a_gradient():
+    torch.manual_seed(9)
+    for tie in ("none", "decoder", "all"):
+        vocab = dict(src_vocab_size=29) if tie == "all" else {}
+        cfg = tiny(tie_embeddings=tie, **vocab)
+        model = Transformer(cfg).train()
+        src, tgt = random_batch(cfg, [7, 4], [6, 5])
+        model(src, tgt).logsumexp(-1).mean().backward()
+        for name, p in model.named_parameters():
+            assert p.grad is not None and p.grad.abs().sum() > 0, f"{tie}: {name} got no gradient"
+
+
+def test_tied_embeddings_share_one_matrix():
+    model = Transformer(tiny(tie_embeddings="all", src_vocab_size=29))
+    w = model.generator.proj.weight
+    assert w is model.tgt_embed.embedding.weight is model.src_embed.embedding.weight
+    untied = Transformer(tiny(tie_embeddings="none"))
+    assert untied.generator.proj.weight is not untied.tgt_embed.embedding.weight
+    # tying removes the duplicate matrices from the parameter count
+    # untied: source (23 x 32), target and generator (29 x 32 each); tied: one 29 x 32
+    assert untied.num_parameters() - model.num_parameters() == 23 * 32 + 29 * 32
+
+
+def test_xavier_initialisation():
+    torch.manual_seed(10)
+    model = Transformer(tiny())
+    w = model.encoder.layers[0].feed_forward.linear1.weight  # (d_ff, d_model)
+    bound = math.sqrt(6 / (w.size(0) + w.size(1)))
+    assert w.abs().max() <= bound and w.abs().max() > 0.9 * bound
+    assert (model.encoder.layers[0].feed_forward.linear1.bias == 0).all()
+
+
+def test_state_dict_round_trip():
+    torch.manual_seed(11)
+    cfg = tiny(tie_embeddings="decoder")
+    a, b = Transformer(cfg).eval(), Transformer(cfg).eval()
+    src, tgt = random_batch(cfg, [5], [4])
+    assert not torch.allclose(a(src, tgt), b(src, tgt))
+    b.load_state_dict(a.state_dict())
+    torch.testing.assert_close(a(src, tgt), b(src, tgt), atol=0, rtol=0)
+    assert b.generator.proj.weight is b.tgt_embed.embedding.weight  # still tied
+
+
+def test_tiny_model_overfits_a_copy_task():
+    """The copy task: a tiny model must learn to reproduce a few fixed sequences."""
+    torch.manual_seed(12)
+    cfg = tiny(dropout=0.0, tie_embeddings="all", src_vocab_size=16, tgt_vocab_size=16)
+    model = Transformer(cfg).train()
+    seqs = torch.randint(4, 16, (8, 6))
+    src = torch.cat([seqs, torch.full((8, 1), EOS_ID)], dim=1)
+    tgt = torch.cat([torch.full((8, 1), BOS_ID), seqs, torch.full((8, 1), EOS_ID)], dim=1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3, betas=(0.9, 0.98))
+    for _ in range(150):
+        logits = model(src, tgt[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, 16), tgt[:, 1:].reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.05, f"copy task loss {loss.item():.3f} did not fall below 0.05"
+    from aiayn.decode import greedy_decode
+
+    model.eval()
+    assert greedy_decode(model, src) == seqs.tolist()
+
+
+# ----------------------------------------------------------------- configs
+def test_bad_sizes_are_refused_with_a_clear_message():
+    with pytest.raises(AiaynError, match=r"d_model \(30\) must be divisible by model.n_heads \(4\)"):
+        Config(model=tiny(d_model=30)).validate()
+    with pytest.raises(AiaynError, match="model.d_ff must be a positive integer"):
+        Config(model=tiny(d_ff=0)).validate()
+    with pytest.raises(AiaynError, match="model.n_encoder_layers must be a positive integer"):
+        Config(model=tiny(n_encoder_layers=-1)).validate()
+    with pytest.raises(AiaynError, match="shared vocabulary"):
+        Config(model=tiny(tie_embeddings="all")).validate()
+
+
+def test_config_files_load_and_reject_unknown_keys(tmp_path):
+    tiny_cfg = load_config("configs/tiny.yaml")
+    assert Transformer(tiny_cfg.model).num_parameters() > 0
+    small = load_config("configs/small.yaml")
+    assert (small.model.d_model, small.model.n_heads, small.model.d_ff) == (256, 4, 1024)
+    base = load_config("configs/base.yaml")
+    assert (base.model.d_model, base.model.n_heads, base.model.d_ff) == (512, 8, 2048)
+    assert (base.model.n_encoder_layers, base.model.n_decoder_layers) == (6, 6)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  d_modle: 64\n")
+    with pytest.raises(AiaynError, match=r"bad.yaml: model: unknown setting\(s\) d_modle"):
+        load_config(bad)
+    bad.write_text("model:\n  d_model: 30\n  n_heads: 4\n")
+    with pytest.raises(AiaynError, match="bad.yaml: model.d_model"):
+        load_config(bad)
+    cfg = load_config("configs/tiny.yaml", ["train.max_steps=7", "model.norm_first=true"])
+    assert cfg.train.max_steps == 7 and cfg.model.norm_first is True
+    with pytest.raises(AiaynError, match="unknown setting train.max_stepz"):
+        load_config("configs/tiny.yaml", ["train.max_stepz=7"])
