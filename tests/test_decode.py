@@ -1,0 +1,211 @@
+"""Greedy and beam search: equivalences that pin down what each search returns."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from aiayn.config import ModelConfig
+from aiayn.decode import (
+    NEVER_GENERATED,
+    beam_search,
+    greedy_decode,
+    length_penalty,
+    output_limits,
+)
+from aiayn.model import Transformer
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+
+def tiny_model(vocab: int = 24, eos_bias: float = 4.0, sharpness: float = 3.0,
+               max_len: int = 32, seed: int = 0) -> Transformer:
+    """A random model in eval mode whose generator is sharpened and biased towards EOS, so
+    that sentences end at different lengths and the searches have real choices to make."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(src_vocab_size=vocab, tgt_vocab_size=vocab, d_model=16, n_heads=2,
+                      d_ff=32, n_encoder_layers=2, n_decoder_layers=2, dropout=0.0,
+                      max_len=max_len, tie_embeddings="none")
+    model = Transformer(cfg).eval()
+    proj = nn.Linear(cfg.d_model, vocab, bias=True)
+    with torch.no_grad():
+        proj.weight.copy_(model.generator.proj.weight * sharpness)
+        proj.bias.zero_()
+        proj.bias[EOS_ID] = eos_bias
+    model.generator.proj = proj
+    return model
+
+
+def random_sources(lengths: list[int], vocab: int, seed: int = 1) -> torch.Tensor:
+    """Right-padded (B, S) source ids: random tokens, then EOS."""
+    g = torch.Generator().manual_seed(seed)
+    src = torch.full((len(lengths), max(lengths)), PAD_ID)
+    for i, n in enumerate(lengths):
+        src[i, : n - 1] = torch.randint(4, vocab, (n - 1,), generator=g)
+        src[i, n - 1] = EOS_ID
+    return src
+
+
+def sequence_log_probs(model: Transformer, src: torch.Tensor, hyps: list[list[int]],
+                       ended: list[bool]) -> torch.Tensor:
+    """log P(hyp | src) by one teacher-forced forward pass (no cache), with PAD and BOS
+    excluded from the distribution as the searches do; ``ended`` adds the final EOS."""
+    targets = [h + [EOS_ID] if e else h for h, e in zip(hyps, ended)]
+    T = max(len(t) for t in targets)
+    tgt_in = torch.full((len(targets), T), PAD_ID)
+    for i, t in enumerate(targets):
+        tgt_in[i, : len(t)] = torch.tensor([BOS_ID] + t[:-1])
+    with torch.no_grad():
+        logits = model(src.expand(len(targets), -1), tgt_in).float()
+    logits[..., list(NEVER_GENERATED)] = float("-inf")
+    log_probs = torch.log_softmax(logits, dim=-1)
+    totals = []
+    for i, t in enumerate(targets):
+        steps = log_probs[i, torch.arange(len(t)), torch.tensor(t)]
+        totals.append(steps.sum())
+    return torch.stack(totals)
+
+
+def exhaustive_search(model: Transformer, src: torch.Tensor, limit: int, alpha: float):
+    """Every hypothesis the searches may return, scored: EOS-terminated ones of up to
+    ``limit`` tokens (EOS counted), and ``limit`` tokens without EOS (cut at the limit)."""
+    vocab = model.cfg.tgt_vocab_size
+    words = [t for t in range(vocab) if t not in NEVER_GENERATED and t != EOS_ID]
+    hyps, ended, lengths = [], [], []
+    for n in range(limit):
+        for prefix in itertools.product(words, repeat=n):
+            hyps.append(list(prefix)), ended.append(True), lengths.append(n + 1)
+    for prefix in itertools.product(words, repeat=limit):
+        hyps.append(list(prefix)), ended.append(False), lengths.append(limit)
+    log_p = sequence_log_probs(model, src, hyps, ended)
+    scores = log_p / length_penalty(torch.tensor(lengths, dtype=torch.float), alpha)
+    order = scores.argsort(descending=True)
+    return [(hyps[i], float(scores[i])) for i in order.tolist()]
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6])
+def test_beam_of_one_is_greedy(alpha):
+    model = tiny_model()
+    src = random_sources([7, 3, 9, 5, 2, 8, 4, 6, 10, 3, 5, 7], vocab=24)
+    greedy = greedy_decode(model, src, max_len_b=10)
+    beam = beam_search(model, src, beam=1, alpha=alpha, max_len_b=10)
+    assert [hyps[0][0] for hyps in beam] == greedy
+    limits = output_limits(model, src.eq(PAD_ID), 10).tolist()
+    assert sum(len(g) < n for g, n in zip(greedy, limits)) >= 4, "many should end by EOS"
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 1.5])
+def test_wide_beam_is_exhaustive_search(alpha):
+    # 7 tokens, of which PAD and BOS are never generated: UNK, EOS and three words remain.
+    # A source of 3 ids + max_len_b 1 allows at most 4 tokens: 1 + 4 + 16 + 64 hypotheses
+    # end in EOS and 256 are cut at the limit, 341 in all; a beam of 341 keeps every one.
+    model = tiny_model(vocab=7, eos_bias=0.5, sharpness=1.0, seed=3)
+    narrow_beam_missed = 0
+    for seed in range(4):
+        src = random_sources([3], vocab=7, seed=seed)
+        expected = exhaustive_search(model, src, limit=4, alpha=alpha)[:5]
+        got = beam_search(model, src, beam=341, alpha=alpha, max_len_b=1, nbest=5)[0]
+        assert [ids for ids, _ in got] == [ids for ids, _ in expected]
+        assert [s for _, s in got] == pytest.approx([s for _, s in expected], abs=1e-5)
+        narrow = beam_search(model, src, beam=5, alpha=alpha, max_len_b=1, nbest=5)[0]
+        narrow_beam_missed += [ids for ids, _ in narrow] != [ids for ids, _ in expected]
+    if alpha > 0:  # the comparison has teeth: a narrow beam does prune hypotheses here
+        assert narrow_beam_missed > 0
+
+
+def test_beam_scores_are_normalised_log_probs_of_the_returned_hypotheses():
+    model = tiny_model()
+    src = random_sources([6, 4], vocab=24)
+    results = beam_search(model, src, beam=4, alpha=0.6, max_len_b=6, nbest=4)
+    limits = output_limits(model, src.eq(PAD_ID), 6).tolist()
+    for i, hyps in enumerate(results):
+        assert len(hyps) == 4
+        assert [s for _, s in hyps] == sorted((s for _, s in hyps), reverse=True)
+        assert len({tuple(ids) for ids, _ in hyps}) == 4
+        ids = [h for h, _ in hyps]
+        ended = [len(h) < limits[i] for h in ids]  # shorter than the limit: ended by EOS
+        log_p = sequence_log_probs(model, src[i : i + 1], ids, ended)
+        lengths = torch.tensor([len(h) + e for h, e in zip(ids, ended)], dtype=torch.float)
+        expected = log_p / length_penalty(lengths, 0.6)
+        assert [s for _, s in hyps] == pytest.approx(expected.tolist(), abs=1e-5)
+
+
+def test_beam_search_finds_hypotheses_at_least_as_good_as_greedy():
+    model = tiny_model(seed=5)
+    src = random_sources([5, 8, 3, 6], vocab=24, seed=2)
+    greedy = beam_search(model, src, beam=1, alpha=0.0, max_len_b=8)
+    wide = beam_search(model, src, beam=6, alpha=0.0, max_len_b=8)
+    for g, w in zip(greedy, wide):
+        assert w[0][1] >= g[0][1] - 1e-6
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_batched_decoding_equals_one_by_one(beam):
+    model = tiny_model(seed=2)
+    lengths = [9, 2, 6, 4, 7]
+    src = random_sources(lengths, vocab=24, seed=4)
+    batched = beam_search(model, src, beam=beam, max_len_b=8, nbest=beam)
+    greedy_batched = greedy_decode(model, src, max_len_b=8)
+    for i, n in enumerate(lengths):
+        alone = src[i : i + 1, :n]  # no padding at all
+        single = beam_search(model, alone, beam=beam, max_len_b=8, nbest=beam)[0]
+        assert [ids for ids, _ in batched[i]] == [ids for ids, _ in single]
+        assert [s for _, s in batched[i]] == pytest.approx([s for _, s in single], abs=1e-5)
+        assert greedy_batched[i] == greedy_decode(model, alone, max_len_b=8)[0]
+
+
+def test_cached_decoding_equals_recomputing_the_prefix():
+    model = tiny_model(seed=7)
+    src = random_sources([5, 9, 3], vocab=24, seed=6)
+    assert greedy_decode(model, src, 8, use_cache=True) == greedy_decode(model, src, 8,
+                                                                         use_cache=False)
+    cached = beam_search(model, src, beam=3, max_len_b=8, nbest=3, use_cache=True)
+    recomputed = beam_search(model, src, beam=3, max_len_b=8, nbest=3, use_cache=False)
+    for c, r in zip(cached, recomputed):
+        assert [ids for ids, _ in c] == [ids for ids, _ in r]
+        assert [s for _, s in c] == pytest.approx([s for _, s in r], abs=1e-5)
+
+
+def test_incremental_logits_equal_a_full_forward_after_a_beam_reorder():
+    model = tiny_model(seed=8)
+    src = random_sources([6, 4], vocab=24, seed=8).repeat_interleave(3, dim=0)  # 2 x 3 beams
+    src_pad = model.src_pad_mask(src)
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.cat([torch.full((6, 1), BOS_ID), torch.randint(4, 24, (6, 5), generator=g)], 1)
+    with torch.no_grad():
+        memory = model.encode(src, src_pad)
+        cache = model.new_cache()
+        for t in range(3):
+            model.decode(prefix[:, t : t + 1], memory, src_pad, cache)
+        # Beam-style reorder: each sentence's beams follow parents within the sentence.
+        rows = torch.tensor([2, 2, 0, 4, 3, 3])
+        cache.reorder(rows)
+        prefix = prefix.index_select(0, rows)
+        steps = [model.decode(prefix[:, t : t + 1], memory, src_pad, cache) for t in range(3, 6)]
+        incremental = model.generator(torch.cat(steps, dim=1))
+        full = model(src, prefix)[:, 3:6]
+    torch.testing.assert_close(incremental, full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam"])
+def test_outputs_stop_at_source_length_plus_b_and_at_max_len(search):
+    model = tiny_model(eos_bias=-1e4, max_len=12)  # never chooses EOS: always hits the limit
+    src = random_sources([2, 5, 11], vocab=24)
+    if search == "greedy":
+        outputs = greedy_decode(model, src, max_len_b=3)
+    else:
+        outputs = [hyps[0][0] for hyps in beam_search(model, src, beam=3, max_len_b=3)]
+    # 2 + 3 = 5 and 5 + 3 = 8 new tokens; 11 + 3 is capped at max_len - 1 = 11.
+    assert [len(o) for o in outputs] == [5, 8, 11]
+    assert all(t not in (PAD_ID, BOS_ID, EOS_ID) for o in outputs for t in o)
+
+
+def test_bad_beam_arguments_are_refused():
+    model = tiny_model()
+    src = random_sources([3], vocab=24)
+    with pytest.raises(ValueError, match="beam"):
+        beam_search(model, src, beam=0)
+    with pytest.raises(ValueError, match="nbest"):
+        beam_search(model, src, beam=2, nbest=3)
