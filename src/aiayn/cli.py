@@ -115,6 +115,7 @@ def _add_trace(sub) -> None:
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--depth", type=int, default=99, help="deepest nesting level to show")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--png", metavar="FILE", help="also draw the shapes as a diagram (PNG)")
     _add_set(p)
 
 
@@ -130,6 +131,10 @@ def _run_trace(args) -> int:
     model = Transformer(config.model)
     rows = trace_forward(model, src, tgt)
     print(format_trace(rows, src, tgt, args.depth))
+    if args.png:
+        from aiayn.plots import save_figure, trace_figure
+
+        print(f"wrote {save_figure(trace_figure(rows, src.shape, tgt.shape), args.png)}")
     return 0
 
 
@@ -164,25 +169,66 @@ def _add_attention(sub) -> None:
     p.add_argument("run_dir")
     p.add_argument("sentence")
     p.add_argument("-o", "--out", default="attention", help="output directory for the PNGs")
-    p.add_argument("--beam", type=int, default=1)
+    p.add_argument("--beam", type=int, default=1, help="beam size of the translation")
+    p.add_argument("--alpha", type=float, default=0.6, help="length penalty")
     p.add_argument("--weights", default="best", help="best, last, or a .safetensors path")
 
 
 def _run_attention(args) -> int:
-    raise AiaynError("`aiayn attention` is not implemented yet")
+    from aiayn.plots import save_attention_figures, sentence_attention
+    from aiayn.translator import Translator
+
+    if not args.sentence.strip():
+        raise AiaynError("the sentence to translate is empty")
+    translator = Translator.from_pretrained(args.run_dir, weights=args.weights)
+    # Decode ids (not text) so that the teacher-forced pass sees the exact hypothesis.
+    sources, _ = translator.encode([args.sentence])
+    hypothesis = translator.decode_ids(sources, beam=args.beam, alpha=args.alpha)[0][0][0]
+    att = sentence_attention(translator.model, translator.tokenizers, args.sentence,
+                             hypothesis)
+    print(f"translation: {att.translation}")
+    for path in save_attention_figures(att, args.out):
+        print(f"wrote {path}")
+    return 0
 
 
 # ---------------------------------------------------------------- plot
 def _add_plot(sub) -> None:
     p = sub.add_parser("plot", help="training curves (and positional-encoding/schedule plots)")
-    p.add_argument("run_dirs", nargs="*", help="run directories to overlay")
-    p.add_argument("-o", "--output", default="curves.png")
+    p.add_argument("run_dirs", nargs="*", help="run directories to overlay (their metrics.jsonl)")
+    p.add_argument("-o", "--output", help="PNG file (default: curves.png, "
+                   "positional_encoding.png or schedule.png)")
     p.add_argument("--pe", action="store_true", help="plot the positional-encoding table")
+    p.add_argument("--positions", type=int, default=100, help="--pe: positions to show")
+    p.add_argument("--d-model", type=int, default=128, help="--pe: embedding size")
     p.add_argument("--schedule", metavar="CONFIG", help="plot the learning-rate schedule")
+    _add_set(p)
 
 
 def _run_plot(args) -> int:
-    raise AiaynError("`aiayn plot` is not implemented yet")
+    from aiayn import plots
+
+    chosen = [bool(args.run_dirs), args.pe, args.schedule is not None]
+    if sum(chosen) != 1:
+        raise AiaynError("plot what? give run directories, --pe, or --schedule CONFIG "
+                         "(exactly one of them)")
+    if args.pe:
+        fig = plots.positional_encoding_figure(args.positions, args.d_model)
+        output = args.output or "positional_encoding.png"
+    elif args.schedule:
+        from aiayn.config import load_config
+
+        config = load_config(args.schedule, args.set)
+        fig = plots.schedule_figure(config, label=args.schedule)
+        output = args.output or "schedule.png"
+    else:
+        labels = plots.run_labels(args.run_dirs)
+        runs = {label: plots.read_metrics(d)
+                for label, d in zip(labels, args.run_dirs, strict=True)}
+        fig = plots.curves_figure(runs)
+        output = args.output or "curves.png"
+    print(f"wrote {plots.save_figure(fig, output)}")
+    return 0
 
 
 COMMANDS = {

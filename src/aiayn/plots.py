@@ -1,0 +1,562 @@
+"""Pictures of the model and its training, as PNG files drawn by matplotlib's Agg backend.
+
+Every picture is made by a pure function that takes plain data (attention matrices and
+token strings, metrics records, a config, trace rows) and returns a matplotlib ``Figure``;
+``save_figure`` writes it. Figures are built with ``matplotlib.figure.Figure`` directly,
+never through ``pyplot``, so no display is needed and no global figure state leaks
+between calls (a figure is freed as soon as it is no longer referenced).
+
+    attention_figure     layers x heads grid of attention maps (paper, 3.2), rows = queries
+    curves_figure        training loss, dev loss, dev BLEU, learning rate against steps
+    positional_encoding_figure   the sinusoid table of section 3.5
+    schedule_figure      the learning-rate schedule of section 5.3, eq. 3
+    trace_figure         the shapes of a forward pass through the layers (``aiayn trace``)
+
+Reading an attention map: row i is query position i, column j is key position j, and the
+value is how much of query i's output comes from key j's value (each row sums to 1).
+Encoder self-attention: queries and keys are source tokens. Decoder self-attention:
+both are the decoder's input tokens ([BOS] + hypothesis), and a row only sees the columns
+left of and on the diagonal (the causal mask). Cross-attention: queries are the decoder's
+input tokens, keys are source tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import PowerNorm
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
+from matplotlib.ticker import StrMethodFormatter
+
+from aiayn.errors import AiaynError
+
+DPI = 110
+
+
+def new_figure(**kwargs) -> Figure:
+    """A figure drawn by Agg (headless), whatever matplotlib's default backend is."""
+    fig = Figure(**kwargs)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def save_figure(fig: Figure, path: str | Path) -> Path:
+    """Write ``fig`` as a PNG (creating the parent directory); returns the path."""
+    path = Path(path)
+    if path.suffix.lower() != ".png":
+        raise AiaynError(f"{path}: pictures are written as PNG; name the file *.png")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI, format="png")
+    return path
+
+
+# ---------------------------------------------------------------- attention maps
+
+# Titles and axis names per kind, from capture_attention's keys.
+ATTENTION_KINDS = {
+    "encoder": ("Encoder self-attention", "query: source token", "key: source token"),
+    "decoder_self": ("Decoder self-attention (masked)", "query: decoder input token",
+                     "key: decoder input token"),
+    "cross": ("Encoder-decoder (cross) attention", "query: decoder input token",
+              "key: source token"),
+}
+
+
+def attention_figure(
+    layers: Sequence[Any],
+    query_tokens: Sequence[str],
+    key_tokens: Sequence[str],
+    title: str = "attention",
+    query_name: str = "query",
+    key_name: str = "key",
+) -> Figure:
+    """A grid of heatmaps, one row of panels per layer and one column per head.
+
+    ``layers[l]`` is an (H, T_q, T_k) array (tensor or numpy) of attention weights for
+    one sentence. In every panel row i is query ``query_tokens[i]`` (top to bottom) and
+    column j is key ``key_tokens[j]`` (left to right): the array is drawn as it is, with
+    ``origin="upper"``, so what ``panel.images[0].get_array()`` returns is what is shown.
+    """
+    mats = [_as_numpy(m) for m in layers]
+    if not mats:
+        raise ValueError("attention_figure needs at least one layer")
+    n_q, n_k = len(query_tokens), len(key_tokens)
+    n_heads = mats[0].shape[0]
+    for i, m in enumerate(mats):
+        if m.ndim != 3 or m.shape != (n_heads, n_q, n_k):
+            raise ValueError(
+                f"layer {i}: expected attention of shape (heads={n_heads}, queries={n_q}, "
+                f"keys={n_k}), got {m.shape}"
+            )
+    n_layers = len(mats)
+    # Size the figure so that every token keeps a readable label and cells stay about
+    # square; the panels then fill the figure (aspect "auto") without stray gaps.
+    cell = 0.2  # inches per token
+    panel_w, panel_h = max(1.2, cell * n_k), max(1.2, cell * n_q)
+    ytick_w = 0.075 * max(len(t) for t in query_tokens) + 0.7  # y tick labels + layer name
+    xtick_h = 0.075 * max(len(t) for t in key_tokens) + 0.45  # x tick labels + axis name
+    width = ytick_w + n_heads * (panel_w + 0.1) + 1.1  # + colour bar
+    height = 1.0 + n_layers * (panel_h + 0.3) + xtick_h  # + the two-line title, head names
+    fig = new_figure(figsize=(width, height), layout="constrained")
+    axes = fig.subplots(n_layers, n_heads, squeeze=False, sharex=True, sharey=True)
+    # A square-root colour scale: weak but real attention stays visible next to peaks,
+    # and one scale (0..1) for every panel keeps panels comparable.
+    norm = PowerNorm(gamma=0.5, vmin=0.0, vmax=1.0)
+    image = None
+    for l, mat in enumerate(mats):
+        for h in range(n_heads):
+            ax = axes[l, h]
+            image = ax.imshow(mat[h], cmap="viridis", norm=norm, origin="upper",
+                              interpolation="nearest", aspect="auto")
+            ax.set_xticks(range(n_k), labels=list(key_tokens), rotation=90, fontsize=7)
+            ax.set_yticks(range(n_q), labels=list(query_tokens), fontsize=7)
+            ax.tick_params(length=2, pad=1)
+            if l == 0:
+                ax.set_title(f"head {h + 1}", fontsize=9)
+            if h == 0:
+                ax.set_ylabel(f"layer {l + 1}\n{query_name}", fontsize=8)
+            if l == n_layers - 1:
+                ax.set_xlabel(key_name, fontsize=8)
+            ax.label_outer()  # tick labels on the left column and bottom row only
+    fig.colorbar(image, ax=axes, shrink=0.8, aspect=30, label="attention weight")
+    fig.suptitle(f"{title}\nrows: queries, columns: keys; each row sums to 1", fontsize=10)
+    return fig
+
+
+def drawn_matrices(fig: Figure) -> np.ndarray:
+    """The matrices an attention figure shows, as (layers, heads, T_q, T_k), read back
+    from its images (for tests and for checking a picture against the model)."""
+    panels = [ax for ax in fig.axes if ax.images]
+    n_heads = max(ax.get_subplotspec().colspan.stop for ax in panels)
+    grid = [np.asarray(ax.images[0].get_array()) for ax in panels]
+    return np.stack(grid).reshape(len(grid) // n_heads, n_heads, *grid[0].shape)
+
+
+def _as_numpy(x: Any) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().float().cpu().numpy()
+    return np.asarray(x, dtype=np.float32)
+
+
+@dataclass
+class SentenceAttention:
+    """One sentence's translation and every attention map of a teacher-forced pass over it."""
+
+    source: str
+    translation: str
+    src_tokens: list[str]  # the encoder's input tokens (keys of encoder and cross attention)
+    tgt_tokens: list[str]  # the decoder's input tokens, [BOS] + hypothesis
+    maps: dict[str, list[np.ndarray]]  # kind -> one (H, T_q, T_k) array per layer
+
+
+@torch.no_grad()
+def sentence_attention(model, tokenizers, sentence: str, hypothesis: Sequence[int]
+                       ) -> SentenceAttention:
+    """Run ``model`` teacher-forced on ``sentence`` -> [BOS] + ``hypothesis`` (target ids
+    without BOS/EOS, e.g. from beam search) and record the attention weights of every
+    layer (explicit-weights path, eval mode: no dropout)."""
+    from aiayn.model import capture_attention
+    from aiayn.tokenizer import BOS_ID
+
+    src_ids = tokenizers.encode_src([sentence])[0]
+    tgt_ids = [BOS_ID, *hypothesis]  # the decoder inputs that produced the hypothesis
+    src_tokens = list(tokenizers.src_tokens(sentence))
+    if len(src_tokens) != len(src_ids):
+        raise AiaynError(f"the tokenizer gives {len(src_tokens)} source token strings for "
+                         f"{len(src_ids)} source ids")
+    tgt_tokens = [tokenizers.tgt_id_to_token(i) for i in tgt_ids]
+    max_len = model.cfg.max_len
+    if len(src_ids) > max_len or len(tgt_ids) > max_len:
+        raise AiaynError(f"the sentence ({len(src_ids)} tokens) or its translation "
+                         f"({len(tgt_ids)}) is longer than the model's max_len={max_len}")
+    translation = tokenizers.decode_tgt([list(hypothesis)])[0]
+    src = torch.tensor([src_ids], dtype=torch.long)
+    tgt = torch.tensor([tgt_ids], dtype=torch.long)
+    was_training = model.training
+    model.eval()
+    try:
+        with capture_attention(model) as maps:
+            model(src, tgt)
+    finally:
+        model.train(was_training)
+    arrays = {kind: [_as_numpy(m[0]) for m in layer_maps] for kind, layer_maps in maps.items()}
+    return SentenceAttention(sentence, translation, src_tokens, tgt_tokens, arrays)
+
+
+def attention_figures(att: SentenceAttention) -> dict[str, Figure]:
+    """The three figures for one sentence, keyed by kind (encoder, decoder_self, cross)."""
+    labels = {
+        "encoder": (att.src_tokens, att.src_tokens),
+        "decoder_self": (att.tgt_tokens, att.tgt_tokens),
+        "cross": (att.tgt_tokens, att.src_tokens),
+    }
+    figures = {}
+    for kind, (title, query_name, key_name) in ATTENTION_KINDS.items():
+        queries, keys = labels[kind]
+        figures[kind] = attention_figure(
+            att.maps[kind], queries, keys,
+            title=f"{title}\n{att.source!r} -> {att.translation!r}",
+            query_name=query_name, key_name=key_name,
+        )
+    return figures
+
+
+def save_attention_figures(att: SentenceAttention, out_dir: str | Path) -> list[Path]:
+    """Write ``encoder_self.png``, ``decoder_self.png`` and ``cross.png`` into ``out_dir``."""
+    names = {"encoder": "encoder_self.png", "decoder_self": "decoder_self.png",
+             "cross": "cross.png"}
+    out_dir = Path(out_dir)
+    return [save_figure(fig, out_dir / names[kind])
+            for kind, fig in attention_figures(att).items()]
+
+
+# ---------------------------------------------------------------- training curves
+
+# (panel title, record kind, field, y label)
+CURVES = [
+    ("training loss", "train", "loss", "label-smoothed cross-entropy"),
+    ("dev loss", "dev", "dev_loss", "cross-entropy"),
+    ("dev BLEU", "dev", "bleu", "BLEU"),
+    ("learning rate", "train", "lr", "lr"),
+]
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of ``RUN_DIR/metrics.jsonl`` (see docs/interfaces.md), checked line by line."""
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    if not run_dir.is_dir():
+        raise AiaynError(f"{run_dir}: not a directory (expected a run directory from "
+                         "`aiayn train`)")
+    if not path.is_file():
+        raise AiaynError(f"{path}: not found; is {run_dir} a run directory from `aiayn train`?")
+    records = []
+    with open(path, encoding="utf-8") as fh:
+        for number, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}, line {number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise AiaynError(f"{where}: not valid JSON ({exc.msg})") from None
+            if not isinstance(record, dict):
+                raise AiaynError(f"{where}: expected a JSON object, got {type(record).__name__}")
+            for key in ("step", "kind"):
+                if key not in record:
+                    raise AiaynError(f'{where}: the record has no "{key}"')
+            if not _is_number(record["step"]):
+                raise AiaynError(f'{where}: "step" is not a number ({record["step"]!r})')
+            for _, kind, key, _ in CURVES:
+                if record["kind"] == kind and key in record and not _is_number(record[key]):
+                    raise AiaynError(f'{where}: "{key}" is not a number ({record[key]!r})')
+            records.append(record)
+    return records
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def metric_series(records: list[dict[str, Any]], kind: str, key: str) -> tuple[list, list]:
+    """(steps, values) of ``key`` in records of ``kind``, by step. When a step appears
+    more than once (a resumed run logs again the steps after its last checkpoint), the
+    later record wins."""
+    by_step = {}
+    for record in records:
+        if record["kind"] == kind and record.get(key) is not None:
+            by_step[record["step"]] = record[key]
+    steps = sorted(by_step)
+    return steps, [by_step[s] for s in steps]
+
+
+def run_labels(run_dirs: Sequence[str | Path]) -> list[str]:
+    """Short legend names: the directory's name, or its path where names collide."""
+    names = [Path(d).resolve().name for d in run_dirs]
+    return [n if names.count(n) == 1 else str(d) for n, d in zip(names, run_dirs, strict=True)]
+
+
+def curves_figure(runs: dict[str, list[dict[str, Any]]]) -> Figure:
+    """Four panels against optimizer steps, one colour per run, one legend for all."""
+    fig = new_figure(figsize=(11, 7.5), layout="constrained")
+    axes = fig.subplots(2, 2).ravel()
+    colors = [f"C{i % 10}" for i in range(len(runs))]
+    for ax, (title, kind, key, ylabel) in zip(axes, CURVES, strict=True):
+        drawn = False
+        for (label, records), color in zip(runs.items(), colors, strict=True):
+            steps, values = metric_series(records, kind, key)
+            if not steps:
+                continue
+            # Dev scores are few and far between: mark each one.
+            marker = "o" if kind == "dev" else None
+            ax.plot(steps, values, color=color, label=label, marker=marker, markersize=3,
+                    linewidth=1.3)
+            drawn = True
+        if key == "lr":
+            ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+        if not drawn:
+            ax.text(0.5, 0.5, f'no "{key}" records yet', transform=ax.transAxes,
+                    ha="center", va="center", color="0.5")
+        ax.set_title(title)
+        ax.set_xlabel("step (optimizer updates)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    handles = [Line2D([], [], color=c, linewidth=2, label=label)
+               for label, c in zip(runs, colors, strict=True)]
+    fig.legend(handles=handles, loc="outside upper center", ncols=min(len(runs), 4),
+               title="run")
+    return fig
+
+
+# ---------------------------------------------------------------- positional encoding
+
+def positional_encoding_figure(positions: int = 100, d_model: int = 128) -> Figure:
+    """The sinusoid table of section 3.5 as a heatmap (position x dimension), and a few
+    of its columns as curves: each pair of dimensions is a sine/cosine of its own
+    wavelength, from 2*pi (dimension 0) up to 10000*2*pi."""
+    from aiayn.model import sinusoid_table
+
+    if positions < 2 or d_model < 2 or d_model % 2:
+        raise AiaynError(f"positional encoding needs >= 2 positions and an even d_model >= 2, "
+                         f"got {positions} and {d_model}")
+    table = sinusoid_table(positions, d_model).numpy()
+    fig = new_figure(figsize=(12, 4.8), layout="constrained")
+    heat, curves = fig.subplots(1, 2, width_ratios=[1.25, 1])
+    image = heat.imshow(table, cmap="RdBu_r", vmin=-1, vmax=1, origin="upper",
+                        aspect="auto", interpolation="nearest")
+    heat.set_xlabel("embedding dimension (even: sin, odd: cos)")
+    heat.set_ylabel("position in the sentence")
+    heat.set_title(f"PE(pos, 2i) = sin(pos / 10000^(2i/d)),  PE(pos, 2i+1) = cos(...),  "
+                   f"d = {d_model}", fontsize=10)
+    fig.colorbar(image, ax=heat, pad=0.02)
+    fig.get_layout_engine().set(wspace=0.06)
+    # Even dimensions spread over the table; integer positions alias the shortest
+    # wavelengths, so the first dimensions are left to the heatmap.
+    dims = sorted({2 * round(d_model * f / 2) for f in (0.1, 0.2, 0.35, 0.5)})
+    for d in dims:
+        wavelength = 2 * math.pi * 10000 ** (d / d_model)
+        curves.plot(range(positions), table[:, d],
+                    label=f"dimension {d} (sin, wavelength {wavelength:,.0f})")
+    curves.set_xlabel("position in the sentence")
+    curves.set_ylabel("PE(pos, dimension)")
+    curves.set_ylim(-1.15, 1.45)
+    curves.set_title("a few columns of the table", fontsize=10)
+    curves.legend(loc="upper right", fontsize=8)
+    curves.grid(True, alpha=0.3)
+    return fig
+
+
+# ---------------------------------------------------------------- learning-rate schedule
+
+def schedule_figure(config, label: str = "") -> Figure:
+    """lr(step) = lr_scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) (paper,
+    eq. 3) over ``config.train.max_steps`` steps, with the peak at the warm-up's end."""
+    d, warmup, scale = config.model.d_model, config.train.warmup_steps, config.train.lr_scale
+    last = max(config.train.max_steps, 2)
+    steps = np.unique(np.concatenate([np.linspace(1, last, 1500).round(), [warmup]]))
+    steps = steps[steps <= last].astype(int)
+    lrs = [learning_rate(int(s), d, warmup, scale) for s in steps]
+    peak = learning_rate(warmup, d, warmup, scale)
+    fig = new_figure(figsize=(8, 4.5), layout="constrained")
+    ax = fig.subplots()
+    ax.plot(steps, lrs, color="C0", label=label or None)
+    if warmup <= last:
+        ax.axvline(warmup, color="0.5", linestyle="--", linewidth=1)
+        ax.annotate(f"end of warm-up: step {warmup:,}, lr {peak:.2e}", xy=(warmup, peak),
+                    xytext=(12, -4), textcoords="offset points", va="top", fontsize=9)
+    ax.set_xlabel("step (optimizer updates)")
+    ax.xaxis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))
+    ax.set_ylabel("learning rate")
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.set_title(
+        f"lr = {scale:g} · d^-0.5 · min(step^-0.5, step · warmup^-1.5)\n"
+        f"d_model = {d}, warmup = {warmup:,} steps" + (f"  ({label})" if label else ""),
+        fontsize=10,
+    )
+    return fig
+
+
+def learning_rate(step: int, d_model: int, warmup: int, scale: float) -> float:
+    """Placeholder for aiayn.train.learning_rate (docs/interfaces.md) until train.py lands."""
+    return scale * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
+
+
+# ---------------------------------------------------------------- forward-pass diagram
+
+@dataclass
+class _Box:
+    title: str
+    shape: str
+    detail: str = ""
+    layer: int | None = None  # index of the encoder/decoder layer it belongs to
+    is_cross: bool = False
+
+
+def _fmt_shape(shape) -> str:
+    return "×".join(str(s) for s in shape) if shape else "-"
+
+
+def _nested(rows, i: int) -> list:
+    """The rows called from inside rows[i] (the trace is in call order, with depths)."""
+    out = []
+    for row in rows[i + 1:]:
+        if row.depth <= rows[i].depth:
+            break
+        out.append(row)
+    return out
+
+
+def _sublayer_box(rows, i: int, layer: int) -> _Box:
+    inner = _nested(rows, i)
+    core = next((r for r in inner if r.kind in ("MultiHeadAttention", "FeedForward")), None)
+    shape = _fmt_shape(rows[i].shape)
+    if core is None:
+        return _Box("sub-layer + Add & Norm", shape, layer=layer)
+    parts = {r.name.rsplit(".", 1)[-1]: r for r in inner}
+    if core.kind == "FeedForward":
+        hidden = parts.get("linear1")
+        detail = f"inner ReLU layer {_fmt_shape(hidden.shape)}" if hidden else ""
+        return _Box("Feed-forward + Add & Norm", shape, detail, layer)
+    if core.name.endswith("cross_attn"):
+        kv = parts.get("kv_proj")
+        detail = f"K,V from memory {_fmt_shape(kv.shape)}" if kv else ""
+        return _Box("Cross-attention + Add & Norm", shape, detail, layer, is_cross=True)
+    qkv = parts.get("qkv_proj")
+    detail = f"fused Q,K,V {_fmt_shape(qkv.shape)}" if qkv else ""
+    masked = "Masked self-attention" if core.name.startswith("decoder") else "Self-attention"
+    return _Box(f"{masked} + Add & Norm", shape, detail, layer)
+
+
+def _trace_columns(rows) -> tuple[list[_Box], list[_Box]]:
+    """Boxes for the encoder (left) and decoder (right) columns, from trace rows."""
+    titles = {"TokenEmbedding": "Embedding × √d_model",
+              "PositionalEncoding": "+ Positional encoding",
+              "Generator": "Generator: linear → logits",
+              "LayerNorm": "final LayerNorm (pre-norm)"}
+    columns: dict[str, list[_Box]] = {"left": [], "right": []}
+    layer, memory = None, None
+    for i, row in enumerate(rows):
+        top = row.name.split(".")[0]
+        side = "left" if top in ("src_embed", "src_pos", "encoder") else "right"
+        if row.kind in ("EncoderLayer", "DecoderLayer"):
+            layer = int(row.name.split(".")[-1])
+        elif row.kind == "Encoder":
+            memory = _Box("memory = encoder output", _fmt_shape(row.shape))
+        elif row.kind == "SublayerConnection":
+            columns[side].append(_sublayer_box(rows, i, layer))
+        elif row.depth == 1 and row.kind in titles or (
+                row.kind == "LayerNorm" and row.name in ("encoder.norm", "decoder.norm")):
+            columns[side].append(_Box(titles[row.kind], _fmt_shape(row.shape)))
+            layer = None
+    if memory is not None:
+        columns["left"].append(memory)
+    return columns["left"], columns["right"]
+
+
+def _collapse_layers(boxes: list[_Box], keep: int = 2) -> list[_Box | str]:
+    """Keep the first and last ``keep``-1 layers; the ones between become one '...' line."""
+    layers = sorted({b.layer for b in boxes if b.layer is not None})
+    if len(layers) <= keep + 1:
+        return list(boxes)
+    hidden = layers[1:-1]
+    out: list[_Box | str] = []
+    for b in boxes:
+        if b.layer in hidden:
+            if b.layer == hidden[0] and (not out or not isinstance(out[-1], str)):
+                out.append(f"layers {hidden[0] + 1}–{hidden[-1] + 1}: the same shapes")
+            continue
+        out.append(b)
+    return out
+
+
+def trace_figure(rows, src_shape: Sequence[int], tgt_shape: Sequence[int]) -> Figure:
+    """The shapes of one forward pass as a diagram in the spirit of the paper's Figure 1:
+    the encoder on the left, the decoder on the right, one box per sub-layer (with its
+    output shape), the encoder's memory feeding every cross-attention."""
+    enc, dec = _trace_columns(rows)
+    if not enc or not dec:
+        raise ValueError("trace rows do not look like a Transformer's forward pass")
+    B, S = src_shape[0], src_shape[1]
+    T = tgt_shape[1]
+    columns = {"left": [f"source ids {B}×{S}", *_collapse_layers(enc)],
+               "right": [f"target ids {B}×{T}", *_collapse_layers(dec)]}
+    n_slots = max(len(c) for c in columns.values())
+    fig = new_figure(figsize=(11, 0.72 * n_slots + 1.3), layout="constrained")
+    ax = fig.subplots()
+    ax.set_xlim(0, 10)
+    ax.set_ylim(n_slots, -0.1)
+    ax.axis("off")
+    x_center = {"left": 2.6, "right": 7.4}
+    box_w, box_h = 3.8, 0.72
+    cross_slots: list[float] = []
+    frames: dict[tuple[str, int], list[int]] = {}
+    for side, items in columns.items():
+        x = x_center[side]
+        for slot, item in enumerate(items):
+            y = slot + 0.5
+            if slot > 0:
+                ax.add_patch(FancyArrowPatch((x, y - 1 + box_h / 2), (x, y - box_h / 2),
+                                             arrowstyle="-|>", mutation_scale=9, color="0.4"))
+            if isinstance(item, str):
+                color = "#eeeeee" if slot == 0 else "white"
+                ax.add_patch(FancyBboxPatch((x - box_w / 2, y - box_h / 2), box_w, box_h,
+                                            boxstyle="round,pad=0.02", fc=color, ec="0.6",
+                                            linestyle="-" if slot == 0 else ":"))
+                ax.text(x, y, item, ha="center", va="center", fontsize=8.5,
+                        style="normal" if slot == 0 else "italic")
+                continue
+            color = _box_color(item)
+            ax.add_patch(FancyBboxPatch((x - box_w / 2, y - box_h / 2), box_w, box_h,
+                                        boxstyle="round,pad=0.02", fc=color, ec="0.3"))
+            ax.text(x, y - 0.16, item.title, ha="center", va="center", fontsize=8.5,
+                    weight="bold")
+            detail = f"  ({item.detail})" if item.detail else ""
+            ax.text(x, y + 0.17, f"{item.shape}{detail}", ha="center", va="center",
+                    fontsize=8, family="monospace")
+            if item.layer is not None:
+                frames.setdefault((side, item.layer), []).append(slot)
+            if item.is_cross:
+                cross_slots.append(y)
+    for (side, layer), slots in frames.items():
+        x = x_center[side]
+        top, bottom = min(slots) + 0.5 - box_h / 2 - 0.08, max(slots) + 0.5 + box_h / 2 + 0.08
+        ax.add_patch(Rectangle((x - box_w / 2 - 0.12, top), box_w + 0.24, bottom - top,
+                               fill=False, ec="0.55", linestyle="--", linewidth=0.8))
+        name = "encoder" if side == "left" else "decoder"
+        label_x = x - box_w / 2 - 0.18 if side == "left" else x + box_w / 2 + 0.18
+        ax.text(label_x, (top + bottom) / 2, f"{name}\nlayer {layer + 1}", fontsize=8,
+                ha="right" if side == "left" else "left", va="center", color="0.35")
+    # The encoder's output (memory) gives the keys and values of every cross-attention.
+    start = (x_center["left"] + box_w / 2, len(columns["left"]) - 0.5)
+    for y in cross_slots:
+        ax.add_patch(FancyArrowPatch(start, (x_center["right"] - box_w / 2, y),
+                                     arrowstyle="-|>", mutation_scale=10, color="C3",
+                                     connectionstyle="arc3,rad=0.1", linewidth=1.1))
+    fig.suptitle(f"A forward pass: B = {B} sentences, S = {S} source tokens, T = {T} "
+                 f"target tokens; shapes are B×length×features", fontsize=10)
+    return fig
+
+
+def _box_color(box: _Box) -> str:
+    title = box.title.lower()
+    if "attention" in title:
+        return "#fde9c9"  # the paper's orange attention blocks
+    if "feed-forward" in title:
+        return "#d6eaf8"  # the paper's blue feed-forward blocks
+    if "generator" in title:
+        return "#e8daef"
+    if "memory" in title:
+        return "#f5b7b1"
+    return "#fadbd8"  # embeddings and encodings
