@@ -47,19 +47,52 @@ def _run_prepare(args) -> int:
 
 # ---------------------------------------------------------------- train
 def _add_train(sub) -> None:
-    p = sub.add_parser("train", help="train a model on prepared data (or resume a run)")
+    p = sub.add_parser(
+        "train", help="train a model on prepared data (or resume a run)",
+        description="Train on prepared data: `aiayn train --config FILE --data DIR --out RUN_DIR`, "
+        "or continue a run exactly: `aiayn train --resume RUN_DIR` (there, --set may change "
+        "train.* settings only, e.g. train.max_steps). Under `torchrun --nproc_per_node K -m "
+        "aiayn train ...` it runs DistributedDataParallel.")
     p.add_argument("--config", help="YAML config (configs/*.yaml)")
-    p.add_argument("--data", help="prepared data directory (from `aiayn prepare`)")
+    p.add_argument("--data", help="prepared data directory (from `aiayn prepare`); with "
+                   "--resume, the default is the run's data_dir.txt")
     p.add_argument("--out", help="run directory to create")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue this run exactly")
-    p.add_argument("--max-minutes", type=float, help="stop after this much wall time")
-    p.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--max-minutes", type=float,
+                   help="stop training after this much wall time in this session "
+                   "(train.max_minutes); the final dev evaluation comes on top")
+    p.add_argument("--bf16", action="store_true", help="bfloat16 autocast (train.bf16)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (train.compile)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: a GPU when there is one (under torchrun: the rank's local GPU)")
     _add_set(p)
 
 
 def _run_train(args) -> int:
-    raise AiaynError("`aiayn train` is not implemented yet")
+    from aiayn.train import train
+
+    overrides = list(args.set or [])
+    if args.max_minutes is not None:
+        overrides.append(f"train.max_minutes={args.max_minutes}")
+    if args.bf16:
+        overrides.append("train.bf16=true")
+    if args.compile:
+        overrides.append("train.compile=true")
+    if args.resume:
+        if args.config or args.out:
+            raise AiaynError("--resume RUN_DIR continues a run with its own config and directory; "
+                             "drop --config/--out (change train.* settings with --set)")
+        train(None, args.data, args.resume, resume=True, overrides=overrides,
+              device=args.device)
+        return 0
+    if not (args.config and args.data and args.out):
+        raise AiaynError("a new run needs --config FILE --data PREPARED_DIR --out RUN_DIR "
+                         "(or --resume RUN_DIR)")
+    from aiayn.config import load_config
+
+    config = load_config(args.config, overrides)
+    train(config, args.data, args.out, device=args.device)
+    return 0
 
 
 # ---------------------------------------------------------------- translate

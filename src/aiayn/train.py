@@ -1,0 +1,817 @@
+"""Training: the loop, validation, checkpoints, exact resume, and DistributedDataParallel.
+
+The file reads top to bottom in the order a run happens:
+
+    learning_rate, label_smoothed_loss     the paper's eq. 3 and its loss (5.3, 5.4)
+    setup_distributed                      one process, or one per rank under torchrun
+    prepare_run / resume_run               config resolved against the tokenizers, run dir
+    load_data, BatchStream                 encoded splits, an endless stream of batches
+    train_step                             grad accumulation, clipping, one Adam update
+    evaluate                               dev loss, greedy (or beam) BLEU / chrF, samples
+    save_checkpoint                        weights + train state, atomically
+    train                                  the loop that ties them together
+
+Loss normalisation: every update divides the summed token losses by the number of real
+target tokens in the whole update (all micro-batches of all ranks), so K ranks with one
+micro-batch each compute the same gradient as one process accumulating K micro-batches.
+
+Exact resume: the train state holds the optimizer, the step (the schedule is a pure
+function of it), the RNG states of every rank and every rank's sampler position, so
+``--resume`` continues with the same batches and the same dropout masks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm import tqdm
+
+from aiayn.checkpoint import (
+    atomic_write_text,
+    load_train_state,
+    load_weights,
+    prune_step_checkpoints,
+    save_train_state,
+    save_weights,
+    step_checkpoint_path,
+)
+from aiayn.config import Config, load_config, save_config
+from aiayn.errors import AiaynError
+from aiayn.model import Transformer
+
+STATE_VERSION = 1
+
+
+# ---------------------------------------------------------------- the paper's formulas
+def learning_rate(step: int, d_model: int, warmup: int, scale: float) -> float:
+    """lrate = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)   (paper, eq. 3).
+
+    Rises linearly for ``warmup`` steps, peaks at step == warmup with
+    scale * (d_model * warmup)^-0.5, then decays as step^-0.5. ``step`` counts optimizer
+    updates from 1.
+    """
+    if step < 1:
+        raise ValueError(f"the schedule starts at step 1, got {step}")
+    return scale * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
+
+
+def label_smoothed_loss(logits: Tensor, labels: Tensor, smoothing: float, pad_id: int) -> Tensor:
+    """Summed cross-entropy with label smoothing eps_ls (paper, 5.4), padding ignored.
+
+    The smoothed target puts 1 - eps on the reference token and spreads eps uniformly over
+    the vocabulary. Returns the sum over real tokens; the caller divides by their count.
+    """
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.size(-1)),
+        labels.reshape(-1),
+        ignore_index=pad_id,
+        label_smoothing=smoothing,
+        reduction="sum",
+    )
+
+
+# ---------------------------------------------------------------- processes and devices
+@dataclass
+class Dist:
+    """Where this process runs: its rank among ``world_size`` and its device."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def setup_distributed(device: str | None = None) -> Dist:
+    """Read torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK); start the process group.
+
+    NCCL when every rank has a GPU, gloo on CPUs. ``device``: "cpu", "cuda" or None (a GPU
+    when there is one).
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() if device in (None, "auto") else device == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise AiaynError("--device cuda: no CUDA GPU is available")
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        where = torch.device("cuda", local_rank)
+    else:
+        where = torch.device("cpu")
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo",
+                                timeout=timedelta(minutes=30))
+    return Dist(rank, world_size, local_rank, where)
+
+
+def all_reduce_sum(value: Tensor, d: Dist) -> Tensor:
+    """The sum of ``value`` over all ranks (itself when there is one)."""
+    if d.enabled:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def gather_objects(obj: Any, d: Dist) -> list[Any]:
+    """Every rank's ``obj``, in rank order (for per-rank RNG and sampler states)."""
+    if not d.enabled:
+        return [obj]
+    out: list[Any] = [None] * d.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def any_rank(flag: bool, d: Dist) -> bool:
+    """True on every rank when ``flag`` is true on some rank (a stop decision all share)."""
+    if not d.enabled:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=d.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+# ---------------------------------------------------------------- seeds and RNG states
+def set_seed(seed: int) -> None:
+    """Seed every generator a run uses (python, numpy, torch CPU and GPUs)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    """The RNG states as plain lists and tensors, loadable with ``weights_only=True``."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [version, list(internal), gauss],
+        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` captured."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---------------------------------------------------------------- the run directory
+def resolve_config(config: Config, tokenizers, data_dir: Path) -> Config:
+    """Set the model's vocabulary sizes from the prepared tokenizers.
+
+    ``tie_embeddings: all`` needs one vocabulary for both sides; with separate ones this
+    refuses to guess and says which setting to change.
+    """
+    if config.model.tie_embeddings == "all" and not tokenizers.joint:
+        raise AiaynError(
+            f"model.tie_embeddings='all' needs a joint vocabulary, but the data in {data_dir} "
+            f"has separate source/target tokenizers; prepare it with data.joint_vocab=true, "
+            f"or train with --set model.tie_embeddings=decoder"
+        )
+    config.model.src_vocab_size = int(tokenizers.src_vocab_size)
+    config.model.tgt_vocab_size = int(tokenizers.tgt_vocab_size)
+    return config.validate(f"{data_dir} (vocabulary sizes)")
+
+
+def create_run_dir(run_dir: Path, config: Config, data_dir: Path) -> None:
+    """Write config.yaml, the tokenizer copy and data_dir.txt into a new run directory."""
+    if (run_dir / "train_state.pt").exists() or (run_dir / "config.yaml").exists():
+        raise AiaynError(
+            f"{run_dir} already holds a run; continue it with `aiayn train --resume {run_dir}` "
+            f"or choose another --out"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(config, run_dir / "config.yaml")
+    copy_tokenizer(data_dir / "tokenizer", run_dir / "tokenizer")
+    atomic_write_text(run_dir / "data_dir.txt", str(data_dir.resolve()) + "\n")
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    """Copy the tokenizer directory beside the weights (a temp dir renamed into place)."""
+    if not src.is_dir():
+        raise AiaynError(f"tokenizer directory not found: {src} (run `aiayn prepare` first)")
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    shutil.rmtree(dst, ignore_errors=True)
+    os.replace(tmp, dst)
+
+
+def load_run_config(run_dir: Path, overrides: list[str]) -> Config:
+    """The run's saved config with ``train.*`` overrides (a resumed run keeps its model/data)."""
+    for item in overrides:
+        if not item.strip().startswith("train."):
+            raise AiaynError(
+                f"--set {item!r}: a resumed run keeps its model and data settings; only "
+                f"train.* settings can change"
+            )
+    return load_config(run_dir / "config.yaml", overrides)
+
+
+def read_data_dir(run_dir: Path) -> Path:
+    """The prepared data directory a run was trained on (from data_dir.txt)."""
+    path = run_dir / "data_dir.txt"
+    if not path.is_file():
+        raise AiaynError(f"{path} is missing: give the prepared data with --data")
+    return Path(path.read_text(encoding="utf-8").strip())
+
+
+# ---------------------------------------------------------------- model and optimizer
+def build_model(config: Config, device: torch.device) -> Transformer:
+    return Transformer(config.model).to(device)
+
+
+def build_optimizer(model: nn.Module, config: Config) -> torch.optim.Adam:
+    """Adam(beta1=0.9, beta2=0.98, eps=1e-9) (paper, 5.3); the lr is set before every update."""
+    t = config.train
+    return torch.optim.Adam(model.parameters(), lr=0.0, betas=(t.adam_beta1, t.adam_beta2),
+                            eps=t.adam_eps, weight_decay=t.weight_decay)
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+# ---------------------------------------------------------------- data
+@dataclass
+class TrainData:
+    """Encoded training examples with this rank's sampler, and the dev split."""
+
+    train: list
+    sampler: Any
+    dev: list
+    dev_pairs: list[tuple[str, str]]
+    tokenizers: Any
+
+
+def load_data(data_dir: Path, config: Config, d: Dist, log=print) -> TrainData:
+    """Encode the train and dev splits; long training pairs follow data.long_policy, long dev
+    sources are truncated (the dev score covers every dev pair)."""
+    from aiayn.data import TokenBatchSampler, encode_split, load_prepared
+
+    prepared = load_prepared(data_dir)
+    m, t = config.model, config.train
+    train, train_stats = encode_split(prepared.train, prepared.tokenizers, m.max_len,
+                                      config.data.long_policy)
+    dev, _ = encode_split(prepared.dev, prepared.tokenizers, m.max_len, "truncate")
+    if not train:
+        raise AiaynError(f"{data_dir}: no training pairs fit model.max_len={m.max_len}")
+    if not dev:
+        raise AiaynError(f"{data_dir}: the dev split is empty")
+    sampler = TokenBatchSampler([len(e.src) for e in train], [len(e.tgt) for e in train],
+                                t.max_tokens, shuffle=True, seed=t.seed,
+                                rank=d.rank, world_size=d.world_size)
+    log(f"data: {len(train)} training pairs ({_describe(train_stats)}), {len(dev)} dev pairs, "
+        f"{len(sampler)} batches per epoch per rank")
+    return TrainData(train, sampler, dev, list(prepared.dev), prepared.tokenizers)
+
+
+def _describe(stats: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in stats.items()) or "nothing dropped"
+
+
+def to_device(batch, device: torch.device):
+    """The batch's tensors on ``device`` (a new Batch; n_tokens unchanged)."""
+    if device.type == "cpu":
+        return batch
+    return replace(batch, src=batch.src.to(device, non_blocking=True),
+                   tgt_in=batch.tgt_in.to(device, non_blocking=True),
+                   tgt_out=batch.tgt_out.to(device, non_blocking=True))
+
+
+class BatchStream:
+    """Micro-batches epoch after epoch; its position is the sampler's (no prefetching, so a
+    saved sampler state names exactly the batches already trained on)."""
+
+    def __init__(self, data: TrainData, pad_id: int, device: torch.device):
+        self.data, self.pad_id, self.device = data, pad_id, device
+        self.epoch = 0
+        self.data.sampler.set_epoch(self.epoch)
+        self._it = iter(self.data.sampler)
+
+    def next(self):
+        from aiayn.data import collate
+
+        positions = next(self._it, None)
+        if positions is None:  # the epoch is over: reshuffle for the next one
+            self.epoch += 1
+            self.data.sampler.set_epoch(self.epoch)
+            self._it = iter(self.data.sampler)
+            positions = next(self._it)
+        return to_device(collate([self.data.train[i] for i in positions], self.pad_id),
+                         self.device)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "sampler": self.data.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch = int(state["epoch"])
+        self.data.sampler.load_state_dict(state["sampler"])
+        self._it = iter(self.data.sampler)
+
+
+# ---------------------------------------------------------------- one optimizer update
+@dataclass
+class StepResult:
+    loss: float  # label-smoothed loss per real target token, over all ranks
+    n_tokens: int  # real target tokens in the update, over all ranks
+    grad_norm: float
+    lr: float
+
+
+def train_step(
+    model: nn.Module,
+    ddp: nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list,
+    step: int,
+    config: Config,
+    d: Dist,
+) -> StepResult:
+    """One Adam update over ``micro_batches`` (gradient accumulation), normalised by the
+    global count of real target tokens. Does not update the weights when the loss or the
+    gradient is not finite (the caller stops the run)."""
+    t, m = config.train, config.model
+    local_tokens = sum(b.n_tokens for b in micro_batches)
+    n_tokens = int(all_reduce_sum(torch.tensor([float(local_tokens)], device=d.device), d).item())
+    # DDP averages gradients over ranks; * world_size turns that average into a sum.
+    scale = d.world_size / n_tokens
+    autocast = torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=t.bf16)
+    loss_sum = torch.zeros((), device=d.device)
+    for i, batch in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        sync = ddp.no_sync() if ddp is not None and not last else nullcontext()
+        with sync:
+            with autocast:
+                logits = model(batch.src, batch.tgt_in)
+            loss = label_smoothed_loss(logits, batch.tgt_out, t.label_smoothing, m.pad_id)
+            (loss * scale).backward()
+        loss_sum += loss.detach()
+    loss_per_token = all_reduce_sum(loss_sum, d).item() / n_tokens
+    params = [p for p in model.parameters() if p.grad is not None]
+    max_norm = t.clip_norm if t.clip_norm > 0 else float("inf")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    lr = learning_rate(step, m.d_model, t.warmup_steps, t.lr_scale)
+    if math.isfinite(loss_per_token) and math.isfinite(grad_norm):
+        set_learning_rate(optimizer, lr)
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss_per_token, n_tokens, grad_norm, lr)
+
+
+# ---------------------------------------------------------------- validation
+def eval_subset(n: int, k: int) -> list[int]:
+    """Positions of ``k`` dev pairs spread evenly over all ``n`` (all of them when k is 0)."""
+    if k <= 0 or k >= n:
+        return list(range(n))
+    return sorted({(i * n) // k for i in range(k)})
+
+
+@torch.no_grad()
+def dev_loss(model: Transformer, examples: list, config: Config, device: torch.device
+             ) -> tuple[float, float]:
+    """(label-smoothed loss, plain NLL) per real target token, teacher forcing."""
+    from aiayn.data import collate
+
+    t, m = config.train, config.model
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.bf16)
+    total_ls = total_nll = 0.0
+    n = 0
+    for chunk in length_sorted_chunks(examples, t.max_tokens,
+                                      lambda e: max(len(e.src), len(e.tgt))):
+        batch = to_device(collate(chunk, m.pad_id), device)
+        with autocast:
+            logits = model(batch.src, batch.tgt_in)
+        total_ls += label_smoothed_loss(logits, batch.tgt_out, t.label_smoothing, m.pad_id).item()
+        total_nll += label_smoothed_loss(logits, batch.tgt_out, 0.0, m.pad_id).item()
+        n += batch.n_tokens
+    return total_ls / n, total_nll / n
+
+
+def length_sorted_chunks(items: list, max_tokens: int, size) -> list[list]:
+    """Items sorted by ``size`` (padded length), cut into chunks of at most max_tokens padded
+    tokens: little padding, and batches as large as the budget allows."""
+    chunks: list[list] = []
+    chunk: list = []
+    for item in sorted(items, key=size):
+        # Sorted, so the newest item is the longest: the chunk's padded size is n * its size.
+        if chunk and size(item) * (len(chunk) + 1) > max_tokens:
+            chunks.append(chunk)
+            chunk = []
+        chunk.append(item)
+    if chunk:
+        chunks.append(chunk)
+    return chunks
+
+
+@torch.no_grad()
+def translate_examples(model: Transformer, examples: list, tokenizers, config: Config,
+                       device: torch.device) -> list[str]:
+    """Decode examples in length-sorted batches (greedy, or beam when train.eval_beam > 1);
+    the translations come back in the examples' order."""
+    from aiayn.data import collate
+    from aiayn.decode import greedy_decode
+
+    t = config.train
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.bf16)
+    order = list(range(len(examples)))
+    out: list[str] = [""] * len(examples)
+    # Decoding memory grows with the output, so chunks hold fewer source tokens than training.
+    for chunk in length_sorted_chunks(order, t.max_tokens // 2, lambda i: len(examples[i].src)):
+        batch = collate([examples[i] for i in chunk], config.model.pad_id)
+        src = batch.src.to(device)
+        with autocast:
+            if t.eval_beam > 1:
+                ids = [hyps[0][0] for hyps in _beam_search()(model, src, t.eval_beam)]
+            else:
+                ids = greedy_decode(model, src)
+        for i, text in zip(chunk, tokenizers.decode_tgt(ids), strict=True):
+            out[i] = text
+    return out
+
+
+def _beam_search():
+    try:
+        from aiayn.decode import beam_search
+    except ImportError:
+        raise AiaynError("train.eval_beam > 1 needs aiayn.decode.beam_search, which this "
+                         "version lacks; use train.eval_beam=1") from None
+    return beam_search
+
+
+def evaluate(model: Transformer, data: TrainData, config: Config, device: torch.device,
+             full: bool) -> dict[str, Any]:
+    """Dev loss over the whole dev split; BLEU/chrF over the whole split (``full``) or over
+    train.eval_max_sentences pairs spread evenly over it. ``select_bleu`` is always the
+    BLEU of that fixed subset, so checkpoints are compared on the same sentences."""
+    from aiayn.metrics import score
+
+    was_training = model.training
+    model.eval()
+    try:
+        loss, nll = dev_loss(model, data.dev, config, device)
+        subset = eval_subset(len(data.dev), config.train.eval_max_sentences)
+        chosen = list(range(len(data.dev))) if full else subset
+        hyps = translate_examples(model, [data.dev[i] for i in chosen], data.tokenizers,
+                                  config, device)
+    finally:
+        model.train(was_training)
+    refs = [data.dev_pairs[data.dev[i].index][1] for i in chosen]
+    scores = score(hyps, refs)
+    by_position = dict(zip(chosen, hyps, strict=True))
+    sub_hyps = [by_position[i] for i in subset]
+    sub_refs = [data.dev_pairs[data.dev[i].index][1] for i in subset]
+    select = scores.bleu if len(chosen) == len(subset) else score(sub_hyps, sub_refs).bleu
+    n_show = min(config.train.num_samples, len(chosen))
+    samples = [{"src": data.dev_pairs[data.dev[chosen[j]].index][0], "ref": refs[j],
+                "hyp": hyps[j]} for j in eval_subset(len(chosen), n_show)[:n_show]]
+    return {"dev_loss": loss, "dev_nll": nll, "bleu": scores.bleu, "chrf": scores.chrf,
+            "bleu_signature": scores.bleu_signature, "n_sentences": len(chosen),
+            "select_bleu": select, "samples": samples}
+
+
+# ---------------------------------------------------------------- logs
+class MetricsLog:
+    """metrics.jsonl (one JSON object per line) and TensorBoard scalars; rank 0 only.
+
+    On resume, lines logged after the checkpoint's step are dropped: the resumed run
+    writes them again.
+    """
+
+    def __init__(self, run_dir: Path, enabled: bool, resume_step: int | None = None):
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self.writer = None
+        if not enabled:
+            return
+        if resume_step is not None and self.path.exists():
+            keep = [line for line in self.path.read_text(encoding="utf-8").splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            atomic_write_text(self.path, "".join(line + "\n" for line in keep))
+        from torch.utils.tensorboard import SummaryWriter
+
+        purge = resume_step + 1 if resume_step is not None else None
+        self.writer = SummaryWriter(str(run_dir / "tb"), purge_step=purge)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+        kind, step = record["kind"], record["step"]
+        for key, value in record.items():
+            if key not in ("kind", "step") and isinstance(value, (int, float)):
+                self.writer.add_scalar(f"{kind}/{key}", value, step)
+        for j, sample in enumerate(record.get("samples", [])):
+            text = f"src: {sample['src']}  \nref: {sample['ref']}  \nhyp: {sample['hyp']}"
+            self.writer.add_text(f"samples/{j}", text, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+# ---------------------------------------------------------------- checkpoints
+@dataclass
+class Progress:
+    """What the loop knows besides the weights and the optimizer."""
+
+    step: int = 0  # optimizer updates done
+    best_bleu: float = -1.0
+    best_step: int = 0
+    elapsed_s: float = 0.0  # training wall time over all sessions of this run
+    saved_step: int = 0
+
+
+def save_checkpoint(run_dir: Path, model: Transformer, optimizer: torch.optim.Optimizer,
+                    progress: Progress, stream: BatchStream, config: Config, d: Dist) -> None:
+    """Save weights and train state. Every rank takes part (RNG and sampler states are
+    gathered); rank 0 writes.
+
+    Order: the step's own weights file, then train_state.pt naming it, then last.safetensors,
+    then pruning of old step files. A kill between any two writes leaves a train state whose
+    weights file exists and matches it.
+    """
+    rngs = gather_objects(rng_state(), d)
+    streams = gather_objects(stream.state_dict(), d)
+    if not d.is_main:
+        return
+    step = progress.step
+    meta = {"step": str(step)}
+    weights = step_checkpoint_path(run_dir, step)
+    save_weights(model, weights, metadata=meta)
+    state = {
+        "version": STATE_VERSION,
+        "step": step,
+        "epoch": stream.epoch,
+        "weights": str(weights.relative_to(run_dir)),
+        "optimizer": optimizer.state_dict(),
+        "schedule": {"formula": "eq3", "d_model": config.model.d_model,
+                     "warmup": config.train.warmup_steps, "scale": config.train.lr_scale,
+                     "step": step},
+        "rng": rngs,
+        "stream": streams,
+        "world_size": d.world_size,
+        "best_bleu": progress.best_bleu,
+        "best_step": progress.best_step,
+        "elapsed_s": progress.elapsed_s,
+    }
+    save_train_state(state, run_dir / "train_state.pt")
+    save_weights(model, run_dir / "last.safetensors", metadata=meta)
+    prune_step_checkpoints(run_dir, config.train.keep_checkpoints)
+    progress.saved_step = step
+
+
+def restore_checkpoint(run_dir: Path, model: Transformer, optimizer: torch.optim.Optimizer,
+                       stream: BatchStream, d: Dist, log=print) -> tuple[Progress, dict]:
+    """Load what :func:`save_checkpoint` wrote; returns the progress and this rank's RNG
+    state (set it last, after everything else that draws random numbers)."""
+    state = load_train_state(run_dir / "train_state.pt")
+    if state.get("version") != STATE_VERSION:
+        raise AiaynError(f"{run_dir}/train_state.pt: unknown version {state.get('version')!r}")
+    weights = run_dir / state["weights"]
+    load_weights(model, weights)
+    optimizer.load_state_dict(state["optimizer"])
+    for group in optimizer.param_groups:  # tensors saved from a GPU come back on the CPU
+        for p in group["params"]:
+            for k, v in optimizer.state.get(p, {}).items():
+                if isinstance(v, Tensor) and k != "step":
+                    optimizer.state[p][k] = v.to(p.device)
+    if state["world_size"] == d.world_size:
+        stream.load_state_dict(state["stream"][d.rank])
+        rng = state["rng"][d.rank]
+    else:
+        # Another number of ranks shards the data differently: start the saved epoch over.
+        epoch = int(state["stream"][0]["epoch"])
+        log(f"resume: the run had {state['world_size']} rank(s), this one has {d.world_size}; "
+            f"epoch {epoch} starts over and dropout masks differ (not an exact resume)")
+        stream.epoch = epoch
+        stream.data.sampler.set_epoch(epoch)
+        stream._it = iter(stream.data.sampler)
+        rng = state["rng"][0]
+    progress = Progress(step=int(state["step"]), best_bleu=float(state["best_bleu"]),
+                        best_step=int(state["best_step"]), elapsed_s=float(state["elapsed_s"]),
+                        saved_step=int(state["step"]))
+    return progress, rng
+
+
+# ---------------------------------------------------------------- the loop
+def train(
+    config: Config | None,
+    data_dir: str | Path | None,
+    run_dir: str | Path,
+    resume: bool = False,
+    overrides: list[str] | None = None,
+    device: str | None = None,
+) -> dict[str, Any]:
+    """Train a model (or resume the run in ``run_dir``); returns the final dev record.
+
+    New run: ``config`` and ``data_dir`` are required. Resume: the run's config.yaml with
+    ``overrides`` (train.* only) and its data_dir.txt (unless ``data_dir`` is given).
+    """
+    d = setup_distributed(device)
+    try:
+        return _train(config, data_dir, Path(run_dir), resume, overrides or [], d)
+    finally:
+        if d.enabled and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(config, data_dir, run_dir: Path, resume: bool, overrides: list[str], d: Dist):
+    log = tqdm.write if d.is_main else (lambda *a, **k: None)
+    if resume:
+        config = load_run_config(run_dir, overrides)
+        data_dir = Path(data_dir) if data_dir else read_data_dir(run_dir)
+    else:
+        if config is None or data_dir is None:
+            raise AiaynError("a new run needs --config and --data (or use --resume RUN_DIR)")
+        data_dir = Path(data_dir)
+    t = config.train
+
+    # Model and optimizer, seeded so every rank builds the same initial weights.
+    set_seed(t.seed)
+    data = load_data(data_dir, config, d, log)
+    config = resolve_config(config, data.tokenizers, data_dir)
+    if d.is_main:
+        if resume:
+            save_config(config, run_dir / "config.yaml")  # keeps the new train.* settings
+        else:
+            create_run_dir(run_dir, config, data_dir)
+    model = build_model(config, d.device)
+    optimizer = build_optimizer(model, config)
+    stream = BatchStream(data, config.model.pad_id, d.device)
+    progress = Progress()
+    rng = None
+    if resume:
+        progress, rng = restore_checkpoint(run_dir, model, optimizer, stream, d, log)
+        log(f"resumed {run_dir} at step {progress.step}, epoch {stream.epoch}")
+    if d.rank > 0 and rng is None:
+        torch.manual_seed(t.seed + 7919 * d.rank)  # own dropout masks on each rank
+    ddp = None
+    train_model: nn.Module = model
+    if d.enabled:
+        ddp = nn.parallel.DistributedDataParallel(
+            model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+        train_model = ddp
+    if t.compile:
+        # Batch shapes vary with the length buckets: compile once for symbolic shapes.
+        train_model = torch.compile(train_model, dynamic=True)
+    if rng is not None:
+        set_rng_state(rng)  # last: nothing above may draw from the restored streams
+
+    n_params = model.num_parameters()
+    log(f"model: {n_params / 1e6:.2f}M parameters, d_model {config.model.d_model}, "
+        f"{config.model.n_encoder_layers}+{config.model.n_decoder_layers} layers, vocab "
+        f"{config.model.src_vocab_size}/{config.model.tgt_vocab_size}; device {d.device}, "
+        f"{d.world_size} rank(s), bf16 {t.bf16}, compile {t.compile}")
+    metrics = MetricsLog(run_dir, d.is_main, progress.step if resume else None)
+    try:
+        return _loop(model, ddp, train_model, optimizer, data, stream, progress, config,
+                     run_dir, metrics, d, log)
+    finally:
+        metrics.close()
+
+
+def _loop(model, ddp, train_model, optimizer, data, stream, progress: Progress, config,
+          run_dir: Path, metrics: MetricsLog, d: Dist, log) -> dict[str, Any]:
+    t = config.train
+    start = time.perf_counter()
+    budget_s = t.max_minutes * 60 if t.max_minutes > 0 else math.inf
+    elapsed_before = progress.elapsed_s
+    interactive = sys.stderr.isatty()
+    bar = tqdm(total=t.max_steps, initial=progress.step, desc="train", unit="step",
+               disable=not d.is_main, dynamic_ncols=True, mininterval=1 if interactive else 30)
+    window_loss = window_tokens = 0.0
+    window_start = time.perf_counter()
+    last_eval: dict[str, Any] | None = None
+    last_eval_step, last_eval_full = -1, False
+    stop_reason = "max_steps"
+    model.train()
+    try:
+        while progress.step < t.max_steps:
+            if stream.epoch >= t.max_epochs:
+                stop_reason = "max_epochs"
+                break
+            micro = [stream.next() for _ in range(t.grad_accum)]
+            result = train_step(train_model, ddp, optimizer, micro, progress.step + 1, config, d)
+            if not (math.isfinite(result.loss) and math.isfinite(result.grad_norm)):
+                raise AiaynError(non_finite_message(result, progress, run_dir))
+            progress.step += 1
+            progress.elapsed_s = elapsed_before + time.perf_counter() - start
+            window_loss += result.loss * result.n_tokens
+            window_tokens += result.n_tokens
+            now = time.perf_counter()
+            tokens_per_s = window_tokens / max(now - window_start, 1e-9)
+            bar.update(1)
+            bar.set_postfix(loss=f"{result.loss:.3f}", lr=f"{result.lr:.2e}",
+                            tok_s=f"{tokens_per_s:,.0f}", epoch=stream.epoch, refresh=False)
+            if progress.step % t.log_every == 0:
+                metrics.write({"kind": "train", "step": progress.step, "epoch": stream.epoch,
+                               "loss": window_loss / window_tokens, "lr": result.lr,
+                               "tokens_per_s": tokens_per_s, "elapsed_s": progress.elapsed_s,
+                               "grad_norm": result.grad_norm})
+                window_loss = window_tokens = 0.0
+                window_start = time.perf_counter()
+            out_of_time = any_rank(time.perf_counter() - start >= budget_s, d)
+            finishing = out_of_time or progress.step >= t.max_steps
+            if progress.step % t.eval_every == 0 and not finishing:
+                last_eval = run_evaluation(model, data, config, progress, run_dir, metrics,
+                                           d, full=t.eval_max_sentences == 0, log=log)
+                last_eval_step, last_eval_full = progress.step, t.eval_max_sentences == 0
+                window_start = time.perf_counter()  # evaluation time is not training time
+            if progress.step % t.save_every == 0 and not finishing:
+                save_checkpoint(run_dir, model, optimizer, progress, stream, config, d)
+                window_start = time.perf_counter()
+            if out_of_time:
+                stop_reason = f"max_minutes ({t.max_minutes:g})"
+                break
+        # The end: a full-dev evaluation, then the final checkpoint.
+        if not (last_eval_step == progress.step and last_eval_full) and progress.step > 0:
+            last_eval = run_evaluation(model, data, config, progress, run_dir, metrics, d,
+                                       full=True, log=log)
+        if progress.saved_step != progress.step:
+            save_checkpoint(run_dir, model, optimizer, progress, stream, config, d)
+    finally:
+        bar.close()
+    log(f"stopped at step {progress.step} (epoch {stream.epoch}) after "
+        f"{progress.elapsed_s / 60:.1f} min of training: {stop_reason}; best dev BLEU "
+        f"{progress.best_bleu:.2f} at step {progress.best_step}")
+    return {"step": progress.step, "epoch": stream.epoch, "stop_reason": stop_reason,
+            "best_bleu": progress.best_bleu, "best_step": progress.best_step,
+            "elapsed_s": progress.elapsed_s, **(last_eval or {})}
+
+
+def run_evaluation(model: Transformer, data: TrainData, config: Config, progress: Progress,
+                   run_dir: Path, metrics: MetricsLog, d: Dist, full: bool, log) -> dict | None:
+    """Rank 0 evaluates (the others wait), logs, prints samples and keeps best.safetensors."""
+    record = None
+    if d.is_main:
+        began = time.perf_counter()
+        with torch.random.fork_rng(devices=[d.device] if d.device.type == "cuda" else []):
+            result = evaluate(model, data, config, d.device, full)
+        record = {"kind": "dev", "step": progress.step, **result,
+                  "elapsed_s": progress.elapsed_s, "eval_s": time.perf_counter() - began}
+        improved = result["select_bleu"] > progress.best_bleu
+        if improved:
+            progress.best_bleu, progress.best_step = result["select_bleu"], progress.step
+            save_weights(model, run_dir / "best.safetensors",
+                         metadata={"step": str(progress.step),
+                                   "select_bleu": f"{result['select_bleu']:.4f}"})
+        metrics.write(record)
+        what = "whole dev" if full else "dev subset"
+        log(f"step {progress.step}: dev loss {result['dev_loss']:.3f}  BLEU {result['bleu']:.2f}  "
+            f"chrF {result['chrf']:.2f}  ({what}, {result['n_sentences']} sentences, "
+            f"{record['eval_s']:.0f}s){'  *best*' if improved else ''}  "
+            f"[{result['bleu_signature']}]")
+        for sample in result["samples"]:
+            log(f"  src: {sample['src']}\n  ref: {sample['ref']}\n  hyp: {sample['hyp']}")
+    if d.enabled:
+        dist.barrier()
+        bests = gather_objects((progress.best_bleu, progress.best_step), d)
+        progress.best_bleu, progress.best_step = bests[0]
+    return record
+
+
+def non_finite_message(result: StepResult, progress: Progress, run_dir: Path) -> str:
+    """One line that says what happened, what was kept and what to try."""
+    what = f"loss {result.loss}" if not math.isfinite(result.loss) else \
+        f"gradient norm {result.grad_norm}"
+    kept = (f"the last good checkpoint is {run_dir / 'last.safetensors'} (step "
+            f"{progress.saved_step}; resume with `aiayn train --resume {run_dir}`)"
+            if progress.saved_step else "no checkpoint had been saved yet")
+    return (f"training stopped at step {progress.step + 1}: non-finite {what} (weights not "
+            f"updated); {kept}; try a lower train.lr_scale, a longer train.warmup_steps or "
+            f"a smaller train.clip_norm")
