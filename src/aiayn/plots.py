@@ -361,6 +361,7 @@ def positional_encoding_figure(positions: int = 100, d_model: int = 128) -> Figu
 def schedule_figure(config, label: str = "") -> Figure:
     """lr(step) = lr_scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) (paper,
     eq. 3) over ``config.train.max_steps`` steps, with the peak at the warm-up's end."""
+    from aiayn.train import learning_rate  # the one the training loop uses
     d, warmup, scale = config.model.d_model, config.train.warmup_steps, config.train.lr_scale
     last = max(config.train.max_steps, 2)
     steps = np.unique(np.concatenate([np.linspace(1, last, 1500).round(), [warmup]]))
@@ -386,11 +387,6 @@ def schedule_figure(config, label: str = "") -> Figure:
         fontsize=10,
     )
     return fig
-
-
-def learning_rate(step: int, d_model: int, warmup: int, scale: float) -> float:
-    """Placeholder for aiayn.train.learning_rate (docs/interfaces.md) until train.py lands."""
-    return scale * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
 
 
 # ---------------------------------------------------------------- forward-pass diagram
