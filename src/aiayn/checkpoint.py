@@ -176,3 +176,42 @@ def prune_step_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
     for path in doomed:
         path.unlink(missing_ok=True)
     return doomed
+
+
+# ---------------------------------------------------------------- averaging (paper, 6.1)
+def average_checkpoints(paths: list[str | Path], out: str | Path) -> dict[str, torch.Tensor]:
+    """Write the element-wise mean of the weights in ``paths`` to ``out`` (safetensors).
+
+    The paper's base models use "a single model obtained by averaging the last 5
+    checkpoints, which were written at 10-minute intervals" (section 6.1). The sum is kept
+    in float64 and cast back to each tensor's dtype. Every file must hold the same tensor
+    names and shapes; the first difference is reported by file and name.
+    """
+    if not paths:
+        raise AiaynError("nothing to average: no checkpoint files given")
+    first = read_weights(paths[0])
+    total = {name: tensor.double() for name, tensor in first.items()}
+    for path in paths[1:]:
+        tensors = read_weights(path)
+        _check_same_tensors(first, tensors, paths[0], path)
+        for name, tensor in tensors.items():
+            total[name] += tensor.double()
+    averaged = {name: (t / len(paths)).to(first[name].dtype).contiguous()
+                for name, t in total.items()}
+    metadata = {"averaged_from": "\n".join(str(p) for p in paths)}
+    with atomic_path(out) as tmp:
+        save_file(averaged, str(tmp), metadata=metadata)
+    return averaged
+
+
+def _check_same_tensors(reference: dict[str, torch.Tensor], other: dict[str, torch.Tensor],
+                        reference_path, other_path) -> None:
+    if set(reference) != set(other):
+        differ = sorted(set(reference) ^ set(other))
+        raise AiaynError(f"{other_path}: cannot average it with {reference_path}: tensor names "
+                         f"differ ({', '.join(differ[:3])})")
+    for name, tensor in other.items():
+        if tensor.shape != reference[name].shape:
+            raise AiaynError(f"{other_path}: cannot average it with {reference_path}: {name} "
+                             f"has shape {tuple(tensor.shape)}, not "
+                             f"{tuple(reference[name].shape)}")

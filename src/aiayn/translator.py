@@ -1,0 +1,261 @@
+"""From a run directory to translations: ``load_run`` and the ``Translator``.
+
+    >>> from aiayn.translator import Translator
+    >>> t = Translator.from_pretrained("runs/demo")           # best.safetensors
+    >>> t.translate(["The Lord is my shepherd."], beam=4)      # the paper: beam 4, alpha 0.6
+    ['El Señor es mi pastor.']
+
+Behind ``translate`` the sentences are tokenized, sorted by length, cut into batches of at
+most ``max_tokens`` source tokens (counted over all beams, padding included), decoded
+with the KV cache (``aiayn.decode``), and put back in their input order.
+
+Rules for awkward input (never a crash):
+
+- An empty (or all-whitespace) sentence is not decoded; its translation is ``""``.
+- A sentence whose source ids (tokens + EOS) are longer than the model's ``max_len`` keeps
+  its first ``max_len - 1`` tokens and its EOS; a ``TruncationWarning`` says how many were
+  cut. (The output is limited by the same ``max_len``.)
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from aiayn.checkpoint import load_weights
+from aiayn.config import Config, load_config
+from aiayn.decode import Hypothesis, beam_search, greedy_decode
+from aiayn.errors import AiaynError
+from aiayn.model import Transformer
+from aiayn.tokenizer import EOS_ID, PAD_ID
+
+WEIGHT_NAMES = ("best", "last")
+
+
+class TruncationWarning(UserWarning):
+    """Some input sentences were longer than the model's max_len and were truncated."""
+
+
+# ---------------------------------------------------------------- loading a run
+def resolve_weights(run_dir: str | Path, weights: str | Path = "best") -> Path:
+    """``best``/``last`` (or any NAME with RUN_DIR/NAME.safetensors) or a file path."""
+    run_dir = Path(run_dir)
+    named = run_dir / f"{weights}.safetensors"
+    if named.is_file():
+        return named
+    path = Path(weights)
+    if path.is_file():
+        return path
+    available = sorted(p.stem for p in run_dir.glob("*.safetensors"))
+    hint = (f"available: {', '.join(available)} (choose with --weights)" if available
+            else "it holds no weights; has `aiayn train` saved any yet?")
+    raise AiaynError(f"{run_dir}: no weights {str(weights)!r} (looked for {named} and "
+                     f"{path}); {hint}")
+
+
+def load_run(run_dir: str | Path, weights: str | Path = "best"):
+    """Load a run directory: ``(Config, Transformer in eval mode on the CPU, Tokenizers)``.
+
+    Reads ``config.yaml``, ``tokenizer/`` and the weights (see ``resolve_weights``); a
+    missing piece, or a tokenizer whose vocabulary does not fit the weights, is one
+    AiaynError that names the file.
+    """
+    from aiayn.tokenizer import Tokenizers
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise AiaynError(f"run directory not found: {run_dir}")
+    config_path = run_dir / "config.yaml"
+    if not config_path.is_file():
+        raise AiaynError(f"{run_dir}: no config.yaml here; is it a run directory written by "
+                         "`aiayn train`?")
+    tokenizer_dir = run_dir / "tokenizer"
+    if not tokenizer_dir.is_dir():
+        raise AiaynError(f"{run_dir}: no tokenizer/ directory here; is it a run directory "
+                         "written by `aiayn train`?")
+    weights_path = resolve_weights(run_dir, weights)
+    config = load_config(config_path)
+    tokenizers = Tokenizers.load(tokenizer_dir)
+    check_vocabularies(config, tokenizers, tokenizer_dir)
+    model = Transformer(config.model)
+    load_weights(model, weights_path)
+    return config, model.eval(), tokenizers
+
+
+def check_vocabularies(config: Config, tokenizers, tokenizer_dir: Path) -> None:
+    """The tokenizers must produce exactly the ids the model was built (and trained) for."""
+    for side in ("src", "tgt"):
+        have = int(getattr(tokenizers, f"{side}_vocab_size"))
+        want = getattr(config.model, f"{side}_vocab_size")
+        if have != want:
+            raise AiaynError(
+                f"{tokenizer_dir}: the {side} tokenizer has {have} tokens but the model's "
+                f"model.{side}_vocab_size is {want}; this tokenizer does not belong to these "
+                "weights"
+            )
+
+
+# ---------------------------------------------------------------- batching
+def length_batches(lengths: Sequence[int], max_tokens: int, copies: int = 1) -> list[list[int]]:
+    """Positions grouped into batches of similar length, longest first.
+
+    A batch's padded size, ``len(batch) * longest * copies`` (copies: the beam), stays
+    within ``max_tokens``; a sentence too long for the budget gets a batch of its own.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    for i in order:
+        if batches:
+            batch = batches[-1]
+            longest = lengths[batch[0]]  # sorted: the first is the longest
+            if (len(batch) + 1) * longest * copies <= max_tokens:
+                batch.append(i)
+                continue
+        batches.append([i])
+    return batches
+
+
+def pad_batch(sequences: list[list[int]], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Right-pad id lists into a (B, S) LongTensor."""
+    width = max(len(s) for s in sequences)
+    out = torch.full((len(sequences), width), PAD_ID, dtype=torch.long)
+    for row, ids in enumerate(sequences):
+        out[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return out.to(device)
+
+
+def truncate_source(ids: list[int], max_len: int) -> list[int]:
+    """The documented rule: keep the first ``max_len - 1`` tokens and end with EOS."""
+    if len(ids) <= max_len:
+        return ids
+    return ids[: max_len - 1] + [EOS_ID]
+
+
+@dataclass
+class DecodeStats:
+    """What one decoding pass did: for `aiayn evaluate`'s speed line."""
+
+    sentences: int = 0  # sentences decoded (empty ones excluded)
+    output_tokens: int = 0  # tokens of the best hypotheses, EOS excluded
+    seconds: float = 0.0
+    truncated: int = 0
+
+    @property
+    def sentences_per_s(self) -> float:
+        return self.sentences / self.seconds if self.seconds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds else 0.0
+
+
+# ---------------------------------------------------------------- the translator
+class Translator:
+    """A model and its tokenizers, translating lists of sentences in length-sorted batches."""
+
+    def __init__(self, model: Transformer, tokenizers, max_tokens: int = 8192,
+                 device: str | torch.device | None = None):
+        self.device = torch.device(device) if device is not None else _parameter_device(model)
+        self.model = model.to(self.device).eval()
+        self.tokenizers = tokenizers
+        self.max_tokens = max_tokens
+        self.last_stats = DecodeStats()
+
+    @classmethod
+    def from_pretrained(cls, run_dir: str | Path, weights: str | Path = "best",
+                        device: str | torch.device | None = None, **kwargs) -> Translator:
+        """Load ``run_dir`` (see ``load_run``); ``device`` defaults to the CPU."""
+        _, model, tokenizers = load_run(run_dir, weights)
+        return cls(model, tokenizers, device=device or "cpu", **kwargs)
+
+    def translate(self, sentences: Sequence[str], beam: int = 4, alpha: float = 0.6,
+                  max_len_b: int = 50, progress: Callable[[int], object] | None = None
+                  ) -> list[str]:
+        """One translation per sentence, in input order (``beam=1``: greedy search)."""
+        hyps = self._translate(sentences, beam, alpha, 1, max_len_b, progress, scored=False)
+        return [h[0][0] if h else "" for h in hyps]
+
+    def translate_nbest(self, sentences: Sequence[str], beam: int = 4, alpha: float = 0.6,
+                        nbest: int = 1, max_len_b: int = 50,
+                        progress: Callable[[int], object] | None = None
+                        ) -> list[list[tuple[str, float]]]:
+        """Up to ``nbest`` (translation, score) pairs per sentence, best first.
+
+        The score is the length-normalised log-probability (see ``aiayn.decode``); an empty
+        sentence gets an empty list.
+        """
+        return self._translate(sentences, beam, alpha, nbest, max_len_b, progress, scored=True)
+
+    def _translate(self, sentences, beam, alpha, nbest, max_len_b, progress, scored):
+        """Tokenize the non-empty sentences, decode them, detokenize, keep the input order.
+
+        ``progress(n)`` is called after each batch with its number of sentences (e.g. a
+        tqdm bar's ``update``); ``self.last_stats`` describes the pass afterwards.
+        """
+        if beam < 1 or not 1 <= nbest <= beam:
+            raise AiaynError(f"need beam >= 1 and 1 <= nbest <= beam, got beam={beam}, "
+                             f"nbest={nbest}")
+        sentences = [_one_line(s) for s in sentences]
+        todo = [i for i, s in enumerate(sentences) if s.strip()]
+        sources, truncated = self.encode([sentences[i] for i in todo])
+        start = time.perf_counter()
+        hyps = self.decode_ids(sources, beam, alpha, nbest, max_len_b, progress,
+                               greedy_ok=not scored)
+        seconds = time.perf_counter() - start
+        results: list[list[tuple[str, float]]] = [[] for _ in sentences]
+        for i, sentence_hyps in zip(todo, hyps, strict=True):
+            texts = self.tokenizers.decode_tgt([ids for ids, _ in sentence_hyps])
+            results[i] = [(text, score) for text, (_, score) in zip(texts, sentence_hyps)]
+        self.last_stats = DecodeStats(len(todo), sum(len(h[0][0]) for h in hyps if h),
+                                      seconds, truncated)
+        return results
+
+    def encode(self, sentences: Sequence[str]) -> tuple[list[list[int]], int]:
+        """Source ids (tokens + EOS) truncated by the module's rule, and how many were cut."""
+        max_len = self.model.cfg.max_len
+        sources = self.tokenizers.encode_src(list(sentences)) if sentences else []
+        truncated = sum(len(ids) > max_len for ids in sources)
+        if truncated:
+            warnings.warn(
+                f"{truncated} sentence(s) longer than the model's max_len={max_len} tokens "
+                f"were truncated to their first {max_len - 1} tokens",
+                TruncationWarning, stacklevel=4)
+        return [truncate_source(ids, max_len) for ids in sources], truncated
+
+    @torch.no_grad()
+    def decode_ids(self, sources: list[list[int]], beam: int = 4, alpha: float = 0.6,
+                   nbest: int = 1, max_len_b: int = 50,
+                   progress: Callable[[int], object] | None = None,
+                   greedy_ok: bool = True) -> list[list[Hypothesis]]:
+        """Decode source id lists in length-sorted batches; results in input order.
+
+        With ``beam=1, nbest=1, greedy_ok`` it runs greedy search, which returns the same
+        tokens as a beam of 1 more cheaply but no score (reported as 0.0).
+        """
+        results: list[list[Hypothesis]] = [[] for _ in sources]
+        greedy = greedy_ok and beam == 1 and nbest == 1
+        for batch in length_batches([len(s) for s in sources], self.max_tokens, beam):
+            src = pad_batch([sources[i] for i in batch], self.device)
+            if greedy:
+                decoded = [[(ids, 0.0)] for ids in greedy_decode(self.model, src, max_len_b)]
+            else:
+                decoded = beam_search(self.model, src, beam, alpha, max_len_b, nbest)
+            for i, hyps in zip(batch, decoded, strict=True):
+                results[i] = hyps
+            if progress is not None:
+                progress(len(batch))
+        return results
+
+
+def _one_line(sentence: str) -> str:
+    """Line breaks inside a sentence would break the one-line-per-sentence contract."""
+    return " ".join(sentence.splitlines()) if "\n" in sentence or "\r" in sentence else sentence
+
+
+def _parameter_device(model: Transformer) -> torch.device:
+    return next(model.parameters()).device
