@@ -97,46 +97,245 @@ def _run_train(args) -> int:
 
 # ---------------------------------------------------------------- translate
 def _add_translate(sub) -> None:
-    p = sub.add_parser("translate", help="translate sentences (stdin or a file), one per line")
+    p = sub.add_parser(
+        "translate", help="translate sentences (stdin or a file), one per line",
+        description="Translate one sentence per line, keeping the order; an empty line gives "
+        "an empty line. With --nbest N > 1 each input line gives up to N lines "
+        "'LINE<TAB>SCORE<TAB>TRANSLATION' (LINE counts from 0, best first; SCORE is the "
+        "log-probability divided by the length penalty; an empty input line gives one line "
+        "'LINE<TAB><TAB>'). A sentence longer than the model's max_len is truncated, with a "
+        "warning on stderr.")
     p.add_argument("run_dir", help="run directory (from `aiayn train`)")
-    p.add_argument("--beam", type=int, default=4)
+    p.add_argument("--beam", type=int, default=4, help="beam size (1: greedy search)")
     p.add_argument("--alpha", type=float, default=0.6, help="length penalty")
-    p.add_argument("--nbest", type=int, default=1)
+    p.add_argument("--nbest", type=int, default=1, help="hypotheses per sentence (<= --beam)")
     p.add_argument("-i", "--input", help="input file (default: stdin)")
     p.add_argument("-o", "--output", help="output file (default: stdout)")
     p.add_argument("--weights", default="best", help="best, last, or a .safetensors path")
+    p.add_argument("--max-tokens", type=int, default=8192,
+                   help="batch budget: source tokens x beam (default 8192)")
+
+
+_TRANSLATE_CHUNK = 2000  # lines translated at a time
 
 
 def _run_translate(args) -> int:
-    raise AiaynError("`aiayn translate` is not implemented yet")
+    from aiayn.translator import Translator
+
+    _check_beam(args.beam, args.nbest)
+    translator = Translator.from_pretrained(args.run_dir, args.weights,
+                                            max_tokens=args.max_tokens)
+    lines = _read_lines(args.input)
+    if args.output is None:
+        _translate_lines(translator, lines, args, sys.stdout)
+        return 0
+    from aiayn.checkpoint import atomic_path
+
+    with atomic_path(args.output) as tmp, open(tmp, "w", encoding="utf-8") as out:
+        _translate_lines(translator, lines, args, out)
+    return 0
+
+
+def _translate_lines(translator, lines: list[str], args, out) -> None:
+    """Translate in chunks (output appears as it is ready, memory stays bounded)."""
+    for start in range(0, len(lines), _TRANSLATE_CHUNK):
+        chunk = lines[start : start + _TRANSLATE_CHUNK]
+        if args.nbest == 1:
+            texts = _call_showing_warnings(translator.translate, chunk, args.beam, args.alpha)
+            out.write("".join(text + "\n" for text in texts))
+        else:
+            nbest = _call_showing_warnings(translator.translate_nbest, chunk, args.beam,
+                                           args.alpha, args.nbest)
+            out.write(_format_nbest(nbest, start))
+        out.flush()
+
+
+def _check_beam(beam: int, nbest: int = 1) -> None:
+    if beam < 1:
+        raise AiaynError(f"--beam must be at least 1, got {beam}")
+    if not 1 <= nbest <= beam:
+        raise AiaynError(f"--nbest must be between 1 and --beam ({beam}), got {nbest}")
+
+
+def _format_nbest(nbest: list[list[tuple[str, float]]], first_line: int) -> str:
+    rows = []
+    for i, hyps in enumerate(nbest, first_line):
+        rows.extend(f"{i}\t{score:.4f}\t{text}\n" for text, score in hyps)
+        if not hyps:
+            rows.append(f"{i}\t\t\n")
+    return "".join(rows)
+
+
+def _read_lines(path: str | None) -> list[str]:
+    """Lines of a UTF-8 file (or stdin), without their line ends."""
+    import io
+
+    try:
+        if path is None:
+            stream = sys.stdin
+            if hasattr(stream, "buffer"):  # read bytes as UTF-8 whatever the locale says
+                stream = io.TextIOWrapper(stream.buffer, encoding="utf-8")
+            return stream.read().splitlines()
+        with open(path, encoding="utf-8") as fh:
+            return fh.read().splitlines()
+    except FileNotFoundError:
+        raise AiaynError(f"input file not found: {path}") from None
+    except UnicodeDecodeError as exc:
+        raise AiaynError(f"{path or 'stdin'}: not UTF-8 text ({exc.reason} at byte "
+                         f"{exc.start})") from None
+
+
+def _call_showing_warnings(fn, *args, **kwargs):
+    """Run ``fn``; show its warnings (e.g. truncated sentences) as one line each on stderr."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fn(*args, **kwargs)
+    for w in caught:
+        print(f"aiayn: warning: {w.message}", file=sys.stderr)
+    return result
 
 
 # ---------------------------------------------------------------- evaluate
 def _add_evaluate(sub) -> None:
-    p = sub.add_parser("evaluate", help="score a run on the test or dev split")
+    p = sub.add_parser(
+        "evaluate", help="score a run on the test or dev split",
+        description="Translate the test (or dev) split of the prepared data, write the "
+        "hypotheses (one per line) and print sacreBLEU BLEU with its signature, chrF, CER and "
+        "WER, and the decoding speed. The scores also go to a .json file beside the "
+        "hypotheses.")
     p.add_argument("run_dir")
     p.add_argument("--split", choices=["test", "dev"], default="test")
-    p.add_argument("--beam", type=int, default=4)
-    p.add_argument("--alpha", type=float, default=0.6)
-    p.add_argument("--data", help="prepared data directory (default: the one the run used)")
+    p.add_argument("--beam", type=int, default=4, help="beam size (1: greedy search)")
+    p.add_argument("--alpha", type=float, default=0.6, help="length penalty")
+    p.add_argument("--data", help="prepared data directory (default: the one the run used, "
+                   "from RUN_DIR/data_dir.txt)")
     p.add_argument("--weights", default="best", help="best, last, or a .safetensors path")
-    p.add_argument("-o", "--output", help="file for the hypotheses")
+    p.add_argument("-o", "--output", help="file for the hypotheses (default: "
+                   "RUN_DIR/eval/SPLIT.WEIGHTS.beamK.txt)")
+    p.add_argument("--limit", type=int, default=0, help="only the first N sentences (0: all)")
+    p.add_argument("--max-tokens", type=int, default=8192,
+                   help="batch budget: source tokens x beam (default 8192)")
 
 
 def _run_evaluate(args) -> int:
-    raise AiaynError("`aiayn evaluate` is not implemented yet")
+    import json
+    from pathlib import Path
+
+    import torch
+    from tqdm import tqdm
+
+    from aiayn.checkpoint import atomic_write_text
+    from aiayn.data import load_prepared
+    from aiayn.metrics import score
+    from aiayn.translator import Translator
+
+    _check_beam(args.beam)
+    data_dir = Path(args.data) if args.data else _run_data_dir(Path(args.run_dir))
+    pairs = load_prepared(data_dir).split(args.split)
+    if args.limit > 0:
+        pairs = pairs[: args.limit]
+    if not pairs:
+        raise AiaynError(f"{data_dir}: the {args.split} split is empty")
+    translator = Translator.from_pretrained(args.run_dir, args.weights,
+                                            max_tokens=args.max_tokens)
+    sources = [src for src, _ in pairs]
+    references = [tgt for _, tgt in pairs]
+    with tqdm(total=len(sources), unit="sent", dynamic_ncols=True,
+              desc=f"{args.split} beam {args.beam}") as bar:
+        hypotheses = _call_showing_warnings(translator.translate, sources, args.beam,
+                                            args.alpha, progress=bar.update)
+    speed = translator.last_stats
+    scores = score(hypotheses, references)
+
+    weights_name = Path(str(args.weights)).name.removesuffix(".safetensors")
+    output = Path(args.output) if args.output else (
+        Path(args.run_dir) / "eval" / f"{args.split}.{weights_name}.beam{args.beam}.txt")
+    atomic_write_text(output, "".join(h + "\n" for h in hypotheses))
+    summary = {
+        "run_dir": str(args.run_dir), "weights": str(args.weights), "data_dir": str(data_dir),
+        "split": args.split, "sentences": len(pairs), "beam": args.beam, "alpha": args.alpha,
+        "bleu": scores.bleu, "bleu_signature": scores.bleu_signature,
+        "chrf": scores.chrf, "chrf_signature": scores.chrf_signature,
+        "cer": scores.cer, "wer": scores.wer,
+        "seconds": speed.seconds, "sentences_per_s": speed.sentences_per_s,
+        "tokens_per_s": speed.tokens_per_s, "truncated_sources": speed.truncated,
+        "threads": torch.get_num_threads(),
+    }
+    atomic_write_text(output.with_suffix(".json"), json.dumps(summary, indent=2) + "\n")
+    search = "greedy" if args.beam == 1 else f"beam {args.beam}, alpha {args.alpha}"
+    print("\n".join([
+        f"{args.split}: {len(pairs)} sentences from {data_dir}, weights {args.weights}, "
+        f"{search}",
+        f"BLEU  {scores.bleu:.2f}   {scores.bleu_signature}",
+        f"chrF  {scores.chrf:.2f}   {scores.chrf_signature}",
+        f"CER   {100 * scores.cer:.2f}%   WER {100 * scores.wer:.2f}%",
+        f"speed {speed.sentences_per_s:.1f} sentences/s, {speed.tokens_per_s:.0f} tokens/s "
+        f"({speed.seconds:.1f} s on {translator.device.type}, "
+        f"{torch.get_num_threads()} threads)",
+        f"wrote {output} and {output.with_suffix('.json')}",
+    ]))
+    return 0
+
+
+def _run_data_dir(run_dir):
+    """The prepared data directory named by RUN_DIR/data_dir.txt."""
+    from pathlib import Path
+
+    path = Path(run_dir) / "data_dir.txt"
+    if not path.is_file():
+        raise AiaynError(f"{run_dir}: no data_dir.txt naming the prepared data; give --data DIR")
+    return Path(path.read_text(encoding="utf-8").strip())
 
 
 # ---------------------------------------------------------------- average
 def _add_average(sub) -> None:
-    p = sub.add_parser("average", help="average checkpoints (paper, 6.1)")
-    p.add_argument("paths", nargs="*", help="run directories or .safetensors files")
-    p.add_argument("--last", type=int, help="average the last N step checkpoints of one run")
-    p.add_argument("-o", "--output", required=True)
+    p = sub.add_parser(
+        "average", help="average checkpoints (paper, 6.1)",
+        description="Average weights element-wise, as the paper does with its last 5 "
+        "checkpoints (section 6.1). Give .safetensors files, or run directories: with "
+        "--last N a run directory gives its last N step checkpoints "
+        "(RUN_DIR/checkpoints/step_*.safetensors), without it its last.safetensors. "
+        "Evaluate the result with `aiayn evaluate RUN_DIR --weights OUT`.")
+    p.add_argument("paths", nargs="+", help="run directories or .safetensors files")
+    p.add_argument("--last", type=int, help="a run directory gives its last N step checkpoints")
+    p.add_argument("-o", "--output", required=True, help="the averaged .safetensors file")
 
 
 def _run_average(args) -> int:
-    raise AiaynError("`aiayn average` is not implemented yet")
+    from aiayn.checkpoint import average_checkpoints
+
+    files = _checkpoints_to_average(args.paths, args.last)
+    average_checkpoints(files, args.output)
+    print(f"averaged {len(files)} checkpoints:")
+    print("".join(f"  {path}\n" for path in files), end="")
+    print(f"wrote {args.output}")
+    return 0
+
+
+def _checkpoints_to_average(paths: list[str], last: int | None) -> list:
+    from pathlib import Path
+
+    from aiayn.checkpoint import list_step_checkpoints
+
+    if last is not None and last < 1:
+        raise AiaynError(f"--last must be at least 1, got {last}")
+    files = []
+    for path in map(Path, paths):
+        if path.is_file():
+            files.append(path)
+        elif not path.is_dir():
+            raise AiaynError(f"not found: {path}")
+        elif last is None:
+            files.append(path / "last.safetensors")
+        else:
+            steps = list_step_checkpoints(path)
+            if len(steps) < last:
+                raise AiaynError(f"{path}: --last {last} asks for {last} step checkpoints but "
+                                 f"{path / 'checkpoints'} holds {len(steps)}")
+            files.extend(steps[-last:])
+    return files
 
 
 # ---------------------------------------------------------------- trace

@@ -1,0 +1,344 @@
+"""Run directory -> translations: load_run, Translator, `aiayn translate|evaluate|average`.
+
+The fixture is a real (tiny) run directory written with the public APIs: a word-level
+tokenizer, a model trained for a few seconds to copy its input, config.yaml, best/last
+weights, step checkpoints and a prepared data directory.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aiayn import cli
+from aiayn.checkpoint import average_checkpoints, read_weights, save_weights
+from aiayn.config import Config, DataConfig, ModelConfig, save_config
+from aiayn.decode import greedy_decode
+from aiayn.errors import AiaynError
+from aiayn.model import Transformer
+from aiayn.tokenizer import EOS_ID, Tokenizers, train_tokenizers
+from aiayn.translator import (
+    Translator,
+    TruncationWarning,
+    length_batches,
+    load_run,
+    pad_batch,
+    truncate_source,
+)
+
+WORDS = "red green blue black white sun moon star tree river".split()
+
+
+def random_sentence(rng: random.Random, longest: int = 6) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, longest)))
+
+
+def write_prepared(directory: Path, splits: dict[str, list[tuple[str, str]]],
+                   tokenizers: Tokenizers) -> None:
+    """A prepared data directory in the documented format (docs/interfaces.md)."""
+    for name, pairs in splits.items():
+        lines = "".join(json.dumps({"src": s, "tgt": t}) + "\n" for s, t in pairs)
+        (directory / f"{name}.jsonl").write_text(lines, encoding="utf-8")
+    tokenizers.save(directory / "tokenizer")
+    (directory / "stats.json").write_text("{}\n", encoding="utf-8")
+
+
+def train_copy_model(tokenizers: Tokenizers, run_dir: Path, steps: int = 400) -> Transformer:
+    """A tiny model taught to copy sentences; saves step checkpoints along the way."""
+    torch.manual_seed(0)
+    rng = random.Random(1)
+    cfg = ModelConfig(src_vocab_size=tokenizers.src_vocab_size,
+                      tgt_vocab_size=tokenizers.tgt_vocab_size, d_model=32, n_heads=4,
+                      d_ff=64, n_encoder_layers=1, n_decoder_layers=1, dropout=0.0,
+                      max_len=16, tie_embeddings="all")
+    model = Transformer(cfg)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for step in range(1, steps + 1):
+        batch = [random_sentence(rng) for _ in range(32)]
+        src, tgt = pad_batch(tokenizers.encode_src(batch)), pad_batch(tokenizers.encode_tgt(batch))
+        logits = model(src, tgt[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tgt[:, 1:].flatten(), ignore_index=0)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % 100 == 0:
+            save_weights(model, run_dir / "checkpoints" / f"step_{step:07d}.safetensors")
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("copy")
+    rng = random.Random(0)
+    splits = {name: [(s, s) for s in (random_sentence(rng) for _ in range(n))]
+              for name, n in (("train", 300), ("dev", 20), ("test", 40))}
+    tokenizers = train_tokenizers(splits["train"], DataConfig(tokenizer="wordlevel",
+                                                              vocab_size=100, min_frequency=1))
+    data_dir = root / "data"
+    data_dir.mkdir()
+    write_prepared(data_dir, splits, tokenizers)
+    run = root / "run"
+    run.mkdir()
+    model = train_copy_model(tokenizers, run)
+    config = Config(model=model.cfg, data=DataConfig(tokenizer="wordlevel", vocab_size=100,
+                                                     min_frequency=1))
+    config.train.max_tokens = 256
+    save_config(config.validate(), run / "config.yaml")
+    tokenizers.save(run / "tokenizer")
+    save_weights(model, run / "best.safetensors")
+    save_weights(model, run / "last.safetensors")
+    (run / "data_dir.txt").write_text(str(data_dir) + "\n", encoding="utf-8")
+    return run
+
+
+@pytest.fixture(scope="module")
+def translator(run_dir) -> Translator:
+    return Translator.from_pretrained(run_dir)
+
+
+def copy_of(run_dir: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "run"
+    shutil.copytree(run_dir, target)
+    return target
+
+
+# ---------------------------------------------------------------- load_run
+def test_load_run_returns_the_saved_model_in_eval_mode(run_dir):
+    config, model, tokenizers = load_run(run_dir)
+    assert not model.training
+    assert config.model.tgt_vocab_size == tokenizers.tgt_vocab_size == model.cfg.tgt_vocab_size
+    saved = read_weights(run_dir / "best.safetensors")
+    for name, tensor in saved.items():
+        assert torch.equal(model.state_dict()[name], tensor)
+
+
+@pytest.mark.parametrize("missing, message", [
+    ("config.yaml", "no config.yaml"),
+    ("tokenizer", "no tokenizer/"),
+    ("best.safetensors", "no weights 'best'"),
+])
+def test_load_run_names_the_missing_piece(run_dir, tmp_path, missing, message):
+    run = copy_of(run_dir, tmp_path)
+    target = run / missing
+    shutil.rmtree(target) if target.is_dir() else target.unlink()
+    with pytest.raises(AiaynError, match=message):
+        load_run(run)
+
+
+def test_load_run_lists_the_weights_there_are(run_dir, tmp_path):
+    run = copy_of(run_dir, tmp_path)
+    (run / "best.safetensors").unlink()
+    with pytest.raises(AiaynError, match="available: last"):
+        load_run(run)
+    assert load_run(run, "last")[1] is not None
+    assert load_run(run, str(run / "last.safetensors"))[1] is not None
+
+
+def test_load_run_refuses_a_tokenizer_of_another_vocabulary(run_dir, tmp_path):
+    run = copy_of(run_dir, tmp_path)
+    other = train_tokenizers([("one two three", "one two three")],
+                             DataConfig(tokenizer="wordlevel", vocab_size=100, min_frequency=1))
+    shutil.rmtree(run / "tokenizer")
+    other.save(run / "tokenizer")
+    with pytest.raises(AiaynError, match="does not belong to these weights"):
+        load_run(run)
+
+
+def test_load_run_refuses_weights_of_another_model(run_dir, tmp_path):
+    run = copy_of(run_dir, tmp_path)
+    config, model, _ = load_run(run)
+    bigger = Transformer(ModelConfig(**{**vars(config.model), "d_model": 64}))
+    save_weights(bigger, run / "best.safetensors")
+    with pytest.raises(AiaynError, match="shape"):
+        load_run(run)
+
+
+def test_a_missing_run_directory_is_one_clear_error(tmp_path):
+    with pytest.raises(AiaynError, match="run directory not found"):
+        load_run(tmp_path / "nope")
+
+
+# ---------------------------------------------------------------- Translator
+def test_the_copy_model_translates_by_copying(translator):
+    rng = random.Random(7)
+    sentences = [random_sentence(rng) for _ in range(30)]
+    for beam in (1, 4):
+        out = translator.translate(sentences, beam=beam)
+        assert sum(o == s for o, s in zip(out, sentences)) >= 27
+
+
+def test_translations_keep_the_input_order_whatever_the_batching(translator):
+    rng = random.Random(3)
+    sentences = [random_sentence(rng, longest=10) for _ in range(25)]
+    together = translator.translate(sentences, beam=3)
+    alone = [translator.translate([s], beam=3)[0] for s in sentences]
+    small = Translator(translator.model, translator.tokenizers, max_tokens=40)
+    assert small.translate(sentences, beam=3) == together == alone
+
+
+def test_beam_one_translates_like_greedy_search(translator):
+    sentences = ["red sun", "moon tree river blue", "star"]
+    src = pad_batch(translator.tokenizers.encode_src(sentences))
+    greedy = translator.tokenizers.decode_tgt(greedy_decode(translator.model, src))
+    assert translator.translate(sentences, beam=1) == greedy
+    assert [h[0][0] for h in translator.translate_nbest(sentences, beam=1)] == greedy
+
+
+def test_empty_sentences_give_empty_translations_without_decoding(translator):
+    out = translator.translate(["", "red sun", "   ", "moon"], beam=2)
+    assert out[0] == "" and out[2] == ""
+    assert out[1:4:2] == translator.translate(["red sun", "moon"], beam=2)
+    assert translator.last_stats.sentences == 2
+    assert translator.translate([]) == []
+
+
+def test_a_sentence_longer_than_max_len_is_truncated_with_a_warning(translator):
+    max_len = translator.model.cfg.max_len
+    long = " ".join(["red", "green"] * max_len)
+    with pytest.warns(TruncationWarning, match="1 sentence"):
+        out = translator.translate([long, "sun"], beam=2)
+    assert len(out[0].split()) <= max_len - 1
+    assert translator.last_stats.truncated == 1
+    assert truncate_source([5] * 20 + [EOS_ID], 16) == [5] * 15 + [EOS_ID]
+
+
+def test_nbest_gives_distinct_scored_hypotheses_best_first(translator):
+    sentences = ["red green blue", "", "sun"]
+    nbest = translator.translate_nbest(sentences, beam=4, nbest=3)
+    assert nbest[1] == []
+    for hyps in (nbest[0], nbest[2]):
+        assert len(hyps) == 3 and len({text for text, _ in hyps}) == 3
+        assert [s for _, s in hyps] == sorted((s for _, s in hyps), reverse=True)
+    best = [hyps[0][0] if hyps else "" for hyps in nbest]
+    assert best == translator.translate(sentences, beam=4)
+    with pytest.raises(AiaynError, match="nbest"):
+        translator.translate_nbest(sentences, beam=2, nbest=3)
+
+
+def test_length_batches_cover_every_sentence_once_within_the_budget():
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 30) for _ in range(200)] + [100]
+    batches = length_batches(lengths, max_tokens=120, copies=2)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for batch in batches:
+        longest = max(lengths[i] for i in batch)
+        assert len(batch) == 1 or len(batch) * longest * 2 <= 120
+    assert [len(b) for b in batches if lengths[b[0]] == 100] == [1]
+
+
+# ---------------------------------------------------------------- averaging
+def test_average_checkpoints_is_the_element_wise_mean(run_dir, tmp_path):
+    steps = sorted((run_dir / "checkpoints").glob("step_*.safetensors"))[-3:]
+    averaged = average_checkpoints(steps, tmp_path / "avg.safetensors")
+    loaded = read_weights(tmp_path / "avg.safetensors")
+    tensors = [read_weights(p) for p in steps]
+    for name, tensor in loaded.items():
+        expected = sum(t[name].double() for t in tensors) / 3
+        torch.testing.assert_close(tensor, expected.float())
+        assert torch.equal(tensor, averaged[name])
+
+
+def test_average_refuses_checkpoints_of_different_models(run_dir, tmp_path):
+    config, _, _ = load_run(run_dir)
+    other = Transformer(ModelConfig(**{**vars(config.model), "d_ff": 128}))
+    save_weights(other, tmp_path / "other.safetensors")
+    with pytest.raises(AiaynError, match="cannot average"):
+        average_checkpoints([run_dir / "best.safetensors", tmp_path / "other.safetensors"],
+                            tmp_path / "avg.safetensors")
+
+
+# ---------------------------------------------------------------- the command line
+def run_cli(argv: list[str], capsys, stdin: str | None = None, monkeypatch=None):
+    if stdin is not None:
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_translate_keeps_order_and_empty_lines(run_dir, capsys, monkeypatch, translator):
+    lines = ["red sun", "", "moon tree river", "star"]
+    code, out, _ = run_cli(["translate", str(run_dir), "--beam", "2"], capsys,
+                           "\n".join(lines) + "\n", monkeypatch)
+    assert code == 0
+    assert out.split("\n")[:-1] == translator.translate(lines, beam=2)
+    assert out.split("\n")[1] == ""
+
+
+def test_cli_translate_files_and_nbest(run_dir, tmp_path, capsys):
+    source = tmp_path / "in.txt"
+    source.write_text("red sun\n\nstar\n", encoding="utf-8")
+    target = tmp_path / "out.txt"
+    code, _, _ = run_cli(["translate", str(run_dir), "-i", str(source), "-o", str(target),
+                          "--beam", "3", "--nbest", "2"], capsys)
+    assert code == 0
+    rows = [line.split("\t") for line in target.read_text(encoding="utf-8").splitlines()]
+    assert [r[0] for r in rows] == ["0", "0", "1", "2", "2"]
+    assert rows[2] == ["1", "", ""]
+    assert float(rows[0][1]) >= float(rows[1][1])
+
+
+def test_cli_translate_warns_about_truncation_in_one_line(run_dir, capsys, monkeypatch):
+    code, out, err = run_cli(["translate", str(run_dir), "--beam", "1"], capsys,
+                             " ".join(["sun"] * 40) + "\n", monkeypatch)
+    assert code == 0 and len(out.splitlines()) == 1
+    assert err.startswith("aiayn: warning: 1 sentence(s) longer") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--beam", "0"], "--beam must be at least 1"),
+    (["--beam", "2", "--nbest", "3"], "--nbest must be between"),
+    (["--weights", "nope"], "no weights 'nope'"),
+    (["-i", "/nonexistent/in.txt"], "input file not found"),
+])
+def test_cli_translate_errors_are_one_line(run_dir, capsys, argv, message):
+    code, _, err = run_cli(["translate", str(run_dir), *argv], capsys)
+    assert code == 2
+    assert err.startswith("aiayn: error: ") and message in err and err.count("\n") == 1
+
+
+def test_cli_evaluate_scores_the_test_split(run_dir, tmp_path, capsys):
+    hyp = tmp_path / "hyp.txt"
+    code, out, _ = run_cli(["evaluate", str(run_dir), "--beam", "2", "-o", str(hyp)], capsys)
+    assert code == 0
+    assert "BLEU" in out and "nrefs:1|case:mixed|eff:no|tok:13a" in out
+    assert "chrF" in out and "CER" in out and "WER" in out and "sentences/s" in out
+    hypotheses = hyp.read_text(encoding="utf-8").splitlines()
+    assert len(hypotheses) == 40
+    summary = json.loads(hyp.with_suffix(".json").read_text(encoding="utf-8"))
+    assert summary["bleu"] > 80 and summary["sentences"] == 40 and summary["beam"] == 2
+
+
+def test_cli_evaluate_without_data_dir_asks_for_data(run_dir, tmp_path, capsys):
+    run = copy_of(run_dir, tmp_path)
+    (run / "data_dir.txt").unlink()
+    code, _, err = run_cli(["evaluate", str(run), "--split", "dev"], capsys)
+    assert code == 2 and "give --data" in err
+    code, out, _ = run_cli(["evaluate", str(run), "--split", "dev", "--beam", "1",
+                            "--data", str(Path(run_dir.parent, "data"))], capsys)
+    assert code == 0 and "dev: 20 sentences" in out
+    assert (run / "eval" / "dev.best.beam1.txt").is_file()
+
+
+def test_cli_average_last_n(run_dir, tmp_path, capsys):
+    out_file = tmp_path / "avg.safetensors"
+    code, out, _ = run_cli(["average", str(run_dir), "--last", "2", "-o", str(out_file)], capsys)
+    assert code == 0 and "averaged 2 checkpoints" in out
+    steps = sorted((run_dir / "checkpoints").glob("step_*.safetensors"))[-2:]
+    expected = average_checkpoints(steps, tmp_path / "direct.safetensors")
+    loaded = read_weights(out_file)
+    assert all(torch.equal(loaded[name], expected[name]) for name in expected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert Translator.from_pretrained(run_dir, weights=str(out_file)).translate(["sun"])
+    code, _, err = run_cli(["average", str(run_dir), "--last", "9", "-o", str(out_file)], capsys)
+    assert code == 2 and "holds 4" in err
