@@ -1,0 +1,620 @@
+"""Where sentence pairs come from, chosen by a corpus spec string.
+
+``read_corpus(spec, data_cfg)`` reads, cleans, filters and splits one corpus:
+
+====================================  ===================================================
+spec                                  pairs
+====================================  ===================================================
+``bible:eng-spa`` (default)           World English Bible -> Reina-Valera 1909, by verse
+``bible:spa-eng``, ``bible:kjv-spa``  the same modules the other way round; King James
+``hf:NAME[:CONFIG]``                  ``datasets.load_dataset(NAME, CONFIG)``, e.g.
+                                      ``hf:opus_books:en-it``; NAME may also be a local
+                                      data file or folder (read through ``datasets`` too)
+``tsv:PATH``                          one ``source<TAB>target`` pair per line
+``jsonl:PATH``                        one JSON object per line, fields ``data.src_field``
+                                      and ``data.tgt_field``
+``parallel:SRC_PATH,TGT_PATH``        two line-aligned plain-text files
+====================================  ===================================================
+
+A file path may contain ``{split}``: ``tsv:data/{split}.tsv`` reads ``data/train.tsv`` and,
+where they exist, ``data/dev.tsv`` and ``data/test.tsv``. A split without its own file is
+held out of train at random under ``data.split_seed`` (``data.dev_fraction`` and
+``data.test_fraction`` of the pairs). The Bible has a fixed split by whole books.
+
+Every text is normalized the same way: Unicode NFC, every run of whitespace one space, no
+leading or trailing space. Then pairs are dropped, each under the first reason that holds:
+``empty`` (a side with no text), ``too_long`` (a side longer than ``data.max_words`` words)
+and ``length_ratio`` (the longer side more than ``data.max_length_ratio`` times the shorter,
+in words). The counts are part of the result.
+"""
+
+from __future__ import annotations
+
+import functools
+import html
+import json
+import math
+import os
+import random
+import re
+import unicodedata
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiayn.config import DataConfig
+from aiayn.errors import AiaynError
+
+SPLITS = ("train", "dev", "test")
+DROP_REASONS = ("empty", "versification", "too_long", "length_ratio")
+SPEC_FORMS = (
+    "bible:eng-spa", "bible:spa-eng", "bible:kjv-spa", "hf:NAME[:CONFIG]", "tsv:PATH",
+    "jsonl:PATH", "parallel:SRC_PATH,TGT_PATH",
+)
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One sentence pair and where it came from (``Gen.1.1``, ``data.tsv:12``, ...)."""
+
+    src: str
+    tgt: str
+    ref: str
+
+
+@dataclass
+class CorpusResult:
+    """A corpus read, filtered and split: what ``aiayn prepare`` writes and reports."""
+
+    spec: str
+    description: str
+    splits: dict[str, list[Pair]]
+    read: int  # pairs (or non-blank-or-blank lines) read, before any filter
+    dropped: dict[str, int]  # reason -> count, every reason in DROP_REASONS present
+    split_rule: str  # how the dev and test pairs were chosen
+
+    @property
+    def kept(self) -> int:
+        return sum(len(pairs) for pairs in self.splits.values())
+
+    @property
+    def train(self) -> list[Pair]:
+        return self.splits["train"]
+
+    @property
+    def dev(self) -> list[Pair]:
+        return self.splits["dev"]
+
+    @property
+    def test(self) -> list[Pair]:
+        return self.splits["test"]
+
+    def texts(self, split: str) -> list[tuple[str, str]]:
+        """The (source, target) texts of one split."""
+        return [(p.src, p.tgt) for p in self.splits[split]]
+
+
+@dataclass
+class _Raw:
+    """What a reader returns: pairs with their split ("train" for a lone file), and the
+    pairs it dropped itself (the Bible's versification differences)."""
+
+    description: str
+    pairs: list[tuple[Pair, str]] = field(default_factory=list)
+    split_rule: str = ""
+    dropped: dict[str, int] = field(default_factory=dict)
+
+
+def read_corpus(spec: str, cfg: DataConfig, progress: bool = False) -> CorpusResult:
+    """Read the corpus named by ``spec``, filter it and split it into train/dev/test."""
+    kind, _, arg = spec.partition(":")
+    readers: dict[str, Callable[[str, DataConfig, bool], _Raw]] = {
+        "bible": _read_bible, "hf": _read_hf, "tsv": _read_tsv, "jsonl": _read_jsonl,
+        "parallel": _read_parallel,
+    }
+    if kind not in readers or not arg.strip():
+        raise AiaynError(f"unknown corpus spec {spec!r}; valid forms: {', '.join(SPEC_FORMS)}")
+    raw = readers[kind](arg.strip(), cfg, progress)
+    kept, dropped = filter_pairs(raw.pairs, cfg)
+    for reason, n in raw.dropped.items():
+        dropped[reason] += n
+    read = len(raw.pairs) + sum(raw.dropped.values())
+    if not kept:
+        reasons = ", ".join(f"{n} {r}" for r, n in dropped.items() if n)
+        raise AiaynError(
+            f"{spec}: no sentence pairs left after filtering ({read} read; dropped: "
+            f"{reasons or 'none'}); check the file, data.max_words and data.max_length_ratio"
+        )
+    given = {split for _, split in raw.pairs}
+    splits, rule = assign_splits(kept, given, cfg, spec)
+    return CorpusResult(
+        spec=spec, description=raw.description, splits=splits, read=read, dropped=dropped,
+        split_rule=raw.split_rule or rule,
+    )
+
+
+# ------------------------------------------------------------------ cleaning and filtering
+_SPACE = re.compile(r"\s+")
+
+
+def normalize_text(text: str) -> str:
+    """Unicode NFC, whitespace runs collapsed to one space, stripped."""
+    return _SPACE.sub(" ", unicodedata.normalize("NFC", text)).strip()
+
+
+def drop_reason(src: str, tgt: str, cfg: DataConfig) -> str | None:
+    """Why a (normalized) pair is dropped, or None to keep it (reasons: DROP_REASONS)."""
+    if not src or not tgt:
+        return "empty"
+    n_src, n_tgt = len(src.split()), len(tgt.split())
+    if max(n_src, n_tgt) > cfg.max_words:
+        return "too_long"
+    if max(n_src, n_tgt) > cfg.max_length_ratio * min(n_src, n_tgt):
+        return "length_ratio"
+    return None
+
+
+def filter_pairs(
+    pairs: Iterable[tuple[Pair, str]], cfg: DataConfig
+) -> tuple[list[tuple[Pair, str]], dict[str, int]]:
+    """Keep the pairs with no drop reason; count the others by reason."""
+    dropped = dict.fromkeys(DROP_REASONS, 0)
+    kept = []
+    for pair, split in pairs:
+        reason = drop_reason(pair.src, pair.tgt, cfg)
+        if reason:
+            dropped[reason] += 1
+        else:
+            kept.append((pair, split))
+    return kept, dropped
+
+
+# ------------------------------------------------------------------ splitting
+def assign_splits(
+    pairs: list[tuple[Pair, str]], given: set[str], cfg: DataConfig, spec: str
+) -> tuple[dict[str, list[Pair]], str]:
+    """Put each pair in its split, then hold the splits that were not given (dev, test)
+    out of train at random under ``cfg.split_seed``.
+
+    Returns the splits and a description of the rule."""
+    splits: dict[str, list[Pair]] = {name: [] for name in SPLITS}
+    for pair, split in pairs:
+        splits[split].append(pair)
+    for name in given - {"train"}:
+        if not splits[name]:
+            raise AiaynError(f"{spec}: the {name} split is empty after filtering")
+    fractions = {"dev": cfg.dev_fraction, "test": cfg.test_fraction}
+    held_out = {name: frac for name, frac in fractions.items() if name not in given}
+    if not held_out:
+        return splits, "given"
+    train = splits["train"]
+    n_held = {name: math.ceil(frac * len(train)) for name, frac in held_out.items()}
+    if sum(n_held.values()) >= len(train):
+        raise AiaynError(
+            f"{spec}: only {len(train)} training pairs, too few to hold out "
+            + " and ".join(f"{n} {name}" for name, n in n_held.items())
+            + " pairs; lower data.dev_fraction / data.test_fraction or give dev/test files"
+        )
+    order = list(range(len(train)))
+    random.Random(cfg.split_seed).shuffle(order)
+    chosen: dict[int, str] = {}
+    start = 0
+    for name, n in n_held.items():
+        chosen.update(dict.fromkeys(order[start:start + n], name))
+        start += n
+    for name in held_out:  # each split keeps the corpus order
+        splits[name] = [p for i, p in enumerate(train) if chosen.get(i) == name]
+    splits["train"] = [p for i, p in enumerate(train) if i not in chosen]
+    rule = ", ".join(f"{name} {frac:g} of the pairs" for name, frac in held_out.items())
+    given_text = "".join(f"; {name} given" for name in sorted(given - {"train"}))
+    return splits, f"random ({rule}, seed {cfg.split_seed}){given_text}"
+
+
+# ------------------------------------------------------------------ the Bible (SWORD)
+@dataclass(frozen=True)
+class BibleModule:
+    module: str  # SWORD module name
+    package: str  # Debian package holding it
+    title: str
+
+
+BIBLE_MODULES = {
+    "eng": BibleModule("engWEB2015eb", "sword-text-web", "World English Bible"),
+    "spa": BibleModule("spaRV1909eb", "sword-text-sparv", "Reina-Valera 1909"),
+    "kjv": BibleModule("engKJV2006eb", "sword-text-kjv", "King James Version"),
+}
+BIBLE_PAIRS = ("eng-spa", "spa-eng", "kjv-spa", "spa-kjv")
+# Whole books held out (OSIS names), so that no verse of a test book is seen in training.
+BIBLE_TEST_BOOKS = ("Ruth", "Joel", "Jonah", "Gal", "Phil", "Titus", "Jas", "1John")
+BIBLE_DEV_BOOKS = ("Obad", "Nah", "Hab", "Zeph", "Hag", "Col", "2Pet")
+DEFAULT_SWORD_PATH = "/usr/share/sword"
+_APT_HINT = "apt-get install " + " ".join(m.package for m in BIBLE_MODULES.values())
+
+
+def sword_path() -> Path:
+    """Where SWORD modules live: $SWORD_PATH (as for SWORD itself), else Debian's place."""
+    return Path(os.environ.get("SWORD_PATH") or DEFAULT_SWORD_PATH)
+
+
+def bible_split(book: str) -> str:
+    """The fixed split of a book (OSIS name)."""
+    if book in BIBLE_TEST_BOOKS:
+        return "test"
+    if book in BIBLE_DEV_BOOKS:
+        return "dev"
+    return "train"
+
+
+def _read_bible(arg: str, cfg: DataConfig, progress: bool) -> _Raw:
+    pairs, dropped = read_bible_pairs(arg, progress=progress)
+    src_code, tgt_code = arg.split("-")
+    src_mod, tgt_mod = BIBLE_MODULES[src_code], BIBLE_MODULES[tgt_code]
+    return _Raw(
+        description=f"{src_mod.title} ({src_mod.module}) -> {tgt_mod.title} ({tgt_mod.module})",
+        pairs=[(pair, bible_split(pair.ref.split(".")[0])) for pair in pairs],
+        split_rule="by book: test " + ", ".join(BIBLE_TEST_BOOKS) + "; dev "
+        + ", ".join(BIBLE_DEV_BOOKS),
+        dropped={"versification": dropped},
+    )
+
+
+def read_bible_pairs(pair_code: str, books: Iterable[str] | None = None,
+                     progress: bool = False) -> tuple[list[Pair], int]:
+    """Verse pairs of the books (OSIS names; default: all) present in both modules, in
+    canonical order, cleaned; verses of chapters versified differently are left out.
+
+    Returns the pairs and the number of non-empty pairs left out for versification."""
+    if pair_code not in BIBLE_PAIRS:
+        raise AiaynError(f"unknown Bible pair 'bible:{pair_code}'; valid: "
+                         + ", ".join(f"bible:{p}" for p in BIBLE_PAIRS))
+    src_code, tgt_code = pair_code.split("-")
+    src_bible, tgt_bible = open_sword_modules(
+        [BIBLE_MODULES[src_code].module, BIBLE_MODULES[tgt_code].module])
+    src_books, tgt_books = sword_books(src_bible), sword_books(tgt_bible)
+    wanted = set(books) if books is not None else None
+    shared = [b for b in src_books if b in tgt_books and (wanted is None or b in wanted)]
+    kept: list[Pair] = []
+    dropped = 0
+    for book in _progress(shared, progress, "reading books"):
+        src_verses = dict(read_sword_book(src_bible, src_books[book]))
+        pairs = [
+            Pair(clean_osis(src_verses[ref]), clean_osis(tgt_raw), ref)
+            for ref, tgt_raw in read_sword_book(tgt_bible, tgt_books[book])
+            if ref in src_verses  # a verse in one versification only is no pair
+        ]
+        shifted = chapters_versified_differently(pairs)
+        for pair in pairs:
+            if _chapter(pair.ref) in shifted and pair.src and pair.tgt:
+                dropped += 1
+            else:  # (a pair empty on one side is kept here and dropped as "empty")
+                kept.append(pair)
+    return kept, dropped
+
+
+def _chapter(ref: str) -> int:
+    return int(ref.split(".")[1])
+
+
+def chapters_versified_differently(pairs: list[Pair]) -> set[int]:
+    """Chapters of one book whose verses do not pair one to one.
+
+    The modules share a versification scheme (KJV's, or NRSVA's for the WEB), but a text
+    that divides chapters differently leaves the scheme's last verse(s) of a chapter empty
+    and starts the next chapter early: RV1909's Jonah 2:1 is the KJV's Jonah 1:17, so every
+    verse of Jonah 2 would pair with its neighbour. A chapter ending in a verse empty on one
+    side only marks that chapter and the next as shifted (or merged near the end)."""
+    last: dict[int, Pair] = {}
+    for pair in pairs:
+        last[_chapter(pair.ref)] = pair
+    shifted = set()
+    for chapter, pair in last.items():
+        if bool(pair.src) != bool(pair.tgt):
+            shifted.update(c for c in (chapter, chapter + 1) if c in last)
+    return shifted
+
+
+def open_sword_modules(names: list[str]) -> list[Any]:
+    """Open SWORD Bible modules with pysword; a clear error names the missing packages."""
+    try:
+        from pysword.modules import SwordModules
+    except ImportError:
+        raise AiaynError("reading the Bible needs the Python package pysword: "
+                         "pip install pysword") from None
+    root = sword_path()
+    found: dict[str, Any] = {}
+    if (root / "mods.d").is_dir():
+        library = SwordModules(paths=[str(root)])
+        found = library.parse_modules()
+    missing = [name for name in names if name not in found]
+    if missing:
+        raise AiaynError(
+            f"SWORD module(s) {', '.join(missing)} not found in {root} (set SWORD_PATH to look "
+            f"elsewhere); install the Debian packages: {_APT_HINT}"
+        )
+    bibles = []
+    for name in names:
+        bible = library.get_bible_from_module(name)
+        # pysword inflates a whole book's compressed block for every verse it returns
+        # (~1 minute per Bible); keeping the last blocks makes reading take a second.
+        if hasattr(bible, "_decompressed_text"):
+            bible._decompressed_text = functools.lru_cache(maxsize=4)(bible._decompressed_text)
+        bibles.append(bible)
+    return bibles
+
+
+def sword_books(bible: Any) -> dict[str, Any]:
+    """The books of a module's versification by OSIS name, in canonical order."""
+    books = {}
+    for testament_books in bible.get_structure().get_books().values():
+        for book in testament_books:
+            books[book.osis_name] = book
+    return books
+
+
+def read_sword_book(bible: Any, book: Any) -> Iterator[tuple[str, str]]:
+    """(``Book.chapter.verse``, raw OSIS text) for every verse of ``book``."""
+    refs = [
+        f"{book.osis_name}.{chapter}.{verse}"
+        for chapter, n_verses in enumerate(book.chapter_lengths, 1)
+        for verse in range(1, n_verses + 1)
+    ]
+    texts = list(bible.get_iter(books=[book.name], clean=False))
+    if len(texts) != len(refs):  # pysword skips unreadable verses: the refs would shift
+        raise AiaynError(f"SWORD module: {book.name} has {len(texts)} readable verses of "
+                         f"{len(refs)}; the module looks damaged, reinstall it ({_APT_HINT})")
+    return zip(refs, texts, strict=True)
+
+
+# OSIS elements whose content is not verse text: footnotes and cross-references (with
+# their nested <reference>/<rdg>/<catchWord>), the speaker labels of the Song of Songs,
+# and headings that are not canonical (the Psalms' canonical titles are verse text).
+_NOT_TEXT = re.compile(
+    r"<(note|speaker)\b[^>]*(?<!/)>.*?</\1\s*>"
+    r"|<title\b(?![^>]*canonical=\"true\")[^>]*(?<!/)>.*?</title\s*>",
+    re.S,
+)
+_REMOVED = "<removed/>"
+_TAG_RUN = re.compile(r"(?:<[^>]*>)+")
+_OPENERS = "“‘(¿¡[«"
+# Markup that cannot glue two words: followed by neither a word nor an opening mark, or
+# preceded by a space or an opening mark. (Written to start with a literal, for speed.)
+_TAG_RUN_BEFORE_NO_WORD = re.compile(rf"(?:<[^>]*>)+(?![\w{_OPENERS}<])")
+_TAG_RUN_AFTER_SPACE = re.compile(rf"([\s{_OPENERS}])(?:<[^>]*>)+")
+_TAG = re.compile(r"<(/?)([A-Za-z]+)\b[^>]*?(/?)>")
+# Elements that always separate words: poetry lines, paragraphs, milestones, lists, ...
+_BLOCK_TAGS = {"l", "lg", "lb", "div", "p", "chapter", "verse", "title", "list", "item",
+               "milestone", "removed", "speaker", "note"}
+# A footnote between a word and its "?" leaves a space in one WEB verse (Luke 12:6).
+_SPACE_BEFORE_PUNCT = re.compile(r" ([,.;:!?])(?= |$)")
+
+
+def clean_osis(text: str) -> str:
+    """Plain verse text from OSIS markup: tags and Strong's numbers gone, footnotes and
+    non-canonical headings gone with their content, words never glued together.
+
+    Where markup is removed between two words with no space left, a space is put back when
+    the markup separated words: a footnote ("God<note>..</note>created"), a block element,
+    or one word element closing and the next opening ("</w><transChange>"). Markup inside a
+    word ("give</w>n") is removed without a space.
+    """
+    text = _NOT_TEXT.sub(_REMOVED, text)
+    text = _TAG_RUN_BEFORE_NO_WORD.sub("", text)
+    text = _TAG_RUN_AFTER_SPACE.sub(r"\1", text)
+    # What is left stands between a word (or closing mark) and a word (or opening mark).
+    text = _TAG_RUN.sub(lambda m: " " if _separates_words(m.group(0)) else "", text)
+    text = html.unescape(text).replace("¶", " ")  # KJV paragraph marks are not words
+    return _SPACE_BEFORE_PUNCT.sub(r"\1", normalize_text(text))
+
+
+def _separates_words(run: str) -> bool:
+    closed = False
+    for m in _TAG.finditer(run):
+        is_end, name, self_closing = m.group(1) == "/", m.group(2), m.group(3) == "/"
+        if name in _BLOCK_TAGS:
+            return True
+        if is_end:
+            closed = True
+        elif not self_closing and (closed or name == "w"):
+            return True
+    return False
+
+
+# ------------------------------------------------------------------ Hugging Face datasets
+_HF_SPLIT_NAMES = {"train": "train", "validation": "dev", "valid": "dev", "dev": "dev",
+                   "test": "test"}
+_LOCAL_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv",
+                   ".parquet": "parquet"}
+
+
+def _read_hf(arg: str, cfg: DataConfig, progress: bool) -> _Raw:
+    """A dataset through ``datasets.load_dataset``. ``NAME`` is a hub name (needs the
+    network) or a local data file/folder; ``CONFIG`` is the hub config, whose ``xx-yy`` form
+    also names the source and target languages of ``translation`` rows."""
+    name, _, config = arg.partition(":")
+    config = config or None
+    dataset = _load_hf_dataset(name, config)
+    langs = _config_languages(config)
+    splits = {_HF_SPLIT_NAMES[s]: s for s in dataset if s in _HF_SPLIT_NAMES}
+    if not splits and len(dataset) == 1:  # one split under another name: the whole corpus
+        splits = {"train": next(iter(dataset))}
+    if "train" not in splits:
+        raise AiaynError(f"hf:{arg}: no train split among {', '.join(dataset)}")
+    raw = _Raw(description=f"datasets.load_dataset({name!r}, {config!r})")
+    for split, hf_split in splits.items():
+        rows = dataset[hf_split]
+        for i, row in enumerate(_progress(rows, progress, f"reading {hf_split}")):
+            src, tgt = _hf_row_texts(row, langs, cfg, f"hf:{arg} {hf_split} row {i}")
+            pair = Pair(normalize_text(src), normalize_text(tgt), f"{hf_split}:{i}")
+            raw.pairs.append((pair, split))
+    return raw
+
+
+def _load_hf_dataset(name: str, config: str | None):
+    import datasets
+
+    path = Path(name).expanduser()
+    try:
+        if path.is_file():
+            builder = _LOCAL_BUILDERS.get(path.suffix.lower())
+            if builder is None:
+                raise AiaynError(f"hf:{name}: cannot tell the format of {path.name}; use one "
+                                 f"of {', '.join(sorted(_LOCAL_BUILDERS))}")
+            options = {"delimiter": "\t"} if path.suffix.lower() == ".tsv" else {}
+            return datasets.load_dataset(builder, data_files=str(path), **options)
+        if path.is_dir():
+            return datasets.load_dataset(str(path))
+        return datasets.load_dataset(name, config)
+    except AiaynError:
+        raise
+    except Exception as exc:  # datasets raises many types (network, missing, format)
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise AiaynError(
+            f"hf:{name}{':' + config if config else ''}: datasets.load_dataset failed "
+            f"({message}); a hub dataset needs network access to huggingface.co"
+        ) from None
+
+
+def _config_languages(config: str | None) -> tuple[str, str] | None:
+    match = re.fullmatch(r"([A-Za-z_]+)-([A-Za-z_]+)", config or "")
+    return (match.group(1), match.group(2)) if match else None
+
+
+def _hf_row_texts(row: dict, langs: tuple[str, str] | None, cfg: DataConfig,
+                  where: str) -> tuple[str, str]:
+    """Source and target of one row: ``row["translation"][lang]`` (opus_books style, with
+    the languages from data.src_field/tgt_field or else the config ``xx-yy``), or
+    ``row[data.src_field]`` and ``row[data.tgt_field]``."""
+    fields = (cfg.src_field, cfg.tgt_field)
+    table = row.get("translation")
+    if isinstance(table, dict):
+        for keys in (fields, langs):
+            if keys and all(k in table for k in keys):
+                return _text_value(table[keys[0]], where), _text_value(table[keys[1]], where)
+        raise AiaynError(f"{where}: translation has languages {', '.join(table)}; name the "
+                         "pair in the spec (hf:NAME:xx-yy) or set data.src_field/tgt_field")
+    if all(k in row for k in fields):
+        return _text_value(row[fields[0]], where), _text_value(row[fields[1]], where)
+    raise AiaynError(f"{where}: no 'translation' field and no fields {fields[0]!r}/"
+                     f"{fields[1]!r} (fields: {', '.join(row)}); set data.src_field/tgt_field")
+
+
+def _text_value(value: Any, where: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise AiaynError(f"{where}: expected text, got {type(value).__name__} {value!r:.40}")
+    return value
+
+
+# ------------------------------------------------------------------ the user's files
+def _split_files(pattern: str) -> dict[str, Path]:
+    """``{split}`` in a path: the existing split files (train required); else one file."""
+    if "{split}" not in pattern:
+        return {"train": _existing_file(Path(pattern).expanduser())}
+    files = {name: Path(pattern.replace("{split}", name)).expanduser() for name in SPLITS}
+    _existing_file(files["train"])
+    return {name: path for name, path in files.items() if path.is_file()}
+
+
+def _existing_file(path: Path) -> Path:
+    if not path.is_file():
+        what = "is a directory, not a file" if path.is_dir() else "file not found"
+        raise AiaynError(f"{path}: {what}")
+    return path
+
+
+def read_lines(path: Path) -> list[str]:
+    """The lines of a UTF-8 text file (without line ends; a leading BOM removed).
+    Invalid UTF-8 is an error that names the file and line."""
+    lines = []
+    with open(path, "rb") as fh:
+        for number, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise AiaynError(
+                    f"{path}: line {number} is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at "
+                    f"column {exc.start + 1}); convert the file, e.g. with iconv -t UTF-8"
+                ) from None
+            if number == 1:
+                line = line.removeprefix("\ufeff")
+            lines.append(line.rstrip("\r\n"))
+    return lines
+
+
+def _read_tsv(arg: str, cfg: DataConfig, progress: bool) -> _Raw:
+    """``source<TAB>target`` per line; further columns (e.g. attribution) are ignored."""
+    files = _split_files(arg)
+    raw = _Raw(description=f"tab-separated pairs from {arg}")
+    for split, path in files.items():
+        for number, line in enumerate(read_lines(path), 1):
+            if not line.strip():
+                src = tgt = ""
+            else:
+                columns = line.split("\t")
+                if len(columns) < 2:
+                    raise AiaynError(f"{path}: line {number} has no tab; expected "
+                                     "source<TAB>target")
+                src, tgt = columns[0], columns[1]
+            pair = Pair(normalize_text(src), normalize_text(tgt), f"{path.name}:{number}")
+            raw.pairs.append((pair, split))
+    return raw
+
+
+def _read_jsonl(arg: str, cfg: DataConfig, progress: bool) -> _Raw:
+    """One JSON object per line with the fields ``data.src_field`` and ``data.tgt_field``."""
+    files = _split_files(arg)
+    raw = _Raw(description=f"JSON lines ({cfg.src_field!r} -> {cfg.tgt_field!r}) from {arg}")
+    for split, path in files.items():
+        for number, line in enumerate(read_lines(path), 1):
+            src, tgt = _jsonl_texts(line, cfg, f"{path}: line {number}")
+            pair = Pair(normalize_text(src), normalize_text(tgt), f"{path.name}:{number}")
+            raw.pairs.append((pair, split))
+    return raw
+
+
+def _jsonl_texts(line: str, cfg: DataConfig, where: str) -> tuple[str, str]:
+    if not line.strip():
+        return "", ""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise AiaynError(f"{where} is not valid JSON ({exc.msg})") from None
+    if not isinstance(record, dict):
+        raise AiaynError(f"{where} is not a JSON object")
+    for name in (cfg.src_field, cfg.tgt_field):
+        if name not in record:
+            raise AiaynError(f"{where} lacks the field {name!r} (fields: "
+                             f"{', '.join(record) or 'none'}); set data.src_field/tgt_field")
+    return (_text_value(record[cfg.src_field], where), _text_value(record[cfg.tgt_field], where))
+
+
+def _read_parallel(arg: str, cfg: DataConfig, progress: bool) -> _Raw:
+    """Two line-aligned files: line n of the source translates line n of the target."""
+    src_pattern, sep, tgt_pattern = arg.partition(",")
+    if not sep or not src_pattern.strip() or not tgt_pattern.strip():
+        raise AiaynError(f"parallel:{arg}: expected parallel:SRC_PATH,TGT_PATH")
+    src_files, tgt_files = _split_files(src_pattern.strip()), _split_files(tgt_pattern.strip())
+    if set(src_files) != set(tgt_files):
+        raise AiaynError(f"parallel:{arg}: source splits ({', '.join(src_files)}) and target "
+                         f"splits ({', '.join(tgt_files)}) differ")
+    raw = _Raw(description=f"parallel files {arg}")
+    for split in src_files:
+        src_path, tgt_path = src_files[split], tgt_files[split]
+        src_lines, tgt_lines = read_lines(src_path), read_lines(tgt_path)
+        if len(src_lines) != len(tgt_lines):
+            raise AiaynError(f"parallel files differ in length: {src_path} has {len(src_lines)} "
+                             f"lines, {tgt_path} has {len(tgt_lines)}")
+        for number, (src, tgt) in enumerate(zip(src_lines, tgt_lines, strict=True), 1):
+            pair = Pair(normalize_text(src), normalize_text(tgt), f"{src_path.name}:{number}")
+            raw.pairs.append((pair, split))
+    return raw
+
+
+def _progress(items, enabled: bool, desc: str):
+    if not enabled:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, unit="", leave=False, disable=None)
