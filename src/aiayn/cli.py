@@ -42,7 +42,42 @@ def _add_prepare(sub) -> None:
 
 
 def _run_prepare(args) -> int:
-    raise AiaynError("`aiayn prepare` is not implemented yet")
+    import dataclasses
+
+    from aiayn.data import prepare
+
+    config = _config_from_args(args)
+    changes = {"corpus": args.corpus, "vocab_size": args.vocab_size, "tokenizer": args.tokenizer}
+    changes = {key: value for key, value in changes.items() if value is not None}
+    config.data = dataclasses.replace(config.data, **changes)
+    config.validate("command line")
+    stats = prepare(config.data, args.out, config.model.max_len, config.train.max_tokens,
+                    progress=True)
+    print(_prepare_summary(stats, args.out))
+    return 0
+
+
+def _prepare_summary(stats: dict, out: str) -> str:
+    """A few lines: what was read, dropped and kept, the splits, the vocabulary, batching."""
+    pairs, splits, tok = stats["pairs"], stats["splits"], stats["tokenizer"]
+    dropped = ", ".join(f"{reason} {n}" for reason, n in pairs["dropped"].items() if n)
+    vocab = (f"joint vocabulary of {tok['src_vocab_size']}" if tok["joint"] else
+             f"vocabularies of {tok['src_vocab_size']} (source) and {tok['tgt_vocab_size']} (target)")
+    lengths = stats["lengths"]["train"]
+    batching = stats["batching"]
+    return "\n".join([
+        f"corpus   {stats['corpus']}: {stats['description']}",
+        f"pairs    read {pairs['read']}, kept {pairs['kept']}, dropped "
+        f"{sum(pairs['dropped'].values())} ({dropped or 'none'})",
+        f"splits   train {splits['train']}, dev {splits['dev']}, test {splits['test']} "
+        f"({stats['split_rule']})",
+        f"tokens   {tok['kind']}, {vocab}; train lengths p50/p99/max src "
+        f"{lengths['src']['p50']}/{lengths['src']['p99']}/{lengths['src']['p100']}, tgt "
+        f"{lengths['tgt']['p50']}/{lengths['tgt']['p99']}/{lengths['tgt']['p100']}",
+        f"batches  {batching['batches']} train batches of <= {batching['max_tokens']} tokens, "
+        f"padding {100 * batching['padding_fraction']:.1f}%",
+        f"wrote    {out}/{{train,dev,test}}.jsonl, tokenizer/, stats.json",
+    ])
 
 
 # ---------------------------------------------------------------- train
