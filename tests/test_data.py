@@ -310,3 +310,7 @@ def test_cli_prepare_errors_are_one_line(tmp_path, capsys):
     assert main(["prepare", "--corpus", f"tsv:{tmp_path}/missing.tsv",
                  "--out", str(tmp_path)]) == 2
     assert "file not found" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("x")
+    assert main(["prepare", "--corpus", f"tsv:{toy_tsv(tmp_path / 'c.tsv')}",
+                 "--out", str(tmp_path / "a-file")]) == 2
+    assert "is not a directory" in capsys.readouterr().err

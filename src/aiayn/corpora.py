@@ -23,9 +23,10 @@ held out of train at random under ``data.split_seed`` (``data.dev_fraction`` and
 
 Every text is normalized the same way: Unicode NFC, every run of whitespace one space, no
 leading or trailing space. Then pairs are dropped, each under the first reason that holds:
-``empty`` (a side with no text), ``too_long`` (a side longer than ``data.max_words`` words)
-and ``length_ratio`` (the longer side more than ``data.max_length_ratio`` times the shorter,
-in words). The counts are part of the result.
+``empty`` (a side with no text), ``versification`` (Bible chapters whose verses do not pair
+one to one, see ``chapters_versified_differently``), ``too_long`` (a side longer than
+``data.max_words`` words) and ``length_ratio`` (the longer side more than
+``data.max_length_ratio`` times the shorter, in words). The counts are part of the result.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class CorpusResult:
     spec: str
     description: str
     splits: dict[str, list[Pair]]
-    read: int  # pairs (or non-blank-or-blank lines) read, before any filter
+    read: int  # pairs (lines, rows, verses) read before any filter, blank ones included
     dropped: dict[str, int]  # reason -> count, every reason in DROP_REASONS present
     split_rule: str  # how the dev and test pairs were chosen
 

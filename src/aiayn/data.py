@@ -47,12 +47,14 @@ def prepare(data_cfg: DataConfig, out_dir: str | Path, model_max_len: int,
     from aiayn.checkpoint import atomic_write_text
 
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise AiaynError(f"--out {out}: exists and is not a directory")
     if corpus is None:
         corpus = read_corpus(data_cfg.corpus, data_cfg, progress=progress)
     splits = {name: corpus.texts(name) for name in SPLITS}
     for name, pairs in splits.items():
         atomic_write_text(out / f"{name}.jsonl", _jsonl(pairs))
-    tokenizers = train_tokenizers(splits["train"], data_cfg)
+    tokenizers = train_tokenizers(splits["train"], data_cfg, progress=progress)
     tokenizers.save(out / TOKENIZER_DIR)
     stats = {
         "corpus": data_cfg.corpus,

@@ -137,7 +137,8 @@ class Tokenizers:
         return cls(loaded[files["src"]], loaded[files["tgt"]], kind)
 
 
-def train_tokenizers(pairs: list[tuple[str, str]], cfg: DataConfig) -> Tokenizers:
+def train_tokenizers(pairs: list[tuple[str, str]], cfg: DataConfig,
+                     progress: bool = False) -> Tokenizers:
     """Train the tokenizer(s) on (source, target) pairs -- the train split only.
 
     ``cfg.joint_vocab``: one vocabulary of ``cfg.vocab_size`` for both sides; else one of
@@ -148,10 +149,10 @@ def train_tokenizers(pairs: list[tuple[str, str]], cfg: DataConfig) -> Tokenizer
     if not pairs:
         raise AiaynError("cannot train a tokenizer on no sentences")
     if cfg.joint_vocab:
-        joint = _train_one(_both_sides(pairs), cfg)
+        joint = _train_one(_both_sides(pairs), cfg, progress)
         return Tokenizers(joint, joint, cfg.tokenizer)
-    src = _train_one((s for s, _ in pairs), cfg)
-    tgt = _train_one((t for _, t in pairs), cfg)
+    src = _train_one((s for s, _ in pairs), cfg, progress)
+    tgt = _train_one((t for _, t in pairs), cfg, progress)
     return Tokenizers(src, tgt, cfg.tokenizer)
 
 
@@ -167,11 +168,11 @@ def new_tokenizer(kind: str) -> Tokenizer:
     return tok
 
 
-def _train_one(texts: Iterable[str], cfg: DataConfig) -> Tokenizer:
+def _train_one(texts: Iterable[str], cfg: DataConfig, progress: bool) -> Tokenizer:
     tok = new_tokenizer(cfg.tokenizer)
     trainer_class = trainers.BpeTrainer if cfg.tokenizer == "bpe" else trainers.WordLevelTrainer
     trainer = trainer_class(vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
-                            special_tokens=SPECIAL_TOKENS, show_progress=False)
+                            special_tokens=SPECIAL_TOKENS, show_progress=progress)
     tok.train_from_iterator(texts, trainer)
     return tok
 
