@@ -4,6 +4,7 @@ positional encoding, the schedule and the trace diagram, each a real PNG."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,52 @@ from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
+
+# A toy language pair that translates word for word, in the same order: a trained model's
+# cross-attention must then be diagonal (decoder input i, which predicts target word i,
+# looks at source word i), a known answer for the orientation of a real model's maps.
+LEXICON = {"red": "rojo", "blue": "azul", "cat": "gato", "dog": "perro", "sun": "sol",
+           "sea": "mar", "big": "grande", "small": "chico", "house": "casa", "tree": "arbol",
+           "eats": "come", "sees": "ve", "old": "viejo", "bird": "ave", "fish": "pez",
+           "moon": "luna"}
+
+
+def word_for_word_pairs(n: int, seed: int) -> list[tuple[str, str]]:
+    rng = random.Random(seed)
+    words = sorted(LEXICON)
+    pairs = []
+    for _ in range(n):
+        src = [rng.choice(words) for _ in range(rng.randint(3, 8))]
+        pairs.append((" ".join(src), " ".join(LEXICON[w] for w in src)))
+    return pairs
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> Path:
+    """A run directory from `aiayn train` (configs/tiny.yaml, 300 steps, ~10 s) on
+    prepared data written with the public API (JSONL splits + a word-level tokenizer)."""
+    from aiayn.config import DataConfig
+    from aiayn.tokenizer import train_tokenizers
+
+    base = tmp_path_factory.mktemp("plots_run")
+    data = base / "data"
+    data.mkdir()
+    splits = {"train": word_for_word_pairs(400, 1), "dev": word_for_word_pairs(12, 2),
+              "test": word_for_word_pairs(12, 3)}
+    for name, pairs in splits.items():
+        lines = "".join(json.dumps({"src": s, "tgt": t}) + "\n" for s, t in pairs)
+        (data / f"{name}.jsonl").write_text(lines, encoding="utf-8")
+    cfg = DataConfig(tokenizer="wordlevel", vocab_size=64, min_frequency=1)
+    train_tokenizers(splits["train"], cfg).save(data / "tokenizer")
+    (data / "stats.json").write_text("{}\n", encoding="utf-8")
+    run = base / "run"
+    settings = ["train.max_steps=300", "train.warmup_steps=50", "train.lr_scale=0.6",
+                "train.eval_every=150", "train.save_every=300", "model.dropout=0.0"]
+    argv = ["train", "--config", str(TINY), "--data", str(data), "--out", str(run)]
+    for setting in settings:
+        argv += ["--set", setting]
+    assert main(argv) == 0
+    return run
 
 
 def assert_png(path: Path, min_size=(300, 200), max_size=(8000, 8000)) -> np.ndarray:
@@ -207,6 +254,48 @@ def test_sentence_attention_labels_and_shapes(tmp_path):
     assert sorted(p.name for p in paths) == ["cross.png", "decoder_self.png", "encoder_self.png"]
     for p in paths:
         assert_png(p)
+
+
+def test_attention_command_writes_three_pictures_of_a_trained_run(trained_run, tmp_path,
+                                                                   capsys):
+    out = tmp_path / "maps"
+    assert main(["attention", str(trained_run), "red dog eats old fish", "-o", str(out),
+                 "--beam", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "translation: rojo perro come viejo pez" in printed
+    for name in ("encoder_self.png", "decoder_self.png", "cross.png"):
+        assert_png(out / name, min_size=(500, 400))
+        assert str(out / name) in printed
+
+
+def test_trained_word_for_word_model_has_diagonal_cross_attention(trained_run):
+    from aiayn.translator import Translator
+
+    translator = Translator.from_pretrained(trained_run)
+    sentence = "red dog eats old fish"
+    sources, _ = translator.encode([sentence])
+    hypothesis = translator.decode_ids(sources, beam=1)[0][0][0]
+    att = plots.sentence_attention(translator.model, translator.tokenizers, sentence,
+                                   hypothesis)
+    assert att.translation == "rojo perro come viejo pez"
+    assert att.src_tokens == ["▁red", "▁dog", "▁eats", "▁old", "▁fish", "[EOS]"]
+    assert att.tgt_tokens == ["[BOS]", "▁rojo", "▁perro", "▁come", "▁viejo", "▁pez"]
+    drawn = plots.drawn_matrices(plots.attention_figures(att)["cross"])
+    last_layer = drawn[-1].mean(axis=0)  # (queries, keys), averaged over heads
+    # Decoder input i ([BOS], rojo, ...) predicts target word i, the translation of
+    # source word i: it looks at column i.
+    assert list(last_layer[:5].argmax(axis=1)) == [0, 1, 2, 3, 4]
+
+
+def test_plot_command_draws_a_real_metrics_file(trained_run, tmp_path):
+    records = plots.read_metrics(trained_run)
+    assert {r["kind"] for r in records} == {"train", "dev"}
+    fig = plots.curves_figure({"run": records})
+    bleu = next(ax for ax in fig.axes if ax.get_title() == "dev BLEU")
+    assert list(bleu.get_lines()[0].get_xdata()) == [150, 300]
+    out = tmp_path / "curves.png"
+    assert main(["plot", str(trained_run), "-o", str(out)]) == 0
+    assert_png(out, min_size=(800, 600))
 
 
 # ---------------------------------------------------------------- training curves
