@@ -401,7 +401,8 @@ def _run_trace(args) -> int:
     if args.png:
         from aiayn.plots import save_figure, trace_figure
 
-        print(f"wrote {save_figure(trace_figure(rows, src.shape, tgt.shape), args.png)}")
+        fig = trace_figure(rows, src.shape, tgt.shape, config.model.n_heads)
+        print(f"wrote {save_figure(fig, args.png)}")
     return 0
 
 

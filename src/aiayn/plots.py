@@ -477,10 +477,12 @@ def _collapse_layers(boxes: list[_Box], keep: int = 2) -> list[_Box | str]:
     return out
 
 
-def trace_figure(rows, src_shape: Sequence[int], tgt_shape: Sequence[int]) -> Figure:
+def trace_figure(rows, src_shape: Sequence[int], tgt_shape: Sequence[int],
+                 n_heads: int | None = None) -> Figure:
     """The shapes of one forward pass as a diagram in the spirit of the paper's Figure 1:
     the encoder on the left, the decoder on the right, one box per sub-layer (with its
-    output shape), the encoder's memory feeding every cross-attention."""
+    output shape), the encoder's memory feeding every cross-attention. ``n_heads``
+    (optional) is named in the title with the per-head size d_k."""
     enc, dec = _trace_columns(rows)
     if not enc or not dec:
         raise ValueError("trace rows do not look like a Transformer's forward pass")
@@ -540,9 +542,20 @@ def trace_figure(rows, src_shape: Sequence[int], tgt_shape: Sequence[int]) -> Fi
         ax.add_patch(FancyArrowPatch(start, (x_center["right"] - box_w / 2, y),
                                      arrowstyle="-|>", mutation_scale=10, color="C3",
                                      connectionstyle="arc3,rad=0.1", linewidth=1.1))
-    fig.suptitle(f"A forward pass: B = {B} sentences, S = {S} source tokens, T = {T} "
-                 f"target tokens; shapes are B×length×features", fontsize=10)
+    title = (f"A forward pass: B = {B} sentences, S = {S} source tokens, T = {T} target "
+             f"tokens; shapes are B×length×features")
+    d_model = _model_width(rows)
+    if n_heads and d_model:
+        title += (f"\nd_model = {d_model}: attention splits it into {n_heads} heads of "
+                  f"d_k = {d_model // n_heads}")
+    fig.suptitle(title, fontsize=10)
     return fig
+
+
+def _model_width(rows) -> int | None:
+    """d_model, read from the source embedding's output shape."""
+    row = next((r for r in rows if r.kind == "TokenEmbedding" and r.shape), None)
+    return row.shape[-1] if row else None
 
 
 def _box_color(box: _Box) -> str:
