@@ -253,10 +253,16 @@ def build_model(config: Config, device: torch.device) -> Transformer:
 
 
 def build_optimizer(model: nn.Module, config: Config) -> torch.optim.Adam:
-    """Adam(beta1=0.9, beta2=0.98, eps=1e-9) (paper, 5.3); the lr is set before every update."""
+    """Adam(beta1=0.9, beta2=0.98, eps=1e-9) (paper, 5.3); the lr is set before every update.
+
+    The fused kernel updates every parameter in one pass; on a CPU the default per-tensor
+    loop costs ~100x more (seconds per step for bible-small on 2 cores, half the step time).
+    """
     t = config.train
+    device = next(model.parameters()).device
     return torch.optim.Adam(model.parameters(), lr=0.0, betas=(t.adam_beta1, t.adam_beta2),
-                            eps=t.adam_eps, weight_decay=t.weight_decay)
+                            eps=t.adam_eps, weight_decay=t.weight_decay,
+                            fused=device.type in ("cpu", "cuda"))
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
