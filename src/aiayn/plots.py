@@ -289,7 +289,8 @@ def run_labels(run_dirs: Sequence[str | Path]) -> list[str]:
 def curves_figure(runs: dict[str, list[dict[str, Any]]]) -> Figure:
     """Four panels against optimizer steps, one colour per run, one legend for all."""
     fig = new_figure(figsize=(11, 7.5), layout="constrained")
-    axes = fig.subplots(2, 2).ravel()
+    # One step axis for all four panels, so that dev scores line up with the training.
+    axes = fig.subplots(2, 2, sharex=True).ravel()
     colors = [f"C{i % 10}" for i in range(len(runs))]
     for ax, (title, kind, key, ylabel) in zip(axes, CURVES, strict=True):
         drawn = False
@@ -307,8 +308,10 @@ def curves_figure(runs: dict[str, list[dict[str, Any]]]) -> Figure:
         if not drawn:
             ax.text(0.5, 0.5, f'no "{key}" records yet', transform=ax.transAxes,
                     ha="center", va="center", color="0.5")
+            ax.set_yticks([])
         ax.set_title(title)
-        ax.set_xlabel("step (optimizer updates)")
+        if ax in axes[2:]:
+            ax.set_xlabel("step (optimizer updates)")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
     handles = [Line2D([], [], color=c, linewidth=2, label=label)
