@@ -149,6 +149,8 @@ def _add_translate(sub) -> None:
     p.add_argument("--weights", default="best", help="best, last, or a .safetensors path")
     p.add_argument("--max-tokens", type=int, default=8192,
                    help="batch budget: source tokens x beam (default 8192)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: a GPU when there is one")
 
 
 _TRANSLATE_CHUNK = 2000  # lines translated at a time
@@ -159,6 +161,7 @@ def _run_translate(args) -> int:
 
     _check_beam(args.beam, args.nbest)
     translator = Translator.from_pretrained(args.run_dir, args.weights,
+                                            device=_decode_device(args.device),
                                             max_tokens=args.max_tokens)
     lines = _read_lines(args.input)
     if args.output is None:
@@ -183,6 +186,16 @@ def _translate_lines(translator, lines: list[str], args, out) -> None:
                                            args.alpha, args.nbest)
             out.write(_format_nbest(nbest, start))
         out.flush()
+
+
+def _decode_device(choice: str) -> str:
+    import torch
+
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise AiaynError("--device cuda: no CUDA GPU is available here")
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return choice
 
 
 def _check_beam(beam: int, nbest: int = 1) -> None:
@@ -252,6 +265,8 @@ def _add_evaluate(sub) -> None:
     p.add_argument("--limit", type=int, default=0, help="only the first N sentences (0: all)")
     p.add_argument("--max-tokens", type=int, default=8192,
                    help="batch budget: source tokens x beam (default 8192)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: a GPU when there is one")
 
 
 def _run_evaluate(args) -> int:
@@ -274,6 +289,7 @@ def _run_evaluate(args) -> int:
     if not pairs:
         raise AiaynError(f"{data_dir}: the {args.split} split is empty")
     translator = Translator.from_pretrained(args.run_dir, args.weights,
+                                            device=_decode_device(args.device),
                                             max_tokens=args.max_tokens)
     sources = [src for src, _ in pairs]
     references = [tgt for _, tgt in pairs]
