@@ -718,7 +718,9 @@ def _loop(model, ddp, train_model, optimizer, data, stream, progress: Progress, 
     budget_s = t.max_minutes * 60 if t.max_minutes > 0 else math.inf
     elapsed_before = progress.elapsed_s
     interactive = sys.stderr.isatty()
-    bar = tqdm(total=t.max_steps, initial=progress.step, desc="train", unit="step",
+    # Under a time budget the step limit is usually far away: show a count, not a fake ETA.
+    total = None if budget_s < math.inf else t.max_steps
+    bar = tqdm(total=total, initial=progress.step, desc="train", unit="step",
                disable=not d.is_main, dynamic_ncols=True, mininterval=1 if interactive else 30)
     window_loss = window_tokens = 0.0
     window_start = time.perf_counter()
