@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,8 +129,15 @@ def attention_figure(
             if l == n_layers - 1:
                 ax.set_xlabel(key_name, fontsize=8)
             ax.label_outer()  # tick labels on the left column and bottom row only
-    fig.colorbar(image, ax=axes, shrink=0.8, aspect=30, label="attention weight")
-    fig.suptitle(f"{title}\nrows: queries, columns: keys; each row sums to 1", fontsize=10)
+    # A colour bar of about 4 inches, however tall the grid of panels is.
+    grid_h = n_layers * (panel_h + 0.3)
+    fig.colorbar(image, ax=axes, shrink=min(0.8, 4.0 / grid_h), aspect=25,
+                 label="attention weight")
+    # Wrap long titles (a long translation) to the figure's width: ~12 characters an inch.
+    chars = max(40, int(width * 12))
+    lines = [textwrap.shorten(line, 3 * chars, placeholder=" …") for line in title.split("\n")]
+    wrapped = "\n".join(textwrap.fill(line, chars) for line in lines)
+    fig.suptitle(f"{wrapped}\nrows: queries, columns: keys; each row sums to 1", fontsize=10)
     return fig
 
 
