@@ -362,7 +362,7 @@ def positional_encoding_figure(positions: int = 100, d_model: int = 128) -> Figu
     curves.set_ylabel("PE(pos, dimension)")
     curves.set_ylim(-1.15, 1.45)
     curves.set_title("a few columns of the table", fontsize=10)
-    curves.legend(loc="upper right", fontsize=8)
+    curves.legend(loc="upper center", ncols=2, fontsize=7.5)
     curves.grid(True, alpha=0.3)
     return fig
 
