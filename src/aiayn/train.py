@@ -610,12 +610,8 @@ def restore_checkpoint(run_dir: Path, model: Transformer, optimizer: torch.optim
         raise AiaynError(f"{run_dir}/train_state.pt: unknown version {state.get('version')!r}")
     weights = run_dir / state["weights"]
     load_weights(model, weights)
+    # Loaded on the CPU; load_state_dict moves each state tensor to its parameter's device.
     optimizer.load_state_dict(state["optimizer"])
-    for group in optimizer.param_groups:  # tensors saved from a GPU come back on the CPU
-        for p in group["params"]:
-            for k, v in optimizer.state.get(p, {}).items():
-                if isinstance(v, Tensor) and k != "step":
-                    optimizer.state[p][k] = v.to(p.device)
     if state["world_size"] == d.world_size:
         stream.load_state_dict(state["stream"][d.rank])
         rng = state["rng"][d.rank]
