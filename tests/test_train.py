@@ -340,3 +340,17 @@ def test_two_gloo_processes_match_one_process_with_the_same_global_batch(data_di
         torch.testing.assert_close(wb[name], wa[name], rtol=0, atol=5e-5)
     state = load_train_state(two / "train_state.pt")
     assert state["world_size"] == 2 and len(state["rng"]) == len(state["stream"]) == 2
+
+
+def test_an_error_on_rank_0_stops_every_rank_at_once(data_dir, tmp_path):
+    """Rank 0 alone creates the run directory; when it refuses, the other rank must stop
+    too instead of waiting for it at the next collective (a 30-minute timeout)."""
+    run = tmp_path / "run"
+    run_train("--config", TINY, "--data", str(data_dir), "--out", str(run), *sets(max_steps=1))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "2", "-m", "aiayn", "train", "--config", TINY, "--data", str(data_dir), "--out",
+           str(run), "--device", "cpu"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("aiayn: error:")]
+    assert len(errors) == 2 and all("already holds a run" in line for line in errors)

@@ -153,6 +153,20 @@ def any_rank(flag: bool, d: Dist) -> bool:
     return bool(t.item() > 0)
 
 
+def on_main(action, d: Dist) -> None:
+    """Run ``action`` on rank 0 only; if it fails with an AiaynError, every rank raises it
+    (rather than the others waiting for rank 0 at the next collective until a timeout)."""
+    error = None
+    if d.is_main:
+        try:
+            action()
+        except AiaynError as exc:
+            error = str(exc)
+    error = gather_objects(error, d)[0]
+    if error is not None:
+        raise AiaynError(error)
+
+
 # ---------------------------------------------------------------- seeds and RNG states
 def set_seed(seed: int) -> None:
     """Seed every generator a run uses (python, numpy, torch CPU and GPUs)."""
@@ -338,6 +352,13 @@ class BatchStream:
             positions = next(self._it)
         return to_device(collate([self.data.train[i] for i in positions], self.pad_id),
                          self.device)
+
+    def restart_epoch(self, epoch: int) -> None:
+        """Go to the start of ``epoch`` (a resume with another number of ranks)."""
+        self.epoch = epoch
+        self.data.sampler.load_state_dict({**self.data.sampler.state_dict(), "epoch": epoch,
+                                           "batches_yielded": 0})
+        self._it = iter(self.data.sampler)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "sampler": self.data.sampler.state_dict()}
@@ -620,9 +641,7 @@ def restore_checkpoint(run_dir: Path, model: Transformer, optimizer: torch.optim
         epoch = int(state["stream"][0]["epoch"])
         log(f"resume: the run had {state['world_size']} rank(s), this one has {d.world_size}; "
             f"epoch {epoch} starts over and dropout masks differ (not an exact resume)")
-        stream.epoch = epoch
-        stream.data.sampler.set_epoch(epoch)
-        stream._it = iter(stream.data.sampler)
+        stream.restart_epoch(epoch)
         rng = state["rng"][0]
     progress = Progress(step=int(state["step"]), best_bleu=float(state["best_bleu"]),
                         best_step=int(state["best_step"]), elapsed_s=float(state["elapsed_s"]),
@@ -667,11 +686,10 @@ def _train(config, data_dir, run_dir: Path, resume: bool, overrides: list[str], 
     set_seed(t.seed)
     data = load_data(data_dir, config, d, log)
     config = resolve_config(config, data.tokenizers, data_dir)
-    if d.is_main:
-        if resume:
-            save_config(config, run_dir / "config.yaml")  # keeps the new train.* settings
-        else:
-            create_run_dir(run_dir, config, data_dir)
+    if resume:
+        on_main(lambda: save_config(config, run_dir / "config.yaml"), d)  # new train.* settings
+    else:
+        on_main(lambda: create_run_dir(run_dir, config, data_dir), d)
     model = build_model(config, d.device)
     optimizer = build_optimizer(model, config)
     stream = BatchStream(data, config.model.pad_id, d.device)
