@@ -354,3 +354,12 @@ def test_an_error_on_rank_0_stops_every_rank_at_once(data_dir, tmp_path):
     assert done.returncode != 0
     errors = [line for line in done.stderr.splitlines() if line.startswith("aiayn: error:")]
     assert len(errors) == 2 and all("already holds a run" in line for line in errors)
+
+
+def test_max_epochs_stops_after_exactly_that_many_passes(data_dir, tmp_path):
+    run = tmp_path / "run"
+    run_train("--config", TINY, "--data", str(data_dir), "--out", str(run),
+              *sets(max_epochs=2, max_steps=10_000, eval_every=10_000, log_every=1))
+    state = load_train_state(run / "train_state.pt")
+    assert state["step"] == 2 * batches_per_epoch(data_dir)
+    assert [r["epoch"] for r in records(run, "train")].count(1) == batches_per_epoch(data_dir)

@@ -332,11 +332,13 @@ def to_device(batch, device: torch.device):
 
 
 class BatchStream:
-    """Micro-batches epoch after epoch; its position is the sampler's (no prefetching, so a
-    saved sampler state names exactly the batches already trained on)."""
+    """Micro-batches epoch after epoch, until ``max_epochs`` are done (then None). Its
+    position is the sampler's (no prefetching, so a saved sampler state names exactly the
+    batches already trained on)."""
 
-    def __init__(self, data: TrainData, pad_id: int, device: torch.device):
+    def __init__(self, data: TrainData, pad_id: int, device: torch.device, max_epochs: int):
         self.data, self.pad_id, self.device = data, pad_id, device
+        self.max_epochs = max_epochs
         self.epoch = 0
         self.data.sampler.set_epoch(self.epoch)
         self._it = iter(self.data.sampler)
@@ -344,9 +346,12 @@ class BatchStream:
     def next(self):
         from aiayn.data import collate
 
-        positions = next(self._it, None)
+        positions = next(self._it, None) if self.epoch < self.max_epochs else None
         if positions is None:  # the epoch is over: reshuffle for the next one
             self.epoch += 1
+            if self.epoch >= self.max_epochs:
+                self.epoch = self.max_epochs
+                return None
             self.data.sampler.set_epoch(self.epoch)
             self._it = iter(self.data.sampler)
             positions = next(self._it)
@@ -692,7 +697,7 @@ def _train(config, data_dir, run_dir: Path, resume: bool, overrides: list[str], 
         on_main(lambda: create_run_dir(run_dir, config, data_dir), d)
     model = build_model(config, d.device)
     optimizer = build_optimizer(model, config)
-    stream = BatchStream(data, config.model.pad_id, d.device)
+    stream = BatchStream(data, config.model.pad_id, d.device, t.max_epochs)
     progress = Progress()
     rng = None
     if resume:
@@ -744,10 +749,10 @@ def _loop(model, ddp, train_model, optimizer, data, stream, progress: Progress, 
     model.train()
     try:
         while progress.step < t.max_steps:
-            if stream.epoch >= t.max_epochs:
-                stop_reason = "max_epochs"
-                break
             micro = [stream.next() for _ in range(t.grad_accum)]
+            if any(batch is None for batch in micro):  # the last epoch is done
+                stop_reason = f"max_epochs ({t.max_epochs})"
+                break
             result = train_step(train_model, ddp, optimizer, micro, progress.step + 1, config, d)
             if not (math.isfinite(result.loss) and math.isfinite(result.grad_norm)):
                 raise AiaynError(non_finite_message(result, progress, run_dir))
