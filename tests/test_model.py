@@ -388,3 +388,19 @@ def test_config_files_load_and_reject_unknown_keys(tmp_path):
     assert cfg.train.max_steps == 7 and cfg.model.norm_first is True
     with pytest.raises(AiaynError, match="unknown setting train.max_stepz"):
         load_config("configs/tiny.yaml", ["train.max_stepz=7"])
+
+
+def test_bf16_training_on_cpu_matches_fp32_within_bf16_precision():
+    """Under bf16 autocast with gradients, attention takes the explicit path on a CPU."""
+    torch.manual_seed(13)
+    cfg = tiny(dropout=0.0)
+    model = Transformer(cfg).train()
+    src, tgt = random_batch(cfg, [9, 5], [7, 4])
+    reference = model(src, tgt)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = model(src, tgt)
+    assert low.dtype == torch.bfloat16
+    real = tgt.ne(PAD_ID)
+    torch.testing.assert_close(low.float()[real], reference[real], atol=0.1, rtol=0.05)
+    low.float().sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
