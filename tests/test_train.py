@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -342,18 +344,33 @@ def test_two_gloo_processes_match_one_process_with_the_same_global_batch(data_di
     assert state["world_size"] == 2 and len(state["rng"]) == len(state["stream"]) == 2
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_an_error_on_rank_0_stops_every_rank_at_once(data_dir, tmp_path):
-    """Rank 0 alone creates the run directory; when it refuses, the other rank must stop
-    too instead of waiting for it at the next collective (a 30-minute timeout)."""
+    """Rank 0 alone creates the run directory; when it refuses, rank 1 must stop with the
+    same one-line error, not crash at its next collective with a traceback (gloo: the peer
+    is gone) or wait there until the timeout. The ranks are started by hand, as a cluster
+    launcher would; torchrun would kill rank 1 itself and hide that."""
     run = tmp_path / "run"
     run_train("--config", TINY, "--data", str(data_dir), "--out", str(run), *sets(max_steps=1))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           "2", "-m", "aiayn", "train", "--config", TINY, "--data", str(data_dir), "--out",
-           str(run), "--device", "cpu"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0
-    errors = [line for line in done.stderr.splitlines() if line.startswith("aiayn: error:")]
-    assert len(errors) == 2 and all("already holds a run" in line for line in errors)
+    cmd = [sys.executable, "-m", "aiayn", "train", "--config", TINY, "--data", str(data_dir),
+           "--out", str(run), "--device", "cpu"]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": "2"}
+    ranks = [subprocess.Popen(cmd, cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        errs = [p.communicate(timeout=120)[1] for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+    assert [p.returncode for p in ranks] == [2, 2]
+    for err in errs:
+        assert "already holds a run" in error_line(err)
 
 
 def test_max_epochs_stops_after_exactly_that_many_passes(data_dir, tmp_path):
