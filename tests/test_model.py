@@ -384,6 +384,11 @@ def test_config_files_load_and_reject_unknown_keys(tmp_path):
     bad.write_text("model:\n  d_model: 30\n  n_heads: 4\n")
     with pytest.raises(AiaynError, match="bad.yaml: model.d_model"):
         load_config(bad)
+    bad.write_text("train:\n  adam_eps: 1e-9\n")  # PyYAML reads this as a string
+    assert load_config(bad).train.adam_eps == 1e-9
+    assert load_config(bad, ["train.adam_eps=1e-6"]).train.adam_eps == 1e-6
+    with pytest.raises(AiaynError, match=r"train.adam_eps: expected float, got 'tiny'"):
+        load_config(bad, ["train.adam_eps=tiny"])
     cfg = load_config("configs/tiny.yaml", ["train.max_steps=7", "model.norm_first=true"])
     assert cfg.train.max_steps == 7 and cfg.model.norm_first is True
     with pytest.raises(AiaynError, match="unknown setting train.max_stepz"):

@@ -224,6 +224,12 @@ def _build_section(klass, values: dict[str, Any], where: str):
         expected = type(getattr(default, name))
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
+        if expected is float and isinstance(value, str):
+            # YAML 1.1 (PyYAML) reads "1e-9" without a dot as a string, not a number.
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if expected is not type(value):
             raise AiaynError(
                 f"{where}.{name}: expected {expected.__name__}, got {value!r} ({type(value).__name__})"
