@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from aiayn import checkpoint
+from aiayn import io
 from aiayn.checkpoint import (
     list_step_checkpoints,
     load_train_state,
@@ -41,7 +41,7 @@ def interrupt_rename(monkeypatch) -> None:
     def boom(src, dst):
         raise OSError("simulated crash between the temp write and the rename")
 
-    monkeypatch.setattr(checkpoint.os, "replace", boom)
+    monkeypatch.setattr(io.os, "replace", boom)
 
 
 def test_interrupted_weights_save_leaves_the_old_file_loadable(tmp_path, monkeypatch):

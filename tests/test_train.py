@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aiayn import checkpoint, train
+from aiayn import io, train
 from aiayn.checkpoint import load_train_state, read_weights
 from aiayn.cli import main
 from aiayn.config import DataConfig, load_config
@@ -225,7 +225,7 @@ def test_a_save_interrupted_between_temp_and_rename_leaves_a_resumable_run(
               *sets(eval_every=100, save_every=3, keep_checkpoints=1)]
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     run_train(*common, "--out", str(straight), *sets(max_steps=8))
-    real_replace = checkpoint.os.replace
+    real_replace = io.os.replace
     calls = []
 
     def replace(src, dst):
@@ -236,7 +236,7 @@ def test_a_save_interrupted_between_temp_and_rename_leaves_a_resumable_run(
                 raise OSError("simulated kill")
         return real_replace(src, dst)
 
-    monkeypatch.setattr(checkpoint.os, "replace", replace)
+    monkeypatch.setattr(io.os, "replace", replace)
     with pytest.raises(OSError, match="simulated kill"):
         main(["train", *common, "--out", str(crashed), *sets(max_steps=8)])
     monkeypatch.undo()

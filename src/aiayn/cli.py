@@ -167,7 +167,7 @@ def _run_translate(args) -> int:
     if args.output is None:
         _translate_lines(translator, lines, args, sys.stdout)
         return 0
-    from aiayn.checkpoint import atomic_path
+    from aiayn.io import atomic_path
 
     with atomic_path(args.output) as tmp, open(tmp, "w", encoding="utf-8") as out:
         _translate_lines(translator, lines, args, out)
@@ -276,8 +276,8 @@ def _run_evaluate(args) -> int:
     import torch
     from tqdm import tqdm
 
-    from aiayn.checkpoint import atomic_write_text
     from aiayn.data import load_prepared
+    from aiayn.io import atomic_write_text
     from aiayn.metrics import score
     from aiayn.translator import Translator
 

@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from aiayn.errors import AiaynError
+from aiayn.io import atomic_write_text
 
 TIE_CHOICES = ("none", "decoder", "all")
 
@@ -256,8 +257,6 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
 
 def save_config(config: Config, path: str | Path) -> None:
     """Write the config as YAML (``.yaml``) or JSON (``.json``), atomically."""
-    from aiayn.checkpoint import atomic_write_text
-
     path = Path(path)
     if path.suffix == ".json":
         text = json.dumps(config.to_dict(), indent=2) + "\n"

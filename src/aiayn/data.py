@@ -25,6 +25,7 @@ import torch
 from aiayn.config import DataConfig
 from aiayn.corpora import SPLITS, CorpusResult, read_corpus
 from aiayn.errors import AiaynError
+from aiayn.io import atomic_write_text
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizers, train_tokenizers
 
 STATS_FILE = "stats.json"
@@ -44,8 +45,6 @@ def prepare(data_cfg: DataConfig, out_dir: str | Path, model_max_len: int,
     length limit would drop or truncate, and the padding of train batches of that budget.
     ``corpus``: the result of ``read_corpus(data_cfg.corpus, data_cfg)`` if already read.
     """
-    from aiayn.checkpoint import atomic_write_text
-
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise AiaynError(f"--out {out}: exists and is not a directory")

@@ -31,6 +31,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 from aiayn.config import DataConfig
 from aiayn.errors import AiaynError
+from aiayn.io import atomic_write_text
 
 PAD, UNK, BOS, EOS = "[PAD]", "[UNK]", "[BOS]", "[EOS]"
 SPECIAL_TOKENS = [PAD, UNK, BOS, EOS]
@@ -98,8 +99,6 @@ class Tokenizers:
     # ---------------------------------------------------------------- files
     def save(self, directory: str | Path) -> None:
         """Write meta.json and the tokenizer JSON file(s), atomically each."""
-        from aiayn.checkpoint import atomic_write_text
-
         directory = Path(directory)
         files = {"src": "joint.json", "tgt": "joint.json"} if self.joint else {
             "src": "src.json", "tgt": "tgt.json"}

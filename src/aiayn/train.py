@@ -43,7 +43,6 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from aiayn.checkpoint import (
-    atomic_write_text,
     load_train_state,
     load_weights,
     prune_step_checkpoints,
@@ -53,6 +52,7 @@ from aiayn.checkpoint import (
 )
 from aiayn.config import Config, load_config, save_config
 from aiayn.errors import AiaynError
+from aiayn.io import atomic_write_text
 from aiayn.model import Transformer
 
 STATE_VERSION = 1
