@@ -40,6 +40,7 @@ from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
 from matplotlib.ticker import StrMethodFormatter
 
 from aiayn.errors import AiaynError
+from aiayn.optim import schedule_lr
 
 DPI = 110
 
@@ -372,13 +373,12 @@ def positional_encoding_figure(positions: int = 100, d_model: int = 128) -> Figu
 def schedule_figure(config, label: str = "") -> Figure:
     """lr(step) = lr_scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) (paper,
     eq. 3) over ``config.train.max_steps`` steps, with the peak at the warm-up's end."""
-    from aiayn.train import learning_rate  # the one the training loop uses
     d, warmup, scale = config.model.d_model, config.train.warmup_steps, config.train.lr_scale
     last = max(config.train.max_steps, 2)
     steps = np.unique(np.concatenate([np.linspace(1, last, 1500).round(), [warmup]]))
     steps = steps[steps <= last].astype(int)
-    lrs = [learning_rate(int(s), d, warmup, scale) for s in steps]
-    peak = learning_rate(warmup, d, warmup, scale)
+    lrs = [schedule_lr(int(s), config) for s in steps]  # the training loop's schedule
+    peak = schedule_lr(warmup, config)
     fig = new_figure(figsize=(8, 4.5), layout="constrained")
     ax = fig.subplots()
     ax.plot(steps, lrs, color="C0", label=label or None)

@@ -38,7 +38,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
@@ -54,36 +53,9 @@ from aiayn.config import Config, load_config, save_config
 from aiayn.errors import AiaynError
 from aiayn.io import atomic_write_text
 from aiayn.model import Transformer
+from aiayn.optim import build_optimizer, label_smoothed_loss, schedule_lr, set_learning_rate
 
 STATE_VERSION = 1
-
-
-# ---------------------------------------------------------------- the paper's formulas
-def learning_rate(step: int, d_model: int, warmup: int, scale: float) -> float:
-    """lrate = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)   (paper, eq. 3).
-
-    Rises linearly for ``warmup`` steps, peaks at step == warmup with
-    scale * (d_model * warmup)^-0.5, then decays as step^-0.5. ``step`` counts optimizer
-    updates from 1.
-    """
-    if step < 1:
-        raise ValueError(f"the schedule starts at step 1, got {step}")
-    return scale * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
-
-
-def label_smoothed_loss(logits: Tensor, labels: Tensor, smoothing: float, pad_id: int) -> Tensor:
-    """Summed cross-entropy with label smoothing eps_ls (paper, 5.4), padding ignored.
-
-    The smoothed target puts 1 - eps on the reference token and spreads eps uniformly over
-    the vocabulary. Returns the sum over real tokens; the caller divides by their count.
-    """
-    return F.cross_entropy(
-        logits.float().reshape(-1, logits.size(-1)),
-        labels.reshape(-1),
-        ignore_index=pad_id,
-        label_smoothing=smoothing,
-        reduction="sum",
-    )
 
 
 # ---------------------------------------------------------------- processes and devices
@@ -261,27 +233,9 @@ def read_data_dir(run_dir: Path) -> Path:
     return Path(path.read_text(encoding="utf-8").strip())
 
 
-# ---------------------------------------------------------------- model and optimizer
+# ---------------------------------------------------------------- model
 def build_model(config: Config, device: torch.device) -> Transformer:
     return Transformer(config.model).to(device)
-
-
-def build_optimizer(model: nn.Module, config: Config) -> torch.optim.Adam:
-    """Adam(beta1=0.9, beta2=0.98, eps=1e-9) (paper, 5.3); the lr is set before every update.
-
-    The fused kernel updates every parameter in one pass; on a CPU the default per-tensor
-    loop costs ~100x more (seconds per step for bible-small on 2 cores, half the step time).
-    """
-    t = config.train
-    device = next(model.parameters()).device
-    return torch.optim.Adam(model.parameters(), lr=0.0, betas=(t.adam_beta1, t.adam_beta2),
-                            eps=t.adam_eps, weight_decay=t.weight_decay,
-                            fused=device.type in ("cpu", "cuda"))
-
-
-def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
 
 
 # ---------------------------------------------------------------- data
@@ -415,7 +369,7 @@ def train_step(
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = t.clip_norm if t.clip_norm > 0 else float("inf")
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    lr = learning_rate(step, m.d_model, t.warmup_steps, t.lr_scale)
+    lr = schedule_lr(step, config)
     if math.isfinite(loss_per_token) and math.isfinite(grad_norm):
         set_learning_rate(optimizer, lr)
         optimizer.step()
