@@ -249,15 +249,15 @@ def test_gradient_accumulation_equals_one_batch_of_the_same_tokens(data_dir):
     config = train.resolve_config(config, prepared.tokenizers, data_dir)
     examples, _ = encode_split(prepared.train, prepared.tokenizers, 64, "drop")
     short, long = examples[:3], [e for e in examples if len(e.tgt) > 8][:2]
-    d = train.Dist()
+    world = train.Dist()
     lr = learning_rate(1, config.model.d_model, config.train.warmup_steps, config.train.lr_scale)
     results = []
     for micro in ([collate(short), collate(long)], [collate(short + long)]):
         torch.manual_seed(0)
-        model = train.build_model(config, d.device)
+        model = train.build_model(config, world.device)
         before = {k: v.clone() for k, v in model.state_dict().items()}
         sgd = torch.optim.SGD(model.parameters(), lr=0.0)
-        step = train.train_step(model, None, sgd, micro, 1, config, d)
+        step = train.train_step(model, None, sgd, micro, 1, config, world)
         grads = {k: (before[k] - v) / lr for k, v in model.state_dict().items()}
         results.append((step, grads))
     (a, ga), (b, gb) = results

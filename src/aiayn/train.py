@@ -25,20 +25,17 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import shutil
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
-from datetime import timedelta
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 from tqdm import tqdm
 
 from aiayn.checkpoint import (
@@ -50,126 +47,23 @@ from aiayn.checkpoint import (
     step_checkpoint_path,
 )
 from aiayn.config import Config, load_config, save_config
+from aiayn.distributed import (
+    Dist,
+    all_reduce_sum,
+    any_rank,
+    gather_objects,
+    on_main,
+    rng_state,
+    set_rng_state,
+    set_seed,
+    setup_distributed,
+)
 from aiayn.errors import AiaynError
 from aiayn.io import atomic_write_text
 from aiayn.model import Transformer
 from aiayn.optim import build_optimizer, label_smoothed_loss, schedule_lr, set_learning_rate
 
 STATE_VERSION = 1
-
-
-# ---------------------------------------------------------------- processes and devices
-@dataclass
-class Dist:
-    """Where this process runs: its rank among ``world_size`` and its device."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def enabled(self) -> bool:
-        return self.world_size > 1
-
-
-def setup_distributed(device: str | None = None) -> Dist:
-    """Read torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK); start the process group.
-
-    NCCL when every rank has a GPU, gloo on CPUs. ``device``: "cpu", "cuda" or None (a GPU
-    when there is one).
-    """
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = torch.cuda.is_available() if device in (None, "auto") else device == "cuda"
-    if use_cuda and not torch.cuda.is_available():
-        raise AiaynError("--device cuda: no CUDA GPU is available")
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-        where = torch.device("cuda", local_rank)
-    else:
-        where = torch.device("cpu")
-    if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo",
-                                timeout=timedelta(minutes=30))
-    return Dist(rank, world_size, local_rank, where)
-
-
-def all_reduce_sum(value: Tensor, d: Dist) -> Tensor:
-    """The sum of ``value`` over all ranks (itself when there is one)."""
-    if d.enabled:
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-    return value
-
-
-def gather_objects(obj: Any, d: Dist) -> list[Any]:
-    """Every rank's ``obj``, in rank order (for per-rank RNG and sampler states)."""
-    if not d.enabled:
-        return [obj]
-    out: list[Any] = [None] * d.world_size
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def any_rank(flag: bool, d: Dist) -> bool:
-    """True on every rank when ``flag`` is true on some rank (a stop decision all share)."""
-    if not d.enabled:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=d.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
-
-
-def on_main(action, d: Dist) -> None:
-    """Run ``action`` on rank 0 only; if it fails with an AiaynError, every rank raises it
-    (rather than the others waiting for rank 0 at the next collective until a timeout)."""
-    error = None
-    if d.is_main:
-        try:
-            action()
-        except AiaynError as exc:
-            error = str(exc)
-    error = gather_objects(error, d)[0]
-    if error is not None:
-        raise AiaynError(error)
-
-
-# ---------------------------------------------------------------- seeds and RNG states
-def set_seed(seed: int) -> None:
-    """Seed every generator a run uses (python, numpy, torch CPU and GPUs)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def rng_state() -> dict[str, Any]:
-    """The RNG states as plain lists and tensors, loadable with ``weights_only=True``."""
-    version, internal, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": [version, list(internal), gauss],
-        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`rng_state` captured."""
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 # ---------------------------------------------------------------- the run directory
@@ -250,7 +144,7 @@ class TrainData:
     tokenizers: Any
 
 
-def load_data(data_dir: Path, config: Config, d: Dist, log=print) -> TrainData:
+def load_data(data_dir: Path, config: Config, world: Dist, log=print) -> TrainData:
     """Encode the train and dev splits; long training pairs follow data.long_policy, long dev
     sources are truncated (the dev score covers every dev pair)."""
     from aiayn.data import TokenBatchSampler, encode_split, load_prepared
@@ -266,7 +160,7 @@ def load_data(data_dir: Path, config: Config, d: Dist, log=print) -> TrainData:
         raise AiaynError(f"{data_dir}: the dev split is empty")
     sampler = TokenBatchSampler([len(e.src) for e in train], [len(e.tgt) for e in train],
                                 t.max_tokens, shuffle=True, seed=t.seed,
-                                rank=d.rank, world_size=d.world_size)
+                                rank=world.rank, world_size=world.world_size)
     log(f"data: {len(train)} training pairs ({_describe(train_stats)}), {len(dev)} dev pairs, "
         f"{len(sampler)} batches per epoch per rank")
     return TrainData(train, sampler, dev, list(prepared.dev), prepared.tokenizers)
@@ -344,18 +238,18 @@ def train_step(
     micro_batches: list,
     step: int,
     config: Config,
-    d: Dist,
+    world: Dist,
 ) -> StepResult:
     """One Adam update over ``micro_batches`` (gradient accumulation), normalised by the
     global count of real target tokens. Does not update the weights when the loss or the
     gradient is not finite (the caller stops the run)."""
     t, m = config.train, config.model
     local_tokens = sum(b.n_tokens for b in micro_batches)
-    n_tokens = int(all_reduce_sum(torch.tensor([float(local_tokens)], device=d.device), d).item())
+    n_tokens = int(all_reduce_sum(torch.tensor([float(local_tokens)], device=world.device), world).item())
     # DDP averages gradients over ranks; * world_size turns that average into a sum.
-    scale = d.world_size / n_tokens
-    autocast = torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=t.bf16)
-    loss_sum = torch.zeros((), device=d.device)
+    scale = world.world_size / n_tokens
+    autocast = torch.autocast(world.device.type, dtype=torch.bfloat16, enabled=t.bf16)
+    loss_sum = torch.zeros((), device=world.device)
     for i, batch in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         sync = ddp.no_sync() if ddp is not None and not last else nullcontext()
@@ -365,7 +259,7 @@ def train_step(
             loss = label_smoothed_loss(logits, batch.tgt_out, t.label_smoothing, m.pad_id)
             (loss * scale).backward()
         loss_sum += loss.detach()
-    loss_per_token = all_reduce_sum(loss_sum, d).item() / n_tokens
+    loss_per_token = all_reduce_sum(loss_sum, world).item() / n_tokens
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = t.clip_norm if t.clip_norm > 0 else float("inf")
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
@@ -543,7 +437,7 @@ class Progress:
 
 
 def save_checkpoint(run_dir: Path, model: Transformer, optimizer: torch.optim.Optimizer,
-                    progress: Progress, stream: BatchStream, config: Config, d: Dist) -> None:
+                    progress: Progress, stream: BatchStream, config: Config, world: Dist) -> None:
     """Save weights and train state. Every rank takes part (RNG and sampler states are
     gathered); rank 0 writes.
 
@@ -551,9 +445,9 @@ def save_checkpoint(run_dir: Path, model: Transformer, optimizer: torch.optim.Op
     then pruning of old step files. A kill between any two writes leaves a train state whose
     weights file exists and matches it.
     """
-    rngs = gather_objects(rng_state(), d)
-    streams = gather_objects(stream.state_dict(), d)
-    if not d.is_main:
+    rngs = gather_objects(rng_state(), world)
+    streams = gather_objects(stream.state_dict(), world)
+    if not world.is_main:
         return
     step = progress.step
     meta = {"step": str(step)}
@@ -570,7 +464,7 @@ def save_checkpoint(run_dir: Path, model: Transformer, optimizer: torch.optim.Op
                      "step": step},
         "rng": rngs,
         "stream": streams,
-        "world_size": d.world_size,
+        "world_size": world.world_size,
         "best_bleu": progress.best_bleu,
         "best_step": progress.best_step,
         "elapsed_s": progress.elapsed_s,
@@ -582,7 +476,7 @@ def save_checkpoint(run_dir: Path, model: Transformer, optimizer: torch.optim.Op
 
 
 def restore_checkpoint(run_dir: Path, model: Transformer, optimizer: torch.optim.Optimizer,
-                       stream: BatchStream, d: Dist, log=print) -> tuple[Progress, dict]:
+                       stream: BatchStream, world: Dist, log=print) -> tuple[Progress, dict]:
     """Load what :func:`save_checkpoint` wrote; returns the progress and this rank's RNG
     state (set it last, after everything else that draws random numbers)."""
     state = load_train_state(run_dir / "train_state.pt")
@@ -592,13 +486,13 @@ def restore_checkpoint(run_dir: Path, model: Transformer, optimizer: torch.optim
     load_weights(model, weights)
     # Loaded on the CPU; load_state_dict moves each state tensor to its parameter's device.
     optimizer.load_state_dict(state["optimizer"])
-    if state["world_size"] == d.world_size:
-        stream.load_state_dict(state["stream"][d.rank])
-        rng = state["rng"][d.rank]
+    if state["world_size"] == world.world_size:
+        stream.load_state_dict(state["stream"][world.rank])
+        rng = state["rng"][world.rank]
     else:
         # Another number of ranks shards the data differently: start the saved epoch over.
         epoch = int(state["stream"][0]["epoch"])
-        log(f"resume: the run had {state['world_size']} rank(s), this one has {d.world_size}; "
+        log(f"resume: the run had {state['world_size']} rank(s), this one has {world.world_size}; "
             f"epoch {epoch} starts over and dropout masks differ (not an exact resume)")
         stream.restart_epoch(epoch)
         rng = state["rng"][0]
@@ -622,16 +516,16 @@ def train(
     New run: ``config`` and ``data_dir`` are required. Resume: the run's config.yaml with
     ``overrides`` (train.* only) and its data_dir.txt (unless ``data_dir`` is given).
     """
-    d = setup_distributed(device)
+    world = setup_distributed(device)
     try:
-        return _train(config, data_dir, Path(run_dir), resume, overrides or [], d)
+        return _train(config, data_dir, Path(run_dir), resume, overrides or [], world)
     finally:
-        if d.enabled and dist.is_initialized():
+        if world.enabled and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _train(config, data_dir, run_dir: Path, resume: bool, overrides: list[str], d: Dist):
-    log = tqdm.write if d.is_main else (lambda *a, **k: None)
+def _train(config, data_dir, run_dir: Path, resume: bool, overrides: list[str], world: Dist):
+    log = tqdm.write if world.is_main else (lambda *a, **k: None)
     if resume:
         config = load_run_config(run_dir, overrides)
         data_dir = Path(data_dir) if data_dir else read_data_dir(run_dir)
@@ -643,27 +537,27 @@ def _train(config, data_dir, run_dir: Path, resume: bool, overrides: list[str], 
 
     # Model and optimizer, seeded so every rank builds the same initial weights.
     set_seed(t.seed)
-    data = load_data(data_dir, config, d, log)
+    data = load_data(data_dir, config, world, log)
     config = resolve_config(config, data.tokenizers, data_dir)
     if resume:
-        on_main(lambda: save_config(config, run_dir / "config.yaml"), d)  # new train.* settings
+        on_main(lambda: save_config(config, run_dir / "config.yaml"), world)  # new train.* settings
     else:
-        on_main(lambda: create_run_dir(run_dir, config, data_dir), d)
-    model = build_model(config, d.device)
+        on_main(lambda: create_run_dir(run_dir, config, data_dir), world)
+    model = build_model(config, world.device)
     optimizer = build_optimizer(model, config)
-    stream = BatchStream(data, config.model.pad_id, d.device, t.max_epochs)
+    stream = BatchStream(data, config.model.pad_id, world.device, t.max_epochs)
     progress = Progress()
     rng = None
     if resume:
-        progress, rng = restore_checkpoint(run_dir, model, optimizer, stream, d, log)
+        progress, rng = restore_checkpoint(run_dir, model, optimizer, stream, world, log)
         log(f"resumed {run_dir} at step {progress.step}, epoch {stream.epoch}")
-    if d.rank > 0 and rng is None:
-        torch.manual_seed(t.seed + 7919 * d.rank)  # own dropout masks on each rank
+    if world.rank > 0 and rng is None:
+        torch.manual_seed(t.seed + 7919 * world.rank)  # own dropout masks on each rank
     ddp = None
     train_model: nn.Module = model
-    if d.enabled:
+    if world.enabled:
         ddp = nn.parallel.DistributedDataParallel(
-            model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+            model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
         train_model = ddp
     if t.compile:
         # Batch shapes vary with the length buckets: compile once for symbolic shapes.
@@ -674,18 +568,18 @@ def _train(config, data_dir, run_dir: Path, resume: bool, overrides: list[str], 
     n_params = model.num_parameters()
     log(f"model: {n_params / 1e6:.2f}M parameters, d_model {config.model.d_model}, "
         f"{config.model.n_encoder_layers}+{config.model.n_decoder_layers} layers, vocab "
-        f"{config.model.src_vocab_size}/{config.model.tgt_vocab_size}; device {d.device}, "
-        f"{d.world_size} rank(s), bf16 {t.bf16}, compile {t.compile}")
-    metrics = MetricsLog(run_dir, d.is_main, progress.step if resume else None)
+        f"{config.model.src_vocab_size}/{config.model.tgt_vocab_size}; device {world.device}, "
+        f"{world.world_size} rank(s), bf16 {t.bf16}, compile {t.compile}")
+    metrics = MetricsLog(run_dir, world.is_main, progress.step if resume else None)
     try:
         return _loop(model, ddp, train_model, optimizer, data, stream, progress, config,
-                     run_dir, metrics, d, log)
+                     run_dir, metrics, world, log)
     finally:
         metrics.close()
 
 
 def _loop(model, ddp, train_model, optimizer, data, stream, progress: Progress, config,
-          run_dir: Path, metrics: MetricsLog, d: Dist, log) -> dict[str, Any]:
+          run_dir: Path, metrics: MetricsLog, world: Dist, log) -> dict[str, Any]:
     t = config.train
     start = time.perf_counter()
     budget_s = t.max_minutes * 60 if t.max_minutes > 0 else math.inf
@@ -694,7 +588,7 @@ def _loop(model, ddp, train_model, optimizer, data, stream, progress: Progress, 
     # Under a time budget the step limit is usually far away: show a count, not a fake ETA.
     total = None if budget_s < math.inf else t.max_steps
     bar = tqdm(total=total, initial=progress.step, desc="train", unit="step",
-               disable=not d.is_main, dynamic_ncols=True, mininterval=1 if interactive else 30)
+               disable=not world.is_main, dynamic_ncols=True, mininterval=1 if interactive else 30)
     window_loss = window_tokens = 0.0
     window_start = time.perf_counter()
     last_eval: dict[str, Any] | None = None
@@ -707,7 +601,7 @@ def _loop(model, ddp, train_model, optimizer, data, stream, progress: Progress, 
             if any(batch is None for batch in micro):  # the last epoch is done
                 stop_reason = f"max_epochs ({t.max_epochs})"
                 break
-            result = train_step(train_model, ddp, optimizer, micro, progress.step + 1, config, d)
+            result = train_step(train_model, ddp, optimizer, micro, progress.step + 1, config, world)
             if not (math.isfinite(result.loss) and math.isfinite(result.grad_norm)):
                 raise AiaynError(non_finite_message(result, progress, run_dir))
             progress.step += 1
@@ -726,25 +620,25 @@ def _loop(model, ddp, train_model, optimizer, data, stream, progress: Progress, 
                                "grad_norm": result.grad_norm})
                 window_loss = window_tokens = 0.0
                 window_start = time.perf_counter()
-            out_of_time = any_rank(time.perf_counter() - start >= budget_s, d)
+            out_of_time = any_rank(time.perf_counter() - start >= budget_s, world)
             finishing = out_of_time or progress.step >= t.max_steps
             if progress.step % t.eval_every == 0 and not finishing:
                 last_eval = run_evaluation(model, data, config, progress, run_dir, metrics,
-                                           d, full=t.eval_max_sentences == 0, log=log)
+                                           world, full=t.eval_max_sentences == 0, log=log)
                 last_eval_step, last_eval_full = progress.step, t.eval_max_sentences == 0
                 window_start = time.perf_counter()  # evaluation time is not training time
             if progress.step % t.save_every == 0 and not finishing:
-                save_checkpoint(run_dir, model, optimizer, progress, stream, config, d)
+                save_checkpoint(run_dir, model, optimizer, progress, stream, config, world)
                 window_start = time.perf_counter()
             if out_of_time:
                 stop_reason = f"max_minutes ({t.max_minutes:g})"
                 break
         # The end: a full-dev evaluation, then the final checkpoint.
         if not (last_eval_step == progress.step and last_eval_full) and progress.step > 0:
-            last_eval = run_evaluation(model, data, config, progress, run_dir, metrics, d,
+            last_eval = run_evaluation(model, data, config, progress, run_dir, metrics, world,
                                        full=True, log=log)
         if progress.saved_step != progress.step:
-            save_checkpoint(run_dir, model, optimizer, progress, stream, config, d)
+            save_checkpoint(run_dir, model, optimizer, progress, stream, config, world)
     finally:
         bar.close()
     log(f"stopped at step {progress.step} (epoch {stream.epoch}) after "
@@ -756,13 +650,13 @@ def _loop(model, ddp, train_model, optimizer, data, stream, progress: Progress, 
 
 
 def run_evaluation(model: Transformer, data: TrainData, config: Config, progress: Progress,
-                   run_dir: Path, metrics: MetricsLog, d: Dist, full: bool, log) -> dict | None:
+                   run_dir: Path, metrics: MetricsLog, world: Dist, full: bool, log) -> dict | None:
     """Rank 0 evaluates (the others wait), logs, prints samples and keeps best.safetensors."""
     record = None
-    if d.is_main:
+    if world.is_main:
         began = time.perf_counter()
-        with torch.random.fork_rng(devices=[d.device] if d.device.type == "cuda" else []):
-            result = evaluate(model, data, config, d.device, full)
+        with torch.random.fork_rng(devices=[world.device] if world.device.type == "cuda" else []):
+            result = evaluate(model, data, config, world.device, full)
         record = {"kind": "dev", "step": progress.step, **result,
                   "elapsed_s": progress.elapsed_s, "eval_s": time.perf_counter() - began}
         improved = result["select_bleu"] > progress.best_bleu
@@ -779,9 +673,9 @@ def run_evaluation(model: Transformer, data: TrainData, config: Config, progress
             f"[{result['bleu_signature']}]")
         for sample in result["samples"]:
             log(f"  src: {sample['src']}\n  ref: {sample['ref']}\n  hyp: {sample['hyp']}")
-    if d.enabled:
+    if world.enabled:
         dist.barrier()
-        bests = gather_objects((progress.best_bleu, progress.best_step), d)
+        bests = gather_objects((progress.best_bleu, progress.best_step), world)
         progress.best_bleu, progress.best_step = bests[0]
     return record
 
