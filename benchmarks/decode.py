@@ -29,8 +29,9 @@ import torch
 from aiayn.config import load_config
 from aiayn.decode import beam_search, greedy_decode
 from aiayn.model import Transformer
+from aiayn.rundir import load_run
 from aiayn.tokenizer import EOS_ID
-from aiayn.translator import Translator, load_run, pad_batch
+from aiayn.translator import Translator, pad_batch
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

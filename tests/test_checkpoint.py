@@ -9,18 +9,11 @@ import pytest
 import torch
 
 from aiayn import io
-from aiayn.checkpoint import (
-    list_step_checkpoints,
-    load_train_state,
-    load_weights,
-    prune_step_checkpoints,
-    save_train_state,
-    save_weights,
-    step_checkpoint_path,
-)
+from aiayn.checkpoint import load_train_state, load_weights, save_train_state, save_weights
 from aiayn.config import load_config
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer
+from aiayn.rundir import list_step_checkpoints, prune_step_checkpoints, step_checkpoint_path
 
 
 def tiny_model(seed: int) -> Transformer:

@@ -25,12 +25,12 @@ from aiayn.config import Config, DataConfig, ModelConfig, save_config
 from aiayn.decode import greedy_decode
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer
+from aiayn.rundir import load_run
 from aiayn.tokenizer import EOS_ID, Tokenizers, train_tokenizers
 from aiayn.translator import (
     Translator,
     TruncationWarning,
     length_batches,
-    load_run,
     pad_batch,
     truncate_source,
 )

@@ -4,16 +4,7 @@ Every file is written atomically (``aiayn.io``).
 
 Weights are safetensors (tensors only, no code). Tied weights are stored once.
 
-A run directory (written by ``aiayn train``) looks like::
-
-    RUN_DIR/
-      config.yaml               the resolved Config (model, data, train)
-      tokenizer/                the tokenizer JSON files (see aiayn.tokenizer)
-      last.safetensors          weights after the latest save
-      best.safetensors          weights with the best dev BLEU so far
-      checkpoints/step_0001000.safetensors ...   the last few saves, for averaging
-      train_state.pt            optimizer, schedule, step, RNG, sampler position
-      metrics.jsonl, tb/        logs
+What else a run directory holds, and where: ``aiayn.rundir``.
 """
 
 from __future__ import annotations
@@ -99,38 +90,6 @@ def load_train_state(path: str | Path) -> dict:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure is a bad file to the user
         raise AiaynError(f"{path}: cannot read training state ({exc})") from None
-
-
-# ---------------------------------------------------------------- step checkpoints (training)
-def step_checkpoint_path(run_dir: str | Path, step: int) -> Path:
-    """RUN_DIR/checkpoints/step_0001000.safetensors: the weights after ``step`` updates."""
-    return Path(run_dir) / "checkpoints" / f"step_{step:07d}.safetensors"
-
-
-def list_step_checkpoints(run_dir: str | Path) -> list[Path]:
-    """The run's step checkpoints, oldest first (by step number, not by file time)."""
-    directory = Path(run_dir) / "checkpoints"
-    if not directory.is_dir():
-        return []
-    paths = []
-    for path in directory.glob("step_*.safetensors"):
-        number = path.stem.removeprefix("step_")
-        if number.isdigit():
-            paths.append((int(number), path))
-    return [path for _, path in sorted(paths)]
-
-
-def prune_step_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` step checkpoints; returns the deleted paths.
-
-    Call it only after train_state.pt names the newest one, so the weights a saved train
-    state refers to are never the ones removed.
-    """
-    paths = list_step_checkpoints(run_dir)
-    doomed = paths[: max(0, len(paths) - max(keep, 1))]
-    for path in doomed:
-        path.unlink(missing_ok=True)
-    return doomed
 
 
 # ---------------------------------------------------------------- averaging (paper, 6.1)

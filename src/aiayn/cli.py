@@ -279,10 +279,11 @@ def _run_evaluate(args) -> int:
     from aiayn.data import load_prepared
     from aiayn.io import atomic_write_text
     from aiayn.metrics import score
+    from aiayn.rundir import read_data_dir
     from aiayn.translator import Translator
 
     _check_beam(args.beam)
-    data_dir = Path(args.data) if args.data else _run_data_dir(Path(args.run_dir))
+    data_dir = Path(args.data) if args.data else read_data_dir(args.run_dir)
     pairs = load_prepared(data_dir).split(args.split)
     if args.limit > 0:
         pairs = pairs[: args.limit]
@@ -330,16 +331,6 @@ def _run_evaluate(args) -> int:
     return 0
 
 
-def _run_data_dir(run_dir):
-    """The prepared data directory named by RUN_DIR/data_dir.txt."""
-    from pathlib import Path
-
-    path = Path(run_dir) / "data_dir.txt"
-    if not path.is_file():
-        raise AiaynError(f"{run_dir}: no data_dir.txt naming the prepared data; give --data DIR")
-    return Path(path.read_text(encoding="utf-8").strip())
-
-
 # ---------------------------------------------------------------- average
 def _add_average(sub) -> None:
     p = sub.add_parser(
@@ -356,37 +347,14 @@ def _add_average(sub) -> None:
 
 def _run_average(args) -> int:
     from aiayn.checkpoint import average_checkpoints
+    from aiayn.rundir import checkpoints_to_average
 
-    files = _checkpoints_to_average(args.paths, args.last)
+    files = checkpoints_to_average(args.paths, args.last)
     average_checkpoints(files, args.output)
     print(f"averaged {len(files)} checkpoints:")
     print("".join(f"  {path}\n" for path in files), end="")
     print(f"wrote {args.output}")
     return 0
-
-
-def _checkpoints_to_average(paths: list[str], last: int | None) -> list:
-    from pathlib import Path
-
-    from aiayn.checkpoint import list_step_checkpoints
-
-    if last is not None and last < 1:
-        raise AiaynError(f"--last must be at least 1, got {last}")
-    files = []
-    for path in map(Path, paths):
-        if path.is_file():
-            files.append(path)
-        elif not path.is_dir():
-            raise AiaynError(f"not found: {path}")
-        elif last is None:
-            files.append(path / "last.safetensors")
-        else:
-            steps = list_step_checkpoints(path)
-            if len(steps) < last:
-                raise AiaynError(f"{path}: --last {last} asks for {last} step checkpoints but "
-                                 f"{path / 'checkpoints'} holds {len(steps)}")
-            files.extend(steps[-last:])
-    return files
 
 
 # ---------------------------------------------------------------- trace

@@ -22,10 +22,7 @@ function of it), the RNG states of every rank and every rank's sampler position,
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -38,15 +35,8 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from aiayn.checkpoint import (
-    load_train_state,
-    load_weights,
-    prune_step_checkpoints,
-    save_train_state,
-    save_weights,
-    step_checkpoint_path,
-)
-from aiayn.config import Config, load_config, save_config
+from aiayn.checkpoint import load_train_state, load_weights, save_train_state, save_weights
+from aiayn.config import Config, save_config
 from aiayn.distributed import (
     Dist,
     all_reduce_sum,
@@ -59,9 +49,16 @@ from aiayn.distributed import (
     setup_distributed,
 )
 from aiayn.errors import AiaynError
-from aiayn.io import atomic_write_text
 from aiayn.model import Transformer
 from aiayn.optim import build_optimizer, label_smoothed_loss, schedule_lr, set_learning_rate
+from aiayn.rundir import (
+    MetricsLog,
+    create_run_dir,
+    load_run_config,
+    prune_step_checkpoints,
+    read_data_dir,
+    step_checkpoint_path,
+)
 
 STATE_VERSION = 1
 
@@ -82,49 +79,6 @@ def resolve_config(config: Config, tokenizers, data_dir: Path) -> Config:
     config.model.src_vocab_size = int(tokenizers.src_vocab_size)
     config.model.tgt_vocab_size = int(tokenizers.tgt_vocab_size)
     return config.validate(f"{data_dir} (vocabulary sizes)")
-
-
-def create_run_dir(run_dir: Path, config: Config, data_dir: Path) -> None:
-    """Write config.yaml, the tokenizer copy and data_dir.txt into a new run directory."""
-    if (run_dir / "train_state.pt").exists() or (run_dir / "config.yaml").exists():
-        raise AiaynError(
-            f"{run_dir} already holds a run; continue it with `aiayn train --resume {run_dir}` "
-            f"or choose another --out"
-        )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(config, run_dir / "config.yaml")
-    copy_tokenizer(data_dir / "tokenizer", run_dir / "tokenizer")
-    atomic_write_text(run_dir / "data_dir.txt", str(data_dir.resolve()) + "\n")
-
-
-def copy_tokenizer(src: Path, dst: Path) -> None:
-    """Copy the tokenizer directory beside the weights (a temp dir renamed into place)."""
-    if not src.is_dir():
-        raise AiaynError(f"tokenizer directory not found: {src} (run `aiayn prepare` first)")
-    tmp = dst.with_name(f".{dst.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp)
-    shutil.rmtree(dst, ignore_errors=True)
-    os.replace(tmp, dst)
-
-
-def load_run_config(run_dir: Path, overrides: list[str]) -> Config:
-    """The run's saved config with ``train.*`` overrides (a resumed run keeps its model/data)."""
-    for item in overrides:
-        if not item.strip().startswith("train."):
-            raise AiaynError(
-                f"--set {item!r}: a resumed run keeps its model and data settings; only "
-                f"train.* settings can change"
-            )
-    return load_config(run_dir / "config.yaml", overrides)
-
-
-def read_data_dir(run_dir: Path) -> Path:
-    """The prepared data directory a run was trained on (from data_dir.txt)."""
-    path = run_dir / "data_dir.txt"
-    if not path.is_file():
-        raise AiaynError(f"{path} is missing: give the prepared data with --data")
-    return Path(path.read_text(encoding="utf-8").strip())
 
 
 # ---------------------------------------------------------------- model
@@ -380,48 +334,6 @@ def evaluate(model: Transformer, data: TrainData, config: Config, device: torch.
     return {"dev_loss": loss, "dev_nll": nll, "bleu": scores.bleu, "chrf": scores.chrf,
             "bleu_signature": scores.bleu_signature, "n_sentences": len(chosen),
             "select_bleu": select, "samples": samples}
-
-
-# ---------------------------------------------------------------- logs
-class MetricsLog:
-    """metrics.jsonl (one JSON object per line) and TensorBoard scalars; rank 0 only.
-
-    On resume, lines logged after the checkpoint's step are dropped: the resumed run
-    writes them again.
-    """
-
-    def __init__(self, run_dir: Path, enabled: bool, resume_step: int | None = None):
-        self.enabled = enabled
-        self.path = run_dir / "metrics.jsonl"
-        self.writer = None
-        if not enabled:
-            return
-        if resume_step is not None and self.path.exists():
-            keep = [line for line in self.path.read_text(encoding="utf-8").splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            atomic_write_text(self.path, "".join(line + "\n" for line in keep))
-        from torch.utils.tensorboard import SummaryWriter
-
-        purge = resume_step + 1 if resume_step is not None else None
-        self.writer = SummaryWriter(str(run_dir / "tb"), purge_step=purge)
-
-    def write(self, record: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(record, ensure_ascii=False) + "\n")
-        kind, step = record["kind"], record["step"]
-        for key, value in record.items():
-            if key not in ("kind", "step") and isinstance(value, (int, float)):
-                self.writer.add_scalar(f"{kind}/{key}", value, step)
-        for j, sample in enumerate(record.get("samples", [])):
-            text = f"src: {sample['src']}  \nref: {sample['ref']}  \nhyp: {sample['hyp']}"
-            self.writer.add_text(f"samples/{j}", text, step)
-        self.writer.flush()
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -27,77 +27,15 @@ from pathlib import Path
 
 import torch
 
-from aiayn.checkpoint import load_weights
-from aiayn.config import Config, load_config
 from aiayn.decode import Hypothesis, beam_search, greedy_decode
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer
+from aiayn.rundir import load_run
 from aiayn.tokenizer import EOS_ID, PAD_ID
-
-WEIGHT_NAMES = ("best", "last")
 
 
 class TruncationWarning(UserWarning):
     """Some input sentences were longer than the model's max_len and were truncated."""
-
-
-# ---------------------------------------------------------------- loading a run
-def resolve_weights(run_dir: str | Path, weights: str | Path = "best") -> Path:
-    """``best``/``last`` (or any NAME with RUN_DIR/NAME.safetensors) or a file path."""
-    run_dir = Path(run_dir)
-    named = run_dir / f"{weights}.safetensors"
-    if named.is_file():
-        return named
-    path = Path(weights)
-    if path.is_file():
-        return path
-    available = sorted(p.stem for p in run_dir.glob("*.safetensors"))
-    hint = (f"available: {', '.join(available)} (choose with --weights)" if available
-            else "it holds no weights; has `aiayn train` saved any yet?")
-    raise AiaynError(f"{run_dir}: no weights {str(weights)!r} (looked for {named} and "
-                     f"{path}); {hint}")
-
-
-def load_run(run_dir: str | Path, weights: str | Path = "best"):
-    """Load a run directory: ``(Config, Transformer in eval mode on the CPU, Tokenizers)``.
-
-    Reads ``config.yaml``, ``tokenizer/`` and the weights (see ``resolve_weights``); a
-    missing piece, or a tokenizer whose vocabulary does not fit the weights, is one
-    AiaynError that names the file.
-    """
-    from aiayn.tokenizer import Tokenizers
-
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise AiaynError(f"run directory not found: {run_dir}")
-    config_path = run_dir / "config.yaml"
-    if not config_path.is_file():
-        raise AiaynError(f"{run_dir}: no config.yaml here; is it a run directory written by "
-                         "`aiayn train`?")
-    tokenizer_dir = run_dir / "tokenizer"
-    if not tokenizer_dir.is_dir():
-        raise AiaynError(f"{run_dir}: no tokenizer/ directory here; is it a run directory "
-                         "written by `aiayn train`?")
-    weights_path = resolve_weights(run_dir, weights)
-    config = load_config(config_path)
-    tokenizers = Tokenizers.load(tokenizer_dir)
-    check_vocabularies(config, tokenizers, tokenizer_dir)
-    model = Transformer(config.model)
-    load_weights(model, weights_path)
-    return config, model.eval(), tokenizers
-
-
-def check_vocabularies(config: Config, tokenizers, tokenizer_dir: Path) -> None:
-    """The tokenizers must produce exactly the ids the model was built (and trained) for."""
-    for side in ("src", "tgt"):
-        have = int(getattr(tokenizers, f"{side}_vocab_size"))
-        want = getattr(config.model, f"{side}_vocab_size")
-        if have != want:
-            raise AiaynError(
-                f"{tokenizer_dir}: the {side} tokenizer has {have} tokens but the model's "
-                f"model.{side}_vocab_size is {want}; this tokenizer does not belong to these "
-                "weights"
-            )
 
 
 # ---------------------------------------------------------------- batching

@@ -1,0 +1,232 @@
+"""What a run directory holds, written by ``aiayn train`` and read by everything after it.
+
+::
+
+    RUN_DIR/
+      config.yaml               the resolved Config (model, data, train)
+      tokenizer/                the tokenizer JSON files (see aiayn.tokenizer)
+      data_dir.txt              absolute path of the prepared data it was trained on
+      last.safetensors          weights after the latest save
+      best.safetensors          weights with the best dev BLEU so far
+      checkpoints/step_0001000.safetensors ...   the last few saves, for averaging
+      train_state.pt            optimizer, schedule, step, RNG, sampler position
+      metrics.jsonl, tb/        logs (MetricsLog)
+
+Creating one (``create_run_dir``), reading it back (``load_run``, ``read_data_dir``,
+``load_run_config``, ``resolve_weights``), its metrics log, and its step checkpoints
+(list, prune, choose for averaging).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from aiayn.checkpoint import load_weights
+from aiayn.config import Config, load_config, save_config
+from aiayn.errors import AiaynError
+from aiayn.io import atomic_write_text
+from aiayn.model import Transformer
+from aiayn.tokenizer import Tokenizers
+
+WEIGHT_NAMES = ("best", "last")
+
+
+# ---------------------------------------------------------------- creating a run
+def create_run_dir(run_dir: Path, config: Config, data_dir: Path) -> None:
+    """Write config.yaml, the tokenizer copy and data_dir.txt into a new run directory."""
+    if (run_dir / "train_state.pt").exists() or (run_dir / "config.yaml").exists():
+        raise AiaynError(
+            f"{run_dir} already holds a run; continue it with `aiayn train --resume {run_dir}` "
+            f"or choose another --out"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(config, run_dir / "config.yaml")
+    copy_tokenizer(data_dir / "tokenizer", run_dir / "tokenizer")
+    atomic_write_text(run_dir / "data_dir.txt", str(data_dir.resolve()) + "\n")
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    """Copy the tokenizer directory beside the weights (a temp dir renamed into place)."""
+    if not src.is_dir():
+        raise AiaynError(f"tokenizer directory not found: {src} (run `aiayn prepare` first)")
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    shutil.rmtree(dst, ignore_errors=True)
+    os.replace(tmp, dst)
+
+
+def load_run_config(run_dir: Path, overrides: list[str]) -> Config:
+    """The run's saved config with ``train.*`` overrides (a resumed run keeps its model/data)."""
+    for item in overrides:
+        if not item.strip().startswith("train."):
+            raise AiaynError(
+                f"--set {item!r}: a resumed run keeps its model and data settings; only "
+                f"train.* settings can change"
+            )
+    return load_config(run_dir / "config.yaml", overrides)
+
+
+def read_data_dir(run_dir: str | Path) -> Path:
+    """The prepared data directory a run was trained on (from data_dir.txt)."""
+    path = Path(run_dir) / "data_dir.txt"
+    if not path.is_file():
+        raise AiaynError(f"{run_dir}: no data_dir.txt naming the prepared data; give --data DIR")
+    return Path(path.read_text(encoding="utf-8").strip())
+
+
+# ---------------------------------------------------------------- loading a run
+def resolve_weights(run_dir: str | Path, weights: str | Path = "best") -> Path:
+    """``best``/``last`` (or any NAME with RUN_DIR/NAME.safetensors) or a file path."""
+    run_dir = Path(run_dir)
+    named = run_dir / f"{weights}.safetensors"
+    if named.is_file():
+        return named
+    path = Path(weights)
+    if path.is_file():
+        return path
+    available = sorted(p.stem for p in run_dir.glob("*.safetensors"))
+    hint = (f"available: {', '.join(available)} (choose with --weights)" if available
+            else "it holds no weights; has `aiayn train` saved any yet?")
+    raise AiaynError(f"{run_dir}: no weights {str(weights)!r} (looked for {named} and "
+                     f"{path}); {hint}")
+
+
+def load_run(run_dir: str | Path, weights: str | Path = "best"):
+    """Load a run directory: ``(Config, Transformer in eval mode on the CPU, Tokenizers)``.
+
+    Reads ``config.yaml``, ``tokenizer/`` and the weights (see ``resolve_weights``); a
+    missing piece, or a tokenizer whose vocabulary does not fit the weights, is one
+    AiaynError that names the file.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise AiaynError(f"run directory not found: {run_dir}")
+    config_path = run_dir / "config.yaml"
+    if not config_path.is_file():
+        raise AiaynError(f"{run_dir}: no config.yaml here; is it a run directory written by "
+                         "`aiayn train`?")
+    tokenizer_dir = run_dir / "tokenizer"
+    if not tokenizer_dir.is_dir():
+        raise AiaynError(f"{run_dir}: no tokenizer/ directory here; is it a run directory "
+                         "written by `aiayn train`?")
+    weights_path = resolve_weights(run_dir, weights)
+    config = load_config(config_path)
+    tokenizers = Tokenizers.load(tokenizer_dir)
+    check_vocabularies(config, tokenizers, tokenizer_dir)
+    model = Transformer(config.model)
+    load_weights(model, weights_path)
+    return config, model.eval(), tokenizers
+
+
+def check_vocabularies(config: Config, tokenizers, tokenizer_dir: Path) -> None:
+    """The tokenizers must produce exactly the ids the model was built (and trained) for."""
+    for side in ("src", "tgt"):
+        have = int(getattr(tokenizers, f"{side}_vocab_size"))
+        want = getattr(config.model, f"{side}_vocab_size")
+        if have != want:
+            raise AiaynError(
+                f"{tokenizer_dir}: the {side} tokenizer has {have} tokens but the model's "
+                f"model.{side}_vocab_size is {want}; this tokenizer does not belong to these "
+                "weights"
+            )
+
+
+# ---------------------------------------------------------------- logs
+class MetricsLog:
+    """metrics.jsonl (one JSON object per line) and TensorBoard scalars; rank 0 only.
+
+    On resume, lines logged after the checkpoint's step are dropped: the resumed run
+    writes them again.
+    """
+
+    def __init__(self, run_dir: Path, enabled: bool, resume_step: int | None = None):
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self.writer = None
+        if not enabled:
+            return
+        if resume_step is not None and self.path.exists():
+            keep = [line for line in self.path.read_text(encoding="utf-8").splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            atomic_write_text(self.path, "".join(line + "\n" for line in keep))
+        from torch.utils.tensorboard import SummaryWriter
+
+        purge = resume_step + 1 if resume_step is not None else None
+        self.writer = SummaryWriter(str(run_dir / "tb"), purge_step=purge)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+        kind, step = record["kind"], record["step"]
+        for key, value in record.items():
+            if key not in ("kind", "step") and isinstance(value, (int, float)):
+                self.writer.add_scalar(f"{kind}/{key}", value, step)
+        for j, sample in enumerate(record.get("samples", [])):
+            text = f"src: {sample['src']}  \nref: {sample['ref']}  \nhyp: {sample['hyp']}"
+            self.writer.add_text(f"samples/{j}", text, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+# ---------------------------------------------------------------- step checkpoints (training)
+def step_checkpoint_path(run_dir: str | Path, step: int) -> Path:
+    """RUN_DIR/checkpoints/step_0001000.safetensors: the weights after ``step`` updates."""
+    return Path(run_dir) / "checkpoints" / f"step_{step:07d}.safetensors"
+
+
+def list_step_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The run's step checkpoints, oldest first (by step number, not by file time)."""
+    directory = Path(run_dir) / "checkpoints"
+    if not directory.is_dir():
+        return []
+    paths = []
+    for path in directory.glob("step_*.safetensors"):
+        number = path.stem.removeprefix("step_")
+        if number.isdigit():
+            paths.append((int(number), path))
+    return [path for _, path in sorted(paths)]
+
+
+def prune_step_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` step checkpoints; returns the deleted paths.
+
+    Call it only after train_state.pt names the newest one, so the weights a saved train
+    state refers to are never the ones removed.
+    """
+    paths = list_step_checkpoints(run_dir)
+    doomed = paths[: max(0, len(paths) - max(keep, 1))]
+    for path in doomed:
+        path.unlink(missing_ok=True)
+    return doomed
+
+
+def checkpoints_to_average(paths: list[str | Path], last: int | None = None) -> list[Path]:
+    """The files `aiayn average` averages: each path a .safetensors file, or a run directory
+    giving its last.safetensors (or, with ``last``, its newest ``last`` step checkpoints)."""
+    if last is not None and last < 1:
+        raise AiaynError(f"--last must be at least 1, got {last}")
+    files = []
+    for path in map(Path, paths):
+        if path.is_file():
+            files.append(path)
+        elif not path.is_dir():
+            raise AiaynError(f"not found: {path}")
+        elif last is None:
+            files.append(path / "last.safetensors")
+        else:
+            steps = list_step_checkpoints(path)
+            if len(steps) < last:
+                raise AiaynError(f"{path}: --last {last} asks for {last} step checkpoints but "
+                                 f"{path / 'checkpoints'} holds {len(steps)}")
+            files.extend(steps[-last:])
+    return files
