@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from aiayn.data import token_batches
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 FIRST_REAL_ID = 4  # ids below are [PAD] [UNK] [BOS] [EOS] (docs/interfaces.md)
@@ -120,26 +121,14 @@ def sentence_lengths(
 
 
 def bucket(lengths: list[tuple[int, int]], max_tokens: int) -> list[list[tuple[int, int]]]:
-    """Length-sorted token-budget buckets of (source, target) lengths.
-
-    Pairs are sorted by (target, source) length and cut into consecutive groups whose
-    padded size, group size x longest side, stays within ``max_tokens`` -- the way
-    ``aiayn.data.TokenBatchSampler`` and fairseq bucket. On a corpus-sized pool (~1e5
-    pairs) this leaves a few percent of padding, as real loaders do.
+    """Length-sorted token-budget buckets of (source, target) lengths: the groups that
+    ``aiayn.data.token_batches`` (the package's one batcher) makes of them, ordered as the
+    training sampler orders them. On a corpus-sized pool (~1e5 pairs) this leaves a few
+    percent of padding, as real loaders do.
     """
-    groups: list[list[tuple[int, int]]] = []
-    current: list[tuple[int, int]] = []
-    longest = 0
-    for s, t in sorted(lengths, key=lambda p: (p[1], p[0])):
-        side = max(s, t)
-        if current and (len(current) + 1) * max(longest, side) > max_tokens:
-            groups.append(current)
-            current, longest = [], 0
-        current.append((s, t))
-        longest = max(longest, side)
-    if current:
-        groups.append(current)
-    return groups
+    widths = [max(s, t) for s, t in lengths]
+    groups = token_batches(widths, max_tokens, order_key=lambda i: lengths[i][1] - lengths[i][0])
+    return [[lengths[i] for i in group] for group in groups]
 
 
 def padding_fraction(groups: list[list[tuple[int, int]]]) -> float:

@@ -27,11 +27,12 @@ from collections.abc import Callable
 import torch
 
 from aiayn.config import load_config
+from aiayn.data import pad
 from aiayn.decode import beam_search, greedy_decode
 from aiayn.model import Transformer
 from aiayn.rundir import load_run
 from aiayn.tokenizer import EOS_ID
-from aiayn.translator import Translator, pad_batch
+from aiayn.translator import Translator
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -80,7 +81,7 @@ def trained_setup(args) -> tuple[Transformer, list[list[int]], str]:
 def methods(model: Transformer, sources: list[list[int]], beam: int, max_tokens: int
             ) -> dict[str, Callable[[], list[list[int]]]]:
     """Name -> a function decoding every source and returning the best token ids."""
-    singles = [pad_batch([ids]) for ids in sources]
+    singles = [pad([ids]) for ids in sources]
     translator = Translator(model, tokenizers=None, max_tokens=max_tokens)
 
     def one_by_one(search):

@@ -21,6 +21,7 @@ from aiayn.data import (
     percentiles,
     prepare,
     sample_batch,
+    token_batches,
 )
 from aiayn.errors import AiaynError
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_tokenizers
@@ -314,3 +315,14 @@ def test_cli_prepare_errors_are_one_line(tmp_path, capsys):
     assert main(["prepare", "--corpus", f"tsv:{toy_tsv(tmp_path / 'c.tsv')}",
                  "--out", str(tmp_path / "a-file")]) == 2
     assert "is not a directory" in capsys.readouterr().err
+
+
+def test_token_batches_cover_every_sentence_once_within_the_padded_budget():
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 30) for _ in range(200)] + [100]
+    batches = token_batches(lengths, max_tokens=120, copies=2)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for batch in batches:
+        longest = max(lengths[i] for i in batch)
+        assert len(batch) == 1 or len(batch) * longest * 2 <= 120
+    assert [len(b) for b in batches if lengths[b[0]] == 100] == [1]

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from aiayn import cli
 from aiayn.checkpoint import average_checkpoints, read_weights, save_weights
 from aiayn.config import Config, DataConfig, ModelConfig, save_config
+from aiayn.data import pad
 from aiayn.decode import greedy_decode
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer
@@ -30,8 +31,6 @@ from aiayn.tokenizer import EOS_ID, Tokenizers, train_tokenizers
 from aiayn.translator import (
     Translator,
     TruncationWarning,
-    length_batches,
-    pad_batch,
     truncate_source,
 )
 
@@ -64,7 +63,7 @@ def train_copy_model(tokenizers: Tokenizers, run_dir: Path, steps: int = 400) ->
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     for step in range(1, steps + 1):
         batch = [random_sentence(rng) for _ in range(32)]
-        src, tgt = pad_batch(tokenizers.encode_src(batch)), pad_batch(tokenizers.encode_tgt(batch))
+        src, tgt = pad(tokenizers.encode_src(batch)), pad(tokenizers.encode_tgt(batch))
         logits = model(src, tgt[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), tgt[:, 1:].flatten(), ignore_index=0)
         optimizer.zero_grad()
@@ -187,7 +186,7 @@ def test_translations_keep_the_input_order_whatever_the_batching(translator):
 
 def test_beam_one_translates_like_greedy_search(translator):
     sentences = ["red sun", "moon tree river blue", "star"]
-    src = pad_batch(translator.tokenizers.encode_src(sentences))
+    src = pad(translator.tokenizers.encode_src(sentences))
     greedy = translator.tokenizers.decode_tgt(greedy_decode(translator.model, src))
     assert translator.translate(sentences, beam=1) == greedy
     assert [h[0][0] for h in translator.translate_nbest(sentences, beam=1)] == greedy
@@ -222,17 +221,6 @@ def test_nbest_gives_distinct_scored_hypotheses_best_first(translator):
     assert best == translator.translate(sentences, beam=4)
     with pytest.raises(AiaynError, match="nbest"):
         translator.translate_nbest(sentences, beam=2, nbest=3)
-
-
-def test_length_batches_cover_every_sentence_once_within_the_budget():
-    rng = random.Random(0)
-    lengths = [rng.randint(1, 30) for _ in range(200)] + [100]
-    batches = length_batches(lengths, max_tokens=120, copies=2)
-    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
-    for batch in batches:
-        longest = max(lengths[i] for i in batch)
-        assert len(batch) == 1 or len(batch) * longest * 2 <= 120
-    assert [len(b) for b in batches if lengths[b[0]] == 100] == [1]
 
 
 # ---------------------------------------------------------------- averaging

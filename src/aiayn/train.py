@@ -26,7 +26,7 @@ import math
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from aiayn.checkpoint import load_train_state, load_weights, save_train_state, save_weights
 from aiayn.config import Config, save_config
+from aiayn.data import token_batches
 from aiayn.distributed import (
     Dist,
     all_reduce_sum,
@@ -124,15 +125,6 @@ def _describe(stats: dict[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in stats.items()) or "nothing dropped"
 
 
-def to_device(batch, device: torch.device):
-    """The batch's tensors on ``device`` (a new Batch; n_tokens unchanged)."""
-    if device.type == "cpu":
-        return batch
-    return replace(batch, src=batch.src.to(device, non_blocking=True),
-                   tgt_in=batch.tgt_in.to(device, non_blocking=True),
-                   tgt_out=batch.tgt_out.to(device, non_blocking=True))
-
-
 class BatchStream:
     """Micro-batches epoch after epoch, until ``max_epochs`` are done (then None). Its
     position is the sampler's (no prefetching, so a saved sampler state names exactly the
@@ -157,8 +149,8 @@ class BatchStream:
             self.data.sampler.set_epoch(self.epoch)
             self._it = iter(self.data.sampler)
             positions = next(self._it)
-        return to_device(collate([self.data.train[i] for i in positions], self.pad_id),
-                         self.device)
+        batch = collate([self.data.train[i] for i in positions], self.pad_id)
+        return batch.to(self.device, non_blocking=True)
 
     def restart_epoch(self, epoch: int) -> None:
         """Go to the start of ``epoch`` (a resume with another number of ranks)."""
@@ -243,31 +235,15 @@ def dev_loss(model: Transformer, examples: list, config: Config, device: torch.d
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.bf16)
     total_ls = total_nll = 0.0
     n = 0
-    for chunk in length_sorted_chunks(examples, t.max_tokens,
-                                      lambda e: max(len(e.src), len(e.tgt))):
-        batch = to_device(collate(chunk, m.pad_id), device)
+    widths = [max(len(e.src), len(e.tgt)) for e in examples]
+    for positions in token_batches(widths, t.max_tokens):
+        batch = collate([examples[i] for i in positions], m.pad_id).to(device)
         with autocast:
             logits = model(batch.src, batch.tgt_in)
         total_ls += label_smoothed_loss(logits, batch.tgt_out, t.label_smoothing, m.pad_id).item()
         total_nll += label_smoothed_loss(logits, batch.tgt_out, 0.0, m.pad_id).item()
         n += batch.n_tokens
     return total_ls / n, total_nll / n
-
-
-def length_sorted_chunks(items: list, max_tokens: int, size) -> list[list]:
-    """Items sorted by ``size`` (padded length), cut into chunks of at most max_tokens padded
-    tokens: little padding, and batches as large as the budget allows."""
-    chunks: list[list] = []
-    chunk: list = []
-    for item in sorted(items, key=size):
-        # Sorted, so the newest item is the longest: the chunk's padded size is n * its size.
-        if chunk and size(item) * (len(chunk) + 1) > max_tokens:
-            chunks.append(chunk)
-            chunk = []
-        chunk.append(item)
-    if chunk:
-        chunks.append(chunk)
-    return chunks
 
 
 @torch.no_grad()
@@ -280,10 +256,9 @@ def translate_examples(model: Transformer, examples: list, tokenizers, config: C
 
     t = config.train
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.bf16)
-    order = list(range(len(examples)))
     out: list[str] = [""] * len(examples)
     # Decoding memory grows with the output, so chunks hold fewer source tokens than training.
-    for chunk in length_sorted_chunks(order, t.max_tokens // 2, lambda i: len(examples[i].src)):
+    for chunk in token_batches([len(e.src) for e in examples], t.max_tokens // 2):
         batch = collate([examples[i] for i in chunk], config.model.pad_id)
         src = batch.src.to(device)
         with autocast:

@@ -6,7 +6,7 @@
     ['El Señor es mi pastor.']
 
 Behind ``translate`` the sentences are tokenized, sorted by length, cut into batches of at
-most ``max_tokens`` source tokens (counted over all beams, padding included), decoded
+most ``max_tokens`` padded source tokens x beam (``aiayn.data.token_batches``), decoded
 with the KV cache (``aiayn.decode``), and put back in their input order.
 
 Rules for awkward input (never a crash):
@@ -27,46 +27,19 @@ from pathlib import Path
 
 import torch
 
+from aiayn.data import pad, token_batches
 from aiayn.decode import Hypothesis, beam_search, greedy_decode
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer
 from aiayn.rundir import load_run
-from aiayn.tokenizer import EOS_ID, PAD_ID
+from aiayn.tokenizer import EOS_ID
 
 
 class TruncationWarning(UserWarning):
     """Some input sentences were longer than the model's max_len and were truncated."""
 
 
-# ---------------------------------------------------------------- batching
-def length_batches(lengths: Sequence[int], max_tokens: int, copies: int = 1) -> list[list[int]]:
-    """Positions grouped into batches of similar length, longest first.
-
-    A batch's padded size, ``len(batch) * longest * copies`` (copies: the beam), stays
-    within ``max_tokens``; a sentence too long for the budget gets a batch of its own.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches: list[list[int]] = []
-    for i in order:
-        if batches:
-            batch = batches[-1]
-            longest = lengths[batch[0]]  # sorted: the first is the longest
-            if (len(batch) + 1) * longest * copies <= max_tokens:
-                batch.append(i)
-                continue
-        batches.append([i])
-    return batches
-
-
-def pad_batch(sequences: list[list[int]], device: torch.device | str = "cpu") -> torch.Tensor:
-    """Right-pad id lists into a (B, S) LongTensor."""
-    width = max(len(s) for s in sequences)
-    out = torch.full((len(sequences), width), PAD_ID, dtype=torch.long)
-    for row, ids in enumerate(sequences):
-        out[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-    return out.to(device)
-
-
+# ---------------------------------------------------------------- sources
 def truncate_source(ids: list[int], max_len: int) -> list[int]:
     """The documented rule: keep the first ``max_len - 1`` tokens and end with EOS."""
     if len(ids) <= max_len:
@@ -177,8 +150,8 @@ class Translator:
         """
         results: list[list[Hypothesis]] = [[] for _ in sources]
         greedy = greedy_ok and beam == 1 and nbest == 1
-        for batch in length_batches([len(s) for s in sources], self.max_tokens, beam):
-            src = pad_batch([sources[i] for i in batch], self.device)
+        for batch in token_batches([len(s) for s in sources], self.max_tokens, copies=beam):
+            src = pad([sources[i] for i in batch]).to(self.device)
             if greedy:
                 decoded = [[(ids, 0.0)] for ids in greedy_decode(self.model, src, max_len_b)]
             else:
