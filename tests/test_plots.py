@@ -17,6 +17,7 @@ from aiayn.cli import main
 from aiayn.config import ModelConfig, load_config
 from aiayn.model import Transformer, capture_attention, sinusoid_table
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from aiayn.translator import sentence_attention
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -239,7 +240,7 @@ class WordTokenizers:
 def test_sentence_attention_labels_and_shapes(tmp_path):
     tok = WordTokenizers(["the", "dog", "eats", "el", "perro", "come"])
     hypothesis = tok.encode_tgt(["el perro come"])[0][1:-1]
-    att = plots.sentence_attention(tiny_model(), tok, "the dog eats", hypothesis)
+    att = sentence_attention(tiny_model(), tok, "the dog eats", hypothesis)
     assert att.translation == "el perro come"
     assert att.src_tokens == ["the", "dog", "eats", "[EOS]"]
     assert att.tgt_tokens == ["[BOS]", "el", "perro", "come"]
@@ -275,7 +276,7 @@ def test_trained_word_for_word_model_has_diagonal_cross_attention(trained_run):
     sentence = "red dog eats old fish"
     sources, _ = translator.encode([sentence])
     hypothesis = translator.decode_ids(sources, beam=1)[0][0][0]
-    att = plots.sentence_attention(translator.model, translator.tokenizers, sentence,
+    att = sentence_attention(translator.model, translator.tokenizers, sentence,
                                    hypothesis)
     assert att.translation == "rojo perro come viejo pez"
     assert att.src_tokens == ["▁red", "▁dog", "▁eats", "▁old", "▁fish", "[EOS]"]

@@ -270,63 +270,22 @@ def _add_evaluate(sub) -> None:
 
 
 def _run_evaluate(args) -> int:
-    import json
-    from pathlib import Path
+    from aiayn.evaluate import evaluate_run
 
-    import torch
-    from tqdm import tqdm
-
-    from aiayn.data import load_prepared
-    from aiayn.io import atomic_write_text
-    from aiayn.metrics import score
-    from aiayn.rundir import read_data_dir
-    from aiayn.translator import Translator
-
-    _check_beam(args.beam)
-    data_dir = Path(args.data) if args.data else read_data_dir(args.run_dir)
-    pairs = load_prepared(data_dir).split(args.split)
-    if args.limit > 0:
-        pairs = pairs[: args.limit]
-    if not pairs:
-        raise AiaynError(f"{data_dir}: the {args.split} split is empty")
-    translator = Translator.from_pretrained(args.run_dir, args.weights,
-                                            device=_decode_device(args.device),
-                                            max_tokens=args.max_tokens)
-    sources = [src for src, _ in pairs]
-    references = [tgt for _, tgt in pairs]
-    with tqdm(total=len(sources), unit="sent", dynamic_ncols=True,
-              desc=f"{args.split} beam {args.beam}") as bar:
-        hypotheses = _call_showing_warnings(translator.translate, sources, args.beam,
-                                            args.alpha, progress=bar.update)
-    speed = translator.last_stats
-    scores = score(hypotheses, references)
-
-    weights_name = Path(str(args.weights)).name.removesuffix(".safetensors")
-    output = Path(args.output) if args.output else (
-        Path(args.run_dir) / "eval" / f"{args.split}.{weights_name}.beam{args.beam}.txt")
-    atomic_write_text(output, "".join(h + "\n" for h in hypotheses))
-    summary = {
-        "run_dir": str(args.run_dir), "weights": str(args.weights), "data_dir": str(data_dir),
-        "split": args.split, "sentences": len(pairs), "beam": args.beam, "alpha": args.alpha,
-        "bleu": scores.bleu, "bleu_signature": scores.bleu_signature,
-        "chrf": scores.chrf, "chrf_signature": scores.chrf_signature,
-        "cer": scores.cer, "wer": scores.wer,
-        "seconds": speed.seconds, "sentences_per_s": speed.sentences_per_s,
-        "tokens_per_s": speed.tokens_per_s, "truncated_sources": speed.truncated,
-        "threads": torch.get_num_threads(),
-    }
-    atomic_write_text(output.with_suffix(".json"), json.dumps(summary, indent=2) + "\n")
-    search = "greedy" if args.beam == 1 else f"beam {args.beam}, alpha {args.alpha}"
+    r = _call_showing_warnings(
+        evaluate_run, args.run_dir, args.split, args.beam, args.alpha, data_dir=args.data,
+        weights=args.weights, output=args.output, limit=args.limit,
+        max_tokens=args.max_tokens, device=args.device)
+    search = "greedy" if r["beam"] == 1 else f"beam {r['beam']}, alpha {r['alpha']}"
     print("\n".join([
-        f"{args.split}: {len(pairs)} sentences from {data_dir}, weights {args.weights}, "
-        f"{search}",
-        f"BLEU  {scores.bleu:.2f}   {scores.bleu_signature}",
-        f"chrF  {scores.chrf:.2f}   {scores.chrf_signature}",
-        f"CER   {100 * scores.cer:.2f}%   WER {100 * scores.wer:.2f}%",
-        f"speed {speed.sentences_per_s:.1f} sentences/s, {speed.tokens_per_s:.0f} tokens/s "
-        f"({speed.seconds:.1f} s on {translator.device.type}, "
-        f"{torch.get_num_threads()} threads)",
-        f"wrote {output} and {output.with_suffix('.json')}",
+        f"{r['split']}: {r['sentences']} sentences from {r['data_dir']}, weights "
+        f"{r['weights']}, {search}",
+        f"BLEU  {r['bleu']:.2f}   {r['bleu_signature']}",
+        f"chrF  {r['chrf']:.2f}   {r['chrf_signature']}",
+        f"CER   {100 * r['cer']:.2f}%   WER {100 * r['wer']:.2f}%",
+        f"speed {r['sentences_per_s']:.1f} sentences/s, {r['tokens_per_s']:.0f} tokens/s "
+        f"({r['seconds']:.1f} s on {r['device']}, {r['threads']} threads)",
+        f"wrote {r['output']} and {r['scores_file']}",
     ]))
     return 0
 
@@ -427,17 +386,11 @@ def _add_attention(sub) -> None:
 
 
 def _run_attention(args) -> int:
-    from aiayn.plots import save_attention_figures, sentence_attention
+    from aiayn.plots import save_attention_figures
     from aiayn.translator import Translator
 
-    if not args.sentence.strip():
-        raise AiaynError("the sentence to translate is empty")
     translator = Translator.from_pretrained(args.run_dir, weights=args.weights)
-    # Decode ids (not text) so that the teacher-forced pass sees the exact hypothesis.
-    sources, _ = translator.encode([args.sentence])
-    hypothesis = translator.decode_ids(sources, beam=args.beam, alpha=args.alpha)[0][0][0]
-    att = sentence_attention(translator.model, translator.tokenizers, args.sentence,
-                             hypothesis)
+    att = translator.attention(args.sentence, beam=args.beam, alpha=args.alpha)
     print(f"translation: {att.translation}")
     for path in save_attention_figures(att, args.out):
         print(f"wrote {path}")

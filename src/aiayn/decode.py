@@ -32,6 +32,8 @@ exhaustive search (both are tests).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -40,7 +42,11 @@ from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 NEVER_GENERATED = (PAD_ID, BOS_ID)
 
-Hypothesis = tuple[list[int], float]  # token ids (no BOS/EOS), length-normalised score
+class Hypothesis(NamedTuple):
+    """One search result; a tuple, so ``ids, score = hypothesis`` works."""
+
+    ids: list[int]  # token ids, without BOS and EOS
+    score: float  # log-probability / length penalty (greedy search reports 0.0)
 
 
 def output_limit(model: Transformer, src_pad: Tensor, max_len_b: int = 50) -> int:
@@ -204,7 +210,7 @@ def beam_search(
         state.select(rows, shrinks=keep.numel() < A)
         active, scores = active[keep], scores[keep]
 
-    return [sorted(hyps, key=lambda h: -h[1])[:nbest] for hyps in finished]
+    return [sorted(hyps, key=lambda h: -h.score)[:nbest] for hyps in finished]
 
 
 def _finish(
@@ -230,7 +236,7 @@ def _finish(
         ids = prefixes[a, beam_of[a, c]].tolist()
         if last_token is not None:
             ids.append(int(last_token[a, c]))
-        finished[int(active[a])].append((ids, float(scores[a, c]) / penalty))
+        finished[int(active[a])].append(Hypothesis(ids, float(scores[a, c]) / penalty))
 
 
 def strip_special(ids: list[int]) -> list[int]:

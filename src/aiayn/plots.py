@@ -28,7 +28,7 @@ import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -41,6 +41,9 @@ from matplotlib.ticker import StrMethodFormatter
 
 from aiayn.errors import AiaynError
 from aiayn.optim import schedule_lr
+
+if TYPE_CHECKING:  # plots take arrays; this only names their container
+    from aiayn.translator import SentenceAttention
 
 DPI = 110
 
@@ -155,51 +158,6 @@ def _as_numpy(x: Any) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         return x.detach().float().cpu().numpy()
     return np.asarray(x, dtype=np.float32)
-
-
-@dataclass
-class SentenceAttention:
-    """One sentence's translation and every attention map of a teacher-forced pass over it."""
-
-    source: str
-    translation: str
-    src_tokens: list[str]  # the encoder's input tokens (keys of encoder and cross attention)
-    tgt_tokens: list[str]  # the decoder's input tokens, [BOS] + hypothesis
-    maps: dict[str, list[np.ndarray]]  # kind -> one (H, T_q, T_k) array per layer
-
-
-@torch.no_grad()
-def sentence_attention(model, tokenizers, sentence: str, hypothesis: Sequence[int]
-                       ) -> SentenceAttention:
-    """Run ``model`` teacher-forced on ``sentence`` -> [BOS] + ``hypothesis`` (target ids
-    without BOS/EOS, e.g. from beam search) and record the attention weights of every
-    layer (explicit-weights path, eval mode: no dropout)."""
-    from aiayn.model import capture_attention
-    from aiayn.tokenizer import BOS_ID
-
-    src_ids = tokenizers.encode_src([sentence])[0]
-    tgt_ids = [BOS_ID, *hypothesis]  # the decoder inputs that produced the hypothesis
-    src_tokens = list(tokenizers.src_tokens(sentence))
-    if len(src_tokens) != len(src_ids):
-        raise AiaynError(f"the tokenizer gives {len(src_tokens)} source token strings for "
-                         f"{len(src_ids)} source ids")
-    tgt_tokens = [tokenizers.tgt_id_to_token(i) for i in tgt_ids]
-    max_len = model.cfg.max_len
-    if len(src_ids) > max_len or len(tgt_ids) > max_len:
-        raise AiaynError(f"the sentence ({len(src_ids)} tokens) or its translation "
-                         f"({len(tgt_ids)}) is longer than the model's max_len={max_len}")
-    translation = tokenizers.decode_tgt([list(hypothesis)])[0]
-    src = torch.tensor([src_ids], dtype=torch.long)
-    tgt = torch.tensor([tgt_ids], dtype=torch.long)
-    was_training = model.training
-    model.eval()
-    try:
-        with capture_attention(model) as maps:
-            model(src, tgt)
-    finally:
-        model.train(was_training)
-    arrays = {kind: [_as_numpy(m[0]) for m in layer_maps] for kind, layer_maps in maps.items()}
-    return SentenceAttention(sentence, translation, src_tokens, tgt_tokens, arrays)
 
 
 def attention_figures(att: SentenceAttention) -> dict[str, Figure]:

@@ -37,7 +37,6 @@ from tqdm import tqdm
 
 from aiayn.checkpoint import load_train_state, load_weights, save_train_state, save_weights
 from aiayn.config import Config, save_config
-from aiayn.data import token_batches
 from aiayn.distributed import (
     Dist,
     all_reduce_sum,
@@ -50,6 +49,7 @@ from aiayn.distributed import (
     setup_distributed,
 )
 from aiayn.errors import AiaynError
+from aiayn.evaluate import validate
 from aiayn.model import Transformer
 from aiayn.optim import build_optimizer, label_smoothed_loss, schedule_lr, set_learning_rate
 from aiayn.rundir import (
@@ -218,99 +218,6 @@ def train_step(
 
 
 # ---------------------------------------------------------------- validation
-def eval_subset(n: int, k: int) -> list[int]:
-    """Positions of ``k`` dev pairs spread evenly over all ``n`` (all of them when k is 0)."""
-    if k <= 0 or k >= n:
-        return list(range(n))
-    return sorted({(i * n) // k for i in range(k)})
-
-
-@torch.no_grad()
-def dev_loss(model: Transformer, examples: list, config: Config, device: torch.device
-             ) -> tuple[float, float]:
-    """(label-smoothed loss, plain NLL) per real target token, teacher forcing."""
-    from aiayn.data import collate
-
-    t, m = config.train, config.model
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.bf16)
-    total_ls = total_nll = 0.0
-    n = 0
-    widths = [max(len(e.src), len(e.tgt)) for e in examples]
-    for positions in token_batches(widths, t.max_tokens):
-        batch = collate([examples[i] for i in positions], m.pad_id).to(device)
-        with autocast:
-            logits = model(batch.src, batch.tgt_in)
-        total_ls += label_smoothed_loss(logits, batch.tgt_out, t.label_smoothing, m.pad_id).item()
-        total_nll += label_smoothed_loss(logits, batch.tgt_out, 0.0, m.pad_id).item()
-        n += batch.n_tokens
-    return total_ls / n, total_nll / n
-
-
-@torch.no_grad()
-def translate_examples(model: Transformer, examples: list, tokenizers, config: Config,
-                       device: torch.device) -> list[str]:
-    """Decode examples in length-sorted batches (greedy, or beam when train.eval_beam > 1);
-    the translations come back in the examples' order."""
-    from aiayn.data import collate
-    from aiayn.decode import greedy_decode
-
-    t = config.train
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.bf16)
-    out: list[str] = [""] * len(examples)
-    # Decoding memory grows with the output, so chunks hold fewer source tokens than training.
-    for chunk in token_batches([len(e.src) for e in examples], t.max_tokens // 2):
-        batch = collate([examples[i] for i in chunk], config.model.pad_id)
-        src = batch.src.to(device)
-        with autocast:
-            if t.eval_beam > 1:
-                ids = [hyps[0][0] for hyps in _beam_search()(model, src, t.eval_beam)]
-            else:
-                ids = greedy_decode(model, src)
-        for i, text in zip(chunk, tokenizers.decode_tgt(ids), strict=True):
-            out[i] = text
-    return out
-
-
-def _beam_search():
-    try:
-        from aiayn.decode import beam_search
-    except ImportError:
-        raise AiaynError("train.eval_beam > 1 needs aiayn.decode.beam_search, which this "
-                         "version lacks; use train.eval_beam=1") from None
-    return beam_search
-
-
-def evaluate(model: Transformer, data: TrainData, config: Config, device: torch.device,
-             full: bool) -> dict[str, Any]:
-    """Dev loss over the whole dev split; BLEU/chrF over the whole split (``full``) or over
-    train.eval_max_sentences pairs spread evenly over it. ``select_bleu`` is always the
-    BLEU of that fixed subset, so checkpoints are compared on the same sentences."""
-    from aiayn.metrics import score
-
-    was_training = model.training
-    model.eval()
-    try:
-        loss, nll = dev_loss(model, data.dev, config, device)
-        subset = eval_subset(len(data.dev), config.train.eval_max_sentences)
-        chosen = list(range(len(data.dev))) if full else subset
-        hyps = translate_examples(model, [data.dev[i] for i in chosen], data.tokenizers,
-                                  config, device)
-    finally:
-        model.train(was_training)
-    refs = [data.dev_pairs[data.dev[i].index][1] for i in chosen]
-    scores = score(hyps, refs)
-    by_position = dict(zip(chosen, hyps, strict=True))
-    sub_hyps = [by_position[i] for i in subset]
-    sub_refs = [data.dev_pairs[data.dev[i].index][1] for i in subset]
-    select = scores.bleu if len(chosen) == len(subset) else score(sub_hyps, sub_refs).bleu
-    n_show = min(config.train.num_samples, len(chosen))
-    samples = [{"src": data.dev_pairs[data.dev[chosen[j]].index][0], "ref": refs[j],
-                "hyp": hyps[j]} for j in eval_subset(len(chosen), n_show)[:n_show]]
-    return {"dev_loss": loss, "dev_nll": nll, "bleu": scores.bleu, "chrf": scores.chrf,
-            "bleu_signature": scores.bleu_signature, "n_sentences": len(chosen),
-            "select_bleu": select, "samples": samples}
-
-
 # ---------------------------------------------------------------- checkpoints
 @dataclass
 class Progress:
@@ -543,7 +450,8 @@ def run_evaluation(model: Transformer, data: TrainData, config: Config, progress
     if world.is_main:
         began = time.perf_counter()
         with torch.random.fork_rng(devices=[world.device] if world.device.type == "cuda" else []):
-            result = evaluate(model, data, config, world.device, full)
+            result = validate(model, data.tokenizers, data.dev, data.dev_pairs, config,
+                              world.device, full)
         record = {"kind": "dev", "step": progress.step, **result,
                   "elapsed_s": progress.elapsed_s, "eval_s": time.perf_counter() - began}
         improved = result["select_bleu"] > progress.best_bleu

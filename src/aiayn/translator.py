@@ -22,24 +22,34 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from aiayn.data import pad, token_batches
 from aiayn.decode import Hypothesis, beam_search, greedy_decode
 from aiayn.errors import AiaynError
-from aiayn.model import Transformer
+from aiayn.model import Transformer, capture_attention
 from aiayn.rundir import load_run
-from aiayn.tokenizer import EOS_ID
+from aiayn.tokenizer import BOS_ID, EOS_ID
 
 
 class TruncationWarning(UserWarning):
     """Some input sentences were longer than the model's max_len and were truncated."""
 
 
-# ---------------------------------------------------------------- sources
+# ---------------------------------------------------------------- search settings, sources
+def check_search(beam: int, nbest: int = 1) -> None:
+    """The one check of the search settings (an AiaynError names the option)."""
+    if beam < 1:
+        raise AiaynError(f"--beam must be at least 1, got {beam}")
+    if not 1 <= nbest <= beam:
+        raise AiaynError(f"--nbest must be between 1 and --beam ({beam}), got {nbest}")
+
+
 def truncate_source(ids: list[int], max_len: int) -> list[int]:
     """The documented rule: keep the first ``max_len - 1`` tokens and end with EOS."""
     if len(ids) <= max_len:
@@ -70,11 +80,14 @@ class Translator:
     """A model and its tokenizers, translating lists of sentences in length-sorted batches."""
 
     def __init__(self, model: Transformer, tokenizers, max_tokens: int = 8192,
-                 device: str | torch.device | None = None):
+                 device: str | torch.device | None = None, bf16: bool = False):
+        """``max_tokens``: batch budget in padded source tokens x beam (``token_batches``);
+        ``bf16``: decode under bfloat16 autocast (as training validates under train.bf16)."""
         self.device = torch.device(device) if device is not None else _parameter_device(model)
         self.model = model.to(self.device).eval()
         self.tokenizers = tokenizers
         self.max_tokens = max_tokens
+        self.bf16 = bf16
         self.last_stats = DecodeStats()
 
     @classmethod
@@ -108,9 +121,7 @@ class Translator:
         ``progress(n)`` is called after each batch with its number of sentences (e.g. a
         tqdm bar's ``update``); ``self.last_stats`` describes the pass afterwards.
         """
-        if beam < 1 or not 1 <= nbest <= beam:
-            raise AiaynError(f"need beam >= 1 and 1 <= nbest <= beam, got beam={beam}, "
-                             f"nbest={nbest}")
+        check_search(beam, nbest)
         sentences = [_one_line(s) for s in sentences]
         todo = [i for i, s in enumerate(sentences) if s.strip()]
         sources, truncated = self.encode([sentences[i] for i in todo])
@@ -148,19 +159,34 @@ class Translator:
         With ``beam=1, nbest=1, greedy_ok`` it runs greedy search, which returns the same
         tokens as a beam of 1 more cheaply but no score (reported as 0.0).
         """
+        check_search(beam, nbest)
         results: list[list[Hypothesis]] = [[] for _ in sources]
         greedy = greedy_ok and beam == 1 and nbest == 1
+        autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16
+                    else nullcontext())
         for batch in token_batches([len(s) for s in sources], self.max_tokens, copies=beam):
             src = pad([sources[i] for i in batch]).to(self.device)
-            if greedy:
-                decoded = [[(ids, 0.0)] for ids in greedy_decode(self.model, src, max_len_b)]
-            else:
-                decoded = beam_search(self.model, src, beam, alpha, max_len_b, nbest)
+            with autocast:
+                if greedy:
+                    decoded = [[Hypothesis(ids, 0.0)]
+                               for ids in greedy_decode(self.model, src, max_len_b)]
+                else:
+                    decoded = beam_search(self.model, src, beam, alpha, max_len_b, nbest)
             for i, hyps in zip(batch, decoded, strict=True):
                 results[i] = hyps
             if progress is not None:
                 progress(len(batch))
         return results
+
+
+    def attention(self, sentence: str, beam: int = 1, alpha: float = 0.6) -> SentenceAttention:
+        """Translate ``sentence`` and capture every attention map of that translation."""
+        if not sentence.strip():
+            raise AiaynError("the sentence to translate is empty")
+        # Decode ids (not text) so that the teacher-forced pass sees the exact hypothesis.
+        sources, _ = self.encode([_one_line(sentence)])
+        hypothesis = self.decode_ids(sources, beam=beam, alpha=alpha)[0][0].ids
+        return sentence_attention(self.model, self.tokenizers, sentence, hypothesis)
 
 
 def _one_line(sentence: str) -> str:
@@ -170,3 +196,46 @@ def _one_line(sentence: str) -> str:
 
 def _parameter_device(model: Transformer) -> torch.device:
     return next(model.parameters()).device
+
+
+# ---------------------------------------------------------------- attention capture
+@dataclass
+class SentenceAttention:
+    """One sentence's translation and every attention map of a teacher-forced pass over it."""
+
+    source: str
+    translation: str
+    src_tokens: list[str]  # the encoder's input tokens (keys of encoder and cross attention)
+    tgt_tokens: list[str]  # the decoder's input tokens, [BOS] + hypothesis
+    maps: dict[str, list[np.ndarray]]  # kind -> one (H, T_q, T_k) array per layer
+
+
+@torch.no_grad()
+def sentence_attention(model, tokenizers, sentence: str, hypothesis: Sequence[int]
+                       ) -> SentenceAttention:
+    """Run ``model`` teacher-forced on ``sentence`` -> [BOS] + ``hypothesis`` (target ids
+    without BOS/EOS, e.g. from beam search) and record the attention weights of every
+    layer (explicit-weights path, eval mode: no dropout)."""
+    src_ids = tokenizers.encode_src([sentence])[0]
+    tgt_ids = [BOS_ID, *hypothesis]  # the decoder inputs that produced the hypothesis
+    src_tokens = list(tokenizers.src_tokens(sentence))
+    if len(src_tokens) != len(src_ids):
+        raise AiaynError(f"the tokenizer gives {len(src_tokens)} source token strings for "
+                         f"{len(src_ids)} source ids")
+    tgt_tokens = [tokenizers.tgt_id_to_token(i) for i in tgt_ids]
+    max_len = model.cfg.max_len
+    if len(src_ids) > max_len or len(tgt_ids) > max_len:
+        raise AiaynError(f"the sentence ({len(src_ids)} tokens) or its translation "
+                         f"({len(tgt_ids)}) is longer than the model's max_len={max_len}")
+    translation = tokenizers.decode_tgt([list(hypothesis)])[0]
+    src = torch.tensor([src_ids], dtype=torch.long)
+    tgt = torch.tensor([tgt_ids], dtype=torch.long)
+    was_training = model.training
+    model.eval()
+    try:
+        with capture_attention(model) as maps:
+            model(src, tgt)
+    finally:
+        model.train(was_training)
+    arrays = {kind: [m[0].float().numpy() for m in layer_maps] for kind, layer_maps in maps.items()}
+    return SentenceAttention(sentence, translation, src_tokens, tgt_tokens, arrays)

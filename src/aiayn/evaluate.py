@@ -1,0 +1,143 @@
+"""Scores of a model on a split: dev loss, BLEU / chrF / CER / WER, sample translations.
+
+``aiayn evaluate`` (:func:`evaluate_run`) and the validation during training
+(:func:`validate`) both translate through :class:`aiayn.translator.Translator` (the same
+batching, truncation and search) and score with :func:`aiayn.metrics.score`, so a BLEU in
+metrics.jsonl and one from ``aiayn evaluate`` differ only when the weights or the
+settings (split, beam, alpha, bf16) do.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from aiayn.config import Config
+from aiayn.data import Example, collate, load_prepared, token_batches
+from aiayn.distributed import choose_device
+from aiayn.errors import AiaynError
+from aiayn.io import atomic_write_text
+from aiayn.metrics import Scores, score
+from aiayn.model import Transformer
+from aiayn.optim import label_smoothed_loss
+from aiayn.rundir import read_data_dir
+from aiayn.translator import Translator, TruncationWarning, check_search
+
+VALIDATION_ALPHA = 0.6  # the paper's length penalty, for train.eval_beam > 1
+
+
+def translate_and_score(translator: Translator, pairs: Sequence[tuple[str, str]], beam: int,
+                        alpha: float, progress: Callable[[int], object] | None = None
+                        ) -> tuple[list[str], Scores]:
+    """Translate the sources of ``pairs`` and score them against the targets."""
+    hypotheses = translator.translate([src for src, _ in pairs], beam, alpha, progress=progress)
+    return hypotheses, score(hypotheses, [tgt for _, tgt in pairs])
+
+
+# ---------------------------------------------------------------- validation during training
+def eval_subset(n: int, k: int) -> list[int]:
+    """Positions of ``k`` dev pairs spread evenly over all ``n`` (all of them when k is 0)."""
+    if k <= 0 or k >= n:
+        return list(range(n))
+    return sorted({(i * n) // k for i in range(k)})
+
+
+@torch.no_grad()
+def dev_loss(model: Transformer, examples: list, config: Config, device: torch.device
+             ) -> tuple[float, float]:
+    """(label-smoothed loss, plain NLL) per real target token, teacher forcing."""
+    t, m = config.train, config.model
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.bf16)
+    total_ls = total_nll = 0.0
+    n = 0
+    widths = [max(len(e.src), len(e.tgt)) for e in examples]
+    for positions in token_batches(widths, t.max_tokens):
+        batch = collate([examples[i] for i in positions], m.pad_id).to(device)
+        with autocast:
+            logits = model(batch.src, batch.tgt_in)
+        total_ls += label_smoothed_loss(logits, batch.tgt_out, t.label_smoothing, m.pad_id).item()
+        total_nll += label_smoothed_loss(logits, batch.tgt_out, 0.0, m.pad_id).item()
+        n += batch.n_tokens
+    return total_ls / n, total_nll / n
+
+
+def validate(model: Transformer, tokenizers, dev: list[Example], dev_pairs: list[tuple[str, str]],
+             config: Config, device: torch.device, full: bool) -> dict[str, Any]:
+    """Dev loss over the whole dev split; BLEU/chrF over the whole split (``full``) or over
+    train.eval_max_sentences pairs spread evenly over it. ``select_bleu`` is always the
+    BLEU of that fixed subset, so checkpoints are compared on the same sentences."""
+    t = config.train
+    was_training = model.training
+    model.eval()
+    try:
+        loss, nll = dev_loss(model, dev, config, device)
+        subset = eval_subset(len(dev), t.eval_max_sentences)
+        chosen = list(range(len(dev))) if full else subset
+        pairs = [dev_pairs[dev[i].index] for i in chosen]
+        translator = Translator(model, tokenizers, max_tokens=t.max_tokens, device=device,
+                                bf16=t.bf16)
+        with warnings.catch_warnings():  # long dev sources: truncated, as load_data says
+            warnings.simplefilter("ignore", TruncationWarning)
+            hyps, scores = translate_and_score(translator, pairs, t.eval_beam, VALIDATION_ALPHA)
+    finally:
+        model.train(was_training)
+    by_position = dict(zip(chosen, hyps, strict=True))
+    sub_hyps = [by_position[i] for i in subset]
+    sub_refs = [dev_pairs[dev[i].index][1] for i in subset]
+    select = scores.bleu if len(chosen) == len(subset) else score(sub_hyps, sub_refs).bleu
+    n_show = min(t.num_samples, len(chosen))
+    samples = [{"src": pairs[j][0], "ref": pairs[j][1], "hyp": hyps[j]}
+               for j in eval_subset(len(chosen), n_show)[:n_show]]
+    return {"dev_loss": loss, "dev_nll": nll, "bleu": scores.bleu, "chrf": scores.chrf,
+            "bleu_signature": scores.bleu_signature, "n_sentences": len(chosen),
+            "select_bleu": select, "samples": samples}
+
+
+# ---------------------------------------------------------------- `aiayn evaluate`
+def evaluate_run(run_dir: str | Path, split: str = "test", beam: int = 4, alpha: float = 0.6,
+                 data_dir: str | Path | None = None, weights: str | Path = "best",
+                 output: str | Path | None = None, limit: int = 0, max_tokens: int = 8192,
+                 device: str | None = "auto", bf16: bool = False,
+                 progress: bool = True) -> dict[str, Any]:
+    """Translate a split of the run's prepared data, write the hypotheses (one per line)
+    and a .json of the scores beside them; returns that summary.
+
+    ``data_dir``: default the run's data_dir.txt. ``output``: default
+    RUN_DIR/eval/SPLIT.WEIGHTS.beamK.txt. ``limit``: only the first N sentences (0: all).
+    """
+    check_search(beam)
+    data_dir = Path(data_dir) if data_dir else read_data_dir(run_dir)
+    pairs = load_prepared(data_dir).split(split)
+    if limit > 0:
+        pairs = pairs[:limit]
+    if not pairs:
+        raise AiaynError(f"{data_dir}: the {split} split is empty")
+    translator = Translator.from_pretrained(run_dir, weights, device=choose_device(device),
+                                            max_tokens=max_tokens, bf16=bf16)
+    with tqdm(total=len(pairs), unit="sent", dynamic_ncols=True, disable=not progress,
+              desc=f"{split} beam {beam}") as bar:
+        hypotheses, scores = translate_and_score(translator, pairs, beam, alpha, bar.update)
+    speed = translator.last_stats
+    weights_name = Path(str(weights)).name.removesuffix(".safetensors")
+    output = Path(output) if output else (
+        Path(run_dir) / "eval" / f"{split}.{weights_name}.beam{beam}.txt")
+    atomic_write_text(output, "".join(h + "\n" for h in hypotheses))
+    summary = {
+        "run_dir": str(run_dir), "weights": str(weights), "data_dir": str(data_dir),
+        "split": split, "sentences": len(pairs), "beam": beam, "alpha": alpha,
+        "bleu": scores.bleu, "bleu_signature": scores.bleu_signature,
+        "chrf": scores.chrf, "chrf_signature": scores.chrf_signature,
+        "cer": scores.cer, "wer": scores.wer,
+        "seconds": speed.seconds, "sentences_per_s": speed.sentences_per_s,
+        "tokens_per_s": speed.tokens_per_s, "truncated_sources": speed.truncated,
+        "threads": torch.get_num_threads(), "device": translator.device.type,
+        "output": str(output), "scores_file": str(output.with_suffix(".json")),
+    }
+    atomic_write_text(output.with_suffix(".json"), json.dumps(summary, indent=2) + "\n")
+    return summary

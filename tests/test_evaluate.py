@@ -1,0 +1,43 @@
+"""Evaluation: the dev BLEU that training logs is the one `aiayn evaluate` reports for the
+same weights and settings (one decode driver, one scorer)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_train import TINY, run_train, sets, write_prepared
+
+from aiayn.cli import main
+from aiayn.evaluate import eval_subset, evaluate_run
+
+
+@pytest.mark.parametrize("beam", [1, 2])
+def test_validation_during_training_and_aiayn_evaluate_give_the_same_scores(tmp_path, beam,
+                                                                             capsys):
+    data_dir = write_prepared(tmp_path / "data")
+    run = tmp_path / "run"
+    run_train("--config", TINY, "--data", str(data_dir), "--out", str(run),
+              *sets(max_steps=60, eval_every=1000, save_every=1000, eval_beam=beam,
+                    num_samples=16))
+    lines = (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    dev = [r for r in map(json.loads, lines) if r["kind"] == "dev"][-1]
+    assert dev["step"] == 60 and dev["n_sentences"] == 16  # the final, whole-dev evaluation
+    summary = evaluate_run(run, split="dev", beam=beam, weights="last", progress=False)
+    assert summary["sentences"] == 16
+    assert summary["bleu"] == dev["bleu"] and summary["chrf"] == dev["chrf"]
+    assert summary["bleu_signature"] == dev["bleu_signature"]
+    assert dev["chrf"] > 0
+    hypotheses = Path(summary["output"]).read_text(encoding="utf-8").splitlines()
+    assert [s["hyp"] for s in dev["samples"]] == hypotheses  # all 16: the same sentences
+    # The command prints the same BLEU.
+    assert main(["evaluate", str(run), "--split", "dev", "--beam", str(beam),
+                 "--weights", "last", "-o", str(tmp_path / "hyp.txt")]) == 0
+    assert f"BLEU  {dev['bleu']:.2f}" in capsys.readouterr().out
+
+
+def test_eval_subset_spreads_k_positions_over_n():
+    assert eval_subset(10, 0) == list(range(10))
+    assert eval_subset(10, 20) == list(range(10))
+    assert eval_subset(10, 5) == [0, 2, 4, 6, 8]
