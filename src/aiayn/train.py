@@ -1,15 +1,15 @@
-"""Training: the loop, validation, checkpoints, exact resume, and DistributedDataParallel.
+"""Training: the loop, validation at intervals, checkpoints, exact resume, DDP.
 
 The file reads top to bottom in the order a run happens:
 
-    learning_rate, label_smoothed_loss     the paper's eq. 3 and its loss (5.3, 5.4)
-    setup_distributed                      one process, or one per rank under torchrun
-    prepare_run / resume_run               config resolved against the tokenizers, run dir
-    load_data, BatchStream                 encoded splits, an endless stream of batches
-    train_step                             grad accumulation, clipping, one Adam update
-    evaluate                               dev loss, greedy (or beam) BLEU / chrF, samples
-    save_checkpoint                        weights + train state, atomically
-    train                                  the loop that ties them together
+    resolve_config, load_data, BatchStream   vocabulary sizes, encoded splits, the batch stream
+    train_step                               grad accumulation, clipping, one Adam update
+    train / Trainer                          set-up (or resume), then the loop: step, log,
+                                             validate (aiayn.evaluate), save, stop
+
+What it builds on: aiayn.optim (Adam, the schedule, the loss), aiayn.distributed (ranks,
+collectives, RNG state), aiayn.rundir (the run directory and its metrics log),
+aiayn.evaluate (dev loss and BLEU through the Translator), aiayn.checkpoint (files).
 
 Loss normalisation: every update divides the summed token losses by the number of real
 target tokens in the whole update (all micro-batches of all ranks), so K ranks with one
@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from aiayn.checkpoint import load_train_state, load_weights, save_train_state, save_weights
 from aiayn.config import Config, save_config
+from aiayn.data import TokenBatchSampler, collate, encode_split, load_prepared
 from aiayn.distributed import (
     Dist,
     all_reduce_sum,
@@ -102,8 +103,6 @@ class TrainData:
 def load_data(data_dir: Path, config: Config, world: Dist, log=print) -> TrainData:
     """Encode the train and dev splits; long training pairs follow data.long_policy, long dev
     sources are truncated (the dev score covers every dev pair)."""
-    from aiayn.data import TokenBatchSampler, encode_split, load_prepared
-
     prepared = load_prepared(data_dir)
     m, t = config.model, config.train
     train, train_stats = encode_split(prepared.train, prepared.tokenizers, m.max_len,
@@ -138,8 +137,6 @@ class BatchStream:
         self._it = iter(self.data.sampler)
 
     def next(self):
-        from aiayn.data import collate
-
         positions = next(self._it, None) if self.epoch < self.max_epochs else None
         if positions is None:  # the epoch is over: reshuffle for the next one
             self.epoch += 1
@@ -217,8 +214,7 @@ def train_step(
     return StepResult(loss_per_token, n_tokens, grad_norm, lr)
 
 
-# ---------------------------------------------------------------- validation
-# ---------------------------------------------------------------- checkpoints
+# ---------------------------------------------------------------- the run
 @dataclass
 class Progress:
     """What the loop knows besides the weights and the optimizer."""
@@ -230,73 +226,6 @@ class Progress:
     saved_step: int = 0
 
 
-def save_checkpoint(run_dir: Path, model: Transformer, optimizer: torch.optim.Optimizer,
-                    progress: Progress, stream: BatchStream, config: Config, world: Dist) -> None:
-    """Save weights and train state. Every rank takes part (RNG and sampler states are
-    gathered); rank 0 writes.
-
-    Order: the step's own weights file, then train_state.pt naming it, then last.safetensors,
-    then pruning of old step files. A kill between any two writes leaves a train state whose
-    weights file exists and matches it.
-    """
-    rngs = gather_objects(rng_state(), world)
-    streams = gather_objects(stream.state_dict(), world)
-    if not world.is_main:
-        return
-    step = progress.step
-    meta = {"step": str(step)}
-    weights = step_checkpoint_path(run_dir, step)
-    save_weights(model, weights, metadata=meta)
-    state = {
-        "version": STATE_VERSION,
-        "step": step,
-        "epoch": stream.epoch,
-        "weights": str(weights.relative_to(run_dir)),
-        "optimizer": optimizer.state_dict(),
-        "schedule": {"formula": "eq3", "d_model": config.model.d_model,
-                     "warmup": config.train.warmup_steps, "scale": config.train.lr_scale,
-                     "step": step},
-        "rng": rngs,
-        "stream": streams,
-        "world_size": world.world_size,
-        "best_bleu": progress.best_bleu,
-        "best_step": progress.best_step,
-        "elapsed_s": progress.elapsed_s,
-    }
-    save_train_state(state, run_dir / "train_state.pt")
-    save_weights(model, run_dir / "last.safetensors", metadata=meta)
-    prune_step_checkpoints(run_dir, config.train.keep_checkpoints)
-    progress.saved_step = step
-
-
-def restore_checkpoint(run_dir: Path, model: Transformer, optimizer: torch.optim.Optimizer,
-                       stream: BatchStream, world: Dist, log=print) -> tuple[Progress, dict]:
-    """Load what :func:`save_checkpoint` wrote; returns the progress and this rank's RNG
-    state (set it last, after everything else that draws random numbers)."""
-    state = load_train_state(run_dir / "train_state.pt")
-    if state.get("version") != STATE_VERSION:
-        raise AiaynError(f"{run_dir}/train_state.pt: unknown version {state.get('version')!r}")
-    weights = run_dir / state["weights"]
-    load_weights(model, weights)
-    # Loaded on the CPU; load_state_dict moves each state tensor to its parameter's device.
-    optimizer.load_state_dict(state["optimizer"])
-    if state["world_size"] == world.world_size:
-        stream.load_state_dict(state["stream"][world.rank])
-        rng = state["rng"][world.rank]
-    else:
-        # Another number of ranks shards the data differently: start the saved epoch over.
-        epoch = int(state["stream"][0]["epoch"])
-        log(f"resume: the run had {state['world_size']} rank(s), this one has {world.world_size}; "
-            f"epoch {epoch} starts over and dropout masks differ (not an exact resume)")
-        stream.restart_epoch(epoch)
-        rng = state["rng"][0]
-    progress = Progress(step=int(state["step"]), best_bleu=float(state["best_bleu"]),
-                        best_step=int(state["best_step"]), elapsed_s=float(state["elapsed_s"]),
-                        saved_step=int(state["step"]))
-    return progress, rng
-
-
-# ---------------------------------------------------------------- the loop
 def train(
     config: Config | None,
     data_dir: str | Path | None,
@@ -312,167 +241,236 @@ def train(
     """
     world = setup_distributed(device)
     try:
-        return _train(config, data_dir, Path(run_dir), resume, overrides or [], world)
+        trainer = Trainer(config, data_dir, Path(run_dir), resume, overrides or [], world)
+        try:
+            return trainer.run()
+        finally:
+            trainer.metrics.close()
     finally:
         if world.enabled and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _train(config, data_dir, run_dir: Path, resume: bool, overrides: list[str], world: Dist):
-    log = tqdm.write if world.is_main else (lambda *a, **k: None)
-    if resume:
-        config = load_run_config(run_dir, overrides)
-        data_dir = Path(data_dir) if data_dir else read_data_dir(run_dir)
-    else:
-        if config is None or data_dir is None:
-            raise AiaynError("a new run needs --config and --data (or use --resume RUN_DIR)")
-        data_dir = Path(data_dir)
-    t = config.train
+class Trainer:
+    """One training run: ``__init__`` sets everything up (data, model, optimizer, the saved
+    state on resume), ``run`` is the loop; ``validate`` and ``save`` are what it does at
+    intervals. Every rank builds its own Trainer; rank 0 alone writes files."""
 
-    # Model and optimizer, seeded so every rank builds the same initial weights.
-    set_seed(t.seed)
-    data = load_data(data_dir, config, world, log)
-    config = resolve_config(config, data.tokenizers, data_dir)
-    if resume:
-        on_main(lambda: save_config(config, run_dir / "config.yaml"), world)  # new train.* settings
-    else:
-        on_main(lambda: create_run_dir(run_dir, config, data_dir), world)
-    model = build_model(config, world.device)
-    optimizer = build_optimizer(model, config)
-    stream = BatchStream(data, config.model.pad_id, world.device, t.max_epochs)
-    progress = Progress()
-    rng = None
-    if resume:
-        progress, rng = restore_checkpoint(run_dir, model, optimizer, stream, world, log)
-        log(f"resumed {run_dir} at step {progress.step}, epoch {stream.epoch}")
-    if world.rank > 0 and rng is None:
-        torch.manual_seed(t.seed + 7919 * world.rank)  # own dropout masks on each rank
-    ddp = None
-    train_model: nn.Module = model
-    if world.enabled:
-        ddp = nn.parallel.DistributedDataParallel(
-            model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
-        train_model = ddp
-    if t.compile:
-        # Batch shapes vary with the length buckets: compile once for symbolic shapes.
-        train_model = torch.compile(train_model, dynamic=True)
-    if rng is not None:
-        set_rng_state(rng)  # last: nothing above may draw from the restored streams
+    def __init__(self, config: Config | None, data_dir: str | Path | None, run_dir: Path,
+                 resume: bool, overrides: list[str], world: Dist):
+        self.world, self.run_dir = world, run_dir
+        self.log = tqdm.write if world.is_main else (lambda *a, **k: None)
+        if resume:
+            config = load_run_config(run_dir, overrides)
+            data_dir = Path(data_dir) if data_dir else read_data_dir(run_dir)
+        else:
+            if config is None or data_dir is None:
+                raise AiaynError("a new run needs --config and --data (or use --resume RUN_DIR)")
+            data_dir = Path(data_dir)
+        t = config.train
 
-    n_params = model.num_parameters()
-    log(f"model: {n_params / 1e6:.2f}M parameters, d_model {config.model.d_model}, "
-        f"{config.model.n_encoder_layers}+{config.model.n_decoder_layers} layers, vocab "
-        f"{config.model.src_vocab_size}/{config.model.tgt_vocab_size}; device {world.device}, "
-        f"{world.world_size} rank(s), bf16 {t.bf16}, compile {t.compile}")
-    metrics = MetricsLog(run_dir, world.is_main, progress.step if resume else None)
-    try:
-        return _loop(model, ddp, train_model, optimizer, data, stream, progress, config,
-                     run_dir, metrics, world, log)
-    finally:
-        metrics.close()
+        # Model and optimizer, seeded so every rank builds the same initial weights.
+        set_seed(t.seed)
+        self.data = load_data(data_dir, config, world, self.log)
+        config = self.config = resolve_config(config, self.data.tokenizers, data_dir)
+        if resume:  # new train.* settings
+            on_main(lambda: save_config(config, run_dir / "config.yaml"), world)
+        else:
+            on_main(lambda: create_run_dir(run_dir, config, data_dir), world)
+        self.model = build_model(config, world.device)
+        self.optimizer = build_optimizer(self.model, config)
+        self.stream = BatchStream(self.data, config.model.pad_id, world.device, t.max_epochs)
+        self.progress = Progress()
+        rng = None
+        if resume:
+            rng = self.restore()
+            self.log(f"resumed {run_dir} at step {self.progress.step}, epoch {self.stream.epoch}")
+        if world.rank > 0 and rng is None:
+            torch.manual_seed(t.seed + 7919 * world.rank)  # own dropout masks on each rank
+        self.ddp: nn.Module | None = None
+        self.train_model: nn.Module = self.model
+        if world.enabled:
+            self.ddp = self.train_model = nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
+        if t.compile:
+            # Batch shapes vary with the length buckets: compile once for symbolic shapes.
+            self.train_model = torch.compile(self.train_model, dynamic=True)
+        if rng is not None:
+            set_rng_state(rng)  # last: nothing above may draw from the restored streams
 
+        m = config.model
+        self.log(f"model: {self.model.num_parameters() / 1e6:.2f}M parameters, d_model "
+                 f"{m.d_model}, {m.n_encoder_layers}+{m.n_decoder_layers} layers, vocab "
+                 f"{m.src_vocab_size}/{m.tgt_vocab_size}; device {world.device}, "
+                 f"{world.world_size} rank(s), bf16 {t.bf16}, compile {t.compile}")
+        self.metrics = MetricsLog(run_dir, world.is_main, self.progress.step if resume else None)
 
-def _loop(model, ddp, train_model, optimizer, data, stream, progress: Progress, config,
-          run_dir: Path, metrics: MetricsLog, world: Dist, log) -> dict[str, Any]:
-    t = config.train
-    start = time.perf_counter()
-    budget_s = t.max_minutes * 60 if t.max_minutes > 0 else math.inf
-    elapsed_before = progress.elapsed_s
-    interactive = sys.stderr.isatty()
-    # Under a time budget the step limit is usually far away: show a count, not a fake ETA.
-    total = None if budget_s < math.inf else t.max_steps
-    bar = tqdm(total=total, initial=progress.step, desc="train", unit="step",
-               disable=not world.is_main, dynamic_ncols=True, mininterval=1 if interactive else 30)
-    window_loss = window_tokens = 0.0
-    window_start = time.perf_counter()
-    last_eval: dict[str, Any] | None = None
-    last_eval_step, last_eval_full = -1, False
-    stop_reason = "max_steps"
-    model.train()
-    try:
-        while progress.step < t.max_steps:
-            micro = [stream.next() for _ in range(t.grad_accum)]
-            if any(batch is None for batch in micro):  # the last epoch is done
-                stop_reason = f"max_epochs ({t.max_epochs})"
-                break
-            result = train_step(train_model, ddp, optimizer, micro, progress.step + 1, config, world)
-            if not (math.isfinite(result.loss) and math.isfinite(result.grad_norm)):
-                raise AiaynError(non_finite_message(result, progress, run_dir))
-            progress.step += 1
-            progress.elapsed_s = elapsed_before + time.perf_counter() - start
-            window_loss += result.loss * result.n_tokens
-            window_tokens += result.n_tokens
-            now = time.perf_counter()
-            tokens_per_s = window_tokens / max(now - window_start, 1e-9)
-            bar.update(1)
-            bar.set_postfix(loss=f"{result.loss:.3f}", lr=f"{result.lr:.2e}",
-                            tok_s=f"{tokens_per_s:,.0f}", epoch=stream.epoch, refresh=False)
-            if progress.step % t.log_every == 0:
-                metrics.write({"kind": "train", "step": progress.step, "epoch": stream.epoch,
-                               "loss": window_loss / window_tokens, "lr": result.lr,
-                               "tokens_per_s": tokens_per_s, "elapsed_s": progress.elapsed_s,
-                               "grad_norm": result.grad_norm})
-                window_loss = window_tokens = 0.0
-                window_start = time.perf_counter()
-            out_of_time = any_rank(time.perf_counter() - start >= budget_s, world)
-            finishing = out_of_time or progress.step >= t.max_steps
-            if progress.step % t.eval_every == 0 and not finishing:
-                last_eval = run_evaluation(model, data, config, progress, run_dir, metrics,
-                                           world, full=t.eval_max_sentences == 0, log=log)
-                last_eval_step, last_eval_full = progress.step, t.eval_max_sentences == 0
-                window_start = time.perf_counter()  # evaluation time is not training time
-            if progress.step % t.save_every == 0 and not finishing:
-                save_checkpoint(run_dir, model, optimizer, progress, stream, config, world)
-                window_start = time.perf_counter()
-            if out_of_time:
-                stop_reason = f"max_minutes ({t.max_minutes:g})"
-                break
-        # The end: a full-dev evaluation, then the final checkpoint.
-        if not (last_eval_step == progress.step and last_eval_full) and progress.step > 0:
-            last_eval = run_evaluation(model, data, config, progress, run_dir, metrics, world,
-                                       full=True, log=log)
-        if progress.saved_step != progress.step:
-            save_checkpoint(run_dir, model, optimizer, progress, stream, config, world)
-    finally:
-        bar.close()
-    log(f"stopped at step {progress.step} (epoch {stream.epoch}) after "
-        f"{progress.elapsed_s / 60:.1f} min of training: {stop_reason}; best dev BLEU "
-        f"{progress.best_bleu:.2f} at step {progress.best_step}")
-    return {"step": progress.step, "epoch": stream.epoch, "stop_reason": stop_reason,
-            "best_bleu": progress.best_bleu, "best_step": progress.best_step,
-            "elapsed_s": progress.elapsed_s, **(last_eval or {})}
+    def run(self) -> dict[str, Any]:
+        """Steps until train.max_steps, max_epochs or max_minutes; then a whole-dev
+        validation and the final checkpoint. Returns the last dev record and why it stopped."""
+        t, progress, stream = self.config.train, self.progress, self.stream
+        start = time.perf_counter()
+        budget_s = t.max_minutes * 60 if t.max_minutes > 0 else math.inf
+        elapsed_before = progress.elapsed_s
+        # Under a time budget the step limit is usually far away: show a count, not a fake ETA.
+        bar = tqdm(total=None if budget_s < math.inf else t.max_steps, initial=progress.step,
+                   desc="train", unit="step", disable=not self.world.is_main,
+                   dynamic_ncols=True, mininterval=1 if sys.stderr.isatty() else 30)
+        window_loss = window_tokens = 0.0
+        window_start = time.perf_counter()
+        last_eval: dict[str, Any] | None = None
+        last_eval_step, last_eval_full = -1, False
+        stop_reason = "max_steps"
+        self.model.train()
+        try:
+            while progress.step < t.max_steps:
+                micro = [stream.next() for _ in range(t.grad_accum)]
+                if any(batch is None for batch in micro):  # the last epoch is done
+                    stop_reason = f"max_epochs ({t.max_epochs})"
+                    break
+                result = train_step(self.train_model, self.ddp, self.optimizer, micro,
+                                    progress.step + 1, self.config, self.world)
+                if not (math.isfinite(result.loss) and math.isfinite(result.grad_norm)):
+                    raise AiaynError(non_finite_message(result, progress, self.run_dir))
+                progress.step += 1
+                progress.elapsed_s = elapsed_before + time.perf_counter() - start
+                window_loss += result.loss * result.n_tokens
+                window_tokens += result.n_tokens
+                tokens_per_s = window_tokens / max(time.perf_counter() - window_start, 1e-9)
+                bar.update(1)
+                bar.set_postfix(loss=f"{result.loss:.3f}", lr=f"{result.lr:.2e}",
+                                tok_s=f"{tokens_per_s:,.0f}", epoch=stream.epoch, refresh=False)
+                if progress.step % t.log_every == 0:
+                    self.metrics.write({
+                        "kind": "train", "step": progress.step, "epoch": stream.epoch,
+                        "loss": window_loss / window_tokens, "lr": result.lr,
+                        "tokens_per_s": tokens_per_s, "elapsed_s": progress.elapsed_s,
+                        "grad_norm": result.grad_norm})
+                    window_loss = window_tokens = 0.0
+                    window_start = time.perf_counter()
+                out_of_time = any_rank(time.perf_counter() - start >= budget_s, self.world)
+                finishing = out_of_time or progress.step >= t.max_steps
+                if progress.step % t.eval_every == 0 and not finishing:
+                    full = t.eval_max_sentences == 0
+                    last_eval = self.validate(full)
+                    last_eval_step, last_eval_full = progress.step, full
+                    window_start = time.perf_counter()  # evaluation time is not training time
+                if progress.step % t.save_every == 0 and not finishing:
+                    self.save()
+                    window_start = time.perf_counter()
+                if out_of_time:
+                    stop_reason = f"max_minutes ({t.max_minutes:g})"
+                    break
+            # The end: a full-dev evaluation, then the final checkpoint.
+            if not (last_eval_step == progress.step and last_eval_full) and progress.step > 0:
+                last_eval = self.validate(full=True)
+            if progress.saved_step != progress.step:
+                self.save()
+        finally:
+            bar.close()
+        self.log(f"stopped at step {progress.step} (epoch {stream.epoch}) after "
+                 f"{progress.elapsed_s / 60:.1f} min of training: {stop_reason}; best dev BLEU "
+                 f"{progress.best_bleu:.2f} at step {progress.best_step}")
+        return {"step": progress.step, "epoch": stream.epoch, "stop_reason": stop_reason,
+                "best_bleu": progress.best_bleu, "best_step": progress.best_step,
+                "elapsed_s": progress.elapsed_s, **(last_eval or {})}
 
+    def validate(self, full: bool) -> dict | None:
+        """Rank 0 validates (aiayn.evaluate.validate; the others wait), logs, prints
+        samples and keeps best.safetensors."""
+        world, progress, log = self.world, self.progress, self.log
+        record = None
+        if world.is_main:
+            began = time.perf_counter()
+            with torch.random.fork_rng(devices=[world.device] if world.device.type == "cuda" else []):
+                result = validate(self.model, self.data.tokenizers, self.data.dev,
+                                  self.data.dev_pairs, self.config, world.device, full)
+            record = {"kind": "dev", "step": progress.step, **result,
+                      "elapsed_s": progress.elapsed_s, "eval_s": time.perf_counter() - began}
+            improved = result["select_bleu"] > progress.best_bleu
+            if improved:
+                progress.best_bleu, progress.best_step = result["select_bleu"], progress.step
+                save_weights(self.model, self.run_dir / "best.safetensors",
+                             metadata={"step": str(progress.step),
+                                       "select_bleu": f"{result['select_bleu']:.4f}"})
+            self.metrics.write(record)
+            what = "whole dev" if full else "dev subset"
+            log(f"step {progress.step}: dev loss {result['dev_loss']:.3f}  BLEU "
+                f"{result['bleu']:.2f}  chrF {result['chrf']:.2f}  ({what}, "
+                f"{result['n_sentences']} sentences, {record['eval_s']:.0f}s)"
+                f"{'  *best*' if improved else ''}  [{result['bleu_signature']}]")
+            for sample in result["samples"]:
+                log(f"  src: {sample['src']}\n  ref: {sample['ref']}\n  hyp: {sample['hyp']}")
+        if world.enabled:
+            dist.barrier()
+            bests = gather_objects((progress.best_bleu, progress.best_step), world)
+            progress.best_bleu, progress.best_step = bests[0]
+        return record
 
-def run_evaluation(model: Transformer, data: TrainData, config: Config, progress: Progress,
-                   run_dir: Path, metrics: MetricsLog, world: Dist, full: bool, log) -> dict | None:
-    """Rank 0 evaluates (the others wait), logs, prints samples and keeps best.safetensors."""
-    record = None
-    if world.is_main:
-        began = time.perf_counter()
-        with torch.random.fork_rng(devices=[world.device] if world.device.type == "cuda" else []):
-            result = validate(model, data.tokenizers, data.dev, data.dev_pairs, config,
-                              world.device, full)
-        record = {"kind": "dev", "step": progress.step, **result,
-                  "elapsed_s": progress.elapsed_s, "eval_s": time.perf_counter() - began}
-        improved = result["select_bleu"] > progress.best_bleu
-        if improved:
-            progress.best_bleu, progress.best_step = result["select_bleu"], progress.step
-            save_weights(model, run_dir / "best.safetensors",
-                         metadata={"step": str(progress.step),
-                                   "select_bleu": f"{result['select_bleu']:.4f}"})
-        metrics.write(record)
-        what = "whole dev" if full else "dev subset"
-        log(f"step {progress.step}: dev loss {result['dev_loss']:.3f}  BLEU {result['bleu']:.2f}  "
-            f"chrF {result['chrf']:.2f}  ({what}, {result['n_sentences']} sentences, "
-            f"{record['eval_s']:.0f}s){'  *best*' if improved else ''}  "
-            f"[{result['bleu_signature']}]")
-        for sample in result["samples"]:
-            log(f"  src: {sample['src']}\n  ref: {sample['ref']}\n  hyp: {sample['hyp']}")
-    if world.enabled:
-        dist.barrier()
-        bests = gather_objects((progress.best_bleu, progress.best_step), world)
-        progress.best_bleu, progress.best_step = bests[0]
-    return record
+    def save(self) -> None:
+        """Save weights and train state. Every rank takes part (RNG and sampler states are
+        gathered); rank 0 writes.
+
+        Order: the step's own weights file, then train_state.pt naming it, then last.safetensors,
+        then pruning of old step files. A kill between any two writes leaves a train state whose
+        weights file exists and matches it.
+        """
+        world, run_dir, config, progress = self.world, self.run_dir, self.config, self.progress
+        rngs = gather_objects(rng_state(), world)
+        streams = gather_objects(self.stream.state_dict(), world)
+        if not world.is_main:
+            return
+        step = progress.step
+        meta = {"step": str(step)}
+        weights = step_checkpoint_path(run_dir, step)
+        save_weights(self.model, weights, metadata=meta)
+        state = {
+            "version": STATE_VERSION,
+            "step": step,
+            "epoch": self.stream.epoch,
+            "weights": str(weights.relative_to(run_dir)),
+            "optimizer": self.optimizer.state_dict(),
+            "schedule": {"formula": "eq3", "d_model": config.model.d_model,
+                         "warmup": config.train.warmup_steps, "scale": config.train.lr_scale,
+                         "step": step},
+            "rng": rngs,
+            "stream": streams,
+            "world_size": world.world_size,
+            "best_bleu": progress.best_bleu,
+            "best_step": progress.best_step,
+            "elapsed_s": progress.elapsed_s,
+        }
+        save_train_state(state, run_dir / "train_state.pt")
+        save_weights(self.model, run_dir / "last.safetensors", metadata=meta)
+        prune_step_checkpoints(run_dir, config.train.keep_checkpoints)
+        progress.saved_step = step
+
+    def restore(self) -> dict:
+        """Load what :meth:`save` wrote; returns this rank's RNG state (set it last, after
+        everything else that draws random numbers)."""
+        world, run_dir, stream = self.world, self.run_dir, self.stream
+        state = load_train_state(run_dir / "train_state.pt")
+        if state.get("version") != STATE_VERSION:
+            raise AiaynError(f"{run_dir}/train_state.pt: unknown version {state.get('version')!r}")
+        weights = run_dir / state["weights"]
+        load_weights(self.model, weights)
+        # Loaded on the CPU; load_state_dict moves each state tensor to its parameter's device.
+        self.optimizer.load_state_dict(state["optimizer"])
+        if state["world_size"] == world.world_size:
+            stream.load_state_dict(state["stream"][world.rank])
+            rng = state["rng"][world.rank]
+        else:
+            # Another number of ranks shards the data differently: start the saved epoch over.
+            epoch = int(state["stream"][0]["epoch"])
+            self.log(f"resume: the run had {state['world_size']} rank(s), this one has "
+                     f"{world.world_size}; epoch {epoch} starts over and dropout masks differ "
+                     "(not an exact resume)")
+            stream.restart_epoch(epoch)
+            rng = state["rng"][0]
+        self.progress = Progress(step=int(state["step"]), best_bleu=float(state["best_bleu"]),
+                                 best_step=int(state["best_step"]),
+                                 elapsed_s=float(state["elapsed_s"]), saved_step=int(state["step"]))
+        return rng
 
 
 def non_finite_message(result: StepResult, progress: Progress, run_dir: Path) -> str:
