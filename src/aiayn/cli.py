@@ -2,21 +2,41 @@
 attention | plot | bench.
 
 Each sub-command has an ``_add_<name>`` function (its arguments) and a ``_run_<name>``
-function (what it does, by calling the library). Errors a user can cause are AiaynError:
-printed as one line, exit status 2, no traceback.
+function that calls one library function and prints what it returns; options shared by
+several commands are declared once (``_add_set``, ``_add_device``, ``_add_weights``,
+``_add_search``). Errors a user can cause are AiaynError: printed as one line, exit status
+2, no traceback; warnings (e.g. truncated sentences) as one line each.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import io
 import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
+import torch
+
+from aiayn.checkpoint import average_checkpoints
+from aiayn.config import Config, load_config
+from aiayn.data import prepare
+from aiayn.distributed import choose_device
 from aiayn.errors import AiaynError
+from aiayn.evaluate import evaluate_run
+from aiayn.io import atomic_path
+from aiayn.model import Transformer
+from aiayn.rundir import checkpoints_to_average
+from aiayn.trace import format_trace, trace_batch, trace_forward
+from aiayn.train import train
+from aiayn.translator import Translator, check_search
+
+# aiayn.plots (matplotlib) is imported by the commands that draw: the others start faster.
 
 
-def _config_from_args(args, default: str | None = None):
-    from aiayn.config import Config, load_config
-
+def _config_from_args(args, default: str | None = None) -> Config:
     path = getattr(args, "config", None) or default
     overrides = getattr(args, "set", None) or []
     if path:
@@ -27,6 +47,33 @@ def _config_from_args(args, default: str | None = None):
 def _add_set(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config setting, e.g. --set train.max_steps=100 (repeatable)")
+
+
+def _add_device(p: argparse.ArgumentParser, extra: str = "") -> None:
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: a GPU when there is one" + extra)
+
+
+def _add_weights(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", default="best", help="best, last, or a .safetensors path")
+
+
+def _add_search(p: argparse.ArgumentParser, beam: int = 4, max_tokens: bool = True) -> None:
+    p.add_argument("--beam", type=int, default=beam, help="beam size (1: greedy search)")
+    p.add_argument("--alpha", type=float, default=0.6, help="length penalty")
+    if max_tokens:
+        p.add_argument("--max-tokens", type=int, default=8192,
+                       help="batch budget: padded source tokens x beam (default 8192)")
+
+
+@contextmanager
+def _warnings_as_lines() -> Iterator[None]:
+    """Show warnings raised inside (e.g. truncated sentences) as one stderr line each."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda message, *args, **kwargs: print(
+            f"aiayn: warning: {message}", file=sys.stderr)
+        yield
 
 
 # ---------------------------------------------------------------- prepare
@@ -42,10 +89,6 @@ def _add_prepare(sub) -> None:
 
 
 def _run_prepare(args) -> int:
-    import dataclasses
-
-    from aiayn.data import prepare
-
     config = _config_from_args(args)
     changes = {"corpus": args.corpus, "vocab_size": args.vocab_size, "tokenizer": args.tokenizer}
     changes = {key: value for key, value in changes.items() if value is not None}
@@ -98,14 +141,11 @@ def _add_train(sub) -> None:
                    "(train.max_minutes); the final dev evaluation comes on top")
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast (train.bf16)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (train.compile)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="auto: a GPU when there is one (under torchrun: the rank's local GPU)")
+    _add_device(p, " (under torchrun: the rank's local GPU)")
     _add_set(p)
 
 
 def _run_train(args) -> int:
-    from aiayn.train import train
-
     overrides = list(args.set or [])
     if args.max_minutes is not None:
         overrides.append(f"train.max_minutes={args.max_minutes}")
@@ -123,8 +163,6 @@ def _run_train(args) -> int:
     if not (args.config and args.data and args.out):
         raise AiaynError("a new run needs --config FILE --data PREPARED_DIR --out RUN_DIR "
                          "(or --resume RUN_DIR)")
-    from aiayn.config import load_config
-
     config = load_config(args.config, overrides)
     train(config, args.data, args.out, device=args.device)
     return 0
@@ -141,83 +179,38 @@ def _add_translate(sub) -> None:
         "'LINE<TAB><TAB>'). A sentence longer than the model's max_len is truncated, with a "
         "warning on stderr.")
     p.add_argument("run_dir", help="run directory (from `aiayn train`)")
-    p.add_argument("--beam", type=int, default=4, help="beam size (1: greedy search)")
-    p.add_argument("--alpha", type=float, default=0.6, help="length penalty")
+    _add_search(p)
     p.add_argument("--nbest", type=int, default=1, help="hypotheses per sentence (<= --beam)")
     p.add_argument("-i", "--input", help="input file (default: stdin)")
     p.add_argument("-o", "--output", help="output file (default: stdout)")
-    p.add_argument("--weights", default="best", help="best, last, or a .safetensors path")
-    p.add_argument("--max-tokens", type=int, default=8192,
-                   help="batch budget: source tokens x beam (default 8192)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="auto: a GPU when there is one")
-
-
-_TRANSLATE_CHUNK = 2000  # lines translated at a time
+    _add_weights(p)
+    _add_device(p)
 
 
 def _run_translate(args) -> int:
-    from aiayn.translator import Translator
-
-    _check_beam(args.beam, args.nbest)
+    check_search(args.beam, args.nbest)  # before waiting for stdin or loading the model
     translator = Translator.from_pretrained(args.run_dir, args.weights,
-                                            device=_decode_device(args.device),
+                                            device=choose_device(args.device),
                                             max_tokens=args.max_tokens)
     lines = _read_lines(args.input)
-    if args.output is None:
-        _translate_lines(translator, lines, args, sys.stdout)
-        return 0
-    from aiayn.io import atomic_path
-
-    with atomic_path(args.output) as tmp, open(tmp, "w", encoding="utf-8") as out:
-        _translate_lines(translator, lines, args, out)
+    chunks = translator.translate_lines(lines, args.beam, args.alpha, args.nbest)
+    with _warnings_as_lines():
+        if args.output is None:
+            _write(chunks, sys.stdout)
+            return 0
+        with atomic_path(args.output) as tmp, open(tmp, "w", encoding="utf-8") as out:
+            _write(chunks, out)
     return 0
 
 
-def _translate_lines(translator, lines: list[str], args, out) -> None:
-    """Translate in chunks (output appears as it is ready, memory stays bounded)."""
-    for start in range(0, len(lines), _TRANSLATE_CHUNK):
-        chunk = lines[start : start + _TRANSLATE_CHUNK]
-        if args.nbest == 1:
-            texts = _call_showing_warnings(translator.translate, chunk, args.beam, args.alpha)
-            out.write("".join(text + "\n" for text in texts))
-        else:
-            nbest = _call_showing_warnings(translator.translate_nbest, chunk, args.beam,
-                                           args.alpha, args.nbest)
-            out.write(_format_nbest(nbest, start))
+def _write(chunks: Iterator[str], out) -> None:
+    for text in chunks:
+        out.write(text)
         out.flush()
-
-
-def _decode_device(choice: str) -> str:
-    import torch
-
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise AiaynError("--device cuda: no CUDA GPU is available here")
-    if choice == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return choice
-
-
-def _check_beam(beam: int, nbest: int = 1) -> None:
-    if beam < 1:
-        raise AiaynError(f"--beam must be at least 1, got {beam}")
-    if not 1 <= nbest <= beam:
-        raise AiaynError(f"--nbest must be between 1 and --beam ({beam}), got {nbest}")
-
-
-def _format_nbest(nbest: list[list[tuple[str, float]]], first_line: int) -> str:
-    rows = []
-    for i, hyps in enumerate(nbest, first_line):
-        rows.extend(f"{i}\t{score:.4f}\t{text}\n" for text, score in hyps)
-        if not hyps:
-            rows.append(f"{i}\t\t\n")
-    return "".join(rows)
 
 
 def _read_lines(path: str | None) -> list[str]:
     """Lines of a UTF-8 file (or stdin), without their line ends."""
-    import io
-
     try:
         if path is None:
             stream = sys.stdin
@@ -233,18 +226,6 @@ def _read_lines(path: str | None) -> list[str]:
                          f"{exc.start})") from None
 
 
-def _call_showing_warnings(fn, *args, **kwargs):
-    """Run ``fn``; show its warnings (e.g. truncated sentences) as one line each on stderr."""
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        result = fn(*args, **kwargs)
-    for w in caught:
-        print(f"aiayn: warning: {w.message}", file=sys.stderr)
-    return result
-
-
 # ---------------------------------------------------------------- evaluate
 def _add_evaluate(sub) -> None:
     p = sub.add_parser(
@@ -255,27 +236,21 @@ def _add_evaluate(sub) -> None:
         "hypotheses.")
     p.add_argument("run_dir")
     p.add_argument("--split", choices=["test", "dev"], default="test")
-    p.add_argument("--beam", type=int, default=4, help="beam size (1: greedy search)")
-    p.add_argument("--alpha", type=float, default=0.6, help="length penalty")
+    _add_search(p)
     p.add_argument("--data", help="prepared data directory (default: the one the run used, "
                    "from RUN_DIR/data_dir.txt)")
-    p.add_argument("--weights", default="best", help="best, last, or a .safetensors path")
+    _add_weights(p)
     p.add_argument("-o", "--output", help="file for the hypotheses (default: "
                    "RUN_DIR/eval/SPLIT.WEIGHTS.beamK.txt)")
     p.add_argument("--limit", type=int, default=0, help="only the first N sentences (0: all)")
-    p.add_argument("--max-tokens", type=int, default=8192,
-                   help="batch budget: source tokens x beam (default 8192)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="auto: a GPU when there is one")
+    _add_device(p)
 
 
 def _run_evaluate(args) -> int:
-    from aiayn.evaluate import evaluate_run
-
-    r = _call_showing_warnings(
-        evaluate_run, args.run_dir, args.split, args.beam, args.alpha, data_dir=args.data,
-        weights=args.weights, output=args.output, limit=args.limit,
-        max_tokens=args.max_tokens, device=args.device)
+    with _warnings_as_lines():
+        r = evaluate_run(args.run_dir, args.split, args.beam, args.alpha, data_dir=args.data,
+                         weights=args.weights, output=args.output, limit=args.limit,
+                         max_tokens=args.max_tokens, device=args.device)
     search = "greedy" if r["beam"] == 1 else f"beam {r['beam']}, alpha {r['alpha']}"
     print("\n".join([
         f"{r['split']}: {r['sentences']} sentences from {r['data_dir']}, weights "
@@ -305,9 +280,6 @@ def _add_average(sub) -> None:
 
 
 def _run_average(args) -> int:
-    from aiayn.checkpoint import average_checkpoints
-    from aiayn.rundir import checkpoints_to_average
-
     files = checkpoints_to_average(args.paths, args.last)
     average_checkpoints(files, args.output)
     print(f"averaged {len(files)} checkpoints:")
@@ -330,14 +302,9 @@ def _add_trace(sub) -> None:
 
 
 def _run_trace(args) -> int:
-    import torch
-
-    from aiayn.model import Transformer
-    from aiayn.trace import format_trace, trace_forward
-
     config = _config_from_args(args)
     torch.manual_seed(args.seed)
-    src, tgt = _trace_batch(config, args)
+    src, tgt = trace_batch(config, args.data, args.batch_size)
     model = Transformer(config.model)
     rows = trace_forward(model, src, tgt)
     print(format_trace(rows, src, tgt, args.depth))
@@ -349,45 +316,18 @@ def _run_trace(args) -> int:
     return 0
 
 
-def _trace_batch(config, args):
-    """A batch to trace: real sentences from --data, else random ids with some padding."""
-    import torch
-
-    from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
-
-    if args.data:
-        from aiayn.data import sample_batch
-
-        batch = sample_batch(args.data, config, args.batch_size)
-        return batch.src, batch.tgt_in
-    m = config.model
-    B = max(1, args.batch_size)
-    src_lens = [max(2, min(m.max_len, 12 - 3 * i)) for i in range(B)]
-    tgt_lens = [max(2, min(m.max_len, 10 - 2 * i)) for i in range(B)]
-    src = torch.full((B, max(src_lens)), PAD_ID)
-    tgt = torch.full((B, max(tgt_lens)), PAD_ID)
-    for i in range(B):
-        src[i, : src_lens[i]] = torch.randint(4, m.src_vocab_size, (src_lens[i],))
-        src[i, src_lens[i] - 1] = EOS_ID
-        tgt[i, : tgt_lens[i]] = torch.randint(4, m.tgt_vocab_size, (tgt_lens[i],))
-        tgt[i, 0] = BOS_ID
-    return src, tgt
-
-
 # ---------------------------------------------------------------- attention
 def _add_attention(sub) -> None:
     p = sub.add_parser("attention", help="attention heatmaps for one translated sentence")
     p.add_argument("run_dir")
     p.add_argument("sentence")
     p.add_argument("-o", "--out", default="attention", help="output directory for the PNGs")
-    p.add_argument("--beam", type=int, default=1, help="beam size of the translation")
-    p.add_argument("--alpha", type=float, default=0.6, help="length penalty")
-    p.add_argument("--weights", default="best", help="best, last, or a .safetensors path")
+    _add_search(p, beam=1, max_tokens=False)
+    _add_weights(p)
 
 
 def _run_attention(args) -> int:
     from aiayn.plots import save_attention_figures
-    from aiayn.translator import Translator
 
     translator = Translator.from_pretrained(args.run_dir, weights=args.weights)
     att = translator.attention(args.sentence, beam=args.beam, alpha=args.alpha)
@@ -421,15 +361,13 @@ def _run_plot(args) -> int:
         fig = plots.positional_encoding_figure(args.positions, args.d_model)
         output = args.output or "positional_encoding.png"
     elif args.schedule:
-        from aiayn.config import load_config
-
         config = load_config(args.schedule, args.set)
         fig = plots.schedule_figure(config, label=args.schedule)
         output = args.output or "schedule.png"
     else:
         labels = plots.run_labels(args.run_dirs)
-        runs = {label: plots.read_metrics(d)
-                for label, d in zip(labels, args.run_dirs, strict=True)}
+        runs = {label: plots.read_metrics(run_dir)
+                for label, run_dir in zip(labels, args.run_dirs, strict=True)}
         fig = plots.curves_figure(runs)
         output = args.output or "curves.png"
     print(f"wrote {plots.save_figure(fig, output)}")

@@ -51,10 +51,6 @@ class ModelConfig:
     tie_embeddings: str = "decoder"
     pad_id: int = 0
 
-    @property
-    def d_head(self) -> int:
-        return self.d_model // self.n_heads
-
 
 @dataclass
 class DataConfig:
@@ -144,15 +140,15 @@ class Config:
             )
         if not 0 <= m.pad_id < min(m.src_vocab_size, m.tgt_vocab_size):
             raise AiaynError(f"{source}: model.pad_id {m.pad_id} is outside the vocabulary")
-        d = self.data
-        if d.tokenizer not in ("bpe", "wordlevel"):
-            raise AiaynError(f"{source}: data.tokenizer must be 'bpe' or 'wordlevel', got {d.tokenizer!r}")
-        if d.long_policy not in ("drop", "truncate"):
+        data = self.data
+        if data.tokenizer not in ("bpe", "wordlevel"):
+            raise AiaynError(f"{source}: data.tokenizer must be 'bpe' or 'wordlevel', got {data.tokenizer!r}")
+        if data.long_policy not in ("drop", "truncate"):
             raise AiaynError(
-                f"{source}: data.long_policy must be 'drop' or 'truncate', got {d.long_policy!r}"
+                f"{source}: data.long_policy must be 'drop' or 'truncate', got {data.long_policy!r}"
             )
-        if d.vocab_size <= 4:
-            raise AiaynError(f"{source}: data.vocab_size must be larger than 4, got {d.vocab_size}")
+        if data.vocab_size <= 4:
+            raise AiaynError(f"{source}: data.vocab_size must be larger than 4, got {data.vocab_size}")
         t = self.train
         for name in ("max_tokens", "grad_accum", "warmup_steps", "max_steps", "max_epochs",
                      "eval_every", "save_every", "keep_checkpoints", "log_every", "eval_beam"):

@@ -17,10 +17,6 @@ class Scores:
     bleu_signature: str
     chrf_signature: str
 
-    def summary(self) -> str:
-        return (f"BLEU {self.bleu:.2f}  chrF {self.chrf:.2f}  CER {self.cer:.2%}  "
-                f"WER {self.wer:.2%}")
-
 
 def edit_distance(a: Sequence, b: Sequence) -> int:
     """Levenshtein distance (insertions, deletions, substitutions each cost 1).

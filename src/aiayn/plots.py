@@ -249,8 +249,9 @@ def metric_series(records: list[dict[str, Any]], kind: str, key: str) -> tuple[l
 
 def run_labels(run_dirs: Sequence[str | Path]) -> list[str]:
     """Short legend names: the directory's name, or its path where names collide."""
-    names = [Path(d).resolve().name for d in run_dirs]
-    return [n if names.count(n) == 1 else str(d) for n, d in zip(names, run_dirs, strict=True)]
+    names = [Path(run_dir).resolve().name for run_dir in run_dirs]
+    return [name if names.count(name) == 1 else str(run_dir)
+            for name, run_dir in zip(names, run_dirs, strict=True)]
 
 
 def curves_figure(runs: dict[str, list[dict[str, Any]]]) -> Figure:
@@ -331,7 +332,7 @@ def positional_encoding_figure(positions: int = 100, d_model: int = 128) -> Figu
 def schedule_figure(config, label: str = "") -> Figure:
     """lr(step) = lr_scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) (paper,
     eq. 3) over ``config.train.max_steps`` steps, with the peak at the warm-up's end."""
-    d, warmup, scale = config.model.d_model, config.train.warmup_steps, config.train.lr_scale
+    d_model, warmup, scale = config.model.d_model, config.train.warmup_steps, config.train.lr_scale
     last = max(config.train.max_steps, 2)
     steps = np.unique(np.concatenate([np.linspace(1, last, 1500).round(), [warmup]]))
     steps = steps[steps <= last].astype(int)
@@ -352,7 +353,7 @@ def schedule_figure(config, label: str = "") -> Figure:
     ax.grid(True, alpha=0.3)
     ax.set_title(
         f"lr = {scale:g} · d^-0.5 · min(step^-0.5, step · warmup^-1.5)\n"
-        f"d_model = {d}, warmup = {warmup:,} steps" + (f"  ({label})" if label else ""),
+        f"d_model = {d_model}, warmup = {warmup:,} steps" + (f"  ({label})" if label else ""),
         fontsize=10,
     )
     return fig

@@ -93,9 +93,6 @@ class Tokenizers:
     def tgt_id_to_token(self, i: int) -> str:
         return _id_to_token(self.tgt, i)
 
-    def src_id_to_token(self, i: int) -> str:
-        return _id_to_token(self.src, i)
-
     # ---------------------------------------------------------------- files
     def save(self, directory: str | Path) -> None:
         """Write meta.json and the tokenizer JSON file(s), atomically each."""

@@ -7,11 +7,15 @@ token ids through embeddings, each layer's sub-layers, to the vocabulary logits.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
+from aiayn.config import Config
+from aiayn.data import sample_batch
 from aiayn.model import Transformer
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 
 @dataclass
@@ -95,3 +99,24 @@ def format_trace(rows: list[TraceRow], src: Tensor, tgt: Tensor, max_depth: int 
     lines.append("-" * (w1 + w2 + w3 + 4))
     lines += [f"{a:<{w1}}  {b:>{w2}}  {c:>{w3}}" for a, b, c in labels]
     return "\n".join(lines)
+
+
+def trace_batch(config: Config, data_dir: str | Path | None = None, batch_size: int = 2
+                ) -> tuple[Tensor, Tensor]:
+    """(src, decoder input) to trace: the first dev sentences of ``data_dir``, else random
+    ids of decreasing lengths (so some padding shows), drawn from torch's global RNG."""
+    if data_dir:
+        batch = sample_batch(data_dir, config, batch_size)
+        return batch.src, batch.tgt_in
+    m = config.model
+    B = max(1, batch_size)
+    src_lens = [max(2, min(m.max_len, 12 - 3 * i)) for i in range(B)]
+    tgt_lens = [max(2, min(m.max_len, 10 - 2 * i)) for i in range(B)]
+    src = torch.full((B, max(src_lens)), PAD_ID)
+    tgt = torch.full((B, max(tgt_lens)), PAD_ID)
+    for i in range(B):
+        src[i, : src_lens[i]] = torch.randint(4, m.src_vocab_size, (src_lens[i],))
+        src[i, src_lens[i] - 1] = EOS_ID
+        tgt[i, : tgt_lens[i]] = torch.randint(4, m.tgt_vocab_size, (tgt_lens[i],))
+        tgt[i, 0] = BOS_ID
+    return src, tgt

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,6 +136,24 @@ class Translator:
         self.last_stats = DecodeStats(len(todo), sum(len(h[0][0]) for h in hyps if h),
                                       seconds, truncated)
         return results
+
+    def translate_lines(self, lines: Sequence[str], beam: int = 4, alpha: float = 0.6,
+                        nbest: int = 1, chunk: int = 2000) -> Iterator[str]:
+        """`aiayn translate`'s output, ``chunk`` lines at a time (so output appears as it is
+        ready and memory stays bounded): one translation per line, or with ``nbest > 1``
+        rows 'LINE<TAB>SCORE<TAB>TRANSLATION' (an empty line gives 'LINE<TAB><TAB>')."""
+        check_search(beam, nbest)
+        for start in range(0, len(lines), chunk):
+            part = lines[start : start + chunk]
+            if nbest == 1:
+                yield "".join(text + "\n" for text in self.translate(part, beam, alpha))
+                continue
+            rows = []
+            for i, hyps in enumerate(self.translate_nbest(part, beam, alpha, nbest), start):
+                rows.extend(f"{i}\t{score:.4f}\t{text}\n" for text, score in hyps)
+                if not hyps:
+                    rows.append(f"{i}\t\t\n")
+            yield "".join(rows)
 
     def encode(self, sentences: Sequence[str]) -> tuple[list[list[int]], int]:
         """Source ids (tokens + EOS) truncated by the module's rule, and how many were cut."""
