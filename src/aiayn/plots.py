@@ -40,6 +40,7 @@ from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
 from matplotlib.ticker import StrMethodFormatter
 
 from aiayn.errors import AiaynError
+from aiayn.model import sinusoid_table
 from aiayn.optim import schedule_lr
 
 if TYPE_CHECKING:  # plots take arrays; this only names their container
@@ -295,8 +296,6 @@ def positional_encoding_figure(positions: int = 100, d_model: int = 128) -> Figu
     """The sinusoid table of section 3.5 as a heatmap (position x dimension), and a few
     of its columns as curves: each pair of dimensions is a sine/cosine of its own
     wavelength, from 2*pi (dimension 0) up to 10000*2*pi."""
-    from aiayn.model import sinusoid_table
-
     if positions < 2 or d_model < 2 or d_model % 2:
         raise AiaynError(f"positional encoding needs >= 2 positions and an even d_model >= 2, "
                          f"got {positions} and {d_model}")
