@@ -1,4 +1,5 @@
-"""From a run directory to translations: ``load_run`` and the ``Translator``.
+"""The one decode driver: the ``Translator``, behind `aiayn translate`, `aiayn evaluate`,
+the validation during training (``aiayn.evaluate``) and attention pictures.
 
     >>> from aiayn.translator import Translator
     >>> t = Translator.from_pretrained("runs/demo")           # best.safetensors
@@ -196,7 +197,6 @@ class Translator:
                 progress(len(batch))
         return results
 
-
     def attention(self, sentence: str, beam: int = 1, alpha: float = 0.6) -> SentenceAttention:
         """Translate ``sentence`` and capture every attention map of that translation."""
         if not sentence.strip():
@@ -246,8 +246,9 @@ def sentence_attention(model, tokenizers, sentence: str, hypothesis: Sequence[in
         raise AiaynError(f"the sentence ({len(src_ids)} tokens) or its translation "
                          f"({len(tgt_ids)}) is longer than the model's max_len={max_len}")
     translation = tokenizers.decode_tgt([list(hypothesis)])[0]
-    src = torch.tensor([src_ids], dtype=torch.long)
-    tgt = torch.tensor([tgt_ids], dtype=torch.long)
+    device = _parameter_device(model)
+    src = torch.tensor([src_ids], dtype=torch.long, device=device)
+    tgt = torch.tensor([tgt_ids], dtype=torch.long, device=device)
     was_training = model.training
     model.eval()
     try:
@@ -255,5 +256,6 @@ def sentence_attention(model, tokenizers, sentence: str, hypothesis: Sequence[in
             model(src, tgt)
     finally:
         model.train(was_training)
-    arrays = {kind: [m[0].float().numpy() for m in layer_maps] for kind, layer_maps in maps.items()}
+    arrays = {kind: [m[0].float().cpu().numpy() for m in layer_maps]
+              for kind, layer_maps in maps.items()}
     return SentenceAttention(sentence, translation, src_tokens, tgt_tokens, arrays)
