@@ -27,10 +27,10 @@ from collections.abc import Callable
 import torch
 
 from aiayn.config import load_config
-from aiayn.data import pad
+from aiayn.data import load_prepared, pad
 from aiayn.decode import beam_search, greedy_decode
 from aiayn.model import Transformer
-from aiayn.rundir import load_run
+from aiayn.rundir import load_run, read_data_dir
 from aiayn.tokenizer import EOS_ID
 from aiayn.translator import Translator
 
@@ -66,12 +66,8 @@ def random_setup(args) -> tuple[Transformer, list[list[int]], str]:
 
 
 def trained_setup(args) -> tuple[Transformer, list[list[int]], str]:
-    from pathlib import Path
-
-    from aiayn.data import load_prepared
-
     _, model, tokenizers = load_run(args.run_dir, args.weights)
-    data_dir = Path(args.run_dir, "data_dir.txt").read_text(encoding="utf-8").strip()
+    data_dir = read_data_dir(args.run_dir)
     sentences = [src for src, _ in load_prepared(data_dir).test[: args.sentences]]
     translator = Translator(model, tokenizers)
     sources, _ = translator.encode(sentences)

@@ -32,8 +32,6 @@ from aiayn.io import atomic_write_text
 from aiayn.model import Transformer
 from aiayn.tokenizer import Tokenizers
 
-WEIGHT_NAMES = ("best", "last")
-
 
 # ---------------------------------------------------------------- creating a run
 def create_run_dir(run_dir: Path, config: Config, data_dir: Path) -> None:
