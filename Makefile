@@ -31,9 +31,9 @@ lint: venv
 	$(BIN)/ruff check src tests benchmarks
 
 demo: venv sword
-	$(BIN)/aiayn prepare --corpus bible:eng-spa --config configs/bible-small.yaml --out data/bible-eng-spa
+	$(BIN)/aiayn prepare --corpus bible:eng-spa --config configs/demo.yaml --out data/bible-eng-spa
 	rm -rf runs/demo  # a fresh run each time: aiayn train refuses to overwrite a run
-	$(BIN)/aiayn train --config configs/bible-small.yaml --data data/bible-eng-spa --out runs/demo --max-minutes $(DEMO_MINUTES)
+	$(BIN)/aiayn train --config configs/demo.yaml --data data/bible-eng-spa --out runs/demo --max-minutes $(DEMO_MINUTES)
 	$(BIN)/aiayn evaluate runs/demo --split test
 	printf '%s\n' "In the beginning God created the heavens and the earth." "The Lord is my shepherd." "Love your neighbor as yourself." | $(BIN)/aiayn translate runs/demo
 

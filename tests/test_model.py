@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -322,6 +323,26 @@ def test_xavier_initialisation():
     bound = math.sqrt(6 / (w.size(0) + w.size(1)))
     assert w.abs().max() <= bound and w.abs().max() > 0.9 * bound
     assert (model.encoder.layers[0].feed_forward.linear1.bias == 0).all()
+
+
+@pytest.mark.parametrize("tie", ["none", "decoder", "all"])
+def test_embeddings_start_with_unit_variance_after_the_sqrt_d_scale(tie):
+    """embedding_init normal: N(0, d^-0.5), so TokenEmbedding's output (x sqrt(d)) has
+    variance 1, the positional encoding's scale; xavier: the tutorials' draw."""
+    torch.manual_seed(13)
+    d, V = 64, 3000
+    cfg = tiny(d_model=d, n_heads=4, src_vocab_size=V, tgt_vocab_size=V, tie_embeddings=tie)
+    model = Transformer(cfg)
+    ids = torch.arange(4, V).unsqueeze(0)
+    for embed in (model.src_embed, model.tgt_embed):
+        assert embed(ids).var().item() == pytest.approx(1.0, rel=0.05)
+    if tie == "none":  # an untied output projection is no embedding: it stays Xavier
+        w = model.generator.proj.weight
+        assert w.abs().max() <= math.sqrt(6 / (w.size(0) + w.size(1)))
+    xavier = Transformer(replace(cfg, embedding_init="xavier"))
+    scaled = xavier.tgt_embed(ids)
+    assert scaled.var().item() == pytest.approx(2 / (V + d) * d, rel=0.05)
+    assert scaled.abs().max() <= math.sqrt(6 / (V + d)) * math.sqrt(d) + 1e-6
 
 
 def test_state_dict_round_trip():

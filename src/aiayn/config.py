@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,9 @@ from aiayn.errors import AiaynError
 from aiayn.io import atomic_write_text
 
 TIE_CHOICES = ("none", "decoder", "all")
+EMBEDDING_INITS = ("normal", "xavier")
+SCHEDULES = ("eq3", "linear")
+BF16_CHOICES = ("auto", "true", "false")
 
 
 @dataclass
@@ -49,6 +53,9 @@ class ModelConfig:
     # "decoder": target embedding = generator weight (paper, 3.4);
     # "all": also the source embedding (needs one shared vocabulary); "none": untied.
     tie_embeddings: str = "decoder"
+    # "normal": token embeddings ~ N(0, d_model^-0.5) as in tensor2tensor; "xavier": as the
+    # tutorials (see Transformer.reset_parameters).
+    embedding_init: str = "normal"
     pad_id: int = 0
 
 
@@ -82,8 +89,12 @@ class TrainConfig:
     seed: int = 1
     max_tokens: int = 4096  # token budget of one batch (source or target side, whichever is larger)
     grad_accum: int = 1
-    # Learning rate = lr_scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)  (paper, eq. 3)
+    # "eq3": lr = lr_scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)  (paper, eq. 3).
+    # "linear": warm up to peak_lr over warmup_steps, then fall linearly to 0 at the end of
+    # the budget (max_steps, or max_minutes of training when that comes first).
+    schedule: str = "eq3"
     lr_scale: float = 1.0
+    peak_lr: float = 1e-3  # schedule "linear" only
     warmup_steps: int = 4000
     adam_beta1: float = 0.9
     adam_beta2: float = 0.98
@@ -100,9 +111,23 @@ class TrainConfig:
     save_every: int = 1000
     keep_checkpoints: int = 5  # step checkpoints kept for averaging
     log_every: int = 50
-    bf16: bool = False
+    # bfloat16 autocast: "auto" uses it where this machine runs it fast (a GPU that supports
+    # it; a CPU whose bf16 matmul beats fp32 in a probe: AVX512-BF16/AMX, not AVX2 alone);
+    # true / false force it. YAML booleans are accepted.
+    bf16: str = "auto"
     compile: bool = False
     num_samples: int = 3  # sample translations shown at each validation
+    # CPU threads: 0 = adaptive (all cores, or 1 while another process makes that slower;
+    # see aiayn.distributed.ThreadTuner); N = exactly N (bit-for-bit repeatable runs).
+    cpu_threads: int = 0
+
+    @property
+    def use_bf16(self) -> bool:
+        """bf16 once resolved: the trainer replaces "auto" by "true"/"false" for its device
+        (aiayn.distributed.resolve_bf16) before anything runs."""
+        if self.bf16 == "auto":
+            raise ValueError("train.bf16='auto' must be resolved first (distributed.resolve_bf16)")
+        return self.bf16 == "true"
 
 
 @dataclass
@@ -133,6 +158,9 @@ class Config:
                 f"{source}: model.tie_embeddings must be one of {', '.join(TIE_CHOICES)}, "
                 f"got {m.tie_embeddings!r}"
             )
+        if m.embedding_init not in EMBEDDING_INITS:
+            raise AiaynError(f"{source}: model.embedding_init must be one of "
+                             f"{', '.join(EMBEDDING_INITS)}, got {m.embedding_init!r}")
         if m.tie_embeddings == "all" and m.src_vocab_size != m.tgt_vocab_size:
             raise AiaynError(
                 f"{source}: model.tie_embeddings='all' needs one shared vocabulary, but "
@@ -157,6 +185,19 @@ class Config:
                 raise AiaynError(f"{source}: train.{name} must be a positive integer, got {value!r}")
         if not 0.0 <= t.label_smoothing < 1.0:
             raise AiaynError(f"{source}: train.label_smoothing must be in [0, 1), got {t.label_smoothing}")
+        if t.schedule not in SCHEDULES:
+            raise AiaynError(f"{source}: train.schedule must be one of {', '.join(SCHEDULES)}, "
+                             f"got {t.schedule!r}")
+        for name in ("lr_scale", "peak_lr"):
+            value = getattr(t, name)
+            if not (math.isfinite(value) and value > 0):
+                raise AiaynError(f"{source}: train.{name} must be a positive number, got {value!r}")
+        if not isinstance(t.cpu_threads, int) or isinstance(t.cpu_threads, bool) or t.cpu_threads < 0:
+            raise AiaynError(f"{source}: train.cpu_threads must be 0 (adaptive) or a positive "
+                             f"integer, got {t.cpu_threads!r}")
+        if t.bf16 not in BF16_CHOICES:
+            raise AiaynError(f"{source}: train.bf16 must be one of {', '.join(BF16_CHOICES)}, "
+                             f"got {t.bf16!r}")
         if t.max_tokens < m.max_len:
             raise AiaynError(
                 f"{source}: train.max_tokens ({t.max_tokens}) is smaller than model.max_len "
@@ -219,6 +260,8 @@ def _build_section(klass, values: dict[str, Any], where: str):
     kwargs = {}
     for name, value in values.items():
         expected = type(getattr(default, name))
+        if name == "bf16" and isinstance(value, bool):  # bf16: true / false / auto
+            value = "true" if value else "false"
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if expected is float and isinstance(value, str):

@@ -53,7 +53,7 @@ def dev_loss(model: Transformer, examples: list, config: Config, device: torch.d
              ) -> tuple[float, float]:
     """(label-smoothed loss, plain NLL) per real target token, teacher forcing."""
     t, m = config.train, config.model
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.bf16)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.use_bf16)
     total_ls = total_nll = 0.0
     n = 0
     widths = [max(len(e.src), len(e.tgt)) for e in examples]
@@ -81,7 +81,7 @@ def validate(model: Transformer, tokenizers, dev: list[Example], dev_pairs: list
         chosen = list(range(len(dev))) if full else subset
         pairs = [dev_pairs[dev[i].index] for i in chosen]
         translator = Translator(model, tokenizers, max_tokens=t.max_tokens, device=device,
-                                bf16=t.bf16)
+                                bf16=t.use_bf16)
         with warnings.catch_warnings():  # long dev sources: truncated, as load_data says
             warnings.simplefilter("ignore", TruncationWarning)
             hyps, scores = translate_and_score(translator, pairs, t.eval_beam, VALIDATION_ALPHA)

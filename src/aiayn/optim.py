@@ -1,7 +1,8 @@
 """Optimisation: Adam, the learning-rate schedule and the label-smoothed loss (paper, 5.3-5.4).
 
-The training loop asks :func:`schedule_lr` for the learning rate of every update; it is a
-pure function of the step and the config, so a resumed run needs only the step.
+The training loop asks :func:`schedule_lr` for the learning rate of every update: a pure
+function of the step and the config (and, for a ``linear`` schedule under a time budget, of
+the training time so far, which the train state keeps), so a resumed run needs only those.
 """
 
 from __future__ import annotations
@@ -26,9 +27,37 @@ def learning_rate(step: int, d_model: int, warmup: int, scale: float) -> float:
     return scale * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
 
 
-def schedule_lr(step: int, config: Config) -> float:
-    """The learning rate of update ``step`` (from 1) under ``config``: eq. 3 of the paper."""
+def linear_decay(step: int, warmup: int, peak: float, fraction: float) -> float:
+    """lr = peak * min(1, step / warmup) * (1 - fraction): a linear warm-up, then a straight
+    line down to 0 as ``fraction`` (the share of the training budget already used, 0..1)
+    reaches 1.
+
+    The schedule for a run of known length: eq. 3 decays as step^-0.5 forever, so a short
+    run stops at a still-high rate (with warm-up 400, a third of the 12-minute demo was
+    warm-up). Ending at 0 exactly when the budget ends is the usual fixed-budget answer.
+    """
+    if step < 1:
+        raise ValueError(f"the schedule starts at step 1, got {step}")
+    return peak * min(1.0, step / warmup) * max(0.0, 1.0 - fraction)
+
+
+def budget_fraction(step: int, elapsed_s: float, max_steps: int, max_minutes: float) -> float:
+    """How much of the budget is used before update ``step``: the larger of the steps done
+    over train.max_steps and the training seconds so far over train.max_minutes (when set)."""
+    used = (step - 1) / max_steps
+    if max_minutes > 0:
+        used = max(used, elapsed_s / (60.0 * max_minutes))
+    return min(1.0, used)
+
+
+def schedule_lr(step: int, config: Config, elapsed_s: float = 0.0) -> float:
+    """The learning rate of update ``step`` (from 1) under ``config``: eq. 3 of the paper
+    (``train.schedule: eq3``) or :func:`linear_decay` to the end of the budget (``linear``;
+    ``elapsed_s``: training seconds before this update, for a budget in minutes)."""
     m, t = config.model, config.train
+    if t.schedule == "linear":
+        fraction = budget_fraction(step, elapsed_s, t.max_steps, t.max_minutes)
+        return linear_decay(step, t.warmup_steps, t.peak_lr, fraction)
     return learning_rate(step, m.d_model, t.warmup_steps, t.lr_scale)
 
 

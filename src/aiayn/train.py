@@ -26,7 +26,7 @@ import math
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +40,12 @@ from aiayn.config import Config, save_config
 from aiayn.data import TokenBatchSampler, collate, encode_split, load_prepared
 from aiayn.distributed import (
     Dist,
+    ThreadTuner,
     all_reduce_sum,
     any_rank,
     gather_objects,
     on_main,
+    resolve_bf16,
     rng_state,
     set_rng_state,
     set_seed,
@@ -182,6 +184,7 @@ def train_step(
     step: int,
     config: Config,
     world: Dist,
+    elapsed_s: float = 0.0,
 ) -> StepResult:
     """One Adam update over ``micro_batches`` (gradient accumulation), normalised by the
     global count of real target tokens. Does not update the weights when the loss or the
@@ -191,7 +194,7 @@ def train_step(
     n_tokens = int(all_reduce_sum(torch.tensor([float(local_tokens)], device=world.device), world).item())
     # DDP averages gradients over ranks; * world_size turns that average into a sum.
     scale = world.world_size / n_tokens
-    autocast = torch.autocast(world.device.type, dtype=torch.bfloat16, enabled=t.bf16)
+    autocast = torch.autocast(world.device.type, dtype=torch.bfloat16, enabled=t.use_bf16)
     loss_sum = torch.zeros((), device=world.device)
     for i, batch in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
@@ -206,7 +209,7 @@ def train_step(
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = t.clip_norm if t.clip_norm > 0 else float("inf")
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    lr = schedule_lr(step, config)
+    lr = schedule_lr(step, config, elapsed_s)
     if math.isfinite(loss_per_token) and math.isfinite(grad_norm):
         set_learning_rate(optimizer, lr)
         optimizer.step()
@@ -223,6 +226,7 @@ class Progress:
     best_bleu: float = -1.0
     best_step: int = 0
     elapsed_s: float = 0.0  # training wall time over all sessions of this run
+    tokens: int = 0  # real target tokens trained on, over all ranks and sessions
     saved_step: int = 0
 
 
@@ -277,6 +281,14 @@ class Trainer:
             on_main(lambda: save_config(config, run_dir / "config.yaml"), world)
         else:
             on_main(lambda: create_run_dir(run_dir, config, data_dir), world)
+        # What this machine runs fast: resolved here, so config.yaml keeps "auto" and a
+        # resume on another machine chooses again.
+        use_bf16, why_bf16 = resolve_bf16(t.bf16, world.device)
+        config = self.config = replace(config, train=replace(config.train,
+                                                             bf16="true" if use_bf16 else "false"))
+        t = config.train
+        self.threads = ThreadTuner(t.cpu_threads or torch.get_num_threads(),
+                                   adaptive=t.cpu_threads == 0 and world.device.type == "cpu")
         self.model = build_model(config, world.device)
         self.optimizer = build_optimizer(self.model, config)
         self.stream = BatchStream(self.data, config.model.pad_id, world.device, t.max_epochs)
@@ -302,7 +314,9 @@ class Trainer:
         self.log(f"model: {self.model.num_parameters() / 1e6:.2f}M parameters, d_model "
                  f"{m.d_model}, {m.n_encoder_layers}+{m.n_decoder_layers} layers, vocab "
                  f"{m.src_vocab_size}/{m.tgt_vocab_size}; device {world.device}, "
-                 f"{world.world_size} rank(s), bf16 {t.bf16}, compile {t.compile}")
+                 f"{world.world_size} rank(s), compile {t.compile}; bf16 {use_bf16} ({why_bf16})"
+                 f"; {torch.get_num_threads()} CPU thread(s)"
+                 f"{' (adaptive)' if self.threads.enabled else ''}; schedule {t.schedule}")
         self.metrics = MetricsLog(run_dir, world.is_main, self.progress.step if resume else None)
 
     def run(self) -> dict[str, Any]:
@@ -328,11 +342,14 @@ class Trainer:
                 if any(batch is None for batch in micro):  # the last epoch is done
                     stop_reason = f"max_epochs ({t.max_epochs})"
                     break
+                step_start = time.perf_counter()
                 result = train_step(self.train_model, self.ddp, self.optimizer, micro,
-                                    progress.step + 1, self.config, self.world)
+                                    progress.step + 1, self.config, self.world, progress.elapsed_s)
+                self.threads.observe(time.perf_counter() - step_start, result.n_tokens)
                 if not (math.isfinite(result.loss) and math.isfinite(result.grad_norm)):
                     raise AiaynError(non_finite_message(result, progress, self.run_dir))
                 progress.step += 1
+                progress.tokens += result.n_tokens
                 progress.elapsed_s = elapsed_before + time.perf_counter() - start
                 window_loss += result.loss * result.n_tokens
                 window_tokens += result.n_tokens
@@ -345,7 +362,8 @@ class Trainer:
                         "kind": "train", "step": progress.step, "epoch": stream.epoch,
                         "loss": window_loss / window_tokens, "lr": result.lr,
                         "tokens_per_s": tokens_per_s, "elapsed_s": progress.elapsed_s,
-                        "grad_norm": result.grad_norm})
+                        "tokens": progress.tokens, "grad_norm": result.grad_norm,
+                        "threads": torch.get_num_threads()})
                     window_loss = window_tokens = 0.0
                     window_start = time.perf_counter()
                 out_of_time = any_rank(time.perf_counter() - start >= budget_s, self.world)
@@ -386,7 +404,8 @@ class Trainer:
                 result = validate(self.model, self.data.tokenizers, self.data.dev,
                                   self.data.dev_pairs, self.config, world.device, full)
             record = {"kind": "dev", "step": progress.step, **result,
-                      "elapsed_s": progress.elapsed_s, "eval_s": time.perf_counter() - began}
+                      "elapsed_s": progress.elapsed_s, "tokens": progress.tokens,
+                      "eval_s": time.perf_counter() - began}
             improved = result["select_bleu"] > progress.best_bleu
             if improved:
                 progress.best_bleu, progress.best_step = result["select_bleu"], progress.step
@@ -430,15 +449,16 @@ class Trainer:
             "epoch": self.stream.epoch,
             "weights": str(weights.relative_to(run_dir)),
             "optimizer": self.optimizer.state_dict(),
-            "schedule": {"formula": "eq3", "d_model": config.model.d_model,
+            "schedule": {"formula": config.train.schedule, "d_model": config.model.d_model,
                          "warmup": config.train.warmup_steps, "scale": config.train.lr_scale,
-                         "step": step},
+                         "peak": config.train.peak_lr, "step": step},
             "rng": rngs,
             "stream": streams,
             "world_size": world.world_size,
             "best_bleu": progress.best_bleu,
             "best_step": progress.best_step,
             "elapsed_s": progress.elapsed_s,
+            "tokens": progress.tokens,
         }
         save_train_state(state, run_dir / "train_state.pt")
         save_weights(self.model, run_dir / "last.safetensors", metadata=meta)
@@ -469,7 +489,8 @@ class Trainer:
             rng = state["rng"][0]
         self.progress = Progress(step=int(state["step"]), best_bleu=float(state["best_bleu"]),
                                  best_step=int(state["best_step"]),
-                                 elapsed_s=float(state["elapsed_s"]), saved_step=int(state["step"]))
+                                 elapsed_s=float(state["elapsed_s"]),
+                                 tokens=int(state.get("tokens", 0)), saved_step=int(state["step"]))
         return rng
 
 

@@ -1,0 +1,96 @@
+"""Time to BLEU: train a preset for a wall-clock budget and record dev BLEU against minutes
+and training tokens; draw the curves of several runs in one picture.
+
+    # one run (the demo preset, 12 training minutes, validations on a fixed dev subset)
+    python benchmarks/time_to_bleu.py run --config configs/demo.yaml \
+        --data data/bible-eng-spa --out runs/ttb-demo --minutes 12
+    # the curves of runs, overlaid (dev BLEU against training minutes and tokens)
+    python benchmarks/time_to_bleu.py plot runs/ttb-old runs/ttb-demo -o docs/time_to_bleu.png
+
+``run`` is `aiayn train` with the budget and a validation interval set, then a table of its
+dev records (step, minutes, target tokens, dev BLEU/chrF). Minutes are training minutes
+(validation time is not counted, as in the training loop's own budget); the tokens are real
+target tokens, the same unit as the throughput on the progress bar. Choose recipes with it
+on dev; score the chosen one on test once (`aiayn evaluate RUN --split test`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from aiayn.config import load_config
+from aiayn.plots import read_metrics, save_figure
+from aiayn.train import train
+
+
+def dev_curve(run_dir: str | Path) -> list[dict]:
+    """The run's dev records as {step, minutes, tokens, bleu, chrf, n_sentences}."""
+    return [{"step": r["step"], "minutes": r["elapsed_s"] / 60, "tokens": r.get("tokens", 0),
+             "bleu": r["bleu"], "chrf": r["chrf"], "n_sentences": r["n_sentences"]}
+            for r in read_metrics(run_dir) if r["kind"] == "dev"]
+
+
+def run(args: argparse.Namespace) -> None:
+    overrides = [f"train.max_minutes={args.minutes}", *args.set]
+    if args.eval_every:
+        overrides.append(f"train.eval_every={args.eval_every}")
+    config = load_config(args.config, overrides)
+    train(config, args.data, args.out, device=args.device)
+    print(f"\n{'step':>6} {'minutes':>8} {'tokens':>10} {'BLEU':>6} {'chrF':>6}  sentences")
+    for r in dev_curve(args.out):
+        print(f"{r['step']:>6} {r['minutes']:>8.1f} {r['tokens']:>10,} {r['bleu']:>6.2f} "
+              f"{r['chrf']:>6.2f}  {r['n_sentences']}")
+
+
+def plot(args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_time, by_tokens) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for run_dir, label in zip(args.runs, args.labels or args.runs, strict=False):
+        curve = dev_curve(run_dir)
+        if not curve:
+            sys.exit(f"{run_dir}: no dev records in metrics.jsonl")
+        by_time.plot([r["minutes"] for r in curve], [r["bleu"] for r in curve], "o-", label=label)
+        by_tokens.plot([r["tokens"] / 1e6 for r in curve], [r["bleu"] for r in curve], "o-",
+                       label=label)
+    by_time.set_xlabel("training minutes (validation not counted)")
+    by_tokens.set_xlabel("real target tokens trained (millions)")
+    by_time.set_ylabel("dev BLEU (sacreBLEU)")
+    for ax in (by_time, by_tokens):
+        ax.grid(alpha=0.3)
+    by_time.legend(fontsize=8)
+    fig.suptitle(args.title)
+    fig.tight_layout()
+    print(f"wrote {save_figure(fig, args.output)}")
+    summary = {str(r): dev_curve(r) for r in args.runs}
+    print(json.dumps(summary, indent=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="train a preset for a budget; print its dev curve")
+    r.add_argument("--config", required=True)
+    r.add_argument("--data", required=True)
+    r.add_argument("--out", required=True)
+    r.add_argument("--minutes", type=float, required=True, help="training minutes")
+    r.add_argument("--eval-every", type=int, default=0, help="steps between validations")
+    r.add_argument("--device", default="auto")
+    r.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p = sub.add_parser("plot", help="overlay the dev curves of runs")
+    p.add_argument("runs", nargs="+")
+    p.add_argument("--labels", nargs="+")
+    p.add_argument("--title", default="dev BLEU against training time and tokens")
+    p.add_argument("-o", "--output", default="time_to_bleu.png")
+    args = parser.parse_args()
+    run(args) if args.command == "run" else plot(args)
+
+
+if __name__ == "__main__":
+    main()
