@@ -244,7 +244,7 @@ def test_gradient_accumulation_equals_one_batch_of_the_same_tokens(data_dir):
     the weight change lr * gradient, so the gradients themselves are compared."""
     from aiayn.data import collate, encode_split, load_prepared
 
-    config = load_config(TINY, ["model.dropout=0.0"])
+    config = load_config(TINY, ["model.dropout=0.0", "train.bf16=false"])
     prepared = load_prepared(data_dir)
     config = train.resolve_config(config, prepared.tokenizers, data_dir)
     examples, _ = encode_split(prepared.train, prepared.tokenizers, 64, "drop")
