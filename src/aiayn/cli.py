@@ -137,8 +137,8 @@ def _add_train(sub) -> None:
     p.add_argument("--out", help="run directory to create")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue this run exactly")
     p.add_argument("--max-minutes", type=float,
-                   help="stop training after this much wall time in this session "
-                   "(train.max_minutes); the final dev evaluation comes on top")
+                   help="stop when the run has trained this long, over all its sessions "
+                   "(train.max_minutes; validations count); the final dev evaluation comes on top")
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast (train.bf16)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (train.compile)")
     _add_device(p, " (under torchrun: the rank's local GPU)")

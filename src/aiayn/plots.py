@@ -329,8 +329,10 @@ def positional_encoding_figure(positions: int = 100, d_model: int = 128) -> Figu
 # ---------------------------------------------------------------- learning-rate schedule
 
 def schedule_figure(config, label: str = "") -> Figure:
-    """lr(step) = lr_scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) (paper,
-    eq. 3) over ``config.train.max_steps`` steps, with the peak at the warm-up's end."""
+    """The training loop's learning rate (aiayn.optim.schedule_lr: eq. 3 of the paper, or
+    the linear schedule) over ``config.train.max_steps`` steps, with the end of the warm-up
+    marked. A linear schedule is drawn against its step budget: for one that ends with
+    train.max_minutes, set max_steps to the steps the run will reach."""
     d_model, warmup, scale = config.model.d_model, config.train.warmup_steps, config.train.lr_scale
     last = max(config.train.max_steps, 2)
     steps = np.unique(np.concatenate([np.linspace(1, last, 1500).round(), [warmup]]))

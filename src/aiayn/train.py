@@ -366,7 +366,9 @@ class Trainer:
                         "threads": torch.get_num_threads()})
                     window_loss = window_tokens = 0.0
                     window_start = time.perf_counter()
-                out_of_time = any_rank(time.perf_counter() - start >= budget_s, self.world)
+                # The budget is the run's: all sessions (a resume continues it), as the
+                # linear schedule counts it.
+                out_of_time = any_rank(progress.elapsed_s >= budget_s, self.world)
                 finishing = out_of_time or progress.step >= t.max_steps
                 if progress.step % t.eval_every == 0 and not finishing:
                     full = t.eval_max_sentences == 0
