@@ -8,9 +8,10 @@ and training tokens; draw the curves of several runs in one picture.
     python benchmarks/time_to_bleu.py plot runs/ttb-old runs/ttb-demo -o docs/time_to_bleu.png
 
 ``run`` is `aiayn train` with the budget and a validation interval set, then a table of its
-dev records (step, minutes, target tokens, dev BLEU/chrF). Minutes are training minutes
-(validation time is not counted, as in the training loop's own budget); the tokens are real
-target tokens, the same unit as the throughput on the progress bar. Choose recipes with it
+dev records (step, minutes, target tokens, dev BLEU/chrF). Minutes are the run's training minutes as
+its budget counts them (validations included); the tokens are real target tokens, the same
+unit as the throughput on the progress bar. Intermediate points are BLEU on the run's
+validation subset (train.eval_max_sentences), the last one on the whole dev split. Choose recipes with it
 on dev; score the chosen one on test once (`aiayn evaluate RUN --split test`).
 """
 
@@ -59,7 +60,7 @@ def plot(args: argparse.Namespace) -> None:
         by_time.plot([r["minutes"] for r in curve], [r["bleu"] for r in curve], "o-", label=label)
         by_tokens.plot([r["tokens"] / 1e6 for r in curve], [r["bleu"] for r in curve], "o-",
                        label=label)
-    by_time.set_xlabel("training minutes (validation not counted)")
+    by_time.set_xlabel("training minutes (validations included)")
     by_tokens.set_xlabel("real target tokens trained (millions)")
     by_time.set_ylabel("dev BLEU (sacreBLEU)")
     for ax in (by_time, by_tokens):
