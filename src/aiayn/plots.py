@@ -353,8 +353,11 @@ def schedule_figure(config, label: str = "") -> Figure:
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
     ax.set_title(
-        f"lr = {scale:g} · d^-0.5 · min(step^-0.5, step · warmup^-1.5)\n"
-        f"d_model = {d_model}, warmup = {warmup:,} steps" + (f"  ({label})" if label else ""),
+        (f"lr = {scale:g} · d^-0.5 · min(step^-0.5, step · warmup^-1.5)\n"
+         f"d_model = {d_model}, warmup = {warmup:,} steps" if config.train.schedule == "eq3" else
+         f"lr = {config.train.peak_lr:g} · min(1, step / warmup) · (1 - step / max_steps)\n"
+         f"warmup = {warmup:,} steps, max_steps = {last:,}")
+        + (f"  ({label})" if label else ""),
         fontsize=10,
     )
     return fig
