@@ -185,13 +185,14 @@ def gather_objects(obj: Any, world: Dist) -> list[Any]:
     return out
 
 
-def any_rank(flag: bool, world: Dist) -> bool:
-    """True on every rank when ``flag`` is true on some rank (a stop decision all share)."""
+def max_over_ranks(value: float, world: Dist) -> float:
+    """The largest ``value`` of all ranks, on every rank (one clock for all: the training
+    time that the budget and a time-based schedule read must be the same on every rank)."""
     if not world.enabled:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=world.device)
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64, device=world.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
+    return float(t.item())
 
 
 def on_main(action, world: Dist) -> None:

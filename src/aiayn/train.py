@@ -42,8 +42,8 @@ from aiayn.distributed import (
     Dist,
     ThreadTuner,
     all_reduce_sum,
-    any_rank,
     gather_objects,
+    max_over_ranks,
     on_main,
     resolve_bf16,
     rng_state,
@@ -350,7 +350,8 @@ class Trainer:
                     raise AiaynError(non_finite_message(result, progress, self.run_dir))
                 progress.step += 1
                 progress.tokens += result.n_tokens
-                progress.elapsed_s = elapsed_before + time.perf_counter() - start
+                progress.elapsed_s = max_over_ranks(elapsed_before + time.perf_counter() - start,
+                                                    self.world)
                 window_loss += result.loss * result.n_tokens
                 window_tokens += result.n_tokens
                 tokens_per_s = window_tokens / max(time.perf_counter() - window_start, 1e-9)
@@ -367,8 +368,8 @@ class Trainer:
                     window_loss = window_tokens = 0.0
                     window_start = time.perf_counter()
                 # The budget is the run's: all sessions (a resume continues it), as the
-                # linear schedule counts it.
-                out_of_time = any_rank(progress.elapsed_s >= budget_s, self.world)
+                # linear schedule counts it; elapsed_s is already the same on every rank.
+                out_of_time = progress.elapsed_s >= budget_s
                 finishing = out_of_time or progress.step >= t.max_steps
                 if progress.step % t.eval_every == 0 and not finishing:
                     full = t.eval_max_sentences == 0
