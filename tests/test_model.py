@@ -382,9 +382,9 @@ def test_tiny_model_overfits_a_copy_task():
 def test_bad_sizes_are_refused_with_a_clear_message():
     with pytest.raises(AiaynError, match=r"d_model \(30\) must be divisible by model.n_heads \(4\)"):
         Config(model=tiny(d_model=30)).validate()
-    with pytest.raises(AiaynError, match="model.d_ff must be a positive integer"):
+    with pytest.raises(AiaynError, match=r"model.d_ff must be in \[1, inf\), got 0"):
         Config(model=tiny(d_ff=0)).validate()
-    with pytest.raises(AiaynError, match="model.n_encoder_layers must be a positive integer"):
+    with pytest.raises(AiaynError, match=r"model.n_encoder_layers must be in \[1, inf\), got -1"):
         Config(model=tiny(n_encoder_layers=-1)).validate()
     with pytest.raises(AiaynError, match="shared vocabulary"):
         Config(model=tiny(tie_embeddings="all")).validate()

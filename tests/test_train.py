@@ -3,6 +3,7 @@ a 2-process DistributedDataParallel run, all on tiny synthetic data through the 
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -178,7 +179,7 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(data_dir, tmp_path):
 
 @pytest.mark.parametrize("failing_write", [0, 1, 2])
 def test_a_save_interrupted_between_temp_and_rename_leaves_a_resumable_run(
-        data_dir, tmp_path, monkeypatch, failing_write):
+        data_dir, tmp_path, monkeypatch, capsys, failing_write):
     """Writes per save: 0 the step file, 1 train_state.pt, 2 last.safetensors. Kill one of
     them at the second save: the run resumes from what is on disk and ends like a run that
     never crashed."""
@@ -194,12 +195,12 @@ def test_a_save_interrupted_between_temp_and_rename_leaves_a_resumable_run(
         if Path(dst).suffix in (".safetensors", ".pt") and "best" not in Path(dst).name:
             writes = [c for c in calls if c.endswith((".safetensors", ".pt")) and "best" not in c]
             if len(writes) == 3 + failing_write + 1:  # the second save's writes are 4, 5, 6
-                raise OSError("simulated kill")
+                raise OSError(errno.EIO, "simulated kill", str(dst))
         return real_replace(src, dst)
 
     monkeypatch.setattr(io.os, "replace", replace)
-    with pytest.raises(OSError, match="simulated kill"):
-        main(["train", *common, "--out", str(crashed), *sets(max_steps=8)])
+    assert main(["train", *common, "--out", str(crashed), *sets(max_steps=8)]) == 2
+    assert "simulated kill" in error_line(capsys.readouterr().err)
     monkeypatch.undo()
     state = load_train_state(crashed / "train_state.pt")
     assert state["step"] == (6 if failing_write >= 2 else 3)
@@ -229,12 +230,45 @@ def test_non_finite_loss_stops_with_one_line_and_keeps_the_last_good_checkpoint(
                  *sets(max_steps=20, save_every=5, eval_every=100)])
     err = error_line(capsys.readouterr().err)
     assert code == 2
-    assert "step 7: non-finite loss nan" in err and "last.safetensors (step 5" in err
+    assert "step 7: non-finite loss nan" in err and "checkpoint is step 5" in err
+    assert f"aiayn train --resume {run} --set train.lr_scale=0.5" in err
     state = load_train_state(run / "train_state.pt")
     assert state["step"] == 5
     saved = weights(run)
     assert_equal_weights(saved, weights(run, state["weights"]))
     assert all(torch.isfinite(t).all() for t in saved.values())
+
+
+def test_the_advised_resume_after_a_non_finite_stop_lowers_the_rate_and_trains_on(
+        data_dir, tmp_path, monkeypatch, capsys):
+    """A run that diverges from step 7 at lr_scale 1 (simulated: the step reports a NaN
+    loss and does not update, as train_step does) stops; the resume its message advises,
+    with half the rate, trains to the end at that rate and records the change."""
+    real_step = train.train_step
+
+    def unstable(model, ddp, optimizer, micro, step, config, world, elapsed_s=0.0):
+        if step >= 7 and config.train.lr_scale >= 1:
+            return train.StepResult(float("nan"), sum(b.n_tokens for b in micro),
+                                    float("nan"), 0.0)
+        return real_step(model, ddp, optimizer, micro, step, config, world, elapsed_s)
+
+    monkeypatch.setattr(train, "train_step", unstable)
+    run = tmp_path / "run"
+    assert main(["train", "--config", TINY, "--data", str(data_dir), "--out", str(run),
+                 *sets(max_steps=12, save_every=5, eval_every=100, log_every=1)]) == 2
+    advice = error_line(capsys.readouterr().err).split("`")[1]  # the command it advises
+    assert advice == f"aiayn train --resume {run} --set train.lr_scale=0.5"
+    assert main(advice.split()[1:]) == 0
+    assert load_train_state(run / "train_state.pt")["step"] == 12
+    config = load_config(run / "config.yaml")
+    assert config.train.lr_scale == 0.5
+    lrs = {r["step"]: r["lr"] for r in records(run, "train")}
+    assert lrs[12] == pytest.approx(learning_rate(12, config.model.d_model,
+                                                  config.train.warmup_steps, 0.5))
+    history = [json.loads(line) for line in
+               (run / "config_history.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert history == [{"step": 5, "time": history[0]["time"],
+                        "overrides": ["train.lr_scale=0.5"]}]
 
 
 # ---------------------------------------------------------------- gradient accumulation

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
 from aiayn import cli
-from aiayn.checkpoint import average_checkpoints, read_weights, save_weights
+from aiayn.checkpoint import average_checkpoints, read_metadata, read_weights, save_weights
 from aiayn.config import Config, DataConfig, ModelConfig, save_config
 from aiayn.data import pad
 from aiayn.decode import greedy_decode
@@ -157,7 +158,30 @@ def test_load_run_refuses_weights_of_another_model(run_dir, tmp_path):
     config, model, _ = load_run(run)
     bigger = Transformer(ModelConfig(**{**vars(config.model), "d_model": 64}))
     save_weights(bigger, run / "best.safetensors")
-    with pytest.raises(AiaynError, match="shape"):
+    with pytest.raises(AiaynError, match="model.d_model=64 but the config says model.d_model=32"):
+        load_run(run)
+
+
+def test_load_run_refuses_a_config_edited_after_training(run_dir, tmp_path):
+    """n_heads 4 -> 2 keeps every tensor's shape: only the stored architecture tells."""
+    run = copy_of(run_dir, tmp_path)
+    config = load_run(run)[0]
+    text = (run / "config.yaml").read_text(encoding="utf-8")
+    (run / "config.yaml").write_text(text.replace(f"n_heads: {config.model.n_heads}",
+                                                  f"n_heads: {config.model.n_heads // 2}"))
+    with pytest.raises(AiaynError, match=f"model.n_heads={config.model.n_heads} but the config "
+                                         f"says model.n_heads={config.model.n_heads // 2}"):
+        load_run(run)
+
+
+def test_non_finite_weights_are_refused_on_load(run_dir, tmp_path):
+    run = copy_of(run_dir, tmp_path)
+    tensors = read_weights(run / "best.safetensors")
+    name = next(iter(tensors))
+    tensors[name][0] = float("nan")
+    metadata = read_metadata(run / "best.safetensors")
+    save_file(tensors, str(run / "best.safetensors"), metadata=metadata)
+    with pytest.raises(AiaynError, match=f"{name} holds NaN or infinite values"):
         load_run(run)
 
 

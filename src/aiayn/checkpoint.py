@@ -9,10 +9,11 @@ What else a run directory holds, and where: ``aiayn.rundir``.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -33,12 +34,36 @@ def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
+# What the weights alone cannot tell: settings that change the function computed with
+# tensors of the same shapes (heads, norm placement, tying). Stored in every file's
+# metadata with the sizes, and checked against the config on load.
+ARCHITECTURE = ("src_vocab_size", "tgt_vocab_size", "d_model", "n_heads", "d_ff",
+                "n_encoder_layers", "n_decoder_layers", "max_len", "norm_first",
+                "tie_embeddings", "pad_id")
+ARCHITECTURE_KEY = "aiayn_architecture"
+
+
+def architecture(model: nn.Module) -> dict[str, object]:
+    """The model's architecture settings (``ARCHITECTURE``) from its ModelConfig."""
+    return {name: getattr(model.cfg, name) for name in ARCHITECTURE}
+
+
 def save_weights(model: nn.Module, path: str | Path, metadata: dict[str, str] | None = None) -> None:
-    """Write the model's weights as safetensors, atomically."""
+    """Write the model's weights as safetensors, atomically, with its architecture."""
     model = getattr(model, "module", model)  # unwrap DistributedDataParallel
     model = getattr(model, "_orig_mod", model)  # unwrap torch.compile
+    metadata = {**(metadata or {}), ARCHITECTURE_KEY: json.dumps(architecture(model))}
     with atomic_path(path) as tmp:
         save_file(unique_state_dict(model), str(tmp), metadata=metadata)
+
+
+def read_metadata(path: str | Path) -> dict[str, str]:
+    """The metadata stored in a safetensors file (without reading its tensors)."""
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            return fh.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise AiaynError(f"{path}: not a readable safetensors file ({exc})") from None
 
 
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
@@ -52,9 +77,34 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_weights(model: nn.Module, path: str | Path) -> None:
-    """Load safetensors weights into ``model``; mismatches are reported by name and shape."""
+    """Load safetensors weights into ``model``. Refused, naming both values: weights saved
+    for another architecture (n_heads, norm placement, ... from the file's metadata; files
+    without it are checked by shapes alone); tensors whose shapes differ; non-finite values."""
+    check_architecture(model, path)
     tensors = read_weights(path)
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise AiaynError(f"{path}: {name} holds NaN or infinite values; these weights "
+                             "cannot translate (use an earlier checkpoint, e.g. --weights "
+                             "last or one of checkpoints/step_*.safetensors)")
     load_state(model, tensors, str(path))
+
+
+def check_architecture(model: nn.Module, path: str | Path) -> None:
+    """The architecture in the file's metadata must be the model's (i.e. the config's)."""
+    stored = read_metadata(path).get(ARCHITECTURE_KEY)
+    if stored is None:
+        return  # written before aiayn stored it: shapes are still checked
+    try:
+        stored = json.loads(stored)
+    except json.JSONDecodeError:
+        raise AiaynError(f"{path}: its {ARCHITECTURE_KEY} metadata is not JSON") from None
+    expected = architecture(model)
+    for name, value in expected.items():
+        if name in stored and stored[name] != value:
+            raise AiaynError(f"{path}: the weights were trained with model.{name}="
+                             f"{stored[name]!r} but the config says model.{name}={value!r}; "
+                             "put the training value back in config.yaml")
 
 
 def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
@@ -113,6 +163,12 @@ def average_checkpoints(paths: list[str | Path], out: str | Path) -> dict[str, t
     averaged = {name: (t / len(paths)).to(first[name].dtype).contiguous()
                 for name, t in total.items()}
     metadata = {"averaged_from": "\n".join(str(p) for p in paths)}
+    architectures = {read_metadata(path).get(ARCHITECTURE_KEY) for path in paths}
+    if len(architectures) > 1:
+        raise AiaynError(f"cannot average {', '.join(map(str, paths))}: they were saved by "
+                         "models of different architectures (their metadata differ)")
+    if None not in architectures:
+        metadata[ARCHITECTURE_KEY] = architectures.pop()
     with atomic_path(out) as tmp:
         save_file(averaged, str(tmp), metadata=metadata)
     return averaged

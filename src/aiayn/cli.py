@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import io
+import errno
 import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -24,9 +25,9 @@ from aiayn.checkpoint import average_checkpoints
 from aiayn.config import Config, load_config
 from aiayn.data import prepare
 from aiayn.distributed import choose_device
-from aiayn.errors import AiaynError
+from aiayn.errors import AiaynError, is_out_of_memory
 from aiayn.evaluate import evaluate_run
-from aiayn.io import atomic_path
+from aiayn.io import atomic_path, check_output_file
 from aiayn.model import Transformer
 from aiayn.rundir import checkpoints_to_average
 from aiayn.trace import format_trace, trace_batch, trace_forward
@@ -66,6 +67,11 @@ def _add_search(p: argparse.ArgumentParser, beam: int = 4, max_tokens: bool = Tr
                        help="batch budget: padded source tokens x beam (default 8192)")
 
 
+def _at_least(value: int, low: int, option: str) -> None:
+    if value < low:
+        raise AiaynError(f"{option} must be at least {low}, got {value}")
+
+
 @contextmanager
 def _warnings_as_lines() -> Iterator[None]:
     """Show warnings raised inside (e.g. truncated sentences) as one stderr line each."""
@@ -81,7 +87,9 @@ def _add_prepare(sub) -> None:
     p = sub.add_parser("prepare", help="read a corpus, clean and split it, train tokenizers")
     p.add_argument("--corpus", help="corpus spec, e.g. bible:eng-spa, hf:opus_books:en-it, "
                    "tsv:PATH, jsonl:PATH, parallel:SRC,TGT (default: the config's)")
-    p.add_argument("--out", required=True, help="directory for the prepared data")
+    p.add_argument("--out", required=True, help="directory for the prepared data (new or empty)")
+    p.add_argument("--force", action="store_true",
+                   help="replace the contents of a non-empty --out (refused while in use)")
     p.add_argument("--config", help="YAML config whose data section to use")
     p.add_argument("--vocab-size", type=int, help="tokenizer vocabulary size")
     p.add_argument("--tokenizer", choices=["bpe", "wordlevel"])
@@ -95,7 +103,7 @@ def _run_prepare(args) -> int:
     config.data = dataclasses.replace(config.data, **changes)
     config.validate("command line")
     stats = prepare(config.data, args.out, config.model.max_len, config.train.max_tokens,
-                    progress=True)
+                    progress=True, force=args.force)
     print(_prepare_summary(stats, args.out))
     return 0
 
@@ -136,6 +144,8 @@ def _add_train(sub) -> None:
                    "--resume, the default is the run's data_dir.txt")
     p.add_argument("--out", help="run directory to create")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue this run exactly")
+    p.add_argument("--force", action="store_true", help="--out may hold files or an earlier "
+                   "run: its run files (weights, state, logs) are replaced")
     p.add_argument("--max-minutes", type=float,
                    help="stop when the run has trained this long, over all its sessions "
                    "(train.max_minutes; validations count); the final dev evaluation comes on top")
@@ -154,9 +164,9 @@ def _run_train(args) -> int:
     if args.compile:
         overrides.append("train.compile=true")
     if args.resume:
-        if args.config or args.out:
+        if args.config or args.out or args.force:
             raise AiaynError("--resume RUN_DIR continues a run with its own config and directory; "
-                             "drop --config/--out (change train.* settings with --set)")
+                             "drop --config/--out/--force (change train.* settings with --set)")
         train(None, args.data, args.resume, resume=True, overrides=overrides,
               device=args.device)
         return 0
@@ -164,7 +174,7 @@ def _run_train(args) -> int:
         raise AiaynError("a new run needs --config FILE --data PREPARED_DIR --out RUN_DIR "
                          "(or --resume RUN_DIR)")
     config = load_config(args.config, overrides)
-    train(config, args.data, args.out, device=args.device)
+    train(config, args.data, args.out, device=args.device, force=args.force)
     return 0
 
 
@@ -188,18 +198,22 @@ def _add_translate(sub) -> None:
 
 
 def _run_translate(args) -> int:
-    check_search(args.beam, args.nbest)  # before waiting for stdin or loading the model
+    check_search(args.beam, args.nbest, args.alpha)  # before waiting for stdin or loading
+    if args.output is not None:
+        check_output_file(args.output, "-o")
+    if args.input is not None and Path(args.input).is_dir():
+        raise AiaynError(f"-i {args.input}: is a directory, not a file")
     translator = Translator.from_pretrained(args.run_dir, args.weights,
                                             device=choose_device(args.device),
                                             max_tokens=args.max_tokens)
+    translator.check_limits(args.beam, args.nbest, args.alpha)
     lines = _read_lines(args.input)
     chunks = translator.translate_lines(lines, args.beam, args.alpha, args.nbest)
-    with _warnings_as_lines():
-        if args.output is None:
-            _write(chunks, sys.stdout)
-            return 0
-        with atomic_path(args.output) as tmp, open(tmp, "w", encoding="utf-8") as out:
-            _write(chunks, out)
+    if args.output is None:
+        _write(chunks, sys.stdout)
+        return 0
+    with atomic_path(args.output) as tmp, open(tmp, "w", encoding="utf-8") as out:
+        _write(chunks, out)
     return 0
 
 
@@ -210,20 +224,27 @@ def _write(chunks: Iterator[str], out) -> None:
 
 
 def _read_lines(path: str | None) -> list[str]:
-    """Lines of a UTF-8 file (or stdin), without their line ends."""
+    """Lines of a UTF-8 file (or stdin). Lines end at "\\n" only (a trailing "\\r" goes),
+    so input line i is output line i whatever else the text holds (U+2028, form feeds,
+    a lone CR...); a UTF-8 byte-order mark at the start is dropped."""
+    where = path or "stdin"
     try:
         if path is None:
-            stream = sys.stdin
-            if hasattr(stream, "buffer"):  # read bytes as UTF-8 whatever the locale says
-                stream = io.TextIOWrapper(stream.buffer, encoding="utf-8")
-            return stream.read().splitlines()
-        with open(path, encoding="utf-8") as fh:
-            return fh.read().splitlines()
+            data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else \
+                sys.stdin.read().encode("utf-8")
+        else:
+            data = Path(path).read_bytes()
+        text = data.decode("utf-8-sig")
     except FileNotFoundError:
-        raise AiaynError(f"input file not found: {path}") from None
+        raise AiaynError(f"-i {path}: input file not found") from None
+    except IsADirectoryError:
+        raise AiaynError(f"-i {path}: is a directory, not a file") from None
     except UnicodeDecodeError as exc:
-        raise AiaynError(f"{path or 'stdin'}: not UTF-8 text ({exc.reason} at byte "
-                         f"{exc.start})") from None
+        raise AiaynError(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    lines = text.split("\n")
+    if lines[-1] == "":  # the newline that ends the last line starts no new one
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
 
 
 # ---------------------------------------------------------------- evaluate
@@ -247,10 +268,9 @@ def _add_evaluate(sub) -> None:
 
 
 def _run_evaluate(args) -> int:
-    with _warnings_as_lines():
-        r = evaluate_run(args.run_dir, args.split, args.beam, args.alpha, data_dir=args.data,
-                         weights=args.weights, output=args.output, limit=args.limit,
-                         max_tokens=args.max_tokens, device=args.device)
+    r = evaluate_run(args.run_dir, args.split, args.beam, args.alpha, data_dir=args.data,
+                     weights=args.weights, output=args.output, limit=args.limit,
+                     max_tokens=args.max_tokens, device=args.device)
     search = "greedy" if r["beam"] == 1 else f"beam {r['beam']}, alpha {r['alpha']}"
     print("\n".join([
         f"{r['split']}: {r['sentences']} sentences from {r['data_dir']}, weights "
@@ -302,6 +322,8 @@ def _add_trace(sub) -> None:
 
 
 def _run_trace(args) -> int:
+    _at_least(args.depth, 0, "--depth")
+    _at_least(args.batch_size, 1, "--batch-size")
     config = _config_from_args(args)
     torch.manual_seed(args.seed)
     src, tgt = trace_batch(config, args.data, args.batch_size)
@@ -358,6 +380,8 @@ def _run_plot(args) -> int:
         raise AiaynError("plot what? give run directories, --pe, or --schedule CONFIG "
                          "(exactly one of them)")
     if args.pe:
+        _at_least(args.positions, 1, "--positions")
+        _at_least(args.d_model, 2, "--d-model")
         fig = plots.positional_encoding_figure(args.positions, args.d_model)
         output = args.output or "positional_encoding.png"
     elif args.schedule:
@@ -398,18 +422,51 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _utf8_streams()
     args = build_parser().parse_args(argv)
     _, run = COMMANDS[args.command]
     try:
-        return run(args) or 0
+        with _warnings_as_lines():
+            return run(args) or 0
     except AiaynError as exc:
-        print(f"aiayn: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(str(exc))
+    except OSError as exc:  # a file the user named, a full disk, a permission
+        if isinstance(exc, BrokenPipeError):  # `aiayn translate ... | head`
+            return 0
+        return _error(_os_error_line(exc))
+    except (RuntimeError, MemoryError) as exc:
+        if not is_out_of_memory(exc):
+            raise  # a bug in aiayn: keep the traceback
+        return _error(f"out of memory ({str(exc).splitlines()[0][:120]}); use smaller batches "
+                      "(--max-tokens, or train.max_tokens in training)")
     except KeyboardInterrupt:
         print("aiayn: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # `aiayn translate ... | head`
-        return 0
+
+
+def _error(line: str) -> int:
+    print(f"aiayn: error: {' '.join(line.split())}", file=sys.stderr)
+    return 2
+
+
+def _os_error_line(exc: OSError) -> str:
+    """'PATH: No space left on device' and the like (no traceback: the path says where)."""
+    where = exc.filename if exc.filename is not None else "a file"
+    reason = exc.strerror or str(exc)
+    hint = {errno.ENOSPC: "; free some space and run the command again (files written "
+                          "before are intact)",
+            errno.EACCES: "; check its permissions",
+            errno.EISDIR: "; a file is expected here"}.get(exc.errno, "")
+    return f"{where}: {reason}{hint}"
+
+
+def _utf8_streams() -> None:
+    """Write UTF-8 whatever the terminal's locale says (a C/POSIX locale would make
+    Python's default ASCII and every accented translation an error)."""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure") and (stream.encoding or "").lower() not in ("utf-8", "utf8"):
+            stream.reconfigure(encoding="utf-8", errors="backslashreplace" if stream is sys.stderr
+                               else "strict")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,60 @@ EMBEDDING_INITS = ("normal", "xavier")
 SCHEDULES = ("eq3", "linear")
 BF16_CHOICES = ("auto", "true", "false")
 
+INF = math.inf
+# The allowed range of every numeric setting: (low, high, low excluded?). Integers are
+# checked to be integers, floats to be finite; booleans are never numbers here.
+RANGES: dict[str, dict[str, tuple[float, float, bool]]] = {
+    "model": {
+        "src_vocab_size": (1, INF, False), "tgt_vocab_size": (1, INF, False),
+        "d_model": (1, INF, False), "n_heads": (1, INF, False), "d_ff": (1, INF, False),
+        "n_encoder_layers": (1, INF, False), "n_decoder_layers": (1, INF, False),
+        "max_len": (2, INF, False),  # BOS/EOS plus one token
+        "dropout": (0.0, 0.999, False), "attention_dropout": (0.0, 0.999, False),
+        "pad_id": (0, INF, False),
+    },
+    "data": {
+        "vocab_size": (5, INF, False),  # the 4 special tokens and at least one more
+        "min_frequency": (1, INF, False),
+        "dev_fraction": (0.0, 1.0, True), "test_fraction": (0.0, 1.0, True),
+        "split_seed": (0, INF, False), "max_words": (1, INF, False),
+        "max_length_ratio": (1.0, INF, False),
+    },
+    "train": {
+        "seed": (0, INF, False), "max_tokens": (1, INF, False), "grad_accum": (1, INF, False),
+        "lr_scale": (0.0, INF, True), "peak_lr": (0.0, INF, True),
+        "warmup_steps": (1, INF, False),
+        "adam_beta1": (0.0, 0.9999, False), "adam_beta2": (0.0, 0.9999999, False),
+        "adam_eps": (0.0, 1.0, True), "weight_decay": (0.0, 1.0, False),
+        "label_smoothing": (0.0, 0.999, False), "clip_norm": (0.0, INF, False),
+        "max_steps": (1, INF, False), "max_epochs": (1, INF, False),
+        "max_minutes": (0.0, INF, False), "eval_every": (1, INF, False),
+        "eval_max_sentences": (0, INF, False), "eval_beam": (1, 64, False),
+        "save_every": (1, INF, False), "keep_checkpoints": (1, INF, False),
+        "log_every": (1, INF, False), "num_samples": (0, INF, False),
+        "cpu_threads": (0, 4096, False),
+    },
+}
+CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
+    "model": {"tie_embeddings": TIE_CHOICES, "embedding_init": EMBEDDING_INITS},
+    "data": {"tokenizer": ("bpe", "wordlevel"), "long_policy": ("drop", "truncate")},
+    "train": {"schedule": SCHEDULES, "bf16": BF16_CHOICES},
+}
+
+
+def _check_range(where: str, value: Any, low: float, high: float, open_low: bool) -> None:
+    """One numeric setting: an int where the default is one, finite, within [low, high]
+    (or (low, high] when ``open_low``)."""
+    integer = isinstance(low, int) and not isinstance(low, bool)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            integer and not isinstance(value, int)):
+        raise AiaynError(f"{where} must be {'an integer' if integer else 'a number'}, "
+                         f"got {value!r}")
+    low_text = f"{'(' if open_low else '['}{low:g}"
+    high_text = "inf)" if high == INF else f"{high:g}]"
+    if not math.isfinite(value) or value < low or value > high or (open_low and value == low):
+        raise AiaynError(f"{where} must be in {low_text}, {high_text}, got {value!r}")
+
 
 @dataclass
 class ModelConfig:
@@ -137,67 +191,35 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def validate(self, source: str = "config") -> Config:
-        """Refuse sizes that cannot build a model, naming the setting."""
-        m = self.model
-        for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "n_heads", "d_ff",
-                     "n_encoder_layers", "n_decoder_layers", "max_len"):
-            value = getattr(m, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise AiaynError(f"{source}: model.{name} must be a positive integer, got {value!r}")
+        """Refuse every value out of its range (``RANGES``) or that cannot build a model,
+        naming the setting, the value and what is allowed."""
+        for section, rules in RANGES.items():
+            for name, (low, high, open_low) in rules.items():
+                _check_range(f"{source}: {section}.{name}", getattr(getattr(self, section), name),
+                             low, high, open_low)
+        for section, rules in CHOICES.items():
+            for name, allowed in rules.items():
+                value = getattr(getattr(self, section), name)
+                if value not in allowed:
+                    raise AiaynError(f"{source}: {section}.{name} must be one of "
+                                     f"{', '.join(allowed)}, got {value!r}")
+        m, t = self.model, self.train
         if m.d_model % m.n_heads:
             raise AiaynError(
                 f"{source}: model.d_model ({m.d_model}) must be divisible by "
                 f"model.n_heads ({m.n_heads})"
             )
-        for name in ("dropout", "attention_dropout"):
-            value = getattr(m, name)
-            if not 0.0 <= float(value) < 1.0:
-                raise AiaynError(f"{source}: model.{name} must be in [0, 1), got {value!r}")
-        if m.tie_embeddings not in TIE_CHOICES:
-            raise AiaynError(
-                f"{source}: model.tie_embeddings must be one of {', '.join(TIE_CHOICES)}, "
-                f"got {m.tie_embeddings!r}"
-            )
-        if m.embedding_init not in EMBEDDING_INITS:
-            raise AiaynError(f"{source}: model.embedding_init must be one of "
-                             f"{', '.join(EMBEDDING_INITS)}, got {m.embedding_init!r}")
         if m.tie_embeddings == "all" and m.src_vocab_size != m.tgt_vocab_size:
             raise AiaynError(
                 f"{source}: model.tie_embeddings='all' needs one shared vocabulary, but "
                 f"src_vocab_size={m.src_vocab_size} and tgt_vocab_size={m.tgt_vocab_size}"
             )
-        if not 0 <= m.pad_id < min(m.src_vocab_size, m.tgt_vocab_size):
+        if not m.pad_id < min(m.src_vocab_size, m.tgt_vocab_size):
             raise AiaynError(f"{source}: model.pad_id {m.pad_id} is outside the vocabulary")
-        data = self.data
-        if data.tokenizer not in ("bpe", "wordlevel"):
-            raise AiaynError(f"{source}: data.tokenizer must be 'bpe' or 'wordlevel', got {data.tokenizer!r}")
-        if data.long_policy not in ("drop", "truncate"):
-            raise AiaynError(
-                f"{source}: data.long_policy must be 'drop' or 'truncate', got {data.long_policy!r}"
-            )
-        if data.vocab_size <= 4:
-            raise AiaynError(f"{source}: data.vocab_size must be larger than 4, got {data.vocab_size}")
-        t = self.train
-        for name in ("max_tokens", "grad_accum", "warmup_steps", "max_steps", "max_epochs",
-                     "eval_every", "save_every", "keep_checkpoints", "log_every", "eval_beam"):
-            value = getattr(t, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise AiaynError(f"{source}: train.{name} must be a positive integer, got {value!r}")
-        if not 0.0 <= t.label_smoothing < 1.0:
-            raise AiaynError(f"{source}: train.label_smoothing must be in [0, 1), got {t.label_smoothing}")
-        if t.schedule not in SCHEDULES:
-            raise AiaynError(f"{source}: train.schedule must be one of {', '.join(SCHEDULES)}, "
-                             f"got {t.schedule!r}")
-        for name in ("lr_scale", "peak_lr"):
-            value = getattr(t, name)
-            if not (math.isfinite(value) and value > 0):
-                raise AiaynError(f"{source}: train.{name} must be a positive number, got {value!r}")
-        if not isinstance(t.cpu_threads, int) or isinstance(t.cpu_threads, bool) or t.cpu_threads < 0:
-            raise AiaynError(f"{source}: train.cpu_threads must be 0 (adaptive) or a positive "
-                             f"integer, got {t.cpu_threads!r}")
-        if t.bf16 not in BF16_CHOICES:
-            raise AiaynError(f"{source}: train.bf16 must be one of {', '.join(BF16_CHOICES)}, "
-                             f"got {t.bf16!r}")
+        if self.data.dev_fraction + self.data.test_fraction >= 1:
+            raise AiaynError(f"{source}: data.dev_fraction + data.test_fraction must be below 1 "
+                             f"(something must be left to train on), got "
+                             f"{self.data.dev_fraction} + {self.data.test_fraction}")
         if t.max_tokens < m.max_len:
             raise AiaynError(
                 f"{source}: train.max_tokens ({t.max_tokens}) is smaller than model.max_len "
@@ -288,6 +310,9 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
         raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise AiaynError(f"{path}: not a valid config file ({str(exc).splitlines()[0]})") from None
+    if raw is None:
+        raise AiaynError(f"{path}: the config file is empty; give at least one of its sections "
+                         "(model, data, train), e.g. copy configs/demo.yaml")
     config = Config.from_dict(raw, str(path))
     if overrides:
         config = config.override(overrides)

@@ -38,6 +38,7 @@ import math
 import os
 import random
 import re
+import socket
 import unicodedata
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -451,10 +452,42 @@ def _read_hf(arg: str, cfg: DataConfig, progress: bool) -> _Raw:
     return raw
 
 
+def _looks_like_path(name: str) -> bool:
+    """A local file or folder was meant: "./x", "/x", "~/x", "x/y.tsv", "x.jsonl"..."""
+    return (name.startswith((".", "/", "~")) or Path(name).suffix.lower() in _LOCAL_BUILDERS
+            or os.sep in name and name.count("/") != 1)  # "owner/name" is a hub id
+
+
+def hub_reachable(host: str = "huggingface.co", timeout_s: float = 3.0) -> bool:
+    """Whether a TCP connection to the hub opens within ``timeout_s`` (no request is sent)."""
+    try:
+        socket.create_connection((host, 443), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def _offline(datasets) -> None:
+    """Make ``datasets`` use only its local cache (no retries against an unreachable hub)."""
+    os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+    for module, attribute in ((datasets.config, "HF_HUB_OFFLINE"),
+                              (datasets.config, "HF_DATASETS_OFFLINE")):
+        if hasattr(module, attribute):
+            setattr(module, attribute, True)
+
+
 def _load_hf_dataset(name: str, config: str | None):
     import datasets
 
     path = Path(name).expanduser()
+    if not path.exists() and _looks_like_path(name):
+        raise AiaynError(f"hf:{name}: no such file or directory")
+    offline_note = ""
+    if path.exists() or not hub_reachable():
+        # Local files never need the hub; an unreachable hub answers from the cache at once.
+        _offline(datasets)
+        offline_note = "" if path.exists() else "; no network: huggingface.co is " \
+            "unreachable, so only the local cache of datasets was searched"
     try:
         if path.is_file():
             builder = _LOCAL_BUILDERS.get(path.suffix.lower())
@@ -472,7 +505,7 @@ def _load_hf_dataset(name: str, config: str | None):
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise AiaynError(
             f"hf:{name}{':' + config if config else ''}: datasets.load_dataset failed "
-            f"({message}); a hub dataset needs network access to huggingface.co"
+            f"({message}){offline_note or '; a hub dataset needs network access to huggingface.co'}"
         ) from None
 
 

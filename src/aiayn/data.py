@@ -26,7 +26,7 @@ import torch
 from aiayn.config import DataConfig
 from aiayn.corpora import SPLITS, CorpusResult, read_corpus
 from aiayn.errors import AiaynError
-from aiayn.io import atomic_write_text
+from aiayn.io import atomic_write_text, staged_directory
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizers, train_tokenizers
 
 STATS_FILE = "stats.json"
@@ -38,17 +38,23 @@ PERCENTILES = (50, 90, 95, 99, 100)
 # ------------------------------------------------------------------ prepare
 def prepare(data_cfg: DataConfig, out_dir: str | Path, model_max_len: int,
             max_tokens: int = 4096, progress: bool = False,
-            corpus: CorpusResult | None = None) -> dict[str, Any]:
+            corpus: CorpusResult | None = None, force: bool = False) -> dict[str, Any]:
     """Read ``data_cfg.corpus``, write the splits, train and save the tokenizer(s) on the
     train split, and write ``stats.json``. Returns the stats.
+
+    ``out_dir`` must be empty or new unless ``force``; it is locked while prepare runs and
+    its old contents stay until the new ones are complete (aiayn.io.staged_directory).
 
     ``model_max_len`` and ``max_tokens`` only feed the report: how many pairs the model's
     length limit would drop or truncate, and the padding of train batches of that budget.
     ``corpus``: the result of ``read_corpus(data_cfg.corpus, data_cfg)`` if already read.
     """
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise AiaynError(f"--out {out}: exists and is not a directory")
+    with staged_directory(out_dir, force, "aiayn prepare", marker=STATS_FILE) as out:
+        return _write_prepared(data_cfg, out, model_max_len, max_tokens, progress, corpus)
+
+
+def _write_prepared(data_cfg: DataConfig, out: Path, model_max_len: int, max_tokens: int,
+                    progress: bool, corpus: CorpusResult | None) -> dict[str, Any]:
     if corpus is None:
         corpus = read_corpus(data_cfg.corpus, data_cfg, progress=progress)
     splits = {name: corpus.texts(name) for name in SPLITS}

@@ -22,7 +22,7 @@ from aiayn.config import Config
 from aiayn.data import Example, collate, load_prepared, token_batches
 from aiayn.distributed import choose_device
 from aiayn.errors import AiaynError
-from aiayn.io import atomic_write_text
+from aiayn.io import atomic_write_text, check_output_file
 from aiayn.metrics import Scores, score
 from aiayn.model import Transformer
 from aiayn.optim import label_smoothed_loss
@@ -111,15 +111,20 @@ def evaluate_run(run_dir: str | Path, split: str = "test", beam: int = 4, alpha:
     ``data_dir``: default the run's data_dir.txt. ``output``: default
     RUN_DIR/eval/SPLIT.WEIGHTS.beamK.txt. ``limit``: only the first N sentences (0: all).
     """
-    check_search(beam)
+    check_search(beam, 1, alpha)
+    if limit < 0:
+        raise AiaynError(f"--limit must be 0 (all) or a positive number of sentences, got {limit}")
+    if output is not None:
+        check_output_file(output, "--output")
+    translator = Translator.from_pretrained(run_dir, weights, device=choose_device(device),
+                                            max_tokens=max_tokens, bf16=bf16)
+    translator.check_limits(beam, 1, alpha)
     data_dir = Path(data_dir) if data_dir else read_data_dir(run_dir)
     pairs = load_prepared(data_dir).split(split)
     if limit > 0:
         pairs = pairs[:limit]
     if not pairs:
         raise AiaynError(f"{data_dir}: the {split} split is empty")
-    translator = Translator.from_pretrained(run_dir, weights, device=choose_device(device),
-                                            max_tokens=max_tokens, bf16=bf16)
     with tqdm(total=len(pairs), unit="sent", dynamic_ncols=True, disable=not progress,
               desc=f"{split} beam {beam}") as bar:
         hypotheses, scores = translate_and_score(translator, pairs, beam, alpha, bar.update)

@@ -8,10 +8,13 @@ fsync'ed. A kill at any moment leaves either the old file or the new one.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from aiayn.errors import AiaynError
 
 
 @contextmanager
@@ -54,3 +57,97 @@ def _fsync_dir(directory: Path) -> None:
 def atomic_write_text(path: str | Path, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+def remove_temp_files(directory: str | Path) -> list[Path]:
+    """Delete what an interrupted atomic write leaves behind (``.NAME.*.tmp`` files, and
+    ``.NAME.tmp`` directories of a copy); returns what was removed. Call it only while
+    holding the directory's lock (aiayn.lock), so no running writer's file is removed."""
+    removed = []
+    directory = Path(directory)
+    if not directory.is_dir():
+        return removed
+    for path in directory.rglob(".*.tmp"):
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(path)
+    return removed
+
+
+def check_writable_dir(path: str | Path, option: str) -> Path:
+    """``path`` may become a directory: it is one, or it does not exist yet and its nearest
+    existing parent is a directory. Otherwise one AiaynError naming ``option``."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise AiaynError(f"{option} {path}: exists and is not a directory")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise AiaynError(f"{option} {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK):
+        raise AiaynError(f"{option} {path}: {parent} is not writable")
+    return path
+
+
+def check_output_file(path: str | Path, option: str) -> Path:
+    """``path`` can be written as a file (it is not a directory; its directory exists)."""
+    path = Path(path)
+    if path.is_dir():
+        raise AiaynError(f"{option} {path}: is a directory, not a file")
+    if not path.parent.is_dir():
+        raise AiaynError(f"{option} {path}: directory {path.parent} does not exist")
+    return path
+
+
+STAGING_DIR = ".staging.tmp"
+
+
+@contextmanager
+def staged_directory(out: str | Path, force: bool, what: str, marker: str) -> Iterator[Path]:
+    """Write a directory's new contents in a staging directory, then swap them in.
+
+    ``out`` must be empty, missing, or ``force`` given; it is locked (aiayn.lock) for the
+    whole block, so a second writer, or one replacing a directory a training run reads, is
+    refused. The block writes into the yielded staging directory (inside ``out``, so the
+    lock covers it). On success the old entries go and the new ones are moved in, ``marker``
+    (the file that says "complete", e.g. stats.json) removed first and moved in last: a
+    kill during the swap leaves a directory without its marker, which readers refuse; a
+    kill before it leaves the old contents untouched (and a staging directory that the
+    next writer removes). A failure leaves ``out`` as it was (a directory created here is
+    removed again).
+    """
+    from aiayn.lock import PID_FILE, locked  # aiayn.lock imports nothing of ours but errors
+
+    out = check_writable_dir(out, "--out")
+    created = not out.exists()
+    if not created and not force:
+        entries = [p.name for p in out.iterdir() if p.name not in (PID_FILE, STAGING_DIR)]
+        if entries:
+            raise AiaynError(f"--out {out}: not empty (holds {', '.join(sorted(entries)[:4])}"
+                             f"{', ...' if len(entries) > 4 else ''}); choose another "
+                             "directory, or give --force to replace its contents")
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        with locked(out, what):
+            remove_temp_files(out)
+            stage = out / STAGING_DIR
+            stage.mkdir()
+            try:
+                yield stage
+                (out / marker).unlink(missing_ok=True)
+                for old in out.iterdir():
+                    if old.name in (PID_FILE, STAGING_DIR):
+                        continue
+                    shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+                for new in sorted(stage.iterdir(), key=lambda p: p.name == marker):
+                    os.replace(new, out / new.name)
+                _fsync_dir(out)
+            finally:
+                shutil.rmtree(stage, ignore_errors=True)
+    except BaseException:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise

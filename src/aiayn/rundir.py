@@ -22,30 +22,92 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 from aiayn.checkpoint import load_weights
 from aiayn.config import Config, load_config, save_config
 from aiayn.errors import AiaynError
-from aiayn.io import atomic_write_text
+from aiayn.io import atomic_write_text, check_writable_dir
+from aiayn.lock import PID_FILE
 from aiayn.model import Transformer
 from aiayn.tokenizer import Tokenizers
 
 
 # ---------------------------------------------------------------- creating a run
-def create_run_dir(run_dir: Path, config: Config, data_dir: Path) -> None:
-    """Write config.yaml, the tokenizer copy and data_dir.txt into a new run directory."""
-    if (run_dir / "train_state.pt").exists() or (run_dir / "config.yaml").exists():
+# What `aiayn train` writes into a run directory (``--force`` removes exactly these).
+RUN_FILES = ("config.yaml", "config_history.jsonl", "tokenizer", "data_dir.txt",
+             "last.safetensors", "best.safetensors", "checkpoints", "train_state.pt",
+             "metrics.jsonl", "tb", "eval")
+
+
+def check_new_run_dir(run_dir: Path, force: bool) -> None:
+    """``--out`` for a new run: a new or empty directory, or (with ``force``) one whose run
+    files may go. Checked before anything is written."""
+    run_dir = check_writable_dir(run_dir, "--out")
+    if not run_dir.is_dir() or force:
+        return
+    if (run_dir / "config.yaml").exists() or (run_dir / "train_state.pt").exists():
         raise AiaynError(
-            f"{run_dir} already holds a run; continue it with `aiayn train --resume {run_dir}` "
-            f"or choose another --out"
+            f"{run_dir} already holds a run; continue it with `aiayn train --resume {run_dir}`, "
+            f"start it over with --force (its weights, state and logs are deleted), or choose "
+            f"another --out"
         )
+    entries = sorted(p.name for p in run_dir.iterdir() if p.name != PID_FILE)
+    if entries:
+        raise AiaynError(f"--out {run_dir}: not empty (holds {', '.join(entries[:4])}"
+                         f"{', ...' if len(entries) > 4 else ''}); choose a new directory or "
+                         "give --force")
+
+
+def create_run_dir(run_dir: Path, config: Config, data_dir: Path, force: bool = False) -> None:
+    """Write the tokenizer copy, data_dir.txt and (last: it marks a run) config.yaml.
+
+    ``force``: first remove the run files (``RUN_FILES``) an earlier run left; other files
+    in the directory are left alone."""
+    check_new_run_dir(run_dir, force)
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(config, run_dir / "config.yaml")
+    if force:
+        (run_dir / "config.yaml").unlink(missing_ok=True)  # no longer a run until rewritten
+        for name in RUN_FILES:
+            path = run_dir / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
     copy_tokenizer(data_dir / "tokenizer", run_dir / "tokenizer")
     atomic_write_text(run_dir / "data_dir.txt", str(data_dir.resolve()) + "\n")
+    save_config(config, run_dir / "config.yaml")
 
+
+def record_config(run_dir: Path, config: Config, overrides: list[str], step: int) -> None:
+    """A resumed run: config.yaml takes the new train.* settings, and config_history.jsonl
+    says which, from which step (so a run's curve can be read with its changes)."""
+    save_config(config, run_dir / "config.yaml")
+    if overrides:
+        line = json.dumps({"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                           "overrides": overrides}, ensure_ascii=False)
+        with open(run_dir / "config_history.jsonl", "a", encoding="utf-8") as fh:
+            fh.write(line + "\n")
+
+
+def resume_point(run_dir: Path) -> Path | None:
+    """train_state.pt when the run saved one; None when it saved nothing at all (a crash
+    before the first save: start it over). Weights without a train state cannot resume
+    exactly: one AiaynError that names the ways on."""
+    state = run_dir / "train_state.pt"
+    if state.is_file():
+        return state
+    weights = sorted(p.name for p in run_dir.glob("*.safetensors")) + \
+        [f"checkpoints/{p.name}" for p in list_step_checkpoints(run_dir)]
+    if not weights:
+        return None
+    raise AiaynError(
+        f"{run_dir}: has weights ({', '.join(weights[:3])}) but no train_state.pt, so it "
+        f"cannot be resumed exactly; start a new run from them with `aiayn train --init-from "
+        f"{run_dir} --data DIR --out NEW_RUN`, or start this one over with `aiayn train "
+        f"--config {run_dir / 'config.yaml'} --data DIR --out {run_dir} --force`")
 
 def copy_tokenizer(src: Path, dst: Path) -> None:
     """Copy the tokenizer directory beside the weights (a temp dir renamed into place)."""
@@ -87,8 +149,9 @@ def resolve_weights(run_dir: str | Path, weights: str | Path = "best") -> Path:
     path = Path(weights)
     if path.is_file():
         return path
-    available = sorted(p.stem for p in run_dir.glob("*.safetensors"))
-    hint = (f"available: {', '.join(available)} (choose with --weights)" if available
+    available = sorted(p.stem for p in run_dir.glob("*.safetensors")) + \
+        [str(p) for p in reversed(list_step_checkpoints(run_dir))]
+    hint = (f"available: {', '.join(available[:4])} (choose with --weights)" if available
             else "it holds no weights; has `aiayn train` saved any yet?")
     raise AiaynError(f"{run_dir}: no weights {str(weights)!r} (looked for {named} and "
                      f"{path}); {hint}")

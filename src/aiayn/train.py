@@ -23,9 +23,10 @@ function of it), the RNG states of every rank and every rank's sampler position,
 from __future__ import annotations
 
 import math
+import shutil
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from torch import nn
 from tqdm import tqdm
 
 from aiayn.checkpoint import load_train_state, load_weights, save_train_state, save_weights
-from aiayn.config import Config, save_config
+from aiayn.config import Config
 from aiayn.data import TokenBatchSampler, collate, encode_split, load_prepared
 from aiayn.distributed import (
     Dist,
@@ -53,14 +54,19 @@ from aiayn.distributed import (
 )
 from aiayn.errors import AiaynError
 from aiayn.evaluate import validate
+from aiayn.io import remove_temp_files
+from aiayn.lock import locked
 from aiayn.model import Transformer
 from aiayn.optim import build_optimizer, label_smoothed_loss, schedule_lr, set_learning_rate
 from aiayn.rundir import (
     MetricsLog,
+    check_new_run_dir,
     create_run_dir,
     load_run_config,
     prune_step_checkpoints,
     read_data_dir,
+    record_config,
+    resume_point,
     step_checkpoint_path,
 )
 
@@ -237,22 +243,58 @@ def train(
     resume: bool = False,
     overrides: list[str] | None = None,
     device: str | None = None,
+    force: bool = False,
 ) -> dict[str, Any]:
     """Train a model (or resume the run in ``run_dir``); returns the final dev record.
 
-    New run: ``config`` and ``data_dir`` are required. Resume: the run's config.yaml with
+    New run: ``config`` and ``data_dir`` are required; ``run_dir`` must be new or empty
+    (``force``: replace the run files in it). Resume: the run's config.yaml with
     ``overrides`` (train.* only) and its data_dir.txt (unless ``data_dir`` is given).
+    Everything is checked before anything is written; the run directory is locked for the
+    whole run (a second ``aiayn train`` on it is refused) and the data directory shared.
     """
     world = setup_distributed(device)
+    run_dir = Path(run_dir)
     try:
-        trainer = Trainer(config, data_dir, Path(run_dir), resume, overrides or [], world)
-        try:
-            return trainer.run()
-        finally:
-            trainer.metrics.close()
+        with ExitStack() as hold:
+            # One writer per run directory (aiayn.lock), and no `prepare --force` under a
+            # run reading the data; rank 0 holds both, and a refusal stops every rank.
+            on_main(lambda: hold.enter_context(run_dir_held(run_dir, resume, force)), world)
+            trainer = Trainer(config, data_dir, run_dir, resume, overrides or [], world, force)
+            on_main(lambda: hold.enter_context(
+                locked(trainer.data_dir, "aiayn train", shared=True)), world)
+            try:
+                return trainer.run()
+            finally:
+                trainer.metrics.close()
     finally:
         if world.enabled and dist.is_initialized():
             dist.destroy_process_group()
+
+
+@contextmanager
+def run_dir_held(run_dir: Path, resume: bool, force: bool):
+    """Check that ``run_dir`` can take this command (before anything is written), create
+    it if new, hold its lock for the block, and clean temporary files a crash left. A new
+    directory is removed again if the command fails before writing the run into it."""
+    if resume:
+        if not run_dir.is_dir():
+            raise AiaynError(f"--resume {run_dir}: run directory not found")
+    else:
+        check_new_run_dir(run_dir, force)
+    created = not run_dir.exists()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        with locked(run_dir, "aiayn train"):
+            removed = remove_temp_files(run_dir)
+            if removed:
+                tqdm.write(f"removed {len(removed)} temporary file(s) an interrupted save left "
+                           f"in {run_dir}")
+            yield
+    except BaseException:
+        if created and not (run_dir / "config.yaml").exists():
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
 
 
 class Trainer:
@@ -261,26 +303,31 @@ class Trainer:
     intervals. Every rank builds its own Trainer; rank 0 alone writes files."""
 
     def __init__(self, config: Config | None, data_dir: str | Path | None, run_dir: Path,
-                 resume: bool, overrides: list[str], world: Dist):
+                 resume: bool, overrides: list[str], world: Dist, force: bool = False):
         self.world, self.run_dir = world, run_dir
         self.log = tqdm.write if world.is_main else (lambda *a, **k: None)
         if resume:
             config = load_run_config(run_dir, overrides)
             data_dir = Path(data_dir) if data_dir else read_data_dir(run_dir)
+            # A run that crashed before its first save has nothing to resume from: it
+            # starts again at step 0 with its own config (which is what it would have done).
+            restart = resume_point(run_dir) is None
+            if restart:
+                self.log(f"{run_dir}: no checkpoint was saved yet; starting it at step 0 with "
+                         "its config.yaml")
         else:
             if config is None or data_dir is None:
                 raise AiaynError("a new run needs --config and --data (or use --resume RUN_DIR)")
             data_dir = Path(data_dir)
+            restart = False
+        self.data_dir = data_dir
         t = config.train
 
         # Model and optimizer, seeded so every rank builds the same initial weights.
         set_seed(t.seed)
         self.data = load_data(data_dir, config, world, self.log)
         config = self.config = resolve_config(config, self.data.tokenizers, data_dir)
-        if resume:  # new train.* settings
-            on_main(lambda: save_config(config, run_dir / "config.yaml"), world)
-        else:
-            on_main(lambda: create_run_dir(run_dir, config, data_dir), world)
+        stored = config  # what config.yaml holds (bf16 "auto" stays "auto")
         # What this machine runs fast: resolved here, so config.yaml keeps "auto" and a
         # resume on another machine chooses again.
         use_bf16, why_bf16 = resolve_bf16(t.bf16, world.device)
@@ -294,9 +341,14 @@ class Trainer:
         self.stream = BatchStream(self.data, config.model.pad_id, world.device, t.max_epochs)
         self.progress = Progress()
         rng = None
-        if resume:
+        if resume and not restart:
             rng = self.restore()
             self.log(f"resumed {run_dir} at step {self.progress.step}, epoch {self.stream.epoch}")
+        # Everything is checked and loaded: only now is the run directory written.
+        if not resume or restart:
+            on_main(lambda: create_run_dir(run_dir, stored, data_dir, force or restart), world)
+        if resume:  # new train.* settings, and a line saying so in config_history.jsonl
+            on_main(lambda: record_config(run_dir, stored, overrides, self.progress.step), world)
         if world.rank > 0 and rng is None:
             torch.manual_seed(t.seed + 7919 * world.rank)  # own dropout masks on each rank
         self.ddp: nn.Module | None = None
@@ -347,7 +399,7 @@ class Trainer:
                                     progress.step + 1, self.config, self.world, progress.elapsed_s)
                 self.threads.observe(time.perf_counter() - step_start, result.n_tokens)
                 if not (math.isfinite(result.loss) and math.isfinite(result.grad_norm)):
-                    raise AiaynError(non_finite_message(result, progress, self.run_dir))
+                    raise AiaynError(non_finite_message(result, progress, self.run_dir, self.config))
                 progress.step += 1
                 progress.tokens += result.n_tokens
                 progress.elapsed_s = max_over_ranks(elapsed_before + time.perf_counter() - start,
@@ -476,6 +528,13 @@ class Trainer:
         if state.get("version") != STATE_VERSION:
             raise AiaynError(f"{run_dir}/train_state.pt: unknown version {state.get('version')!r}")
         weights = run_dir / state["weights"]
+        if not weights.is_file():
+            raise AiaynError(
+                f"{run_dir}/train_state.pt names {weights}, which is gone, so the run cannot be "
+                f"resumed exactly; start a new run from its other weights with `aiayn train "
+                f"--init-from {run_dir}:last --data DIR --out NEW_RUN`, or start it over with "
+                f"`aiayn train --config {run_dir / 'config.yaml'} --data DIR --out {run_dir} "
+                "--force`")
         load_weights(self.model, weights)
         # Loaded on the CPU; load_state_dict moves each state tensor to its parameter's device.
         self.optimizer.load_state_dict(state["optimizer"])
@@ -497,13 +556,20 @@ class Trainer:
         return rng
 
 
-def non_finite_message(result: StepResult, progress: Progress, run_dir: Path) -> str:
-    """One line that says what happened, what was kept and what to try."""
+def non_finite_message(result: StepResult, progress: Progress, run_dir: Path,
+                       config: Config) -> str:
+    """One line that says what happened, what was kept and the command to go on with."""
     what = f"loss {result.loss}" if not math.isfinite(result.loss) else \
         f"gradient norm {result.grad_norm}"
-    kept = (f"the last good checkpoint is {run_dir / 'last.safetensors'} (step "
-            f"{progress.saved_step}; resume with `aiayn train --resume {run_dir}`)"
-            if progress.saved_step else "no checkpoint had been saved yet")
+    t = config.train
+    knob, value = ("peak_lr", t.peak_lr) if t.schedule == "linear" else ("lr_scale", t.lr_scale)
+    lower = f"--set train.{knob}={value / 2:g}"
+    if progress.saved_step:
+        kept = (f"the last good checkpoint is step {progress.saved_step} "
+                f"({run_dir / 'last.safetensors'}); go on from it with a lower learning rate: "
+                f"`aiayn train --resume {run_dir} {lower}`")
+    else:
+        kept = (f"no checkpoint had been saved yet; start over with a lower learning rate: "
+                f"`aiayn train --resume {run_dir} {lower}`")
     return (f"training stopped at step {progress.step + 1}: non-finite {what} (weights not "
-            f"updated); {kept}; try a lower train.lr_scale, a longer train.warmup_steps or "
-            f"a smaller train.clip_norm")
+            f"updated); {kept} (or a longer train.warmup_steps, a smaller train.clip_norm)")

@@ -20,6 +20,8 @@ Rules for awkward input (never a crash):
 
 from __future__ import annotations
 
+import math
+import os
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -32,7 +34,7 @@ import torch
 
 from aiayn.data import pad, token_batches
 from aiayn.decode import Hypothesis, beam_search, greedy_decode
-from aiayn.errors import AiaynError
+from aiayn.errors import AiaynError, is_out_of_memory
 from aiayn.model import Transformer, capture_attention
 from aiayn.rundir import load_run
 from aiayn.tokenizer import BOS_ID, EOS_ID
@@ -43,12 +45,30 @@ class TruncationWarning(UserWarning):
 
 
 # ---------------------------------------------------------------- search settings, sources
-def check_search(beam: int, nbest: int = 1) -> None:
-    """The one check of the search settings (an AiaynError names the option)."""
+def check_search(beam: int, nbest: int = 1, alpha: float = 0.6) -> None:
+    """The one check of the search settings that needs no model (an AiaynError names the
+    option); ``Translator.check_limits`` adds the bounds the model and memory set."""
     if beam < 1:
         raise AiaynError(f"--beam must be at least 1, got {beam}")
     if not 1 <= nbest <= beam:
         raise AiaynError(f"--nbest must be between 1 and --beam ({beam}), got {nbest}")
+    if not (math.isfinite(alpha) and 0 <= alpha <= 10):
+        raise AiaynError(f"--alpha must be in [0, 10], got {alpha}")
+
+
+def decode_bytes_per_token(cfg) -> int:
+    """Memory one padded source token of a decoding batch can hold, in fp32 bytes: the
+    encoder output and every decoder layer's cross-attention keys and values ((1 + 2L) d),
+    the self-attention cache of a translation up to twice the source's length (4 L d per
+    source token) and one row of logits over the target vocabulary (V, for a 1-token
+    source at worst)."""
+    layers, d = cfg.n_decoder_layers, cfg.d_model
+    return 4 * ((1 + 6 * layers) * d + cfg.tgt_vocab_size)
+
+
+def memory_bytes() -> int:
+    """This machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def truncate_source(ids: list[int], max_len: int) -> list[int]:
@@ -85,6 +105,12 @@ class Translator:
         """``max_tokens``: batch budget in padded source tokens x beam (``token_batches``);
         ``bf16``: decode under bfloat16 autocast (as training validates under train.bf16)."""
         self.device = torch.device(device) if device is not None else _parameter_device(model)
+        # The batch budget a decoding pass can hold in half of this machine's memory.
+        limit = memory_bytes() // 2 // decode_bytes_per_token(model.cfg)
+        if not 1 <= max_tokens <= limit:
+            raise AiaynError(f"--max-tokens must be between 1 and {limit} for this model (half "
+                             f"of this machine's memory at {decode_bytes_per_token(model.cfg)} "
+                             f"bytes per padded token), got {max_tokens}")
         self.model = model.to(self.device).eval()
         self.tokenizers = tokenizers
         self.max_tokens = max_tokens
@@ -122,7 +148,7 @@ class Translator:
         ``progress(n)`` is called after each batch with its number of sentences (e.g. a
         tqdm bar's ``update``); ``self.last_stats`` describes the pass afterwards.
         """
-        check_search(beam, nbest)
+        self.check_limits(beam, nbest, alpha)
         sentences = [_one_line(s) for s in sentences]
         todo = [i for i, s in enumerate(sentences) if s.strip()]
         sources, truncated = self.encode([sentences[i] for i in todo])
@@ -143,7 +169,7 @@ class Translator:
         """`aiayn translate`'s output, ``chunk`` lines at a time (so output appears as it is
         ready and memory stays bounded): one translation per line, or with ``nbest > 1``
         rows 'LINE<TAB>SCORE<TAB>TRANSLATION' (an empty line gives 'LINE<TAB><TAB>')."""
-        check_search(beam, nbest)
+        self.check_limits(beam, nbest, alpha)
         for start in range(0, len(lines), chunk):
             part = lines[start : start + chunk]
             if nbest == 1:
@@ -178,24 +204,43 @@ class Translator:
         With ``beam=1, nbest=1, greedy_ok`` it runs greedy search, which returns the same
         tokens as a beam of 1 more cheaply but no score (reported as 0.0).
         """
-        check_search(beam, nbest)
+        self.check_limits(beam, nbest, alpha)
         results: list[list[Hypothesis]] = [[] for _ in sources]
         greedy = greedy_ok and beam == 1 and nbest == 1
         autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16
                     else nullcontext())
         for batch in token_batches([len(s) for s in sources], self.max_tokens, copies=beam):
             src = pad([sources[i] for i in batch]).to(self.device)
-            with autocast:
-                if greedy:
-                    decoded = [[Hypothesis(ids, 0.0)]
-                               for ids in greedy_decode(self.model, src, max_len_b)]
-                else:
-                    decoded = beam_search(self.model, src, beam, alpha, max_len_b, nbest)
+            try:
+                with autocast:
+                    if greedy:
+                        decoded = [[Hypothesis(ids, 0.0)]
+                                   for ids in greedy_decode(self.model, src, max_len_b)]
+                    else:
+                        decoded = beam_search(self.model, src, beam, alpha, max_len_b, nbest)
+            except (RuntimeError, MemoryError) as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                raise AiaynError(
+                    f"out of memory decoding a batch of {len(batch)} sentence(s) x beam {beam} "
+                    f"({src.numel() * beam} padded tokens) on {self.device}; give a smaller "
+                    f"--max-tokens (now {self.max_tokens})") from None
             for i, hyps in zip(batch, decoded, strict=True):
                 results[i] = hyps
             if progress is not None:
                 progress(len(batch))
         return results
+
+    def check_limits(self, beam: int, nbest: int = 1, alpha: float = 0.6) -> None:
+        """``check_search``, and a beam the model and the batch budget can hold: at most the
+        target vocabulary (more hypotheses than tokens cannot differ at the first step) and
+        ``max_tokens // 2`` (one source of a word and EOS, times the beam, must fit)."""
+        check_search(beam, nbest, alpha)
+        limit = min(self.model.cfg.tgt_vocab_size, self.max_tokens // 2)
+        if beam > limit:
+            raise AiaynError(f"--beam must be at most {limit} for this model and --max-tokens "
+                             f"{self.max_tokens} (the target vocabulary, and half the batch "
+                             f"budget), got {beam}")
 
     def attention(self, sentence: str, beam: int = 1, alpha: float = 0.6) -> SentenceAttention:
         """Translate ``sentence`` and capture every attention map of that translation."""
