@@ -442,3 +442,39 @@ def test_temp_files_of_an_interrupted_write_are_removed_by_atomic_path(tmp_path,
     with pytest.raises(OSError):
         io.atomic_write_text(target, "x")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_out_of_memory_in_decoding_names_max_tokens(world, tmp_path, monkeypatch, capsys):
+    from aiayn import translator
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1")
+
+    monkeypatch.setattr(translator, "beam_search", no_memory)
+    code = cli.main(["translate", str(world["run"]), "-i", str(_write(tmp_path / "in.txt")),
+                     "--beam", "2", "--max-tokens", "512"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert "out of memory decoding a batch of 1 sentence(s) x beam 2" in err[0]
+    assert "smaller --max-tokens (now 512)" in err[0]
+
+
+def test_out_of_memory_in_training_is_one_line_and_keeps_the_checkpoint(
+        world, tmp_path, monkeypatch, capsys):
+    from aiayn import train
+
+    run = copy_run(world, tmp_path)
+    before = checkpoint.read_weights(run / "last.safetensors")
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1")
+
+    monkeypatch.setattr(train, "train_step", no_memory)
+    code = cli.main(["train", "--resume", str(run), "--set", "train.max_steps=12"])
+    err = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines()
+           if line.startswith("aiayn:")]
+    assert code == 2 and len(err) == 1 and "out of memory" in err[0]
+    assert "train.max_tokens" in err[0]
+    after = checkpoint.read_weights(run / "last.safetensors")
+    assert all(bool((before[k] == after[k]).all()) for k in before)
+    assert load_train_state(run / "train_state.pt")["step"] == 8
