@@ -392,7 +392,7 @@ def test_one_line_in_one_line_out_for_any_unicode(world, tmp_path):
 
 
 def test_translations_are_written_as_utf8_under_an_ascii_locale(world, tmp_path):
-    result = aiayn("translate", world["run"], "--beam", "1", stdin="the café\n".encode("utf-8"),
+    result = aiayn("translate", world["run"], "--beam", "1", stdin="the café\n".encode(),
                    env={"LANG": "C", "LC_ALL": "C", "PYTHONIOENCODING": "ascii",
                         "PYTHONUTF8": "0"})
     assert result.returncode == 0 and b"Traceback" not in result.stderr

@@ -34,7 +34,6 @@ from aiayn.lock import PID_FILE
 from aiayn.model import Transformer
 from aiayn.tokenizer import Tokenizers
 
-
 # ---------------------------------------------------------------- creating a run
 # What `aiayn train` writes into a run directory (``--force`` removes exactly these).
 RUN_FILES = ("config.yaml", "config_history.jsonl", "tokenizer", "data_dir.txt",
