@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -201,29 +202,47 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_a_bad_input_is_one_line_and_changes_no_file(case, world, tmp_path):
-    name, args, expected, setup = case
-    if name == "translate: weights that do not exist":
-        run = copy_run(world, tmp_path / "copy")
-        (run / "best.safetensors").unlink()
-        args = [a.replace("RUN", str(run)) for a in args]
-    if setup is not None:
-        setup(tmp_path)
-    places = {"RUN": str(world["run"]), "DATA": str(world["data"]), "TMP": str(tmp_path),
-              "CORPUS": str(world["corpus"])}
+@pytest.fixture(scope="module")
+def outcomes(world, tmp_path_factory) -> dict[str, tuple]:
+    """Every case of CASES run once, two at a time (each is a process that mostly imports
+    torch), each in its own temporary directory: {case id: (result, filled expectation,
+    temp dir unchanged?)}; and the shared run and data directories unchanged by all."""
+    before_world = snapshot(world["root"])
 
-    def fill(text: str) -> str:
-        for key, value in places.items():
-            text = text.replace(key, value)
-        return text
+    def run_case(case):
+        name, args, expected, setup = case
+        tmp = tmp_path_factory.mktemp("case")
+        places = {"RUN": str(world["run"]), "DATA": str(world["data"]), "TMP": str(tmp),
+                  "CORPUS": str(world["corpus"])}
+        if name == "translate: weights that do not exist":
+            run = copy_run(world, tmp / "copy")
+            (run / "best.safetensors").unlink()
+            places["RUN"] = str(run)
+        if setup is not None:
+            setup(tmp)
 
-    before = snapshot(world["root"], tmp_path)
-    result = aiayn(*[fill(a) for a in args], stdin=b"the red cat\n")
+        def fill(text: str) -> str:
+            for key, value in places.items():
+                text = text.replace(key, value)
+            return text
+
+        before = snapshot(tmp)
+        result = aiayn(*[fill(a) for a in args], stdin=b"the red cat\n")
+        return name, (result, fill(expected), snapshot(tmp) == before)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        done = dict(pool.map(run_case, CASES))
+    assert snapshot(world["root"]) == before_world, "a bad input changed the shared run or data"
+    return done
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES])
+def test_a_bad_input_is_one_line_and_changes_no_file(name, outcomes):
+    result, expected, unchanged = outcomes[name]
     line = one_error_line(result)
     assert result.returncode == 2
-    assert fill(expected) in line
-    assert snapshot(world["root"], tmp_path) == before
+    assert expected in line
+    assert unchanged
 
 
 # ---------------------------------------------------------------- the run's state
@@ -316,13 +335,15 @@ def test_a_second_train_on_a_run_is_refused_and_the_first_resumes_exactly(world,
         while not (run / "train_state.pt").exists() and time.time() < deadline:
             time.sleep(0.2)
         assert (run / "train_state.pt").exists()
-        second = aiayn("train", "--resume", run)
+        attempts = [("train", "--resume", run),
+                    ("train", "--config", TINY, "--data", world["data"], "--out", run, "--force"),
+                    ("prepare", "--corpus", f"tsv:{world['corpus']}", "--out", world["data"],
+                     "--force")]
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            second, again, prepare = pool.map(lambda args: aiayn(*args), attempts)
         line = one_error_line(second)
         assert f"{run} is in use by pid {first.pid} (aiayn train)" in line
-        again = aiayn("train", "--config", TINY, "--data", world["data"], "--out", run, "--force")
         assert "is in use by pid" in one_error_line(again)
-        prepare = aiayn("prepare", "--corpus", f"tsv:{world['corpus']}", "--out", world["data"],
-                        "--force")
         assert "is in use" in one_error_line(prepare)  # the run reads it
     finally:
         first.send_signal(signal.SIGKILL)
