@@ -4,17 +4,18 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 SWORD_PACKAGES := sword-text-web sword-text-sparv sword-text-kjv
+BROWSER_PACKAGES := chromium chromium-driver fonts-liberation
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEMO_MINUTES ?= 12
 
-.PHONY: venv sword test lint demo bench clean
+.PHONY: venv sword browser test lint demo bench clean
 
 # torch first, pinned: an unpinned torch would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[test,serve]'
 	touch $@
 
 venv: $(VENV)/.installed
@@ -24,7 +25,14 @@ sword:
 	@if dpkg -s $(SWORD_PACKAGES) >/dev/null 2>&1; then echo "SWORD modules present"; else \
 	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $(SWORD_PACKAGES); fi
 
-test: venv sword
+# Headless Chromium (and a font for its text) for the browser test of `aiayn serve`'s page
+# (tests/test_serve.py).
+browser:
+	@if dpkg -s $(BROWSER_PACKAGES) >/dev/null 2>&1; then echo "Chromium present"; else \
+	  $(SUDO) apt-get update -qq && \
+	  $(SUDO) apt-get install -y -qq --no-install-recommends $(BROWSER_PACKAGES); fi
+
+test: venv sword browser
 	$(BIN)/python -m pytest
 
 lint: venv

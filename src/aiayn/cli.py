@@ -1,5 +1,5 @@
 """The `aiayn` command line: prepare | train | translate | evaluate | average | trace |
-attention | plot | bench.
+attention | plot | serve.
 
 Each sub-command has an ``_add_<name>`` function (its arguments) and a ``_run_<name>``
 function that calls one library function and prints what it returns; options shared by
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
+import io
 import sys
 import warnings
 from collections.abc import Iterator
@@ -193,22 +194,31 @@ def _add_translate(sub) -> None:
     p.add_argument("--nbest", type=int, default=1, help="hypotheses per sentence (<= --beam)")
     p.add_argument("-i", "--input", help="input file (default: stdin)")
     p.add_argument("-o", "--output", help="output file (default: stdout)")
+    p.add_argument("--interactive", action="store_true", help="answer each line of stdin as "
+                   "soon as it is entered (the default when stdin is a terminal)")
     _add_weights(p)
     _add_device(p)
 
 
 def _run_translate(args) -> int:
     check_search(args.beam, args.nbest, args.alpha)  # before waiting for stdin or loading
+    if args.interactive and args.input is not None:
+        raise AiaynError("--interactive reads stdin line by line; drop -i/--input")
     if args.output is not None:
         check_output_file(args.output, "-o")
     if args.input is not None and Path(args.input).is_dir():
         raise AiaynError(f"-i {args.input}: is a directory, not a file")
+    terminal = sys.stdin is not None and sys.stdin.isatty()
+    interactive = args.input is None and (args.interactive or terminal)
     translator = Translator.from_pretrained(args.run_dir, args.weights,
                                             device=choose_device(args.device),
                                             max_tokens=args.max_tokens)
     translator.check_limits(args.beam, args.nbest, args.alpha)
-    lines = _read_lines(args.input)
-    chunks = translator.translate_lines(lines, args.beam, args.alpha, args.nbest)
+    if interactive and terminal:
+        print("aiayn: translating each line as it is entered; end with Ctrl-D", file=sys.stderr)
+    lines = _stdin_lines() if interactive else _read_lines(args.input)
+    chunks = translator.translate_lines(lines, args.beam, args.alpha, args.nbest,
+                                        chunk=1 if interactive else 2000)
     if args.output is None:
         _write(chunks, sys.stdout)
         return 0
@@ -221,6 +231,20 @@ def _write(chunks: Iterator[str], out) -> None:
     for text in chunks:
         out.write(text)
         out.flush()
+
+
+def _stdin_lines() -> Iterator[str]:
+    """stdin line by line, each as soon as it has arrived, by ``_read_lines``'s rules (UTF-8,
+    lines end at "\\n" only, a trailing "\\r" goes, a byte-order mark at the start too)."""
+    stream = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8-sig", newline="\n")
+    number = 0
+    try:
+        for line in stream:
+            number += 1
+            line = line.removesuffix("\n")
+            yield line.removesuffix("\r")
+    except UnicodeDecodeError as exc:
+        raise AiaynError(f"stdin, line {number + 1}: not UTF-8 text ({exc.reason})") from None
 
 
 def _read_lines(path: str | None) -> list[str]:
@@ -398,6 +422,33 @@ def _run_plot(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- serve
+def _add_serve(sub) -> None:
+    p = sub.add_parser(
+        "serve", help="an HTTP API and a web page: translate, n-best lists, attention maps",
+        description="Load the run's model once and serve POST /translate, POST /attention, "
+        "GET /info, GET /health, the page at / and the API's documentation at /docs "
+        "(needs the extra: pip install 'aiayn[serve]').")
+    p.add_argument("run_dir", help="run directory (from `aiayn train`)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    _add_weights(p)
+    _add_device(p)
+
+
+def _run_serve(args) -> int:
+    try:
+        from aiayn.serve import serve
+    except ImportError as exc:
+        raise AiaynError(f"aiayn serve needs FastAPI and uvicorn ({exc.name} is missing): "
+                         "pip install 'aiayn[serve]'") from None
+    if not 0 <= args.port <= 65535:
+        raise AiaynError(f"--port must be between 0 and 65535, got {args.port}")
+    serve(args.run_dir, args.host, args.port, args.weights, choose_device(args.device))
+    return 0
+
+
 COMMANDS = {
     "prepare": (_add_prepare, _run_prepare),
     "train": (_add_train, _run_train),
@@ -407,6 +458,7 @@ COMMANDS = {
     "trace": (_add_trace, _run_trace),
     "attention": (_add_attention, _run_attention),
     "plot": (_add_plot, _run_plot),
+    "serve": (_add_serve, _run_serve),
 }
 
 

@@ -24,9 +24,10 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -164,23 +165,26 @@ class Translator:
                                       seconds, truncated)
         return results
 
-    def translate_lines(self, lines: Sequence[str], beam: int = 4, alpha: float = 0.6,
+    def translate_lines(self, lines: Iterable[str], beam: int = 4, alpha: float = 0.6,
                         nbest: int = 1, chunk: int = 2000) -> Iterator[str]:
         """`aiayn translate`'s output, ``chunk`` lines at a time (so output appears as it is
-        ready and memory stays bounded): one translation per line, or with ``nbest > 1``
-        rows 'LINE<TAB>SCORE<TAB>TRANSLATION' (an empty line gives 'LINE<TAB><TAB>')."""
+        ready and memory stays bounded; ``chunk=1`` answers each line of a lazy iterable,
+        e.g. a terminal, as soon as it arrives): one translation per line, or with
+        ``nbest > 1`` rows 'LINE<TAB>SCORE<TAB>TRANSLATION' (an empty line gives
+        'LINE<TAB><TAB>')."""
         self.check_limits(beam, nbest, alpha)
-        for start in range(0, len(lines), chunk):
-            part = lines[start : start + chunk]
+        lines, first = iter(lines), 0  # first: the number of the chunk's first line
+        while part := list(islice(lines, chunk)):
             if nbest == 1:
                 yield "".join(text + "\n" for text in self.translate(part, beam, alpha))
-                continue
-            rows = []
-            for i, hyps in enumerate(self.translate_nbest(part, beam, alpha, nbest), start):
-                rows.extend(f"{i}\t{score:.4f}\t{text}\n" for text, score in hyps)
-                if not hyps:
-                    rows.append(f"{i}\t\t\n")
-            yield "".join(rows)
+            else:
+                rows = []
+                for i, hyps in enumerate(self.translate_nbest(part, beam, alpha, nbest), first):
+                    rows.extend(f"{i}\t{score:.4f}\t{text}\n" for text, score in hyps)
+                    if not hyps:
+                        rows.append(f"{i}\t\t\n")
+                yield "".join(rows)
+            first += len(part)
 
     def encode(self, sentences: Sequence[str]) -> tuple[list[list[int]], int]:
         """Source ids (tokens + EOS) truncated by the module's rule, and how many were cut."""

@@ -1,0 +1,201 @@
+// The page of `aiayn serve`: translate, show the n-best list, draw the attention maps.
+// Plain JavaScript, no libraries: the server sends every map as maps[kind][layer][head][row][col]
+// (rows = queries, columns = keys, each row sums to 1).
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const state = { attention: null };
+
+// Axis tokens per map: [row tokens (queries), column tokens (keys)].
+const AXES = {
+  encoder: ["src_tokens", "src_tokens"],
+  decoder_self: ["tgt_tokens", "tgt_tokens"],
+  cross: ["tgt_tokens", "src_tokens"],
+};
+
+async function post(path, body) {
+  const response = await fetch(path, {
+    method: "POST",
+    headers: { "Content-Type": "application/json" },
+    body: JSON.stringify(body),
+  });
+  const data = await response.json().catch(() => ({ error: response.statusText }));
+  if (!response.ok) throw new Error(data.error || `HTTP ${response.status}`);
+  return data;
+}
+
+async function showInfo() {
+  try {
+    const info = await (await fetch("/info")).json();
+    const m = info.model;
+    const parts = [
+      `${m.n_encoder_layers}+${m.n_decoder_layers} layers, d_model ${m.d_model}, ${m.n_heads} heads, ` +
+        `d_ff ${m.d_ff}, ${info.parameters.toLocaleString("en")} parameters`,
+      `vocabulary ${m.src_vocab_size}/${m.tgt_vocab_size} (${info.tokenizer})`,
+    ];
+    if (info.training_steps != null) parts.push(`${info.training_steps} training steps`);
+    if (info.dev_bleu_best != null) parts.push(`best dev BLEU ${info.dev_bleu_best.toFixed(2)}`);
+    parts.push(`weights ${info.weights.split("/").pop()} on ${info.device}`);
+    $("info").textContent = parts.join(" · ");
+  } catch (err) {
+    $("info").textContent = `no /info: ${err.message}`;
+  }
+}
+
+function settings() {
+  const beam = Number($("beam").value);
+  // The n-best list can be at most as long as the beam.
+  return { beam, alpha: Number($("alpha").value), nbest: Math.min(Number($("nbest").value), beam) };
+}
+
+async function translate(event) {
+  event.preventDefault();
+  const lines = $("source").value.split("\n");
+  const first = lines.find((line) => line.trim() !== "");
+  $("error").textContent = "";
+  if (first === undefined) {
+    $("error").textContent = "Type a sentence first.";
+    return;
+  }
+  const { beam, alpha, nbest } = settings();
+  $("status").textContent = "translating…";
+  $("translate").disabled = true;
+  try {
+    const result = await post("/translate", { text: lines, beam, alpha, nbest });
+    showTranslation(result);
+    $("status").textContent = "computing the attention…";
+    state.attention = await post("/attention", { text: first, beam, alpha });
+    fillPickers();
+    drawHeatmap();
+    $("status").textContent = `done (${(result.seconds * 1000).toFixed(0)} ms to translate)`;
+  } catch (err) {
+    $("error").textContent = err.message;
+    $("status").textContent = "";
+  } finally {
+    $("translate").disabled = false;
+  }
+}
+
+function showTranslation(result) {
+  $("translation").textContent = result.translations.join("\n");
+  $("warnings").textContent = result.warnings.join(" ");
+  const list = $("nbest");
+  list.replaceChildren();
+  const firstNonEmpty = result.nbest.find((hyps) => hyps.length > 0) || [];
+  for (const hyp of firstNonEmpty) {
+    const item = document.createElement("li");
+    const score = document.createElement("span");
+    score.className = "score";
+    score.textContent = hyp.score.toFixed(4);
+    item.append(score, document.createTextNode(hyp.text));
+    list.append(item);
+  }
+}
+
+function fillPickers() {
+  const [layers, heads] = state.attention.shapes[$("kind").value];
+  setOptions($("layer"), layers, (i) => `${i + 1}`);
+  setOptions($("head"), heads, (i) => `${i + 1}`, "mean of the heads");
+}
+
+function setOptions(select, count, label, extra) {
+  const previous = select.value;
+  select.replaceChildren();
+  for (let i = 0; i < count; i++) select.append(new Option(label(i), String(i)));
+  if (extra) select.append(new Option(extra, "mean"));
+  if ([...select.options].some((o) => o.value === previous)) select.value = previous;
+}
+
+// The chosen map as rows of numbers (a head, or the mean of the layer's heads).
+function chosenMap() {
+  const kind = $("kind").value;
+  const layer = state.attention.maps[kind][Number($("layer").value)];
+  const head = $("head").value;
+  if (head !== "mean") return layer[Number(head)];
+  return layer[0].map((row, r) =>
+    row.map((_, c) => layer.reduce((sum, h) => sum + h[r][c], 0) / layer.length));
+}
+
+// White (0) to deep blue (1) on a square-root scale, as plots.py draws it.
+function colour(value) {
+  const t = Math.sqrt(Math.min(1, Math.max(0, value)));
+  const mix = (a, b) => Math.round(a + (b - a) * t);
+  return `rgb(${mix(255, 8)}, ${mix(255, 48)}, ${mix(255, 107)})`;
+}
+
+function drawHeatmap() {
+  if (!state.attention) return;
+  const kind = $("kind").value;
+  const rows = state.attention[AXES[kind][0]];
+  const cols = state.attention[AXES[kind][1]];
+  const map = chosenMap();
+  const canvas = $("heatmap");
+  const ctx = canvas.getContext("2d");
+  const font = "13px system-ui, sans-serif";
+  ctx.font = font;
+  const widest = (tokens) => Math.max(...tokens.map((t) => ctx.measureText(t).width));
+  const cell = Math.max(14, Math.min(36, Math.floor(560 / Math.max(rows.length, cols.length))));
+  const left = Math.ceil(widest(rows)) + 12;
+  const top = Math.ceil(widest(cols)) + 12;
+  canvas.width = left + cols.length * cell + 4;
+  canvas.height = top + rows.length * cell + 4;
+  Object.assign(canvas.dataset, { left, top, cell, rows: rows.length, cols: cols.length, kind });
+  ctx.font = font;
+  ctx.fillStyle = "#fff";
+  ctx.fillRect(0, 0, canvas.width, canvas.height);
+  for (let r = 0; r < rows.length; r++) {
+    for (let c = 0; c < cols.length; c++) {
+      ctx.fillStyle = colour(map[r][c]);
+      ctx.fillRect(left + c * cell, top + r * cell, cell, cell);
+    }
+  }
+  ctx.strokeStyle = "#999";
+  ctx.strokeRect(left - 0.5, top - 0.5, cols.length * cell + 1, rows.length * cell + 1);
+  ctx.fillStyle = "#1b1b1b";
+  ctx.textBaseline = "middle";
+  ctx.textAlign = "right";
+  rows.forEach((token, r) => ctx.fillText(token, left - 6, top + r * cell + cell / 2));
+  cols.forEach((token, c) => {  // keys along the top, written upwards
+    ctx.save();
+    ctx.translate(left + c * cell + cell / 2, top - 6);
+    ctx.rotate(-Math.PI / 2);
+    ctx.textAlign = "left";
+    ctx.fillText(token, 0, 0);
+    ctx.restore();
+  });
+}
+
+function hover(event) {
+  const canvas = $("heatmap");
+  if (!state.attention || !canvas.dataset.cell) return;
+  const { left, top, cell } = canvas.dataset;
+  const c = Math.floor((event.offsetX - left) / cell);
+  const r = Math.floor((event.offsetY - top) / cell);
+  const kind = $("kind").value;
+  const rows = state.attention[AXES[kind][0]];
+  const cols = state.attention[AXES[kind][1]];
+  if (r < 0 || c < 0 || r >= rows.length || c >= cols.length) {
+    $("hover").innerHTML = "&nbsp;";
+    return;
+  }
+  const value = chosenMap()[r][c];
+  $("hover").textContent = `query “${rows[r]}” (row ${r + 1}) → key “${cols[c]}” ` +
+    `(column ${c + 1}): ${value.toFixed(3)}`;
+}
+
+function loadPictures() {
+  for (const img of $("pictures").querySelectorAll("img[data-src]")) {
+    if (!img.src) img.src = img.dataset.src;
+  }
+}
+
+$("form").addEventListener("submit", translate);
+$("source").addEventListener("keydown", (event) => {  // Ctrl+Enter translates
+  if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) $("form").requestSubmit();
+});
+$("kind").addEventListener("change", () => { fillPickers(); drawHeatmap(); });
+$("layer").addEventListener("change", drawHeatmap);
+$("head").addEventListener("change", drawHeatmap);
+$("heatmap").addEventListener("mousemove", hover);
+$("pictures").addEventListener("toggle", loadPictures);
+showInfo();

@@ -1,0 +1,426 @@
+"""`aiayn serve`: the API in-process (FastAPI's TestClient), a real server process under
+concurrent clients, and the page in a real headless Chromium; and `aiayn translate`
+answering line by line (--interactive, or a terminal on stdin).
+
+The run is test_translator's tiny trained copy model (a real run directory).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import random
+import select
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi", reason="the serve extra is not installed: pip install 'aiayn[serve]'")
+from fastapi.testclient import TestClient  # noqa: E402
+from test_translator import WORDS, random_sentence, run_dir  # noqa: E402, F401 (a fixture)
+
+from aiayn.serve import ModelService, ServeLimits, create_app  # noqa: E402
+from aiayn.translator import Translator, TruncationWarning  # noqa: E402
+
+SENTENCES = ["red green blue", "", "sun moon star tree river", "white", "black sun"]
+LONG = " ".join(WORDS * 3)  # 30 words: over the tiny model's max_len of 16 tokens
+
+
+@pytest.fixture(scope="module")
+def translator(run_dir) -> Translator:  # noqa: F811
+    return Translator.from_pretrained(run_dir)
+
+
+@pytest.fixture(scope="module")
+def service(run_dir) -> ModelService:  # noqa: F811
+    return ModelService.from_run(run_dir)
+
+
+@pytest.fixture(scope="module")
+def client(service) -> TestClient:
+    limits = ServeLimits(max_body_bytes=20_000, max_sentences=8, max_chars=400)
+    return TestClient(create_app(service, limits))
+
+
+def assert_clean_error(response, status: int, words: str) -> None:
+    """The status, a JSON body with one line naming the problem, no traceback."""
+    assert response.status_code == status, response.text
+    message = response.json()["error"]
+    assert words in message and "\n" not in message and "Traceback" not in response.text
+
+
+# ---------------------------------------------------------------- /translate
+@pytest.mark.parametrize("beam", [1, 4])
+def test_translate_equals_the_translator(client, translator, beam):
+    body = {"text": SENTENCES + [LONG], "beam": beam, "alpha": 0.6, "nbest": beam}
+    answer = client.post("/translate", json=body).json()
+    with pytest.warns(TruncationWarning):  # the same warning as the answer's
+        assert answer["translations"] == translator.translate(SENTENCES + [LONG], beam, 0.6)
+        expected = translator.translate_nbest(SENTENCES + [LONG], beam, 0.6, nbest=beam)
+    got = [[(h["text"], h["score"]) for h in hyps] for hyps in answer["nbest"]]
+    assert [[t for t, _ in hyps] for hyps in got] == [[t for t, _ in h] for h in expected]
+    assert np.allclose([s for h in got for _, s in h], [s for h in expected for _, s in h])
+    assert answer["translations"][1] == "" and answer["nbest"][1] == []  # the empty line
+    assert len(answer["warnings"]) == 1 and "truncated" in answer["warnings"][0]
+
+
+def test_translate_takes_one_string_and_keeps_the_order(client, translator):
+    assert client.post("/translate", json={"text": "black sun"}).json()["translations"] == \
+        translator.translate(["black sun"])
+    rng = random.Random(3)
+    texts = [random_sentence(rng) for _ in range(8)]
+    answer = client.post("/translate", json={"text": texts, "beam": 2}).json()
+    assert answer["translations"] == [translator.translate([t], 2)[0] for t in texts]
+    assert answer["warnings"] == []
+
+
+# ---------------------------------------------------------------- /attention
+@pytest.mark.parametrize("beam", [1, 3])
+def test_attention_maps_are_those_of_aiayn_attention(client, translator, beam):
+    sentence = "sun moon star tree"
+    answer = client.post("/attention", json={"text": sentence, "beam": beam}).json()
+    expected = translator.attention(sentence, beam=beam)
+    assert answer["translation"] == expected.translation == translator.translate([sentence], beam)[0]
+    assert answer["src_tokens"] == expected.src_tokens
+    assert answer["tgt_tokens"] == expected.tgt_tokens
+    n_src, n_tgt = len(expected.src_tokens), len(expected.tgt_tokens)
+    cfg = translator.model.cfg
+    rows_cols = {"encoder": (n_src, n_src), "decoder_self": (n_tgt, n_tgt), "cross": (n_tgt, n_src)}
+    for kind, (rows, cols) in rows_cols.items():
+        layers = cfg.n_encoder_layers if kind == "encoder" else cfg.n_decoder_layers
+        maps = np.array(answer["maps"][kind])
+        assert maps.shape == tuple(answer["shapes"][kind]) == (layers, cfg.n_heads, rows, cols)
+        assert np.allclose(maps.sum(-1), 1.0, atol=1e-3)  # every query's weights sum to 1
+        assert np.allclose(maps, np.stack(expected.maps[kind]), atol=1e-5)
+    causal = np.array(answer["maps"]["decoder_self"])
+    assert np.all(np.triu(causal, k=1) == 0)  # a query never sees a later position
+
+
+# ---------------------------------------------------------------- bad requests
+def test_requests_over_the_limits_get_413_with_a_message(client):
+    assert_clean_error(client.post("/translate", json={"text": ["red"] * 9}), 413,
+                       "9 sentences in one request; the limit is 8")
+    assert_clean_error(client.post("/translate", json={"text": ["red green " * 25] * 2}), 413,
+                       "500 characters in one request; the limit is 400")
+    assert_clean_error(client.post("/attention", json={"text": "red " * 120}), 413,
+                       "the limit is 400")
+    body = json.dumps({"text": ["x" * 30_000]})
+    assert_clean_error(client.post("/translate", content=body,
+                                   headers={"Content-Type": "application/json"}), 413,
+                       "the limit is 20000")
+
+
+@pytest.mark.parametrize("path, body, words", [
+    ("/translate", '{"text": ["red"', "JSON decode error"),
+    ("/translate", "not json at all", "JSON decode error"),
+    ("/translate", '["red"]', "body"),
+    ("/translate", '{"txt": ["red"]}', "body.text: Field required"),
+    ("/translate", '{"text": ["red"], "beam": 0}', "body.beam"),
+    ("/translate", '{"text": ["red"], "beam": 99}', "body.beam"),
+    ("/translate", '{"text": ["red"], "alpha": "high"}', "body.alpha"),
+    ("/translate", '{"text": [1, 2]}', "body.text"),
+    ("/translate", '{"text": ["red"], "beam": 2, "nbest": 3}', "--nbest must be between 1 and"),
+    ("/attention", '{"text": "   "}', "the sentence to translate is empty"),
+    ("/attention", '{"text": ["red"]}', "body.text"),
+])
+def test_malformed_requests_get_422_with_one_line(client, path, body, words):
+    response = client.post(path, content=body, headers={"Content-Type": "application/json"})
+    assert_clean_error(response, 422, words)
+
+
+def test_an_unexpected_failure_is_a_500_without_traceback(run_dir, monkeypatch):  # noqa: F811
+    service = ModelService.from_run(run_dir)
+    monkeypatch.setattr(service.translator, "translate_nbest",
+                        lambda *a, **k: (_ for _ in ()).throw(RuntimeError("secret detail")))
+    client = TestClient(create_app(service), raise_server_exceptions=False)
+    response = client.post("/translate", json={"text": ["red"]})
+    assert_clean_error(response, 500, "internal error (RuntimeError)")
+    assert "secret detail" not in response.text
+
+
+# ---------------------------------------------------------------- the rest of the API
+def test_health_info_and_the_openapi_page(client, translator, run_dir):  # noqa: F811
+    assert client.get("/health").json()["status"] == "ok"
+    info = client.get("/info").json()
+    cfg = translator.model.cfg
+    assert info["model"]["d_model"] == cfg.d_model and info["model"]["max_len"] == cfg.max_len
+    assert info["parameters"] == sum(p.numel() for p in translator.model.parameters())
+    assert info["weights"] == str(run_dir / "best.safetensors")
+    assert info["limits"]["max_sentences"] == 8
+    assert info["training_steps"] is None  # this run has no metrics.jsonl
+    spec = client.get("/openapi.json").json()
+    assert {"/translate", "/attention", "/health", "/info"} <= set(spec["paths"])
+    assert client.get("/docs").status_code == 200
+
+
+def test_info_reads_steps_and_dev_bleu_from_the_metrics(run_dir, tmp_path):  # noqa: F811
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    records = [{"kind": "train", "step": 50, "loss": 3.0}, {"kind": "dev", "step": 100, "bleu": 7.5},
+               {"kind": "dev", "step": 200, "bleu": 6.0}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    info = ModelService.from_run(run).info
+    assert (info["training_steps"], info["dev_bleu_best"], info["dev_bleu_last"]) == (200, 7.5, 6.0)
+
+
+def test_only_the_pages_own_files_are_served(client):
+    page = client.get("/")
+    assert page.status_code == 200 and '<script src="/static/app.js">' in page.text
+    assert "http" not in page.text.split("<footer")[0].replace('href="/', "")  # nothing remote
+    for name in ("app.js", "style.css"):
+        assert client.get(f"/static/{name}").status_code == 200
+    for path in ("/static/../serve.py", "/static/..%2Fserve.py", "/static/%2e%2e/serve.py",
+                 "/static/serve.py", "/static/..%2F..%2Fpyproject.toml", "/static/",
+                 "/static/%2Fetc%2Fpasswd", "/figures/../serve.py", "/serve.py"):
+        response = client.get(path)
+        assert response.status_code == 404, path
+        assert "import" not in response.text and "root:" not in response.text
+
+
+def test_figures_are_pngs(client):
+    for name in ("positional_encoding", "schedule"):
+        response = client.get(f"/figures/{name}.png")
+        assert response.status_code == 200 and response.content[:8] == b"\x89PNG\r\n\x1a\n"
+    assert client.get("/figures/secret.png").status_code == 404
+
+
+def test_the_model_never_runs_on_two_threads(service, monkeypatch):
+    """Eight clients at once: every request answered, the model entered by one at a time."""
+    inside, most = [0], [0]
+    counter = threading.Lock()
+    real = service.translator.translate_nbest
+
+    def probe(*args, **kwargs):
+        with counter:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.01)  # give the other threads a chance to come in
+        try:
+            return real(*args, **kwargs)
+        finally:
+            with counter:
+                inside[0] -= 1
+
+    monkeypatch.setattr(service.translator, "translate_nbest", probe)
+    client = TestClient(create_app(service))
+    texts = [random_sentence(random.Random(i)) for i in range(32)]
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(
+            lambda t: client.post("/translate", json={"text": [t], "beam": 1}).json(), texts))
+    assert most[0] == 1
+    assert [a["translations"][0] for a in answers] == [h[0][0] for h in real(texts, 1, 0.6, 1)]
+
+
+# ---------------------------------------------------------------- a real server process
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 30) -> dict:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+@pytest.fixture(scope="module")
+def server(run_dir):  # noqa: F811
+    """`aiayn serve RUN_DIR --port P` as a subprocess; its base URL once /health answers."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "aiayn", "serve", str(run_dir),
+                                "--port", str(port), "--device", "cpu"], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            http_json(f"{url}/health", timeout=2)
+            break
+        except (urllib.error.URLError, ConnectionError):
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                pytest.fail(f"aiayn serve did not start: {process.stdout.read()}")
+            time.sleep(0.2)
+    yield url
+    process.terminate()
+    process.wait(timeout=10)
+
+
+def test_a_real_server_answers_concurrent_clients_correctly(server, translator):
+    """A small load test: 40 requests from 8 clients at once, each answer the right one."""
+    rng = random.Random(7)
+    texts = [random_sentence(rng) for _ in range(40)]
+    expected = translator.translate(texts, beam=2)
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda t: http_json(f"{server}/translate",
+                                                     {"text": [t], "beam": 2}), texts))
+    assert [a["translations"][0] for a in answers] == expected
+
+
+def test_the_server_listens_on_localhost_only_by_default(server):
+    import aiayn.cli as cli
+
+    args = cli.build_parser().parse_args(["serve", "RUN"])
+    assert (args.host, args.port) == ("127.0.0.1", 8000)
+    assert server.startswith("http://127.0.0.1:")
+
+
+# ---------------------------------------------------------------- the page in Chromium
+def chromium_driver():
+    """A headless Chromium through Selenium, or a skip that says what is missing."""
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver_path = shutil.which("chromedriver")
+    if not (browser and driver_path):
+        pytest.skip("Chromium is missing: apt-get install chromium chromium-driver "
+                    "(`make test` installs them)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = browser
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--window-size=1100,1400"):
+        options.add_argument(flag)
+    return webdriver.Chrome(options=options,
+                            service=webdriver.ChromeService(executable_path=driver_path))
+
+
+def expected_colour(value: float) -> np.ndarray:
+    """The page's colour scale (app.js, colour): white to (8, 48, 107), square root."""
+    t = np.sqrt(np.clip(value, 0, 1))
+    return np.round(np.array([255, 255, 255]) + (np.array([8, 48, 107]) - 255) * t)
+
+
+READ_CELLS = """
+const canvas = document.getElementById("heatmap");
+const d = canvas.dataset, cell = Number(d.cell);
+const pixels = canvas.getContext("2d").getImageData(0, 0, canvas.width, canvas.height);
+const out = [];
+for (let r = 0; r < Number(d.rows); r++) {
+  const row = [];
+  for (let c = 0; c < Number(d.cols); c++) {
+    const x = Math.floor(Number(d.left) + c * cell + cell / 2);
+    const y = Math.floor(Number(d.top) + r * cell + cell / 2);
+    const i = 4 * (y * canvas.width + x);
+    row.push([pixels.data[i], pixels.data[i + 1], pixels.data[i + 2]]);
+  }
+  out.push(row);
+}
+return {cells: out, kind: d.kind, width: canvas.width, height: canvas.height};
+"""
+
+
+def test_the_page_translates_and_draws_the_attention_in_chromium(server, translator):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.select import Select
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    sentence = "red sun moon tree"
+    driver = chromium_driver()
+    try:
+        driver.get(server + "/")
+        wait = WebDriverWait(driver, 60)
+        wait.until(lambda d: "parameters" in d.find_element(By.ID, "info").text)
+        driver.find_element(By.ID, "source").send_keys(sentence)
+        driver.find_element(By.ID, "translate").click()
+        wait.until(lambda d: d.find_element(By.ID, "status").text.startswith("done")
+                   or d.find_element(By.ID, "error").text)
+        assert driver.find_element(By.ID, "error").text == ""
+        translation = translator.translate([sentence], beam=4)[0]
+        assert driver.find_element(By.ID, "translation").text == translation
+        nbest = [li.text for li in driver.find_elements(By.CSS_SELECTOR, "#nbest li")]
+        assert 1 <= len(nbest) <= 4 and nbest[0].endswith(translation)
+
+        att = translator.attention(sentence, beam=4)
+        for kind, rows, cols in (("cross", att.tgt_tokens, att.src_tokens),
+                                 ("decoder_self", att.tgt_tokens, att.tgt_tokens)):
+            Select(driver.find_element(By.ID, "kind")).select_by_value(kind)
+            Select(driver.find_element(By.ID, "layer")).select_by_value("0")
+            Select(driver.find_element(By.ID, "head")).select_by_value("1")
+            drawn = driver.execute_script(READ_CELLS)
+            cells = np.array(drawn["cells"], dtype=float)
+            assert drawn["kind"] == kind and cells.shape == (len(rows), len(cols), 3)
+            # Rows are queries, columns keys: each cell has the colour of its weight.
+            want = np.stack([[expected_colour(v) for v in row] for row in att.maps[kind][0][1]])
+            assert np.abs(cells - want).max() <= 2
+            assert len({tuple(c) for c in cells.reshape(-1, 3)}) > 2  # not a blank canvas
+        assert np.all(cells[np.triu_indices(len(rows), 1)] == 255)  # causal: white above
+    finally:
+        driver.quit()
+
+
+# ---------------------------------------------------------------- aiayn translate, line by line
+def read_lines(fd: int, count: int, timeout: float = 60) -> list[str]:
+    """``count`` lines from a pipe, waiting at most ``timeout`` seconds for them."""
+    data, deadline = b"", time.monotonic() + timeout
+    while data.count(b"\n") < count:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise AssertionError(f"no answer within {timeout} s; got {data!r}")
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            raise AssertionError(f"the process ended; got {data!r}")
+        data += chunk
+    return data.decode().splitlines()
+
+
+def start_translate(run: Path, *options: str, stdin) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "aiayn", "translate", str(run), *options],
+                            stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_translate_interactive_answers_each_line_before_the_next(run_dir, translator):  # noqa: F811
+    process = start_translate(run_dir, "--interactive", "--beam", "2", stdin=subprocess.PIPE)
+    out = process.stdout.fileno()
+    try:
+        for line in ("red green blue", "", "sun moon"):
+            process.stdin.write(line.encode() + b"\n")
+            process.stdin.flush()  # and nothing more until the answer is back
+            assert read_lines(out, 1) == [translator.translate([line], beam=2)[0]]
+        process.stdin.close()
+        assert process.wait(timeout=30) == 0
+    finally:
+        process.kill()
+
+
+def test_translate_reads_a_terminal_line_by_line(run_dir, translator):  # noqa: F811
+    """A terminal on stdin (no --interactive): answers as lines come, n-best rows numbered
+    across lines as for a file."""
+    controller, terminal = pty.openpty()
+    process = start_translate(run_dir, "--beam", "2", "--nbest", "2", stdin=terminal)
+    os.close(terminal)
+    out = process.stdout.fileno()
+    try:
+        for number, line in enumerate(["black sun", "white moon star"]):
+            os.write(controller, line.encode() + b"\n")
+            rows = read_lines(out, 2)
+            want = translator.translate_nbest([line], beam=2, nbest=2)[0]
+            assert [r.split("\t")[0] for r in rows] == [str(number)] * 2
+            assert [r.split("\t")[2] for r in rows] == [text for text, _ in want]
+        os.write(controller, b"\x04")  # Ctrl-D: end of input
+        assert process.wait(timeout=30) == 0
+        assert "each line as it is entered" in process.stderr.read().decode()
+    finally:
+        process.kill()
+        os.close(controller)
+
+
+def test_translate_interactive_refuses_an_input_file(run_dir, capsys):  # noqa: F811
+    from aiayn import cli
+
+    assert cli.main(["translate", str(run_dir), "--interactive", "-i", "file.txt"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "aiayn: error: --interactive reads stdin line by line; drop -i/--input"
