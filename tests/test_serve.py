@@ -222,6 +222,16 @@ def test_the_model_never_runs_on_two_threads(service, monkeypatch):
     assert [a["translations"][0] for a in answers] == [h[0][0] for h in real(texts, 1, 0.6, 1)]
 
 
+def test_serve_without_the_extra_says_how_to_install_it(run_dir, monkeypatch, capsys):  # noqa: F811
+    from aiayn import cli
+
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # as if FastAPI were not installed
+    monkeypatch.delitem(sys.modules, "aiayn.serve")
+    assert cli.main(["serve", str(run_dir)]) == 2
+    assert capsys.readouterr().err == ("aiayn: error: aiayn serve needs FastAPI and uvicorn "
+                                       "(fastapi is missing): pip install 'aiayn[serve]'\n")
+
+
 # ---------------------------------------------------------------- a real server process
 def free_port() -> int:
     with socket.socket() as s:
@@ -340,8 +350,13 @@ def test_the_page_translates_and_draws_the_attention_in_chromium(server, transla
         assert driver.find_element(By.ID, "error").text == ""
         translation = translator.translate([sentence], beam=4)[0]
         assert driver.find_element(By.ID, "translation").text == translation
-        nbest = [li.text for li in driver.find_elements(By.CSS_SELECTOR, "#nbest li")]
-        assert 1 <= len(nbest) <= 4 and nbest[0].endswith(translation)
+        items = driver.find_elements(By.CSS_SELECTOR, "ol#nbest > li")
+        want = translator.translate_nbest([sentence], beam=4, nbest=4)[0]
+        assert all(li.is_displayed() for li in items)
+        shown = [(li.find_element(By.CLASS_NAME, "text").text,
+                  float(li.find_element(By.CLASS_NAME, "score").text)) for li in items]
+        assert [t for t, _ in shown] == [t for t, _ in want] and len(want) > 1
+        assert np.allclose([s for _, s in shown], [s for _, s in want], atol=1e-4)
 
         att = translator.attention(sentence, beam=4)
         for kind, rows, cols in (("cross", att.tgt_tokens, att.src_tokens),

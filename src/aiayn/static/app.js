@@ -45,7 +45,7 @@ async function showInfo() {
 function settings() {
   const beam = Number($("beam").value);
   // The n-best list can be at most as long as the beam.
-  return { beam, alpha: Number($("alpha").value), nbest: Math.min(Number($("nbest").value), beam) };
+  return { beam, alpha: Number($("alpha").value), nbest: Math.min(Number($("nbest-size").value), beam) };
 }
 
 async function translate(event) {
@@ -87,7 +87,10 @@ function showTranslation(result) {
     const score = document.createElement("span");
     score.className = "score";
     score.textContent = hyp.score.toFixed(4);
-    item.append(score, document.createTextNode(hyp.text));
+    const text = document.createElement("span");
+    text.className = "text";
+    text.textContent = hyp.text;
+    item.append(score, text);
     list.append(item);
   }
 }
