@@ -289,6 +289,16 @@ def test_the_server_listens_on_localhost_only_by_default(server):
     assert server.startswith("http://127.0.0.1:")
 
 
+def test_a_busy_port_is_one_line_before_loading_anything(server, capsys):
+    from aiayn import cli
+
+    port = server.rsplit(":", 1)[1]
+    assert cli.main(["serve", "no-such-run", "--port", port]) == 2  # the port, not the run
+    assert capsys.readouterr().err == (f"aiayn: error: --host 127.0.0.1 --port {port}: cannot "
+                                       "listen there (Address already in use); choose another "
+                                       "--port\n")
+
+
 # ---------------------------------------------------------------- the page in Chromium
 def chromium_driver():
     """A headless Chromium through Selenium, or a skip that says what is missing."""

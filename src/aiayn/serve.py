@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import io
 import logging
+import socket
 import threading
 import time
 import warnings
@@ -119,8 +120,8 @@ class ModelService:
         self._figures: dict[str, bytes] = {}
 
     @classmethod
-    def from_run(cls, run_dir: str | Path, weights: str = "best", device: str = "cpu"
-                 ) -> ModelService:
+    def from_run(cls, run_dir: str | Path, weights: str = "best",
+                 device: str | torch.device = "cpu") -> ModelService:
         """Load ``run_dir`` once (see ``load_run``) and gather what /info reports."""
         config, model, tokenizers = load_run(run_dir, weights)
         translator = Translator(model, tokenizers, device=device)
@@ -168,7 +169,7 @@ class ModelService:
 def attention_json(att: SentenceAttention, decimals: int = 5) -> dict:
     """A SentenceAttention as JSON: ``maps[kind][layer][head][query][key]``, with the shape
     of each kind as (layers, heads, queries, keys)."""
-    maps = {kind: np.round(np.stack(layers), decimals).tolist()
+    maps = {kind: np.stack(layers).astype(np.float64).round(decimals).tolist()
             for kind, layers in att.maps.items()}
     shapes = {kind: list(np.stack(layers).shape) for kind, layers in att.maps.items()}
     return {"source": att.source, "translation": att.translation,
@@ -296,15 +297,34 @@ def _validation_line(errors) -> str:
 
 # ---------------------------------------------------------------- the command
 def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
-          weights: str = "best", device: str = "cpu",
+          weights: str = "best", device: str | torch.device = "cpu",
           limits: ServeLimits = ServeLimits()) -> None:
-    """Load the run once and serve it until interrupted (`aiayn serve`)."""
+    """Load the run once and serve it until interrupted (`aiayn serve`; port 0: any free one)."""
+    sock = listening_socket(host, port)  # before loading: a busy port is one line, at once
     service = ModelService.from_run(run_dir, weights, device)
     app = create_app(service, limits)
     info = service.info
+    port = sock.getsockname()[1]
     print(f"aiayn serve: {info['weights']} ({info['parameters']:,} parameters) on "
           f"{info['device']}; open http://{_url_host(host)}:{port}/", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port``, or an AiaynError that says why it cannot be."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise AiaynError(f"--host {host}: not an address of this machine ({exc})") from None
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise AiaynError(f"--host {host} --port {port}: cannot listen there "
+                         f"({exc.strerror or exc}); choose another --port") from None
+    return sock
 
 
 def _url_host(host: str) -> str:
