@@ -131,6 +131,7 @@ class ModelService:
     def translate(self, texts: list[str], beam: int, alpha: float, nbest: int) -> dict:
         """`aiayn translate`'s answer for ``texts``: translations in input order, the n-best
         lists (an empty sentence gives "" and an empty list) and the warnings raised."""
+        # catch_warnings changes the process's warning filters: only under the lock.
         with self.lock, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", TruncationWarning)
             start = time.perf_counter()
@@ -184,8 +185,11 @@ def run_info(run_dir: str | Path, weights: str, config: Config, model, device: t
              ) -> dict:
     """What GET /info reports: sizes, vocabularies, the training steps and dev BLEU so far."""
     steps, best_bleu, last_bleu = None, None, None
-    if (Path(run_dir) / "metrics.jsonl").is_file():
+    try:
         records = plots.read_metrics(run_dir)
+    except AiaynError:  # no metrics.jsonl, or one being written by a training run right now
+        records = []
+    if records:
         steps = max((r["step"] for r in records), default=None)
         bleus = [r["bleu"] for r in records if r["kind"] == "dev" and "bleu" in r]
         best_bleu = max(bleus, default=None)

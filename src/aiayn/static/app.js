@@ -6,12 +6,11 @@
 const $ = (id) => document.getElementById(id);
 const state = { attention: null };
 
-// Axis tokens per map: [row tokens (queries), column tokens (keys)].
-const AXES = {
-  encoder: ["src_tokens", "src_tokens"],
-  decoder_self: ["tgt_tokens", "tgt_tokens"],
-  cross: ["tgt_tokens", "src_tokens"],
-};
+// The tokens along a map's axes: [rows (queries), columns (keys)], as the server names them.
+function axes(kind) {
+  const [rows, cols] = state.attention.axes[kind];
+  return [state.attention[rows], state.attention[cols]];
+}
 
 async function post(path, body) {
   const response = await fetch(path, {
@@ -129,8 +128,7 @@ function colour(value) {
 function drawHeatmap() {
   if (!state.attention) return;
   const kind = $("kind").value;
-  const rows = state.attention[AXES[kind][0]];
-  const cols = state.attention[AXES[kind][1]];
+  const [rows, cols] = axes(kind);
   const map = chosenMap();
   const canvas = $("heatmap");
   const ctx = canvas.getContext("2d");
@@ -175,8 +173,7 @@ function hover(event) {
   const c = Math.floor((event.offsetX - left) / cell);
   const r = Math.floor((event.offsetY - top) / cell);
   const kind = $("kind").value;
-  const rows = state.attention[AXES[kind][0]];
-  const cols = state.attention[AXES[kind][1]];
+  const [rows, cols] = axes(kind);
   if (r < 0 || c < 0 || r >= rows.length || c >= cols.length) {
     $("hover").innerHTML = "&nbsp;";
     return;
