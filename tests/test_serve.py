@@ -192,7 +192,9 @@ def test_figures_are_pngs(client):
     for name in ("positional_encoding", "schedule"):
         response = client.get(f"/figures/{name}.png")
         assert response.status_code == 200 and response.content[:8] == b"\x89PNG\r\n\x1a\n"
-    assert client.get("/figures/secret.png").status_code == 404
+    assert_clean_error(client.get("/figures/secret.png"), 404, "no figure 'secret'")
+    assert_clean_error(client.get("/no/such/page"), 404, "Not Found")
+    assert_clean_error(client.get("/translate"), 405, "Method Not Allowed")
 
 
 def test_the_model_never_runs_on_two_threads(service, monkeypatch):

@@ -49,6 +49,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from aiayn import plots
 from aiayn.config import Config
@@ -227,6 +228,10 @@ def create_app(service: ModelService, limits: ServeLimits = ServeLimits()) -> Fa
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError):
         return _error(422, _validation_line(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):  # 404, 405, ...
+        return _error(exc.status_code, str(exc.detail))
 
     @app.exception_handler(TooLarge)
     async def too_large(request: Request, exc: TooLarge):
