@@ -7,6 +7,7 @@ The run is test_translator's tiny trained copy model (a real run directory).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pty
@@ -170,8 +171,15 @@ def test_info_reads_steps_and_dev_bleu_from_the_metrics(run_dir, tmp_path):  # n
     records = [{"kind": "train", "step": 50, "loss": 3.0}, {"kind": "dev", "step": 100, "bleu": 7.5},
                {"kind": "dev", "step": 200, "bleu": 6.0}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    info = ModelService.from_run(run).info
+    service = ModelService.from_run(run)
+    info = service.info
     assert (info["training_steps"], info["dev_bleu_best"], info["dev_bleu_last"]) == (200, 7.5, 6.0)
+    assert service.schedule_drawn() == (service.config, "this run")  # eq. 3: as configured
+    # A linear schedule that a time budget ended at step 200 reached 0 there.
+    service.config.train = dataclasses.replace(service.config.train, schedule="linear",
+                                               max_minutes=12.0, max_steps=100_000)
+    config, label = service.schedule_drawn()
+    assert config.train.max_steps == 200 and "12 minutes ended at step 200" in label
 
 
 def test_only_the_pages_own_files_are_served(client):

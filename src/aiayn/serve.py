@@ -32,6 +32,7 @@ line when they are missing.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import socket
@@ -161,11 +162,22 @@ class ModelService:
                 if name == "positional_encoding":
                     fig = plots.positional_encoding_figure(100, d_model)
                 else:
-                    fig = plots.schedule_figure(self.config, label="this run")
+                    fig = plots.schedule_figure(*self.schedule_drawn())
                 buffer = io.BytesIO()
                 fig.savefig(buffer, dpi=plots.DPI, format="png")
                 self._figures[name] = buffer.getvalue()
             return self._figures[name]
+
+
+    def schedule_drawn(self) -> tuple[Config, str]:
+        """The run's config for its schedule picture, and the picture's label. A linear
+        schedule whose time budget ended the run reached 0 at its last step: drawn so."""
+        train, steps = self.config.train, self.info["training_steps"]
+        if train.schedule == "linear" and train.max_minutes and steps and steps < train.max_steps:
+            shortened = dataclasses.replace(train, max_steps=steps)
+            return (dataclasses.replace(self.config, train=shortened),
+                    f"this run: its {train.max_minutes:g} minutes ended at step {steps:,}")
+        return self.config, "this run"
 
 
 def attention_json(att: SentenceAttention, decimals: int = 5) -> dict:
