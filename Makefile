@@ -30,7 +30,7 @@ sword:
 browser:
 	@if dpkg -s $(BROWSER_PACKAGES) >/dev/null 2>&1; then echo "Chromium present"; else \
 	  $(SUDO) apt-get update -qq && \
-	  $(SUDO) apt-get install -y -qq --no-install-recommends $(BROWSER_PACKAGES); fi
+	  $(SUDO) apt-get install -y -qq $(BROWSER_PACKAGES); fi
 
 test: venv sword browser
 	$(BIN)/python -m pytest
