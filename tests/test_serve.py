@@ -408,7 +408,7 @@ def read_lines(fd: int, count: int, timeout: float = 60) -> list[str]:
         if not chunk:
             raise AssertionError(f"the process ended; got {data!r}")
         data += chunk
-    return data.decode().splitlines()
+    return data.decode().removesuffix("\n").split("\n")  # lines end at "\n" only
 
 
 def start_translate(run: Path, *options: str, stdin) -> subprocess.Popen:
@@ -421,10 +421,12 @@ def test_translate_interactive_answers_each_line_before_the_next(run_dir, transl
     process = start_translate(run_dir, "--interactive", "--beam", "2", stdin=subprocess.PIPE)
     out = process.stdout.fileno()
     try:
-        for line in ("red green blue", "", "sun moon"):
+        # translate's line rules: a "\r" before the "\n" goes, U+2028 ends no line.
+        for line in ("red green blue\r", "", "sun\u2028moon", "white star"):
             process.stdin.write(line.encode() + b"\n")
             process.stdin.flush()  # and nothing more until the answer is back
-            assert read_lines(out, 1) == [translator.translate([line], beam=2)[0]]
+            want = translator.translate([line.removesuffix("\r")], beam=2)[0]
+            assert read_lines(out, 1) == [want]
         process.stdin.close()
         assert process.wait(timeout=30) == 0
     finally:
