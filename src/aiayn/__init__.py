@@ -1,8 +1,35 @@
-"""aiayn: the Transformer of "Attention Is All You Need" (Vaswani et al., 2017), from its parts."""
+"""aiayn: the Transformer of "Attention Is All You Need" (Vaswani et al., 2017), from its parts.
+
+The commands are reachable from Python too (imported on first use, so ``import aiayn``
+stays light)::
+
+    import aiayn
+    from aiayn.train import train                      # `aiayn train` (also --init-from)
+
+    aiayn.prepare_from_run("runs/web", "data/kjv-spa", corpus="bible:kjv-spa")
+    train(None, "data/kjv-spa", "runs/ft", init_from="runs/web:best")
+    print(aiayn.doctor("runs/ft"))                     # `aiayn doctor`; .ok is the verdict
+    aiayn.run_info("runs/ft")["best"]                  # `aiayn info --json`
+    aiayn.Translator.from_pretrained("runs/ft").translate(["In the beginning."])
+"""
+
+from importlib import import_module
 
 from aiayn.config import Config, DataConfig, ModelConfig, TrainConfig
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer
 
-__all__ = ["AiaynError", "Config", "DataConfig", "ModelConfig", "TrainConfig", "Transformer"]
+# name -> module that defines it (loaded by __getattr__ when first asked for)
+_LAZY = {"doctor": "aiayn.checkup", "run_info": "aiayn.runinfo",
+         "prepare_from_run": "aiayn.transfer", "Translator": "aiayn.translator",
+         "load_run": "aiayn.rundir", "evaluate_run": "aiayn.evaluate"}
+
+__all__ = ["AiaynError", "Config", "DataConfig", "ModelConfig", "TrainConfig", "Transformer",
+           *_LAZY]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'aiayn' has no attribute {name!r}")

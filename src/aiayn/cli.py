@@ -1,5 +1,5 @@
 """The `aiayn` command line: prepare | train | translate | evaluate | average | trace |
-attention | plot | serve.
+attention | plot | serve | doctor | info.
 
 Each sub-command has an ``_add_<name>`` function (its arguments) and a ``_run_<name>``
 function that calls one library function and prints what it returns; options shared by
@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import errno
 import io
+import json
 import sys
 import warnings
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from aiayn.checkpoint import average_checkpoints
+from aiayn.checkup import doctor
 from aiayn.config import Config, load_config
 from aiayn.data import prepare
 from aiayn.distributed import choose_device
@@ -31,8 +33,10 @@ from aiayn.evaluate import evaluate_run
 from aiayn.io import atomic_path, check_output_file
 from aiayn.model import Transformer
 from aiayn.rundir import checkpoints_to_average
+from aiayn.runinfo import format_info, run_info
 from aiayn.trace import format_trace, trace_batch, trace_forward
 from aiayn.train import train
+from aiayn.transfer import prepare_from_run
 from aiayn.translator import Translator, check_search
 
 # aiayn.plots (matplotlib) is imported by the commands that draw: the others start faster.
@@ -94,10 +98,23 @@ def _add_prepare(sub) -> None:
     p.add_argument("--config", help="YAML config whose data section to use")
     p.add_argument("--vocab-size", type=int, help="tokenizer vocabulary size")
     p.add_argument("--tokenizer", choices=["bpe", "wordlevel"])
+    p.add_argument("--tokenizer-from", metavar="RUN_DIR", help="encode with this run's "
+                   "tokenizers (and its data settings) instead of training new ones, to "
+                   "fine-tune it with `aiayn train --init-from RUN_DIR`")
     _add_set(p)
 
 
 def _run_prepare(args) -> int:
+    if args.tokenizer_from:
+        if args.config:
+            raise AiaynError("--tokenizer-from RUN_DIR takes the data settings from the run; "
+                             "drop --config (change data.* settings with --set)")
+        given = {"vocab_size": args.vocab_size, "tokenizer": args.tokenizer}
+        overrides = [*args.set, *(f"data.{k}={v}" for k, v in given.items() if v is not None)]
+        stats = prepare_from_run(args.tokenizer_from, args.out, args.corpus, overrides,
+                                 progress=True)
+        print(_prepare_summary(stats, args.out))
+        return 0
     config = _config_from_args(args)
     changes = {"corpus": args.corpus, "vocab_size": args.vocab_size, "tokenizer": args.tokenizer}
     changes = {key: value for key, value in changes.items() if value is not None}
@@ -147,6 +164,10 @@ def _add_train(sub) -> None:
     p.add_argument("--resume", metavar="RUN_DIR", help="continue this run exactly")
     p.add_argument("--force", action="store_true", help="--out may hold files or an earlier "
                    "run: its run files (weights, state, logs) are replaced")
+    p.add_argument("--init-from", metavar="RUN_DIR[:WEIGHTS]",
+                   help="a new run (--data, --out) starting from this run's weights (best, "
+                   "or :last, :FILE) with its model and tokenizers, a fresh optimizer and "
+                   "schedule; settings: its config.yaml (or --config's train section) and --set")
     p.add_argument("--max-minutes", type=float,
                    help="stop when the run has trained this long, over all its sessions "
                    "(train.max_minutes; validations count); the final dev evaluation comes on top")
@@ -164,6 +185,14 @@ def _run_train(args) -> int:
         overrides.append("train.bf16=true")
     if args.compile:
         overrides.append("train.compile=true")
+    if args.init_from:
+        if args.resume or not (args.data and args.out):
+            raise AiaynError("--init-from RUN_DIR starts a new run: give --data PREPARED_DIR "
+                             "--out NEW_RUN_DIR (and no --resume)")
+        config = load_config(args.config, overrides) if args.config else None
+        train(config, args.data, args.out, overrides=overrides, device=args.device,
+              force=args.force, init_from=args.init_from)
+        return 0
     if args.resume:
         if args.config or args.out or args.force:
             raise AiaynError("--resume RUN_DIR continues a run with its own config and directory; "
@@ -449,6 +478,41 @@ def _run_serve(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- doctor / info
+def _add_doctor(sub) -> None:
+    p = sub.add_parser(
+        "doctor", help="check a run directory for what can silently break it",
+        description="Check a run: weights present and finite, shapes = config, tokenizers "
+        "(special ids, vocabulary sizes = embeddings), the data encoded with the same "
+        "tokenizers, a round-trip of dev sentences, a greedy translation of three dev "
+        "sentences with BLEU, the train state resumable. One line per check, each failure "
+        "with its fix; exit status 0 when all pass, 1 otherwise.")
+    p.add_argument("run_dir")
+    p.add_argument("--data", help="prepared data to check against (default: the run's "
+                   "data_dir.txt)")
+    _add_weights(p)
+
+
+def _run_doctor(args) -> int:
+    report = doctor(args.run_dir, args.data, args.weights)
+    print(report)
+    return 0 if report.ok else 1
+
+
+def _add_info(sub) -> None:
+    p = sub.add_parser("info", help="what a run is: model, vocabulary, steps, best score",
+                       description="Model size and parameters, vocabulary, steps, tokens "
+                       "seen, the best dev score and its step, the weights files there are.")
+    p.add_argument("run_dir")
+    p.add_argument("--json", action="store_true", help="one JSON object, for scripts")
+
+
+def _run_info(args) -> int:
+    info = run_info(args.run_dir)
+    print(json.dumps(info, indent=2) if args.json else format_info(info))
+    return 0
+
+
 COMMANDS = {
     "prepare": (_add_prepare, _run_prepare),
     "train": (_add_train, _run_train),
@@ -459,6 +523,8 @@ COMMANDS = {
     "attention": (_add_attention, _run_attention),
     "plot": (_add_plot, _run_plot),
     "serve": (_add_serve, _run_serve),
+    "doctor": (_add_doctor, _run_doctor),
+    "info": (_add_info, _run_info),
 }
 
 

@@ -28,6 +28,7 @@ from aiayn.io import atomic_write_text
 TIE_CHOICES = ("none", "decoder", "all")
 EMBEDDING_INITS = ("normal", "xavier")
 SCHEDULES = ("eq3", "linear")
+BEST_METRICS = ("bleu", "chrf", "loss")  # see aiayn.early_stopping
 BF16_CHOICES = ("auto", "true", "false")
 
 INF = math.inf
@@ -61,13 +62,13 @@ RANGES: dict[str, dict[str, tuple[float, float, bool]]] = {
         "eval_max_sentences": (0, INF, False), "eval_beam": (1, 64, False),
         "save_every": (1, INF, False), "keep_checkpoints": (1, INF, False),
         "log_every": (1, INF, False), "num_samples": (0, INF, False),
-        "cpu_threads": (0, 4096, False),
+        "cpu_threads": (0, 4096, False), "patience": (0, INF, False),
     },
 }
 CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
     "model": {"tie_embeddings": TIE_CHOICES, "embedding_init": EMBEDDING_INITS},
     "data": {"tokenizer": ("bpe", "wordlevel"), "long_policy": ("drop", "truncate")},
-    "train": {"schedule": SCHEDULES, "bf16": BF16_CHOICES},
+    "train": {"schedule": SCHEDULES, "bf16": BF16_CHOICES, "best_metric": BEST_METRICS},
 }
 
 
@@ -164,6 +165,10 @@ class TrainConfig:
     eval_beam: int = 1
     save_every: int = 1000
     keep_checkpoints: int = 5  # step checkpoints kept for averaging
+    # best.safetensors holds the weights with the best dev "bleu", "chrf" or "loss"; with
+    # patience P > 0 training stops after P validations without improving it (0: never).
+    best_metric: str = "bleu"
+    patience: int = 0
     log_every: int = 50
     # bfloat16 autocast: "auto" uses it where this machine runs it fast (a GPU that supports
     # it; a CPU whose bf16 matmul beats fp32 in a probe: AVX512-BF16/AMX, not AVX2 alone);

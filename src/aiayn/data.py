@@ -38,7 +38,8 @@ PERCENTILES = (50, 90, 95, 99, 100)
 # ------------------------------------------------------------------ prepare
 def prepare(data_cfg: DataConfig, out_dir: str | Path, model_max_len: int,
             max_tokens: int = 4096, progress: bool = False,
-            corpus: CorpusResult | None = None, force: bool = False) -> dict[str, Any]:
+            corpus: CorpusResult | None = None, force: bool = False,
+            tokenizers: Tokenizers | None = None) -> dict[str, Any]:
     """Read ``data_cfg.corpus``, write the splits, train and save the tokenizer(s) on the
     train split, and write ``stats.json``. Returns the stats.
 
@@ -48,19 +49,24 @@ def prepare(data_cfg: DataConfig, out_dir: str | Path, model_max_len: int,
     ``model_max_len`` and ``max_tokens`` only feed the report: how many pairs the model's
     length limit would drop or truncate, and the padding of train batches of that budget.
     ``corpus``: the result of ``read_corpus(data_cfg.corpus, data_cfg)`` if already read.
+    ``tokenizers``: use (and save) these instead of training new ones, e.g. a run's, to
+    fine-tune it on this corpus (aiayn.transfer.prepare_from_run).
     """
     with staged_directory(out_dir, force, "aiayn prepare", marker=STATS_FILE) as out:
-        return _write_prepared(data_cfg, out, model_max_len, max_tokens, progress, corpus)
+        return _write_prepared(data_cfg, out, model_max_len, max_tokens, progress, corpus,
+                               tokenizers)
 
 
 def _write_prepared(data_cfg: DataConfig, out: Path, model_max_len: int, max_tokens: int,
-                    progress: bool, corpus: CorpusResult | None) -> dict[str, Any]:
+                    progress: bool, corpus: CorpusResult | None,
+                    tokenizers: Tokenizers | None) -> dict[str, Any]:
     if corpus is None:
         corpus = read_corpus(data_cfg.corpus, data_cfg, progress=progress)
     splits = {name: corpus.texts(name) for name in SPLITS}
     for name, pairs in splits.items():
         atomic_write_text(out / f"{name}.jsonl", _jsonl(pairs))
-    tokenizers = train_tokenizers(splits["train"], data_cfg, progress=progress)
+    if tokenizers is None:
+        tokenizers = train_tokenizers(splits["train"], data_cfg, progress=progress)
     tokenizers.save(out / TOKENIZER_DIR)
     stats = {
         "corpus": data_cfg.corpus,

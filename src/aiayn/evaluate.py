@@ -71,7 +71,8 @@ def validate(model: Transformer, tokenizers, dev: list[Example], dev_pairs: list
              config: Config, device: torch.device, full: bool) -> dict[str, Any]:
     """Dev loss over the whole dev split; BLEU/chrF over the whole split (``full``) or over
     train.eval_max_sentences pairs spread evenly over it. ``select_bleu`` is always the
-    BLEU of that fixed subset, so checkpoints are compared on the same sentences."""
+    BLEU of that fixed subset (``select_chrf`` its chrF), so checkpoints are compared on the
+    same sentences (aiayn.early_stopping)."""
     t = config.train
     was_training = model.training
     model.eval()
@@ -90,13 +91,13 @@ def validate(model: Transformer, tokenizers, dev: list[Example], dev_pairs: list
     by_position = dict(zip(chosen, hyps, strict=True))
     sub_hyps = [by_position[i] for i in subset]
     sub_refs = [dev_pairs[dev[i].index][1] for i in subset]
-    select = scores.bleu if len(chosen) == len(subset) else score(sub_hyps, sub_refs).bleu
+    select = scores if len(chosen) == len(subset) else score(sub_hyps, sub_refs)
     n_show = min(t.num_samples, len(chosen))
     samples = [{"src": pairs[j][0], "ref": pairs[j][1], "hyp": hyps[j]}
                for j in eval_subset(len(chosen), n_show)[:n_show]]
     return {"dev_loss": loss, "dev_nll": nll, "bleu": scores.bleu, "chrf": scores.chrf,
             "bleu_signature": scores.bleu_signature, "n_sentences": len(chosen),
-            "select_bleu": select, "samples": samples}
+            "select_bleu": select.bleu, "select_chrf": select.chrf, "samples": samples}
 
 
 # ---------------------------------------------------------------- `aiayn evaluate`

@@ -27,7 +27,7 @@ import shutil
 import sys
 import time
 from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ from aiayn.distributed import (
     set_seed,
     setup_distributed,
 )
+from aiayn.early_stopping import BestTracker
 from aiayn.errors import AiaynError
 from aiayn.evaluate import validate
 from aiayn.io import remove_temp_files
@@ -69,6 +70,7 @@ from aiayn.rundir import (
     resume_point,
     step_checkpoint_path,
 )
+from aiayn.transfer import InitFrom
 
 STATE_VERSION = 1
 
@@ -229,8 +231,7 @@ class Progress:
     """What the loop knows besides the weights and the optimizer."""
 
     step: int = 0  # optimizer updates done
-    best_bleu: float = -1.0
-    best_step: int = 0
+    best: BestTracker = field(default_factory=BestTracker)  # train.best_metric, train.patience
     elapsed_s: float = 0.0  # training wall time over all sessions of this run
     tokens: int = 0  # real target tokens trained on, over all ranks and sessions
     saved_step: int = 0
@@ -244,6 +245,7 @@ def train(
     overrides: list[str] | None = None,
     device: str | None = None,
     force: bool = False,
+    init_from: str | Path | None = None,
 ) -> dict[str, Any]:
     """Train a model (or resume the run in ``run_dir``); returns the final dev record.
 
@@ -252,6 +254,12 @@ def train(
     ``overrides`` (train.* only) and its data_dir.txt (unless ``data_dir`` is given).
     Everything is checked before anything is written; the run directory is locked for the
     whole run (a second ``aiayn train`` on it is refused) and the data directory shared.
+    ``init_from="RUN_DIR[:WEIGHTS]"``: a new run that starts from that run's weights, on
+    data encoded with its tokenizers (``config`` may be None: that run's config with
+    ``overrides``), see aiayn.transfer::
+
+        train(None, "data/kjv-spa", "runs/ft", init_from="runs/web:best",
+              overrides=["train.max_steps=2000", "train.patience=3"])
     """
     world = setup_distributed(device)
     run_dir = Path(run_dir)
@@ -260,7 +268,8 @@ def train(
             # One writer per run directory (aiayn.lock), and no `prepare --force` under a
             # run reading the data; rank 0 holds both, and a refusal stops every rank.
             on_main(lambda: hold.enter_context(run_dir_held(run_dir, resume, force)), world)
-            trainer = Trainer(config, data_dir, run_dir, resume, overrides or [], world, force)
+            trainer = Trainer(config, data_dir, run_dir, resume, overrides or [], world, force,
+                              init_from)
             on_main(lambda: hold.enter_context(
                 locked(trainer.data_dir, "aiayn train", shared=True)), world)
             try:
@@ -303,9 +312,11 @@ class Trainer:
     intervals. Every rank builds its own Trainer; rank 0 alone writes files."""
 
     def __init__(self, config: Config | None, data_dir: str | Path | None, run_dir: Path,
-                 resume: bool, overrides: list[str], world: Dist, force: bool = False):
+                 resume: bool, overrides: list[str], world: Dist, force: bool = False,
+                 init_from: str | Path | None = None):
         self.world, self.run_dir = world, run_dir
         self.log = tqdm.write if world.is_main else (lambda *a, **k: None)
+        init = None
         if resume:
             config = load_run_config(run_dir, overrides)
             data_dir = Path(data_dir) if data_dir else read_data_dir(run_dir)
@@ -315,6 +326,15 @@ class Trainer:
             if restart:
                 self.log(f"{run_dir}: no checkpoint was saved yet; starting it at step 0 with "
                          "its config.yaml")
+        elif init_from is not None:  # fine-tuning: that run's shape and tokenizers
+            if data_dir is None:
+                raise AiaynError("--init-from needs --data PREPARED_DIR (prepared with "
+                                 "`aiayn prepare --tokenizer-from RUN_DIR`)")
+            init = InitFrom.parse(init_from)
+            config = init.config_for_new_run(config, overrides)
+            data_dir = Path(data_dir)
+            init.check_data(data_dir)
+            restart = False
         else:
             if config is None or data_dir is None:
                 raise AiaynError("a new run needs --config and --data (or use --resume RUN_DIR)")
@@ -337,9 +357,12 @@ class Trainer:
         self.threads = ThreadTuner(t.cpu_threads or torch.get_num_threads(),
                                    adaptive=t.cpu_threads == 0 and world.device.type == "cpu")
         self.model = build_model(config, world.device)
+        if init is not None:
+            init.load_into(self.model)
+            self.log(f"init: weights {init.weights} (fresh optimizer and schedule)")
         self.optimizer = build_optimizer(self.model, config)
         self.stream = BatchStream(self.data, config.model.pad_id, world.device, t.max_epochs)
-        self.progress = Progress()
+        self.progress = Progress(best=BestTracker(t.best_metric, t.patience))
         rng = None
         if resume and not restart:
             rng = self.restore()
@@ -347,6 +370,8 @@ class Trainer:
         # Everything is checked and loaded: only now is the run directory written.
         if not resume or restart:
             on_main(lambda: create_run_dir(run_dir, stored, data_dir, force or restart), world)
+            if init is not None:
+                on_main(lambda: init.record(run_dir), world)
         if resume:  # new train.* settings, and a line saying so in config_history.jsonl
             on_main(lambda: record_config(run_dir, stored, overrides, self.progress.step), world)
         if world.rank > 0 and rng is None:
@@ -409,7 +434,8 @@ class Trainer:
                 tokens_per_s = window_tokens / max(time.perf_counter() - window_start, 1e-9)
                 bar.update(1)
                 bar.set_postfix(loss=f"{result.loss:.3f}", lr=f"{result.lr:.2e}",
-                                tok_s=f"{tokens_per_s:,.0f}", epoch=stream.epoch, refresh=False)
+                                tok_s=f"{tokens_per_s:,.0f}", epoch=stream.epoch,
+                                best=progress.best.short(), refresh=False)
                 if progress.step % t.log_every == 0:
                     self.metrics.write({
                         "kind": "train", "step": progress.step, "epoch": stream.epoch,
@@ -431,6 +457,9 @@ class Trainer:
                 if progress.step % t.save_every == 0 and not finishing:
                     self.save()
                     window_start = time.perf_counter()
+                if progress.best.should_stop:
+                    stop_reason = progress.best.stop_reason()
+                    break
                 if out_of_time:
                     stop_reason = f"max_minutes ({t.max_minutes:g})"
                     break
@@ -442,11 +471,11 @@ class Trainer:
         finally:
             bar.close()
         self.log(f"stopped at step {progress.step} (epoch {stream.epoch}) after "
-                 f"{progress.elapsed_s / 60:.1f} min of training: {stop_reason}; best dev BLEU "
-                 f"{progress.best_bleu:.2f} at step {progress.best_step}")
-        return {"step": progress.step, "epoch": stream.epoch, "stop_reason": stop_reason,
-                "best_bleu": progress.best_bleu, "best_step": progress.best_step,
-                "elapsed_s": progress.elapsed_s, **(last_eval or {})}
+                 f"{progress.elapsed_s / 60:.1f} min of training: {stop_reason}; best "
+                 f"{progress.best.describe()} (best.safetensors)")
+        return {**(last_eval or {}), "step": progress.step, "epoch": stream.epoch,
+                "stop_reason": stop_reason, **progress.best.record_fields(),
+                "elapsed_s": progress.elapsed_s}
 
     def validate(self, full: bool) -> dict | None:
         """Rank 0 validates (aiayn.evaluate.validate; the others wait), logs, prints
@@ -458,27 +487,28 @@ class Trainer:
             with torch.random.fork_rng(devices=[world.device] if world.device.type == "cuda" else []):
                 result = validate(self.model, self.data.tokenizers, self.data.dev,
                                   self.data.dev_pairs, self.config, world.device, full)
+            best = progress.best
+            improved = best.update(progress.step, result)
+            if improved:
+                save_weights(self.model, self.run_dir / "best.safetensors",
+                             metadata={"step": str(progress.step), "best_metric": best.metric,
+                                       "best_value": repr(best.value)})
             record = {"kind": "dev", "step": progress.step, **result,
                       "elapsed_s": progress.elapsed_s, "tokens": progress.tokens,
-                      "eval_s": time.perf_counter() - began}
-            improved = result["select_bleu"] > progress.best_bleu
-            if improved:
-                progress.best_bleu, progress.best_step = result["select_bleu"], progress.step
-                save_weights(self.model, self.run_dir / "best.safetensors",
-                             metadata={"step": str(progress.step),
-                                       "select_bleu": f"{result['select_bleu']:.4f}"})
+                      "eval_s": time.perf_counter() - began, **best.record_fields()}
             self.metrics.write(record)
             what = "whole dev" if full else "dev subset"
             log(f"step {progress.step}: dev loss {result['dev_loss']:.3f}  BLEU "
                 f"{result['bleu']:.2f}  chrF {result['chrf']:.2f}  ({what}, "
                 f"{result['n_sentences']} sentences, {record['eval_s']:.0f}s)"
-                f"{'  *best*' if improved else ''}  [{result['bleu_signature']}]")
+                f"{'  *best*' if improved else ''}  [{result['bleu_signature']}]"
+                f"; best {best.describe()}{best.patience_note()}")
             for sample in result["samples"]:
                 log(f"  src: {sample['src']}\n  ref: {sample['ref']}\n  hyp: {sample['hyp']}")
         if world.enabled:
             dist.barrier()
-            bests = gather_objects((progress.best_bleu, progress.best_step), world)
-            progress.best_bleu, progress.best_step = bests[0]
+            bests = gather_objects(progress.best.state_dict(), world)
+            progress.best.load_state_dict(bests[0])
         return record
 
     def save(self) -> None:
@@ -510,8 +540,7 @@ class Trainer:
             "rng": rngs,
             "stream": streams,
             "world_size": world.world_size,
-            "best_bleu": progress.best_bleu,
-            "best_step": progress.best_step,
+            "best": progress.best.state_dict(),
             "elapsed_s": progress.elapsed_s,
             "tokens": progress.tokens,
         }
@@ -549,8 +578,14 @@ class Trainer:
                      "(not an exact resume)")
             stream.restart_epoch(epoch)
             rng = state["rng"][0]
-        self.progress = Progress(step=int(state["step"]), best_bleu=float(state["best_bleu"]),
-                                 best_step=int(state["best_step"]),
+        best = self.progress.best
+        saved_best = state.get("best") or {  # train states written before train.best_metric
+            "metric": "bleu", "step": state.get("best_step", 0),
+            "value": state["best_bleu"] if state.get("best_bleu", -1.0) >= 0 else None}
+        if not best.load_state_dict(saved_best):
+            self.log(f"resume: train.best_metric is now {best.metric!r} (was "
+                     f"{saved_best.get('metric')!r}); the best weights are chosen afresh")
+        self.progress = Progress(step=int(state["step"]), best=best,
                                  elapsed_s=float(state["elapsed_s"]),
                                  tokens=int(state.get("tokens", 0)), saved_step=int(state["step"]))
         return rng
