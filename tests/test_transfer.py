@@ -21,6 +21,7 @@ from test_train import (
     write_prepared,
 )
 
+import aiayn
 from aiayn import train as train_module
 from aiayn.checkpoint import load_train_state
 from aiayn.cli import main
@@ -112,6 +113,8 @@ def test_fine_tuning_lowers_the_new_corpus_dev_loss_and_keeps_the_vocabulary(
     base_config, tuned_config = load_config(base_run / "config.yaml"), load_config(
         tuned / "config.yaml")
     assert tuned_config.model == base_config.model
+    assert aiayn.doctor(tuned).ok  # its data: the second corpus, with the same tokenizer
+    assert aiayn.run_info(tuned)["init_from"]["step"] == 60
 
 
 def test_the_new_run_starts_from_exactly_the_given_weights(base_run, second_corpus, tmp_path):

@@ -67,7 +67,8 @@ class Check:
     def lines(self) -> list[str]:
         status = {True: "ok", False: "FAIL", None: "skip"}[self.ok]
         fix = f"; fix: {self.fix}" if self.fix and self.ok is False else ""
-        return [f"{status:<5} {self.name:<11} {self.detail}{fix}"] + [
+        detail = _clip(" ".join(self.detail.split()), 400)  # one line, whatever raised
+        return [f"{status:<5} {self.name:<11} {detail}{fix}"] + [
             f"{'':17} {note}" for note in self.notes]
 
 
@@ -95,6 +96,10 @@ class DoctorReport:
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
+
+
+def _clip(text: str, width: int = 100) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 class _Skip(Exception):
@@ -204,7 +209,8 @@ class _Doctor:
             except AiaynError as exc:
                 problems.append(str(exc))
         if problems:
-            return Check("shapes", False, "; ".join(problems),
+            more = f" (and {len(problems) - 1} more files)" if len(problems) > 1 else ""
+            return Check("shapes", False, problems[0] + more,
                          "config.yaml does not describe these weights: restore the config "
                          "the run was trained with")
         return Check("shapes", True, f"every tensor fits config.yaml "
@@ -319,7 +325,8 @@ class _Doctor:
         scores = score(hyps, [t for _, t in chosen])
         notes = []
         for (src, ref), hyp in zip(chosen, hyps, strict=True):
-            notes += [f"src: {src}", f"ref: {ref}", f"hyp: {hyp}"]
+            notes += [f"{what}: {_clip(text)}" for what, text in (("src", src), ("ref", ref),
+                                                                   ("hyp", hyp))]
         return Check("translate", True, f"{self._name(path)}, greedy, {len(chosen)} dev "
                      f"sentences: BLEU {scores.bleu:.2f}, chrF {scores.chrf:.2f}", notes=notes)
 
@@ -341,8 +348,8 @@ class _Doctor:
         if not weights.is_file():
             return Check("resume", False, f"{path} names {weights}, which does not exist", fix)
         if weights not in self.fitting:
-            return Check("resume", False, f"{path} names {self._name(weights)}, which is "
-                         "unreadable or does not fit config.yaml (see above)", fix)
+            raise _Skip(f"the weights it names ({self._name(weights)}) are unreadable or do "
+                        "not fit config.yaml (see above)")
         model = Transformer(self.config.model)
         params = list(model.parameters())
         saved = state.get("optimizer", {}).get("state", {})

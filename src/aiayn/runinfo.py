@@ -146,7 +146,8 @@ def format_info(info: dict[str, Any]) -> str:
                      f"tokens, {t['minutes']:.1f} min, {t['world_size']} rank(s)")
     else:
         lines.append("trained    no train_state.pt")
-    lines.append("best       " + _describe_dev(info["best"], f"by {(info['best'] or {}).get('metric')}"))
+    lines.append("best       " + _describe_dev(
+        info["best"], f"best.safetensors, by dev {(info['best'] or {}).get('metric')}"))
     lines.append("last dev   " + _describe_dev(info["last_dev"], ""))
     weights = ", ".join(f"{w['file']} (step {w['step']})" for w in info["weights"])
     lines.append(f"weights    {weights or 'none'}")

@@ -1,0 +1,211 @@
+"""`aiayn doctor` finds each way a run can be broken, on deliberately broken copies of a tiny
+run (and leaves the files alone); `aiayn info` reports what the files say."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_train import TINY, run_train, sets, write_prepared
+
+import aiayn
+from aiayn.checkpoint import load_train_state
+from aiayn.cli import main
+from aiayn.config import load_config
+from aiayn.model import Transformer
+
+CHECKS = ["config", "weights", "shapes", "tokenizer", "data", "round-trip", "translate",
+          "resume"]
+
+
+@pytest.fixture(scope="module")
+def healthy(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("doctor")
+    data = write_prepared(root / "data")
+    run = root / "run"
+    run_train("--config", TINY, "--data", str(data), "--out", str(run),
+              *sets(schedule="linear", peak_lr=0.003, warmup_steps=10, max_steps=30,
+                    eval_every=15, save_every=15))
+    return run
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def status(report) -> dict[str, bool | None]:
+    return {check.name: check.ok for check in report.checks}
+
+
+def test_a_healthy_run_passes_every_check_and_nothing_is_written(healthy, capsys):
+    before = snapshot(healthy)
+    report = aiayn.doctor(healthy)
+    assert [c.name for c in report.checks] == CHECKS
+    assert report.ok and all(status(report).values()), str(report)
+    assert main(["doctor", str(healthy)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1].endswith("all checks passed")
+    assert "BLEU" in out and out.count("src: ") == 3 and "fix:" not in out
+    assert snapshot(healthy) == before
+
+
+# Each breakage: what it does to a copy of the run, and the checks that must fail.
+def nan_in_best(run: Path) -> None:
+    tensors = load_file(run / "best.safetensors")
+    name = next(iter(tensors))
+    tensors[name].view(-1)[0] = float("nan")
+    save_file(tensors, run / "best.safetensors")
+
+
+def config_of_another_size(run: Path) -> None:
+    text = (run / "config.yaml").read_text()
+    (run / "config.yaml").write_text(text.replace("d_ff: 64", "d_ff: 48"))
+
+
+def tokenizer_of_another_corpus(run: Path) -> None:
+    other = write_prepared(run.parent / "other-data", joint=False)
+    shutil.rmtree(run / "tokenizer")
+    shutil.copytree(other / "tokenizer", run / "tokenizer")
+
+
+def special_ids_swapped(run: Path) -> None:
+    path = run / "tokenizer" / "joint.json"
+    tok = json.loads(path.read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["[BOS]"], vocab["[EOS]"] = vocab["[EOS]"], vocab["[BOS]"]
+    for added in tok["added_tokens"]:
+        added["id"] = {2: 3, 3: 2}.get(added["id"], added["id"])
+    path.write_text(json.dumps(tok))
+
+
+def data_dir_gone(run: Path) -> None:
+    (run / "data_dir.txt").write_text(str(run.parent / "nowhere") + "\n")
+
+
+def data_with_its_own_tokenizer(run: Path) -> None:
+    other = write_prepared(run.parent / "other-data", joint=False)
+    (run / "data_dir.txt").write_text(str(other) + "\n")
+
+
+def dev_text_the_tokenizer_cannot_spell(run: Path) -> None:
+    data = Path((run / "data_dir.txt").read_text().strip())
+    copy = run.parent / "data-copy"
+    shutil.copytree(data, copy)
+    (copy / "dev.jsonl").write_text(json.dumps({"src": "the zebra", "tgt": "la cebra"}) + "\n")
+    (run / "data_dir.txt").write_text(str(copy) + "\n")
+
+
+def train_state_corrupt(run: Path) -> None:
+    (run / "train_state.pt").write_bytes(b"not a checkpoint")
+
+
+def train_state_names_missing_weights(run: Path) -> None:
+    state = load_train_state(run / "train_state.pt")
+    (run / state["weights"]).unlink()
+
+
+def optimizer_state_of_another_model(run: Path) -> None:
+    state = load_train_state(run / "train_state.pt")
+    state["optimizer"]["state"].pop(0)
+    torch.save(state, run / "train_state.pt")
+
+
+def no_weights_at_all(run: Path) -> None:
+    for path in run.rglob("*.safetensors"):
+        path.unlink()
+
+
+BREAKAGES: list[tuple[Callable[[Path], None], set[str]]] = [
+    (nan_in_best, {"weights"}),
+    (config_of_another_size, {"shapes"}),
+    (tokenizer_of_another_corpus, {"tokenizer", "data"}),
+    (special_ids_swapped, {"tokenizer", "data"}),
+    (data_dir_gone, {"data"}),
+    (data_with_its_own_tokenizer, {"data"}),
+    (dev_text_the_tokenizer_cannot_spell, {"round-trip"}),
+    (train_state_corrupt, {"resume"}),
+    (train_state_names_missing_weights, {"resume"}),
+    (optimizer_state_of_another_model, {"resume"}),
+    (no_weights_at_all, {"weights", "resume"}),
+]
+
+
+@pytest.mark.parametrize("breakage,failing", BREAKAGES, ids=[b.__name__ for b, _ in BREAKAGES])
+def test_each_breakage_is_found_with_a_fix_and_exit_status_1(healthy, tmp_path, breakage,
+                                                             failing, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(healthy, run)
+    breakage(run)
+    before = snapshot(run)
+    report = aiayn.doctor(run)
+    failed = {name for name, ok in status(report).items() if ok is False}
+    assert failed == failing, str(report)
+    assert main(["doctor", str(run)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    fails = [line for line in lines if line.startswith("FAIL")]
+    assert len(fails) == len(failing) and all("; fix: " in line for line in fails)
+    assert lines[-1].endswith(f"{len(failing)} check(s) failed: "
+                              + ", ".join(c for c in CHECKS if c in failing))
+    assert snapshot(run) == before
+
+
+def test_the_failure_lines_name_what_is_wrong(healthy, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(healthy, run)
+    nan_in_best(run)
+    config_of_another_size(run)
+    report = {c.name: c for c in aiayn.doctor(run).checks}
+    assert "best.safetensors: 1 non-finite values" in report["weights"].detail
+    assert "has shape (64,) but the model expects (48,)" in report["shapes"].detail
+    assert report["resume"].ok is None  # its weights do not fit: said once, under shapes
+    assert report["translate"].ok is None  # no weights fit: nothing to translate with
+    shutil.rmtree(run)
+    shutil.copytree(healthy, run)
+    tokenizer_of_another_corpus(run)
+    tok = {c.name: c for c in aiayn.doctor(run).checks}["tokenizer"]
+    assert "tokenizer has" in tok.detail and "rows" in tok.detail and "cp -r" in tok.fix
+
+
+def test_doctor_checks_against_the_data_given(healthy, tmp_path):
+    other = write_prepared(tmp_path / "other", joint=False)
+    report = aiayn.doctor(healthy, data_dir=other)
+    assert {c.name for c in report.checks if c.ok is False} == {"data"}
+    assert "aiayn prepare --tokenizer-from" in report.checks[CHECKS.index("data")].fix
+
+
+# ---------------------------------------------------------------- info
+def test_info_reports_what_the_run_files_say(healthy, capsys):
+    assert main(["info", str(healthy), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info == aiayn.run_info(healthy)
+    config = load_config(healthy / "config.yaml")
+    assert info["model"]["parameters"] == Transformer(config.model).num_parameters()
+    assert info["vocabulary"]["src"] == config.model.src_vocab_size
+    state = load_train_state(healthy / "train_state.pt")
+    assert info["training"]["step"] == state["step"] == 30
+    assert info["training"]["tokens"] == state["tokens"]
+    devs = [json.loads(line) for line in (healthy / "metrics.jsonl").read_text().splitlines()]
+    devs = [r for r in devs if r["kind"] == "dev"]
+    assert info["best"]["step"] == devs[-1]["best_step"] == state["best"]["step"]
+    assert info["best"]["metric"] == "bleu"
+    assert info["last_dev"]["step"] == 30 and info["last_dev"]["bleu"] == devs[-1]["bleu"]
+    files = {w["file"]: w["step"] for w in info["weights"]}
+    assert files == {"best.safetensors": state["best"]["step"], "last.safetensors": 30,
+                     "checkpoints/step_0000015.safetensors": 15,
+                     "checkpoints/step_0000030.safetensors": 30}
+    assert info["init_from"] is None
+    assert main(["info", str(healthy)]) == 0
+    text = capsys.readouterr().out
+    assert f"best       step {info['best']['step']}," in text and "trained    30 steps" in text
+
+
+def test_info_on_a_directory_that_is_no_run_is_one_line(tmp_path, capsys):
+    assert main(["info", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("aiayn: error:") and "no config.yaml" in err and "\n" not in err
