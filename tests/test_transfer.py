@@ -233,3 +233,23 @@ def test_bad_early_stopping_settings_are_one_line_errors(tmp_path, capsys):
                      str(tmp_path / "r"), "--set", setting])
         assert code == 2 and words in error_line(capsys.readouterr().err)
     assert not (tmp_path / "r").exists()
+
+
+def test_a_resumed_run_keeps_its_best_and_its_patience_count(tmp_path, monkeypatch, capsys):
+    data = write_prepared(tmp_path / "data")
+    calls: list[int] = []
+    monkeypatch.setattr(train_module, "validate", scripted_validate(calls))
+    run = tmp_path / "run"
+    settings = ["train.best_metric=bleu", "train.patience=2", "train.eval_every=2",
+                "train.save_every=2", "train.max_steps=40"]
+    assert train_module.train(load_config(TINY, settings), data, run)["step"] == 12
+    state = (run / "train_state.pt").read_bytes()
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run)]) == 2  # still out of patience
+    err = error_line(capsys.readouterr().err)
+    assert "stopped early at step 12" in err and "train.patience" in err
+    assert (run / "train_state.pt").read_bytes() == state
+    # More patience: it goes on from the saved best (6.0 at step 8) and count (2).
+    result = train_module.train(None, None, run, resume=True, overrides=["train.patience=3"])
+    assert result["step"] == 14 and result["best_step"] == 8
+    assert result["stop_reason"].startswith("patience: 3 validations")

@@ -400,6 +400,10 @@ class Trainer:
         """Steps until train.max_steps, max_epochs or max_minutes; then a whole-dev
         validation and the final checkpoint. Returns the last dev record and why it stopped."""
         t, progress, stream = self.config.train, self.progress, self.stream
+        if progress.best.should_stop:  # a resumed run that had stopped for patience
+            raise AiaynError(f"{self.run_dir} stopped early at step {progress.step} "
+                             f"({progress.best.stop_reason()}); to train on, resume with a "
+                             f"larger --set train.patience (or 0)")
         start = time.perf_counter()
         budget_s = t.max_minutes * 60 if t.max_minutes > 0 else math.inf
         elapsed_before = progress.elapsed_s
