@@ -113,6 +113,7 @@ def test_fine_tuning_lowers_the_new_corpus_dev_loss_and_keeps_the_vocabulary(
     base_config, tuned_config = load_config(base_run / "config.yaml"), load_config(
         tuned / "config.yaml")
     assert tuned_config.model == base_config.model
+    assert tuned_config.data.corpus.startswith("tsv:")  # the new corpus, from its stats.json
     assert aiayn.doctor(tuned).ok  # its data: the second corpus, with the same tokenizer
     assert aiayn.run_info(tuned)["init_from"]["step"] == 60
 

@@ -331,9 +331,9 @@ class Trainer:
                 raise AiaynError("--init-from needs --data PREPARED_DIR (prepared with "
                                  "`aiayn prepare --tokenizer-from RUN_DIR`)")
             init = InitFrom.parse(init_from)
-            config = init.config_for_new_run(config, overrides)
             data_dir = Path(data_dir)
             init.check_data(data_dir)
+            config = init.config_for_new_run(config, overrides, data_dir)
             restart = False
         else:
             if config is None or data_dir is None:

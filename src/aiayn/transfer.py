@@ -117,10 +117,12 @@ class InitFrom:
         return cls(run_dir, resolve_weights(run_dir, weights or "best"),
                    load_config(run_dir / "config.yaml"))
 
-    def config_for_new_run(self, given: Config | None, overrides: list[str]) -> Config:
+    def config_for_new_run(self, given: Config | None, overrides: list[str],
+                           data_dir: str | Path) -> Config:
         """The new run's config: ``given`` (its train/data sections; its model section must
         be this run's shape) or this run's config with ``overrides``. The model is this
-        run's, but for the dropouts; the tokenizer settings are this run's."""
+        run's, but for the dropouts; the tokenizer settings are this run's; data.corpus is
+        the one ``data_dir`` was prepared from (its stats.json)."""
         base = self.config
         if given is None:
             given, source = base.override(overrides, "--set"), "--set"
@@ -138,6 +140,7 @@ class InitFrom:
                     f"(only model.{' and model.'.join(FREE_MODEL_FIELDS)} may change)")
         model = replace(base.model, **{k: getattr(given.model, k) for k in FREE_MODEL_FIELDS})
         data = replace(given.data, **{k: getattr(base.data, k) for k in TOKENIZER_FIELDS})
+        data.corpus = _prepared_corpus(data_dir) or data.corpus
         return Config(model=model, data=data, train=given.train)
 
     def check_data(self, data_dir: str | Path) -> None:
@@ -155,6 +158,15 @@ class InitFrom:
                 "step": int(meta["step"]) if meta.get("step", "").isdigit() else None,
                 "tokenizer_sha256": tokenizer_fingerprint(self.run_dir / "tokenizer")}
         atomic_write_text(Path(new_run) / INIT_FILE, json.dumps(info, indent=2) + "\n")
+
+
+def _prepared_corpus(data_dir: str | Path) -> str | None:
+    """The corpus spec a prepared data directory was made from (its stats.json)."""
+    try:
+        corpus = json.loads((Path(data_dir) / "stats.json").read_text(encoding="utf-8"))["corpus"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return corpus if isinstance(corpus, str) else None
 
 
 def read_init_from(run_dir: str | Path) -> dict[str, Any] | None:
