@@ -105,6 +105,8 @@ def test_other_bible_pairs_read_the_right_modules():
     assert kjv[0].src == "In the beginning God created the heaven and the earth."
     spa_eng, _ = read_bible_pairs("spa-eng", books=["Gen"])
     assert (spa_eng[0].src, spa_eng[0].tgt) == (kjv[0].tgt, GENESIS_1_1)
+    spa_kjv, _ = read_bible_pairs("spa-kjv", books=["Gen"])
+    assert [(p.src, p.tgt, p.ref) for p in spa_kjv] == [(p.tgt, p.src, p.ref) for p in kjv]
 
 
 def test_missing_sword_modules_name_the_debian_packages(tmp_path, monkeypatch):

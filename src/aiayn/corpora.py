@@ -7,6 +7,7 @@ spec                                  pairs
 ====================================  ===================================================
 ``bible:eng-spa`` (default)           World English Bible -> Reina-Valera 1909, by verse
 ``bible:spa-eng``, ``bible:kjv-spa``  the same modules the other way round; King James
+``bible:spa-kjv``                     (sword-text-kjv) as the English side
 ``hf:NAME[:CONFIG]``                  ``datasets.load_dataset(NAME, CONFIG)``, e.g.
                                       ``hf:opus_books:en-it``; NAME may also be a local
                                       data file or folder (read through ``datasets`` too)
@@ -51,7 +52,8 @@ from aiayn.errors import AiaynError
 SPLITS = ("train", "dev", "test")
 DROP_REASONS = ("empty", "versification", "too_long", "length_ratio")
 SPEC_FORMS = (
-    "bible:eng-spa", "bible:spa-eng", "bible:kjv-spa", "hf:NAME[:CONFIG]", "tsv:PATH",
+    "bible:eng-spa", "bible:spa-eng", "bible:kjv-spa", "bible:spa-kjv", "hf:NAME[:CONFIG]",
+    "tsv:PATH",
     "jsonl:PATH", "parallel:SRC_PATH,TGT_PATH",
 )
 
