@@ -172,6 +172,13 @@ def test_the_failure_lines_name_what_is_wrong(healthy, tmp_path):
     assert "tokenizer has" in tok.detail and "rows" in tok.detail and "cp -r" in tok.fix
 
 
+def test_a_missing_run_directory_is_one_failure(tmp_path, capsys):
+    report = aiayn.doctor(tmp_path / "nowhere")
+    assert [c.ok for c in report.checks] == [False] + [None] * (len(CHECKS) - 1)
+    assert main(["doctor", str(tmp_path / "nowhere")]) == 1
+    assert "no such directory" in capsys.readouterr().out
+
+
 def test_doctor_checks_against_the_data_given(healthy, tmp_path):
     other = write_prepared(tmp_path / "other", joint=False)
     report = aiayn.doctor(healthy, data_dir=other)

@@ -254,3 +254,18 @@ def test_a_resumed_run_keeps_its_best_and_its_patience_count(tmp_path, monkeypat
     result = train_module.train(None, None, run, resume=True, overrides=["train.patience=3"])
     assert result["step"] == 14 and result["best_step"] == 8
     assert result["stop_reason"].startswith("patience: 3 validations")
+
+
+def test_a_train_state_from_before_best_metric_resumes_with_its_best_bleu(tmp_path):
+    """Runs saved before train.best_metric kept best_bleu/best_step: they resume by BLEU."""
+    data = write_prepared(tmp_path / "data")
+    run = tmp_path / "run"
+    run_train("--config", TINY, "--data", str(data), "--out", str(run),
+              *sets(max_steps=4, eval_every=2, save_every=2))
+    state = load_train_state(run / "train_state.pt")
+    best = state.pop("best")
+    state["best_bleu"], state["best_step"] = 99.0, best["step"]
+    torch.save(state, run / "train_state.pt")
+    result = train_module.train(None, None, run, resume=True, overrides=["train.max_steps=6"])
+    assert result["step"] == 6 and result["best_metric"] == "bleu"
+    assert (result["best_value"], result["best_step"]) == (99.0, best["step"])

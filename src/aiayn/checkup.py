@@ -48,6 +48,8 @@ from aiayn.train import STATE_VERSION
 from aiayn.transfer import describe_tokenizer, tokenizer_fingerprint
 from aiayn.translator import Translator
 
+CHECK_NAMES = ("config", "weights", "shapes", "tokenizer", "data", "round-trip", "translate",
+               "resume")
 ROUND_TRIP_SENTENCES = 5
 # The tensors whose first dimension is a vocabulary size, by side.
 EMBEDDINGS = {"src": ("src_embed.embedding.weight",),
@@ -129,8 +131,11 @@ class _Doctor:
         self.dev: list[tuple[str, str]] | None = None
 
     def run(self) -> DoctorReport:
-        checks = []
-        for name, method in (("config", self.check_config), ("weights", self.check_weights),
+        checks = [self.check_config()]
+        if not self.run_dir.is_dir():  # one failure, not one per missing file
+            return DoctorReport(self.run_dir, checks + [
+                Check(name, None, "needs the run directory") for name in CHECK_NAMES[1:]])
+        for name, method in (("weights", self.check_weights),
                              ("shapes", self.check_shapes),
                              ("tokenizer", self.check_tokenizer), ("data", self.check_data),
                              ("round-trip", self.check_round_trip),
