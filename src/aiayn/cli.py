@@ -155,8 +155,10 @@ def _add_train(sub) -> None:
         "train", help="train a model on prepared data (or resume a run)",
         description="Train on prepared data: `aiayn train --config FILE --data DIR --out RUN_DIR`, "
         "or continue a run exactly: `aiayn train --resume RUN_DIR` (there, --set may change "
-        "train.* settings only, e.g. train.max_steps). Under `torchrun --nproc_per_node K -m "
-        "aiayn train ...` it runs DistributedDataParallel.")
+        "train.* settings only, e.g. train.max_steps), or fine-tune one on new data: `aiayn "
+        "train --init-from RUN_DIR --data DIR --out NEW_RUN` (DIR from `aiayn prepare "
+        "--tokenizer-from RUN_DIR`). Under `torchrun --nproc_per_node K -m aiayn train ...` "
+        "it runs DistributedDataParallel.")
     p.add_argument("--config", help="YAML config (configs/*.yaml)")
     p.add_argument("--data", help="prepared data directory (from `aiayn prepare`); with "
                    "--resume, the default is the run's data_dir.txt")
