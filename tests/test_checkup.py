@@ -68,6 +68,12 @@ def config_of_another_size(run: Path) -> None:
     (run / "config.yaml").write_text(text.replace("d_ff: 64", "d_ff: 48"))
 
 
+def config_with_other_heads(run: Path) -> None:
+    """The same shapes, another function: found by the architecture the weights carry."""
+    text = (run / "config.yaml").read_text()
+    (run / "config.yaml").write_text(text.replace("n_heads: 4", "n_heads: 2"))
+
+
 def tokenizer_of_another_corpus(run: Path) -> None:
     other = write_prepared(run.parent / "other-data", joint=False)
     shutil.rmtree(run / "tokenizer")
@@ -124,6 +130,7 @@ def no_weights_at_all(run: Path) -> None:
 BREAKAGES: list[tuple[Callable[[Path], None], set[str]]] = [
     (nan_in_best, {"weights"}),
     (config_of_another_size, {"shapes"}),
+    (config_with_other_heads, {"shapes"}),
     (tokenizer_of_another_corpus, {"tokenizer", "data"}),
     (special_ids_swapped, {"tokenizer", "data"}),
     (data_dir_gone, {"data"}),

@@ -229,7 +229,7 @@ def test_without_patience_training_runs_to_its_limit(tmp_path, monkeypatch):
 def test_bad_early_stopping_settings_are_one_line_errors(tmp_path, capsys):
     data = write_prepared(tmp_path / "data")
     for setting, words in (("train.best_metric=ppl", "bleu, chrf, loss"),
-                           ("train.patience=-1", "train.patience must be 0")):
+                           ("train.patience=-1", "train.patience must be in [0, inf)")):
         code = main(["train", "--config", TINY, "--data", str(data), "--out",
                      str(tmp_path / "r"), "--set", setting])
         assert code == 2 and words in error_line(capsys.readouterr().err)
@@ -250,6 +250,7 @@ def test_a_resumed_run_keeps_its_best_and_its_patience_count(tmp_path, monkeypat
     err = error_line(capsys.readouterr().err)
     assert "stopped early at step 12" in err and "train.patience" in err
     assert (run / "train_state.pt").read_bytes() == state
+    assert not (run / "config_history.jsonl").exists()  # the refused resume wrote nothing
     # More patience: it goes on from the saved best (6.0 at step 8) and count (2).
     result = train_module.train(None, None, run, resume=True, overrides=["train.patience=3"])
     assert result["step"] == 14 and result["best_step"] == 8

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from aiayn.checkpoint import load_state, load_train_state, read_weights
+from aiayn.checkpoint import check_architecture, load_state, load_train_state, read_weights
 from aiayn.config import Config, load_config
 from aiayn.data import TOKENIZER_DIR, read_split
 from aiayn.errors import AiaynError
@@ -209,6 +209,7 @@ class _Doctor:
         problems = []
         for path, tensors in self.tensors.items():
             try:
+                check_architecture(model, path)  # what shapes cannot tell (heads, norm, ...)
                 load_state(model, tensors, self._name(path))
                 self.fitting.append(path)
             except AiaynError as exc:

@@ -38,7 +38,7 @@ from aiayn.tokenizer import Tokenizers
 # What `aiayn train` writes into a run directory (``--force`` removes exactly these).
 RUN_FILES = ("config.yaml", "config_history.jsonl", "tokenizer", "data_dir.txt",
              "last.safetensors", "best.safetensors", "checkpoints", "train_state.pt",
-             "metrics.jsonl", "tb", "eval")
+             "metrics.jsonl", "tb", "eval", "init_from.json")
 
 
 def check_new_run_dir(run_dir: Path, force: bool) -> None:

@@ -366,6 +366,10 @@ class Trainer:
         rng = None
         if resume and not restart:
             rng = self.restore()
+            if self.progress.best.should_stop:  # it had stopped for patience: refuse, unwritten
+                raise AiaynError(f"{run_dir} stopped early at step {self.progress.step} "
+                                 f"({self.progress.best.stop_reason()}); to train on, resume "
+                                 "with a larger --set train.patience (or 0)")
             self.log(f"resumed {run_dir} at step {self.progress.step}, epoch {self.stream.epoch}")
         # Everything is checked and loaded: only now is the run directory written.
         if not resume or restart:
@@ -400,10 +404,6 @@ class Trainer:
         """Steps until train.max_steps, max_epochs or max_minutes; then a whole-dev
         validation and the final checkpoint. Returns the last dev record and why it stopped."""
         t, progress, stream = self.config.train, self.progress, self.stream
-        if progress.best.should_stop:  # a resumed run that had stopped for patience
-            raise AiaynError(f"{self.run_dir} stopped early at step {progress.step} "
-                             f"({progress.best.stop_reason()}); to train on, resume with a "
-                             f"larger --set train.patience (or 0)")
         start = time.perf_counter()
         budget_s = t.max_minutes * 60 if t.max_minutes > 0 else math.inf
         elapsed_before = progress.elapsed_s
