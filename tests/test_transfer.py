@@ -95,6 +95,13 @@ def test_fine_tuning_lowers_the_new_corpus_dev_loss_and_keeps_the_vocabulary(
         base_run, second_corpus, tmp_path):
     base_tokenizer = files(base_run / "tokenizer")
     assert files(second_corpus / "tokenizer") == base_tokenizer  # prepare --tokenizer-from
+    again = tmp_path / "again"  # and, like prepare, it writes a new or empty --out only
+    again.mkdir()
+    (again / "keep.txt").write_text("mine")
+    spec = json.loads((second_corpus / "stats.json").read_text())["corpus"]
+    args = ["prepare", "--tokenizer-from", str(base_run), "--corpus", spec, "--out", str(again)]
+    assert main(args) == 2
+    assert main([*args, "--force"]) == 0 and files(again / "tokenizer") == base_tokenizer
     assert json.loads((second_corpus / "stats.json").read_text())["splits"]["train"] == 240
     tuned = tmp_path / "tuned"
     run_train("--init-from", f"{base_run}:last", "--data", str(second_corpus),

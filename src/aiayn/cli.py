@@ -112,7 +112,7 @@ def _run_prepare(args) -> int:
         given = {"vocab_size": args.vocab_size, "tokenizer": args.tokenizer}
         overrides = [*args.set, *(f"data.{k}={v}" for k, v in given.items() if v is not None)]
         stats = prepare_from_run(args.tokenizer_from, args.out, args.corpus, overrides,
-                                 progress=True)
+                                 progress=True, force=args.force)
         print(_prepare_summary(stats, args.out))
         return 0
     config = _config_from_args(args)

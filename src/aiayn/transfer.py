@@ -182,11 +182,12 @@ def read_init_from(run_dir: str | Path) -> dict[str, Any] | None:
 
 # ---------------------------------------------------------------- the library calls
 def prepare_from_run(run_dir: str | Path, out_dir: str | Path, corpus: str | None = None,
-                     overrides: list[str] | None = None, progress: bool = False
-                     ) -> dict[str, Any]:
+                     overrides: list[str] | None = None, progress: bool = False,
+                     force: bool = False) -> dict[str, Any]:
     """``aiayn prepare --tokenizer-from RUN_DIR``: read ``corpus`` (default: the run's) with
     the run's data settings and ``overrides`` (``data.*``), split it, and save the run's
     tokenizers (the same bytes) instead of training new ones. Returns the stats.
+    ``out_dir`` as for ``aiayn.data.prepare`` (new or empty, unless ``force``).
 
     A ``data.*`` tokenizer setting that differs from the run's is refused, naming both."""
     run_dir = Path(run_dir)
@@ -205,6 +206,6 @@ def prepare_from_run(run_dir: str | Path, out_dir: str | Path, corpus: str | Non
     tokenizers = Tokenizers.load(run_dir / "tokenizer")
     check_vocabularies(base, tokenizers, run_dir / "tokenizer")
     stats = prepare(config.data, out_dir, config.model.max_len, config.train.max_tokens,
-                    progress=progress, tokenizers=tokenizers)
+                    progress=progress, force=force, tokenizers=tokenizers)
     return stats
 
