@@ -135,12 +135,10 @@ class _Doctor:
         if not self.run_dir.is_dir():  # one failure, not one per missing file
             return DoctorReport(self.run_dir, checks + [
                 Check(name, None, "needs the run directory") for name in CHECK_NAMES[1:]])
-        for name, method in (("weights", self.check_weights),
-                             ("shapes", self.check_shapes),
-                             ("tokenizer", self.check_tokenizer), ("data", self.check_data),
-                             ("round-trip", self.check_round_trip),
-                             ("translate", self.check_translation),
-                             ("resume", self.check_train_state)):
+        methods = (self.check_weights, self.check_shapes, self.check_tokenizer,
+                   self.check_data, self.check_round_trip, self.check_translation,
+                   self.check_train_state)
+        for name, method in zip(CHECK_NAMES[1:], methods, strict=True):
             try:
                 checks.append(method())
             except _Skip as why:
