@@ -24,6 +24,7 @@ ids existed still works: its text is encoded in memory at every start (with a no
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -148,24 +149,21 @@ def read_pairs(cfg: DataConfig, directory: Path, progress: bool = False,
     one per split it has, and choose the held-out positions
     (``aiayn.corpora.held_out_positions``). ``info`` holds what was read, dropped and kept
     and the split rule (the first keys of stats.json)."""
-    files = {name: directory / f"{name}.pairs.tsv" for name in SPLITS}
-    handles = {name: open(path, "w", encoding="utf-8", newline="\n")  # noqa: SIM115
-               for name, path in files.items()}
-    counts = dict.fromkeys(SPLITS, 0)
     if corpus is not None:  # already read and split, in memory
         source = ((p, name) for name in SPLITS for p in corpus.splits[name])
     else:
         source = stream = CorpusStream(cfg.corpus, cfg, progress)
-    try:
+    files = {name: directory / f"{name}.pairs.tsv" for name in SPLITS}
+    counts = dict.fromkeys(SPLITS, 0)
+    with contextlib.ExitStack() as stack:
+        handles = {name: stack.enter_context(open(path, "w", encoding="utf-8", newline="\n"))
+                   for name, path in files.items()}
         for pair, split in source:
             src, tgt = pair.src, pair.tgt
             if "\t" in src or "\t" in tgt or "\n" in src or "\n" in tgt:
                 raise AiaynError(f"{pair.ref}: a tab or line break in normalized text")
             handles[split].write(f"{src}\t{tgt}\n")
             counts[split] += 1
-    finally:
-        for fh in handles.values():
-            fh.close()
     if corpus is not None:
         info = _corpus_info(cfg.corpus, corpus.description, corpus.read, corpus.dropped,
                             corpus.split_rule, counts)
@@ -196,8 +194,6 @@ def write_splits(directory: Path, pairs: SplitPairs, tokenizers: Tokenizers,
                       for side, encoder in zip(SIDES, encoders, strict=True)]
                for name in SPLITS}
     buffers: dict[str, tuple[list[str], list[str]]] = {name: ([], []) for name in SPLITS}
-    texts = {name: open(directory / f"{name}.jsonl", "w", encoding="utf-8")  # noqa: SIM115
-             for name in SPLITS}
 
     def flush(name: str) -> None:
         for writer, encoder, sentences in zip(writers[name], encoders, buffers[name],
@@ -206,27 +202,30 @@ def write_splits(directory: Path, pairs: SplitPairs, tokenizers: Tokenizers,
             sentences.clear()
 
     total = sum(pairs.info["splits"].values())
-    try:
-        with _bar(progress, "encoding", total) as bar:
-            for n, (name, src, tgt) in enumerate(pairs.routed(), 1):
-                texts[name].write(_json_line(src, tgt))
-                buffer = buffers[name]
-                buffer[0].append(src)
-                buffer[1].append(tgt)
-                if len(buffer[0]) == ENCODE_CHUNK:
-                    flush(name)
-                    bar.update(n - bar.n)
-            for name in SPLITS:
+    with contextlib.ExitStack() as stack:
+        for pair_writers in writers.values():
+            for writer in pair_writers:
+                stack.callback(writer.discard)  # closes its files after an error; else no-op
+        texts = {name: stack.enter_context(open(directory / f"{name}.jsonl", "w",
+                                                encoding="utf-8")) for name in SPLITS}
+        bar = stack.enter_context(_bar(progress, "encoding", total))
+        for n, (name, src, tgt) in enumerate(pairs.routed(), 1):
+            texts[name].write(_json_line(src, tgt))
+            buffer = buffers[name]
+            buffer[0].append(src)
+            buffer[1].append(tgt)
+            if len(buffer[0]) == ENCODE_CHUNK:
                 flush(name)
-            bar.update(total - bar.n)
-    finally:
+                bar.update(n - bar.n)
+        for name in SPLITS:
+            flush(name)
+        bar.update(total - bar.n)
         for fh in texts.values():
             fh.flush()
-            os.fsync(fh.fileno())
-            fh.close()
-    for pair_writers in writers.values():
-        for writer in pair_writers:
-            writer.close()
+            os.fsync(fh.fileno())  # on disk before prepare swaps the directory in
+        for pair_writers in writers.values():
+            for writer in pair_writers:
+                writer.close()
     return {name: SplitIds.open(directory / IDS_DIR, name) for name in SPLITS}
 
 

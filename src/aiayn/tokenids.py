@@ -102,6 +102,10 @@ class NpyAppender:
         self._fh.write(np.ascontiguousarray(values, dtype=self.dtype).tobytes())
         self.count += len(values)
 
+    def discard(self) -> None:
+        """Close the file unfinished (after an error; the staging directory goes anyway)."""
+        self._fh.close()
+
     def close(self) -> None:
         end = self._fh.tell()
         if self._write_header(self.count) != self._header_size:  # numpy leaves room; check
@@ -128,3 +132,7 @@ class RaggedWriter:
     def close(self) -> None:
         self.ids.close()
         self.offsets.close()
+
+    def discard(self) -> None:
+        self.ids.discard()
+        self.offsets.discard()
