@@ -128,11 +128,14 @@ class SplitPairs:
 
     def train_sample(self, k: int) -> Iterator[tuple[str, str]]:
         """``k`` train pairs spread evenly over the train split (all of them when k >= n)."""
-        n_lines = self.info["splits"]["train"] + len(self.held)
-        train_lines = np.setdiff1d(np.arange(n_lines), np.fromiter(self.held, dtype=np.int64))
-        take = np.zeros(n_lines, dtype=bool)
-        n = len(train_lines)
-        take[train_lines[(np.arange(min(k, n)) * n) // max(1, min(k, n))]] = True
+        n = self.info["splits"]["train"]
+        k = min(k, n)
+        wanted = (np.arange(k, dtype=np.int64) * n) // max(1, k)  # train positions
+        # The line of train position t is t plus the held-out lines before it.
+        held = np.sort(np.fromiter(self.held, dtype=np.int64, count=len(self.held)))
+        lines = wanted + np.searchsorted(held - np.arange(len(held)), wanted, side="right")
+        take = np.zeros(n + len(held), dtype=bool)
+        take[lines] = True
         with open(self.files["train"], encoding="utf-8", newline="\n") as fh:
             for line in itertools.compress(fh, take):
                 src, tgt = line[:-1].split("\t")
