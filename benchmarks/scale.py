@@ -109,8 +109,11 @@ def run_size(copies: int, args, env: dict[str, str], label: str) -> dict:
         shutil.rmtree(path, ignore_errors=True)
     aiayn = [sys.executable, "-m", "aiayn"]
     result = {"label": label, "pairs": pairs, "mb": round(corpus.stat().st_size / 1e6)}
+    sets = [x for value in args.prepare_set or [] for x in ("--set", value)]
     result["prepare"] = measure([*aiayn, "prepare", "--corpus", f"tsv:{corpus}", "--out",
-                                 str(data)], env, log=work / f"prepare-x{copies}-{label}.log")
+                                 str(data), *sets], env, log=work / f"prepare-x{copies}-{label}.log")
+    if sets:
+        result["prepare_set"] = args.prepare_set
     print(f"{label} {pairs} pairs: prepare {result['prepare']}", flush=True)
     if args.max_minutes > 0:
         # The reference (the release before) decodes the whole dev split at the end, with
@@ -119,8 +122,8 @@ def run_size(copies: int, args, env: dict[str, str], label: str) -> dict:
             [*aiayn, "train", "--config", args.config, "--data", str(data), "--out", str(run),
              "--max-minutes", str(args.max_minutes), "--set", "train.log_every=1"],
             env, watch=run / "metrics.jsonl", log=work / f"train-x{copies}-{label}.log",
-            stop_at_first_step=label == "reference")
-        if label == "reference":
+            stop_at_first_step=label == "reference" or args.stop_at_first_step)
+        if label == "reference" or args.stop_at_first_step:
             result["train"]["wall_s"] = None  # stopped
         devs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         devs = [r for r in devs if r["kind"] == "dev"]
@@ -160,6 +163,10 @@ def main() -> None:
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "scale.jsonl"))
     parser.add_argument("--keep", action="store_true", help="keep the prepared data and runs")
     parser.add_argument("--build-only", action="store_true", help="only write the corpora")
+    parser.add_argument("--stop-at-first-step", action="store_true",
+                        help="end each training at its first step (start-up time and memory only)")
+    parser.add_argument("--prepare-set", action="append", metavar="KEY=VALUE",
+                        help="a --set for aiayn prepare, e.g. data.tokenizer_max_pairs=100000")
     args = parser.parse_args()
     if args.build_only:
         Path(args.work).mkdir(parents=True, exist_ok=True)
