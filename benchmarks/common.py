@@ -127,7 +127,7 @@ def bucket(lengths: list[tuple[int, int]], max_tokens: int) -> list[list[tuple[i
     percent of padding, as real loaders do.
     """
     widths = [max(s, t) for s, t in lengths]
-    groups = token_batches(widths, max_tokens, order_key=lambda i: lengths[i][1] - lengths[i][0])
+    groups = token_batches(widths, max_tokens, order_key=[t - s for s, t in lengths])
     return [[lengths[i] for i in group] for group in groups]
 
 

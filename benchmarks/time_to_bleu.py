@@ -10,8 +10,9 @@ and training tokens; draw the curves of several runs in one picture.
 ``run`` is `aiayn train` with the budget and a validation interval set, then a table of its
 dev records (step, minutes, target tokens, dev BLEU/chrF). Minutes are the run's training minutes as
 its budget counts them (validations included); the tokens are real target tokens, the same
-unit as the throughput on the progress bar. Intermediate points are BLEU on the run's
-validation subset (train.eval_max_sentences), the last one on the whole dev split. Choose recipes with it
+unit as the throughput on the progress bar. Every point, the last one too, is BLEU on the
+run's validation subset (train.eval_max_sentences; `aiayn evaluate RUN --split dev` scores
+the whole dev split). Choose recipes with it
 on dev; score the chosen one on test once (`aiayn evaluate RUN --split test`).
 """
 

@@ -20,6 +20,7 @@ from aiayn.data import (
     load_prepared,
     percentiles,
     prepare,
+    read_split,
     sample_batch,
     token_batches,
 )
@@ -57,7 +58,9 @@ def test_prepare_twice_gives_identical_files(tmp_path):
     prepare(cfg, tmp_path / "a", model_max_len=32, max_tokens=256)
     prepare(cfg, tmp_path / "b", model_max_len=32, max_tokens=256)
     a, b = tree(tmp_path / "a"), tree(tmp_path / "b")
-    assert sorted(a) == ["dev.jsonl", "stats.json", "test.jsonl", "tokenizer/joint.json",
+    ids = [f"ids/{split}.{side}.{kind}.npy" for split in ("dev", "test", "train")
+           for side in ("src", "tgt") for kind in ("ids", "offsets")]
+    assert sorted(a) == ["dev.jsonl", *ids, "stats.json", "test.jsonl", "tokenizer/joint.json",
                          "tokenizer/meta.json", "train.jsonl"]
     assert a == b
 
@@ -94,9 +97,11 @@ def test_load_prepared_errors(tmp_path):
         load_prepared(tmp_path)
     for name in ("train", "dev", "test"):
         (tmp_path / f"{name}.jsonl").write_text('{"src": "a", "tgt": "b"}\n')
-    (tmp_path / "dev.jsonl").write_text('{"src": "a"}\n')
-    with pytest.raises(AiaynError, match="dev.jsonl: line 1"):
+    with pytest.raises(AiaynError, match="stats.json: missing"):
         load_prepared(tmp_path)
+    (tmp_path / "dev.jsonl").write_text('{"src": "a"}\n')
+    with pytest.raises(AiaynError, match="dev.jsonl: line 1"):  # read when first used
+        read_split(tmp_path / "dev.jsonl")
 
 
 def test_percentiles():
@@ -111,7 +116,7 @@ def test_bible_stats(bible_prepared):
     assert stats["pairs"]["read"] == 31102 and stats["pairs"]["kept"] == 30478
     assert stats["splits"] == {"train": 29417, "dev": 371, "test": 690}
     assert stats["tokenizer"] == {"kind": "bpe", "joint": True, "src_vocab_size": 8000,
-                                  "tgt_vocab_size": 8000}
+                                  "tgt_vocab_size": 8000, "trained_on_pairs": 29417}
     assert stats["max_len"]["train"]["dropped_too_long"] == 0
     assert stats["batching"]["padding_fraction"] < 0.05
 

@@ -140,12 +140,13 @@ def _prepare_summary(stats: dict, out: str) -> str:
         f"{sum(pairs['dropped'].values())} ({dropped or 'none'})",
         f"splits   train {splits['train']}, dev {splits['dev']}, test {splits['test']} "
         f"({stats['split_rule']})",
-        f"tokens   {tok['kind']}, {vocab}; train lengths p50/p99/max src "
+        f"tokens   {tok['kind']}, {vocab} (learnt from {tok['trained_on_pairs']} train pairs); "
+        f"train lengths p50/p99/max src "
         f"{lengths['src']['p50']}/{lengths['src']['p99']}/{lengths['src']['p100']}, tgt "
         f"{lengths['tgt']['p50']}/{lengths['tgt']['p99']}/{lengths['tgt']['p100']}",
         f"batches  {batching['batches']} train batches of <= {batching['max_tokens']} tokens, "
         f"padding {100 * batching['padding_fraction']:.1f}%",
-        f"wrote    {out}/{{train,dev,test}}.jsonl, tokenizer/, stats.json",
+        f"wrote    {out}/{{train,dev,test}}.jsonl, ids/ (token ids), tokenizer/, stats.json",
     ])
 
 

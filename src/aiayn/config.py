@@ -48,7 +48,8 @@ RANGES: dict[str, dict[str, tuple[float, float, bool]]] = {
         "min_frequency": (1, INF, False),
         "dev_fraction": (0.0, 1.0, True), "test_fraction": (0.0, 1.0, True),
         "split_seed": (0, INF, False), "max_words": (1, INF, False),
-        "max_length_ratio": (1.0, INF, False),
+        "max_length_ratio": (1.0, INF, False), "held_out_max": (1, INF, False),
+        "tokenizer_max_pairs": (1, INF, False),
     },
     "train": {
         "seed": (0, INF, False), "max_tokens": (1, INF, False), "grad_accum": (1, INF, False),
@@ -128,7 +129,11 @@ class DataConfig:
     # For corpora without a fixed split: fractions of pairs held out, and the seed.
     dev_fraction: float = 0.01
     test_fraction: float = 0.01
+    held_out_max: int = 3000  # ... but at most this many pairs each (validation stays quick)
     split_seed: int = 1234
+    # The tokenizer learns from at most this many train pairs, spread evenly over the split
+    # (its time grows with the text; the vocabulary hardly changes past a few 100k pairs).
+    tokenizer_max_pairs: int = 200_000
     # Bounds of the pair filter (in words): longer pairs and extreme length ratios are dropped.
     max_words: int = 150
     max_length_ratio: float = 3.0

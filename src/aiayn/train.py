@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from aiayn.checkpoint import load_train_state, load_weights, save_train_state, save_weights
 from aiayn.config import Config
-from aiayn.data import TokenBatchSampler, collate, encode_split, load_prepared
+from aiayn.data import TokenBatchSampler, collate, load_prepared
 from aiayn.distributed import (
     Dist,
     ThreadTuner,
@@ -111,21 +111,21 @@ class TrainData:
 
 
 def load_data(data_dir: Path, config: Config, world: Dist, log=print) -> TrainData:
-    """Encode the train and dev splits; long training pairs follow data.long_policy, long dev
-    sources are truncated (the dev score covers every dev pair)."""
-    prepared = load_prepared(data_dir)
+    """Map the prepared ids of the train and dev splits (aiayn.data.Prepared.encoded: no
+    re-encoding, memory independent of the corpus size); long training pairs follow
+    data.long_policy, long dev sources are truncated (the dev score covers every dev pair)."""
+    prepared = load_prepared(data_dir, log=log)
     m, t = config.model, config.train
-    train, train_stats = encode_split(prepared.train, prepared.tokenizers, m.max_len,
-                                      config.data.long_policy)
-    dev, _ = encode_split(prepared.dev, prepared.tokenizers, m.max_len, "truncate")
-    if not train:
+    train = prepared.encoded("train", m.max_len, config.data.long_policy)
+    dev = list(prepared.encoded("dev", m.max_len, "truncate"))
+    if not len(train):
         raise AiaynError(f"{data_dir}: no training pairs fit model.max_len={m.max_len}")
     if not dev:
         raise AiaynError(f"{data_dir}: the dev split is empty")
-    sampler = TokenBatchSampler([len(e.src) for e in train], [len(e.tgt) for e in train],
+    sampler = TokenBatchSampler(train.src_lens, train.tgt_lens,
                                 t.max_tokens, shuffle=True, seed=t.seed,
                                 rank=world.rank, world_size=world.world_size)
-    log(f"data: {len(train)} training pairs ({_describe(train_stats)}), {len(dev)} dev pairs, "
+    log(f"data: {len(train)} training pairs ({_describe(train.counts)}), {len(dev)} dev pairs, "
         f"{len(sampler)} batches per epoch per rank")
     return TrainData(train, sampler, dev, list(prepared.dev), prepared.tokenizers)
 
@@ -401,8 +401,9 @@ class Trainer:
         self.metrics = MetricsLog(run_dir, world.is_main, self.progress.step if resume else None)
 
     def run(self) -> dict[str, Any]:
-        """Steps until train.max_steps, max_epochs or max_minutes; then a whole-dev
-        validation and the final checkpoint. Returns the last dev record and why it stopped."""
+        """Steps until train.max_steps, max_epochs or max_minutes; then a last validation (as
+        the others: train.eval_max_sentences) and the final checkpoint. Returns the last dev
+        record and why it stopped."""
         t, progress, stream = self.config.train, self.progress, self.stream
         start = time.perf_counter()
         budget_s = t.max_minutes * 60 if t.max_minutes > 0 else math.inf
@@ -414,7 +415,7 @@ class Trainer:
         window_loss = window_tokens = 0.0
         window_start = time.perf_counter()
         last_eval: dict[str, Any] | None = None
-        last_eval_step, last_eval_full = -1, False
+        last_eval_step = -1
         stop_reason = "max_steps"
         self.model.train()
         try:
@@ -456,7 +457,7 @@ class Trainer:
                 if progress.step % t.eval_every == 0 and not finishing:
                     full = t.eval_max_sentences == 0
                     last_eval = self.validate(full)
-                    last_eval_step, last_eval_full = progress.step, full
+                    last_eval_step = progress.step
                     window_start = time.perf_counter()  # evaluation time is not training time
                 if progress.step % t.save_every == 0 and not finishing:
                     self.save()
@@ -467,9 +468,10 @@ class Trainer:
                 if out_of_time:
                     stop_reason = f"max_minutes ({t.max_minutes:g})"
                     break
-            # The end: a full-dev evaluation, then the final checkpoint.
-            if not (last_eval_step == progress.step and last_eval_full) and progress.step > 0:
-                last_eval = self.validate(full=True)
+            # The end: the validation of the run (the same bounded subset; the whole dev
+            # split is `aiayn evaluate`'s), then the final checkpoint.
+            if last_eval_step != progress.step and progress.step > 0:
+                last_eval = self.validate(full=t.eval_max_sentences == 0)
             if progress.saved_step != progress.step:
                 self.save()
         finally:
