@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[test,serve]'
+	$(BIN)/python -m pip install --quiet -e '.[test,serve,export]'
 	touch $@
 
 venv: $(VENV)/.installed

@@ -1,5 +1,5 @@
-"""The `aiayn` command line: prepare | train | translate | evaluate | average | trace |
-attention | plot | serve | doctor | info.
+"""The `aiayn` command line: prepare | train | translate | evaluate | average | export |
+trace | attention | plot | serve | doctor | info.
 
 Each sub-command has an ``_add_<name>`` function (its arguments) and a ``_run_<name>``
 function that calls one library function and prints what it returns; options shared by
@@ -30,6 +30,8 @@ from aiayn.data import prepare
 from aiayn.distributed import choose_device
 from aiayn.errors import AiaynError, is_out_of_memory
 from aiayn.evaluate import evaluate_run
+from aiayn.export import QUANTIZATIONS, export_run
+from aiayn.export import TARGETS as EXPORT_TARGETS
 from aiayn.io import atomic_path, check_output_file
 from aiayn.model import Transformer
 from aiayn.rundir import checkpoints_to_average
@@ -37,7 +39,7 @@ from aiayn.runinfo import format_info, run_info
 from aiayn.trace import format_trace, trace_batch, trace_forward
 from aiayn.train import train
 from aiayn.transfer import prepare_from_run
-from aiayn.translator import Translator, check_search
+from aiayn.translator import ENGINES, Translator, check_search
 
 # aiayn.plots (matplotlib) is imported by the commands that draw: the others start faster.
 
@@ -62,6 +64,12 @@ def _add_device(p: argparse.ArgumentParser, extra: str = "") -> None:
 
 def _add_weights(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="best", help="best, last, or a .safetensors path")
+
+
+def _add_engine(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", choices=ENGINES, default="aiayn",
+                   help="who decodes: aiayn (a run directory) or ctranslate2 (a directory from "
+                   "`aiayn export --to ctranslate2`)")
 
 
 def _add_search(p: argparse.ArgumentParser, beam: int = 4, max_tokens: bool = True) -> None:
@@ -230,6 +238,7 @@ def _add_translate(sub) -> None:
                    "soon as it is entered (the default when stdin is a terminal)")
     _add_weights(p)
     _add_device(p)
+    _add_engine(p)
 
 
 def _run_translate(args) -> int:
@@ -244,7 +253,7 @@ def _run_translate(args) -> int:
     interactive = args.input is None and (args.interactive or terminal)
     translator = Translator.from_pretrained(args.run_dir, args.weights,
                                             device=choose_device(args.device),
-                                            max_tokens=args.max_tokens)
+                                            max_tokens=args.max_tokens, engine=args.engine)
     translator.check_limits(args.beam, args.nbest, args.alpha)
     if interactive and terminal:
         print("aiayn: translating each line as it is entered; end with Ctrl-D", file=sys.stderr)
@@ -321,12 +330,13 @@ def _add_evaluate(sub) -> None:
                    "RUN_DIR/eval/SPLIT.WEIGHTS.beamK.txt)")
     p.add_argument("--limit", type=int, default=0, help="only the first N sentences (0: all)")
     _add_device(p)
+    _add_engine(p)
 
 
 def _run_evaluate(args) -> int:
     r = evaluate_run(args.run_dir, args.split, args.beam, args.alpha, data_dir=args.data,
                      weights=args.weights, output=args.output, limit=args.limit,
-                     max_tokens=args.max_tokens, device=args.device)
+                     max_tokens=args.max_tokens, device=args.device, engine=args.engine)
     search = "greedy" if r["beam"] == 1 else f"beam {r['beam']}, alpha {r['alpha']}"
     print("\n".join([
         f"{r['split']}: {r['sentences']} sentences from {r['data_dir']}, weights "
@@ -335,7 +345,7 @@ def _run_evaluate(args) -> int:
         f"chrF  {r['chrf']:.2f}   {r['chrf_signature']}",
         f"CER   {100 * r['cer']:.2f}%   WER {100 * r['wer']:.2f}%",
         f"speed {r['sentences_per_s']:.1f} sentences/s, {r['tokens_per_s']:.0f} tokens/s "
-        f"({r['seconds']:.1f} s on {r['device']}, {r['threads']} threads)",
+        f"({r['seconds']:.1f} s on {r['device']}, {r['threads']} threads, {r['engine']})",
         f"wrote {r['output']} and {r['scores_file']}",
     ]))
     return 0
@@ -361,6 +371,29 @@ def _run_average(args) -> int:
     print(f"averaged {len(files)} checkpoints:")
     print("".join(f"  {path}\n" for path in files), end="")
     print(f"wrote {args.output}")
+    return 0
+
+
+# ---------------------------------------------------------------- export
+def _add_export(sub) -> None:
+    p = sub.add_parser(
+        "export", help="write a run's model for Hugging Face Transformers or CTranslate2",
+        description="`--to hf OUT_DIR`: a MarianMTModel directory (config, safetensors, fast "
+        "tokenizer) that transformers' AutoModelForSeq2SeqLM / AutoTokenizer load without "
+        "aiayn. `--to ctranslate2 OUT_DIR`: a CTranslate2 model, which `aiayn translate|"
+        "evaluate OUT_DIR --engine ctranslate2` decode. OUT_DIR must be new or empty. Needs "
+        "pip install 'aiayn[export]'.")
+    p.add_argument("run_dir", help="run directory (from `aiayn train`)")
+    p.add_argument("--to", required=True, choices=EXPORT_TARGETS, help="the library")
+    p.add_argument("out_dir", help="directory to create")
+    _add_weights(p)
+    p.add_argument("--quantization", choices=QUANTIZATIONS,
+                   help="--to ctranslate2: weight type (default: float32 as trained)")
+
+
+def _run_export(args) -> int:
+    out = export_run(args.run_dir, args.to, args.out_dir, args.weights, args.quantization)
+    print(f"wrote {out}")
     return 0
 
 
@@ -522,6 +555,7 @@ COMMANDS = {
     "translate": (_add_translate, _run_translate),
     "evaluate": (_add_evaluate, _run_evaluate),
     "average": (_add_average, _run_average),
+    "export": (_add_export, _run_export),
     "trace": (_add_trace, _run_trace),
     "attention": (_add_attention, _run_attention),
     "plot": (_add_plot, _run_plot),

@@ -105,12 +105,14 @@ def evaluate_run(run_dir: str | Path, split: str = "test", beam: int = 4, alpha:
                  data_dir: str | Path | None = None, weights: str | Path = "best",
                  output: str | Path | None = None, limit: int = 0, max_tokens: int = 8192,
                  device: str | None = "auto", bf16: bool = False,
-                 progress: bool = True) -> dict[str, Any]:
+                 progress: bool = True, engine: str = "aiayn") -> dict[str, Any]:
     """Translate a split of the run's prepared data, write the hypotheses (one per line)
     and a .json of the scores beside them; returns that summary.
 
     ``data_dir``: default the run's data_dir.txt. ``output``: default
     RUN_DIR/eval/SPLIT.WEIGHTS.beamK.txt. ``limit``: only the first N sentences (0: all).
+    ``engine="ctranslate2"``: ``run_dir`` is an `aiayn export --to ctranslate2` directory,
+    decoded by CTranslate2 (WEIGHTS in the file name is then "ctranslate2").
     """
     check_search(beam, 1, alpha)
     if limit < 0:
@@ -118,7 +120,7 @@ def evaluate_run(run_dir: str | Path, split: str = "test", beam: int = 4, alpha:
     if output is not None:
         check_output_file(output, "--output")
     translator = Translator.from_pretrained(run_dir, weights, device=choose_device(device),
-                                            max_tokens=max_tokens, bf16=bf16)
+                                            max_tokens=max_tokens, bf16=bf16, engine=engine)
     translator.check_limits(beam, 1, alpha)
     data_dir = Path(data_dir) if data_dir else read_data_dir(run_dir)
     pairs = load_prepared(data_dir).split(split)
@@ -130,19 +132,21 @@ def evaluate_run(run_dir: str | Path, split: str = "test", beam: int = 4, alpha:
               desc=f"{split} beam {beam}") as bar:
         hypotheses, scores = translate_and_score(translator, pairs, beam, alpha, bar.update)
     speed = translator.last_stats
-    weights_name = Path(str(weights)).name.removesuffix(".safetensors")
+    weights_name = (engine if translator.engine is not None
+                    else Path(str(weights)).name.removesuffix(".safetensors"))
     output = Path(output) if output else (
         Path(run_dir) / "eval" / f"{split}.{weights_name}.beam{beam}.txt")
     atomic_write_text(output, "".join(h + "\n" for h in hypotheses))
     summary = {
-        "run_dir": str(run_dir), "weights": str(weights), "data_dir": str(data_dir),
+        "run_dir": str(run_dir), "data_dir": str(data_dir),
+        "weights": weights_name if translator.engine is not None else str(weights),
         "split": split, "sentences": len(pairs), "beam": beam, "alpha": alpha,
         "bleu": scores.bleu, "bleu_signature": scores.bleu_signature,
         "chrf": scores.chrf, "chrf_signature": scores.chrf_signature,
         "cer": scores.cer, "wer": scores.wer,
         "seconds": speed.seconds, "sentences_per_s": speed.sentences_per_s,
         "tokens_per_s": speed.tokens_per_s, "truncated_sources": speed.truncated,
-        "threads": torch.get_num_threads(), "device": translator.device.type,
+        "threads": torch.get_num_threads(), "device": translator.device.type, "engine": engine,
         "output": str(output), "scores_file": str(output.with_suffix(".json")),
     }
     atomic_write_text(output.with_suffix(".json"), json.dumps(summary, indent=2) + "\n")

@@ -151,3 +151,23 @@ def staged_directory(out: str | Path, force: bool, what: str, marker: str) -> It
         if created:
             shutil.rmtree(out, ignore_errors=True)
         raise
+
+
+@contextmanager
+def atomic_directory(path: str | Path) -> Iterator[Path]:
+    """Yield a new temporary directory beside ``path``; on success, rename it to ``path``.
+
+    ``path`` must not exist or be an empty directory (``os.replace`` of a directory onto an
+    empty one is atomic on POSIX). On failure the temporary directory is removed, so a crash
+    or an error leaves either nothing or the whole directory.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; give the directory the usual mode
+    try:
+        yield tmp
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

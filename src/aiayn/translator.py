@@ -40,6 +40,8 @@ from aiayn.model import Transformer, capture_attention
 from aiayn.rundir import load_run
 from aiayn.tokenizer import BOS_ID, EOS_ID
 
+ENGINES = ("aiayn", "ctranslate2")  # who searches: aiayn.decode, or aiayn.ct2_engine
+
 
 class TruncationWarning(UserWarning):
     """Some input sentences were longer than the model's max_len and were truncated."""
@@ -101,18 +103,27 @@ class DecodeStats:
 class Translator:
     """A model and its tokenizers, translating lists of sentences in length-sorted batches."""
 
-    def __init__(self, model: Transformer, tokenizers, max_tokens: int = 8192,
-                 device: str | torch.device | None = None, bf16: bool = False):
+    def __init__(self, model: Transformer | None, tokenizers, max_tokens: int = 8192,
+                 device: str | torch.device | None = None, bf16: bool = False, engine=None):
         """``max_tokens``: batch budget in padded source tokens x beam (``token_batches``);
-        ``bf16``: decode under bfloat16 autocast (as training validates under train.bf16)."""
-        self.device = torch.device(device) if device is not None else _parameter_device(model)
-        # The batch budget a decoding pass can hold in half of this machine's memory.
-        limit = memory_bytes() // 2 // decode_bytes_per_token(model.cfg)
-        if not 1 <= max_tokens <= limit:
-            raise AiaynError(f"--max-tokens must be between 1 and {limit} for this model (half "
-                             f"of this machine's memory at {decode_bytes_per_token(model.cfg)} "
-                             f"bytes per padded token), got {max_tokens}")
-        self.model = model.to(self.device).eval()
+        ``bf16``: decode under bfloat16 autocast (as training validates under train.bf16).
+        ``engine``: search with this instead of ``model`` (None then), e.g. an
+        ``aiayn.ct2_engine.CTranslate2Search``: it has ``max_len``, ``device`` and
+        ``search(sources, beam, alpha, nbest, max_len_b) -> list[list[Hypothesis]]``."""
+        self.engine = engine
+        if engine is not None:
+            self.device, self.model, self.max_len = torch.device(engine.device), None, engine.max_len
+        else:
+            self.device = torch.device(device) if device is not None else _parameter_device(model)
+            # The batch budget a decoding pass can hold in half of this machine's memory.
+            limit = memory_bytes() // 2 // decode_bytes_per_token(model.cfg)
+            if not 1 <= max_tokens <= limit:
+                raise AiaynError(f"--max-tokens must be between 1 and {limit} for this model "
+                                 f"(half of this machine's memory at "
+                                 f"{decode_bytes_per_token(model.cfg)} bytes per padded "
+                                 f"token), got {max_tokens}")
+            self.model = model.to(self.device).eval()
+            self.max_len = model.cfg.max_len
         self.tokenizers = tokenizers
         self.max_tokens = max_tokens
         self.bf16 = bf16
@@ -120,8 +131,26 @@ class Translator:
 
     @classmethod
     def from_pretrained(cls, run_dir: str | Path, weights: str | Path = "best",
-                        device: str | torch.device | None = None, **kwargs) -> Translator:
-        """Load ``run_dir`` (see ``load_run``); ``device`` defaults to the CPU."""
+                        device: str | torch.device | None = None, engine: str = "aiayn",
+                        **kwargs) -> Translator:
+        """Load ``run_dir`` (see ``load_run``); ``device`` defaults to the CPU.
+
+        ``engine="ctranslate2"``: ``run_dir`` is a directory written by `aiayn export --to
+        ctranslate2` (``weights`` is then unused), decoded by CTranslate2 with as many
+        threads as torch uses.
+        """
+        if engine not in ENGINES:
+            raise AiaynError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+        if engine == "ctranslate2":
+            from aiayn.ct2_engine import load_ctranslate2
+
+            kind = torch.device(device).type if device is not None else "cpu"
+            search, tokenizers = load_ctranslate2(run_dir, kind, torch.get_num_threads())
+            kwargs.pop("bf16", None)  # the exported weight type decides
+            return cls(None, tokenizers, engine=search, **kwargs)
+        if (Path(run_dir) / "model.bin").is_file() and not any(Path(run_dir).glob("*.safetensors")):
+            raise AiaynError(f"{run_dir}: a CTranslate2 export, not a run directory; "
+                             "`aiayn translate|evaluate` read it with --engine ctranslate2")
         _, model, tokenizers = load_run(run_dir, weights)
         return cls(model, tokenizers, device=device or "cpu", **kwargs)
 
@@ -188,7 +217,7 @@ class Translator:
 
     def encode(self, sentences: Sequence[str]) -> tuple[list[list[int]], int]:
         """Source ids (tokens + EOS) truncated by the module's rule, and how many were cut."""
-        max_len = self.model.cfg.max_len
+        max_len = self.max_len
         sources = self.tokenizers.encode_src(list(sentences)) if sentences else []
         truncated = sum(len(ids) > max_len for ids in sources)
         if truncated:
@@ -214,33 +243,42 @@ class Translator:
         autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16
                     else nullcontext())
         for batch in token_batches([len(s) for s in sources], self.max_tokens, copies=beam):
-            src = pad([sources[i] for i in batch]).to(self.device)
-            try:
-                with autocast:
-                    if greedy:
-                        decoded = [[Hypothesis(ids, 0.0)]
-                                   for ids in greedy_decode(self.model, src, max_len_b)]
-                    else:
-                        decoded = beam_search(self.model, src, beam, alpha, max_len_b, nbest)
-            except (RuntimeError, MemoryError) as exc:
-                if not is_out_of_memory(exc):
-                    raise
-                raise AiaynError(
-                    f"out of memory decoding a batch of {len(batch)} sentence(s) x beam {beam} "
-                    f"({src.numel() * beam} padded tokens) on {self.device}; give a smaller "
-                    f"--max-tokens (now {self.max_tokens})") from None
+            if self.engine is not None:
+                decoded = self.engine.search([sources[i] for i in batch], beam, alpha, nbest,
+                                             max_len_b)
+            else:
+                decoded = self._search([sources[i] for i in batch], beam, alpha, nbest,
+                                       max_len_b, greedy, autocast)
             for i, hyps in zip(batch, decoded, strict=True):
                 results[i] = hyps
             if progress is not None:
                 progress(len(batch))
         return results
 
+    def _search(self, rows: list[list[int]], beam, alpha, nbest, max_len_b, greedy, autocast
+                ) -> list[list[Hypothesis]]:
+        """aiayn's own search (``aiayn.decode``) over one batch of source id lists."""
+        src = pad(rows).to(self.device)
+        try:
+            with autocast:
+                if greedy:
+                    return [[Hypothesis(ids, 0.0)]
+                            for ids in greedy_decode(self.model, src, max_len_b)]
+                return beam_search(self.model, src, beam, alpha, max_len_b, nbest)
+        except (RuntimeError, MemoryError) as exc:
+            if not is_out_of_memory(exc):
+                raise
+            raise AiaynError(
+                f"out of memory decoding a batch of {len(rows)} sentence(s) x beam {beam} "
+                f"({src.numel() * beam} padded tokens) on {self.device}; give a smaller "
+                f"--max-tokens (now {self.max_tokens})") from None
+
     def check_limits(self, beam: int, nbest: int = 1, alpha: float = 0.6) -> None:
         """``check_search``, and a beam the model and the batch budget can hold: at most the
         target vocabulary (more hypotheses than tokens cannot differ at the first step) and
         ``max_tokens // 2`` (one source of a word and EOS, times the beam, must fit)."""
         check_search(beam, nbest, alpha)
-        limit = min(self.model.cfg.tgt_vocab_size, self.max_tokens // 2)
+        limit = min(self.tokenizers.tgt_vocab_size, self.max_tokens // 2)
         if beam > limit:
             raise AiaynError(f"--beam must be at most {limit} for this model and --max-tokens "
                              f"{self.max_tokens} (the target vocabulary, and half the batch "
@@ -250,6 +288,8 @@ class Translator:
         """Translate ``sentence`` and capture every attention map of that translation."""
         if not sentence.strip():
             raise AiaynError("the sentence to translate is empty")
+        if self.model is None:
+            raise AiaynError("attention maps need aiayn's own model, not --engine ctranslate2")
         # Decode ids (not text) so that the teacher-forced pass sees the exact hypothesis.
         sources, _ = self.encode([_one_line(sentence)])
         hypothesis = self.decode_ids(sources, beam=beam, alpha=alpha)[0][0].ids

@@ -1,0 +1,301 @@
+"""`aiayn export`: the Transformers (Marian) and CTranslate2 models compute aiayn's function.
+
+Two kinds of run directory: random models with every weight perturbed (so LayerNorm gains,
+biases and the residual permutation all matter) for logits and log-probabilities, and the
+trained copy model of test_translator for decoded tokens. Hub access stays off: every load
+reads the local directory.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it
+
+import json
+import random
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+import torch
+from test_translator import random_sentence, run_cli, run_dir  # noqa: F401 - run_dir: a fixture
+
+from aiayn.checkpoint import save_weights
+from aiayn.config import Config, DataConfig, ModelConfig, save_config
+from aiayn.data import pad
+from aiayn.decode import beam_search, greedy_decode
+from aiayn.evaluate import evaluate_run
+from aiayn.export import export_run, residual_permutation
+from aiayn.model import Transformer, sinusoid_table
+from aiayn.rundir import load_run
+from aiayn.tokenizer import train_tokenizers
+from aiayn.translator import Translator
+
+needs_hf = pytest.mark.skipif(find_spec("transformers") is None,
+                              reason="pip install 'aiayn[export]'")
+needs_ct2 = pytest.mark.skipif(find_spec("ctranslate2") is None,
+                               reason="pip install 'aiayn[export]'")
+
+TEXTS = ["¡Hola, señor! ¿Cómo estás?", "The Lord is my shepherd.", "red green, blue; sun moon",
+         "In the beginning God created the heavens and the earth.", "Él dijo: «Sí.»"]
+
+
+def random_run(root: Path, name: str, tie: str = "all", norm_first: bool = False,
+               joint: bool = True) -> Path:
+    """A run directory holding a random model (every parameter perturbed) and a BPE
+    tokenizer over sentences with punctuation and accents."""
+    pairs = [(s, s[::-1]) for s in TEXTS] * 4
+    data = DataConfig(vocab_size=120, min_frequency=1, joint_vocab=joint)
+    tokenizers = train_tokenizers(pairs, data)
+    cfg = ModelConfig(src_vocab_size=tokenizers.src_vocab_size,
+                      tgt_vocab_size=tokenizers.tgt_vocab_size, d_model=32, n_heads=4,
+                      d_ff=48, n_encoder_layers=2, n_decoder_layers=1, dropout=0.1,
+                      max_len=64, tie_embeddings=tie, norm_first=norm_first)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    run = root / name
+    run.mkdir()
+    save_config(Config(model=cfg, data=data).validate(), run / "config.yaml")
+    tokenizers.save(run / "tokenizer")
+    save_weights(model, run / "best.safetensors")
+    return run
+
+
+def teacher_forced(run: Path):
+    """aiayn's model, its tokenizers, and a padded batch of TEXTS."""
+    _, model, tokenizers = load_run(run)
+    src = pad(tokenizers.encode_src(TEXTS))
+    tgt = pad(tokenizers.encode_tgt([t[::-1] for t in TEXTS]))
+    return model, tokenizers, src, tgt
+
+
+def load_hf(out: Path):
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(out, local_files_only=True).eval()
+    return model, AutoTokenizer.from_pretrained(out, local_files_only=True)
+
+
+# ---------------------------------------------------------------- the permutation
+def test_the_permutation_turns_aiayn_sinusoids_into_marians_layout():
+    d = 16
+    table = sinusoid_table(10, d)
+    marian = table[:, residual_permutation(d)]
+    position = torch.arange(10, dtype=torch.float64)[:, None]
+    angle = position / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    expected = torch.cat([angle.sin(), angle.cos()], dim=1).float()  # [sin | cos]
+    assert torch.allclose(marian, expected, atol=1e-6)
+
+
+# ---------------------------------------------------------------- Transformers
+@needs_hf
+@pytest.mark.parametrize("tie", ["all", "decoder", "none"])
+def test_the_marian_model_gives_aiayn_logits(tmp_path, tie):
+    run = random_run(tmp_path, "run", tie=tie)
+    export_run(run, "hf", tmp_path / "hf")
+    marian, _ = load_hf(tmp_path / "hf")
+    assert type(marian).__name__ == "MarianMTModel"
+    model, _, src, tgt = teacher_forced(run)
+    with torch.no_grad():
+        ours = model(src, tgt[:, :-1])
+        theirs = marian(input_ids=src, attention_mask=src.ne(0),
+                        decoder_input_ids=tgt[:, :-1]).logits
+    real = tgt[:, :-1].ne(0)  # positions past a target's end see padding in neither model
+    assert (ours - theirs)[real].abs().max() <= 1e-4
+    tied = marian.lm_head.weight.data_ptr() == marian.model.decoder.embed_tokens.weight.data_ptr()
+    assert tied == (tie != "none")
+
+
+@needs_hf
+def test_the_exported_tokenizer_gives_aiayn_ids_and_text(tmp_path):
+    run = random_run(tmp_path, "run")
+    export_run(run, "hf", tmp_path / "hf")
+    _, tokenizer = load_hf(tmp_path / "hf")
+    _, _, tokenizers = load_run(run)
+    assert tokenizer(TEXTS).input_ids == tokenizers.encode_src(TEXTS)
+    # Labels are target ids without [BOS]; Marian shifts them right behind [BOS].
+    assert tokenizer(text_target=TEXTS).input_ids == [ids[1:] for ids in tokenizers.encode_tgt(TEXTS)]
+    ids = tokenizers.encode_tgt(TEXTS)
+    assert tokenizer.batch_decode(ids, skip_special_tokens=True) == tokenizers.decode_tgt(ids)
+    batch = tokenizer(TEXTS, padding=True, return_tensors="pt")
+    assert torch.equal(batch.input_ids, pad(tokenizers.encode_src(TEXTS)))
+
+
+@needs_hf
+def test_generate_gives_aiayn_greedy_and_beam_tokens(run_dir, tmp_path):  # noqa: F811
+    export_run(run_dir, "hf", tmp_path / "hf")
+    marian, tokenizer = load_hf(tmp_path / "hf")
+    _, model, tokenizers = load_run(run_dir)
+    sentences = ["red sun", "moon tree river star", "black white", "sun sun moon blue green"]
+    batch = tokenizer(sentences, padding=True, return_tensors="pt")
+    src = batch.input_ids
+    with torch.no_grad():
+        greedy = marian.generate(**batch, num_beams=1, do_sample=False)
+    assert [strip(row) for row in greedy.tolist()] == greedy_decode(model, src)
+    assert tokenizer.batch_decode(greedy, skip_special_tokens=True) == sentences
+    # Beam 4, all four hypotheses with their scores. alpha 0: Transformers divides by
+    # length**alpha where aiayn uses GNMT's penalty; without a penalty both are log P(Y|X).
+    with torch.no_grad():
+        beams = marian.generate(**batch, num_beams=4, num_return_sequences=4,
+                                length_penalty=0.0, early_stopping=True,
+                                output_scores=True, return_dict_in_generate=True)
+    ours = beam_search(model, src, beam=4, alpha=0.0, nbest=4)
+    theirs = [strip(row) for row in beams.sequences.tolist()]
+    assert theirs == [h.ids for hyps in ours for h in hyps]
+    assert torch.allclose(beams.sequences_scores,
+                          torch.tensor([h.score for hyps in ours for h in hyps]), atol=1e-4)
+
+
+def strip(row: list[int]) -> list[int]:
+    """Generated ids without the start token, the end token and padding."""
+    ids = row[1:]
+    return ids[: ids.index(3)] if 3 in ids else [i for i in ids if i != 0]
+
+
+# ---------------------------------------------------------------- CTranslate2
+@needs_ct2
+@pytest.mark.parametrize("tie, norm_first", [("all", False), ("decoder", False),
+                                             ("none", False), ("all", True)])
+def test_the_ctranslate2_model_gives_aiayn_log_probabilities(tmp_path, tie, norm_first):
+    import ctranslate2
+
+    run = random_run(tmp_path, "run", tie=tie, norm_first=norm_first)
+    export_run(run, "ctranslate2", tmp_path / "ct2")
+    model, tokenizers, src, tgt = teacher_forced(run)
+    with torch.no_grad():
+        log_probs = torch.log_softmax(model(src, tgt[:, :-1]), dim=-1)
+    source = [tokenizers.src_tokens(t)[:-1] for t in TEXTS]  # CTranslate2 appends [EOS]
+    target = [tokenizers.tgt_tokens(t[::-1])[1:-1] for t in TEXTS]
+    results = ctranslate2.Translator(str(tmp_path / "ct2")).score_batch(source, target)
+    for b, result in enumerate(results):
+        expected = [log_probs[b, t, tgt[b, t + 1]].item() for t in range(len(target[b]) + 1)]
+        assert result.log_probs == pytest.approx(expected, abs=1e-4)
+
+
+@needs_ct2
+def test_ctranslate2_float32_gives_aiayn_greedy_tokens(run_dir, tmp_path):  # noqa: F811
+    export_run(run_dir, "ctranslate2", tmp_path / "ct2")
+    ours = Translator.from_pretrained(run_dir)
+    theirs = Translator.from_pretrained(tmp_path / "ct2", engine="ctranslate2")
+    sentences = [random_sentence(random.Random(i)) for i in range(30)]
+    sources, _ = ours.encode(sentences)
+    assert ids(theirs.decode_ids(sources, beam=1)) == ids(ours.decode_ids(sources, beam=1))
+    # The per-sentence output limit (source length + max_len_b), cut as aiayn cuts.
+    short = ids(theirs.decode_ids(sources, beam=1, max_len_b=-3))
+    assert short == ids(ours.decode_ids(sources, beam=1, max_len_b=-3))
+    assert any(len(s[0]) < len(t[0]) for s, t in zip(short, ids(ours.decode_ids(sources, beam=1))))
+
+
+def ids(results) -> list[list[list[int]]]:
+    return [[h.ids for h in hyps] for hyps in results]
+
+
+@needs_ct2
+def test_translate_and_evaluate_with_the_ctranslate2_engine(run_dir, tmp_path, capsys,  # noqa: F811
+                                                            monkeypatch):
+    out = tmp_path / "ct2"
+    code, printed, _ = run_cli(["export", str(run_dir), "--to", "ctranslate2", str(out)], capsys)
+    assert code == 0 and printed == f"wrote {out}\n"
+    lines = "red sun\n\nmoon tree river star\nblack\n"
+    _, ours, _ = run_cli(["translate", str(run_dir), "--beam", "1"], capsys, lines, monkeypatch)
+    code, theirs, err = run_cli(["translate", str(out), "--engine", "ctranslate2", "--beam", "1"],
+                                capsys, lines, monkeypatch)
+    assert code == 0 and theirs == ours and err == ""
+    ours = evaluate_run(run_dir, beam=1, output=tmp_path / "a.txt", progress=False)
+    code, printed, _ = run_cli(["evaluate", str(out), "--engine", "ctranslate2", "--beam", "1",
+                                "-o", str(tmp_path / "b.txt")], capsys)
+    assert code == 0 and f"BLEU  {ours['bleu']:.2f}" in printed and "ctranslate2" in printed
+    assert (tmp_path / "b.txt").read_text() == (tmp_path / "a.txt").read_text()
+    # An int8 model still copies the test sentences.
+    code, _, _ = run_cli(["export", str(run_dir), "--to", "ctranslate2", str(tmp_path / "int8"),
+                          "--quantization", "int8"], capsys)
+    assert code == 0
+    summary = evaluate_run(tmp_path / "int8", beam=4, engine="ctranslate2", progress=False)
+    assert summary["bleu"] > 80 and summary["engine"] == "ctranslate2"
+    assert json.loads((tmp_path / "int8" / "config.json").read_text())["decoder_start_token"] == "[BOS]"
+
+
+# ---------------------------------------------------------------- refusals, one line each
+def one_line_error(code: int, err: str, *words: str) -> bool:
+    return (code == 2 and err.startswith("aiayn: error: ") and err.count("\n") == 1
+            and all(w in err for w in words))
+
+
+@pytest.mark.parametrize("to", ["hf", "ctranslate2"])
+def test_export_into_a_non_empty_directory_is_refused(run_dir, tmp_path, capsys, to):  # noqa: F811
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine\n")
+    code, _, err = run_cli(["export", str(run_dir), "--to", to, str(out)], capsys)
+    assert one_line_error(code, err, str(out), "not an empty directory")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert (out / "keep.txt").read_text() == "mine\n"
+
+
+@needs_ct2
+def test_export_into_an_empty_directory_fills_it(run_dir, tmp_path, capsys):  # noqa: F811
+    out = tmp_path / "out"
+    out.mkdir()
+    code, _, _ = run_cli(["export", str(run_dir), "--to", "ctranslate2", str(out)], capsys)
+    assert code == 0 and (out / "model.bin").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary left behind
+
+
+@pytest.mark.parametrize("to", ["hf", "ctranslate2"])
+def test_a_run_without_weights_is_one_line(run_dir, tmp_path, capsys, to):  # noqa: F811
+    if find_spec("transformers" if to == "hf" else "ctranslate2") is None:
+        pytest.skip("the missing library is reported first")
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("config.yaml", "data_dir.txt"):
+        (run / name).write_bytes((run_dir / name).read_bytes())
+    load_run(run_dir)[2].save(run / "tokenizer")
+    code, _, err = run_cli(["export", str(run), "--to", to, str(tmp_path / "out")], capsys)
+    assert one_line_error(code, err, "holds no weights")
+    assert not (tmp_path / "out").exists()
+
+
+@needs_hf
+def test_a_pre_norm_run_is_refused_for_marian_in_one_line(tmp_path, capsys):
+    run = random_run(tmp_path, "run", norm_first=True)
+    code, _, err = run_cli(["export", str(run), "--to", "hf", str(tmp_path / "out")], capsys)
+    assert one_line_error(code, err, "pre-norm", "--to ctranslate2")
+    assert not (tmp_path / "out").exists()
+
+
+@needs_hf
+def test_separate_vocabularies_are_refused_for_transformers_in_one_line(tmp_path, capsys):
+    run = random_run(tmp_path, "run", tie="decoder", joint=False)
+    code, _, err = run_cli(["export", str(run), "--to", "hf", str(tmp_path / "out")], capsys)
+    assert one_line_error(code, err, "joint vocabulary")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("to, library", [("hf", "transformers"), ("ctranslate2", "ctranslate2")])
+def test_a_missing_library_says_what_to_install(run_dir, tmp_path, capsys, monkeypatch,  # noqa: F811
+                                                 to, library):
+    monkeypatch.setitem(sys.modules, library, None)  # import now raises ImportError
+    code, _, err = run_cli(["export", str(run_dir), "--to", to, str(tmp_path / "out")], capsys)
+    assert one_line_error(code, err, library, "pip install 'aiayn[export]'")
+    assert not (tmp_path / "out").exists()
+
+
+def test_quantization_is_for_ctranslate2_only(run_dir, tmp_path, capsys):  # noqa: F811
+    code, _, err = run_cli(["export", str(run_dir), "--to", "hf", str(tmp_path / "out"),
+                            "--quantization", "int8"], capsys)
+    assert one_line_error(code, err, "--quantization", "ctranslate2")
+
+
+@needs_ct2
+def test_the_engines_name_the_directory_they_need(run_dir, tmp_path, capsys):  # noqa: F811
+    out = tmp_path / "ct2"
+    export_run(run_dir, "ctranslate2", out)
+    code, _, err = run_cli(["evaluate", str(out)], capsys)
+    assert one_line_error(code, err, "--engine ctranslate2")
+    code, _, err = run_cli(["evaluate", str(run_dir), "--engine", "ctranslate2"], capsys)
+    assert one_line_error(code, err, "model.bin", "aiayn export")
