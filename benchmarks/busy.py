@@ -1,0 +1,32 @@
+"""Background load for timing runs: keep one core about half busy, as another program would.
+
+    taskset -c 1 python3 benchmarks/busy.py &      # core 1: 50 ms spinning, 50 ms asleep
+    make demo
+    kill %1
+
+The README's "another process keeping core 1 50% busy" row of What to expect is measured
+with this. It loops until killed (or for --seconds); pin it to a core with taskset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--on-ms", type=float, default=50.0, help="spin this long")
+    parser.add_argument("--off-ms", type=float, default=50.0, help="then sleep this long")
+    parser.add_argument("--seconds", type=float, default=0.0, help="stop after (0: never)")
+    args = parser.parse_args()
+    start = time.monotonic()
+    while not args.seconds or time.monotonic() - start < args.seconds:
+        until = time.perf_counter() + args.on_ms / 1e3
+        while time.perf_counter() < until:
+            pass
+        time.sleep(args.off_ms / 1e3)
+
+
+if __name__ == "__main__":
+    main()
