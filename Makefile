@@ -39,7 +39,7 @@ lint: venv
 	$(BIN)/ruff check src tests benchmarks
 
 demo: venv sword
-	$(BIN)/aiayn prepare --corpus bible:eng-spa --config configs/demo.yaml --out data/bible-eng-spa
+	$(BIN)/aiayn prepare --corpus bible:eng-spa --config configs/demo.yaml --out data/bible-eng-spa --force  # again: replaces what a run before wrote
 	rm -rf runs/demo  # a fresh run each time: aiayn train refuses to overwrite a run
 	$(BIN)/aiayn train --config configs/demo.yaml --data data/bible-eng-spa --out runs/demo --max-minutes $(DEMO_MINUTES)
 	$(BIN)/aiayn evaluate runs/demo --split test
