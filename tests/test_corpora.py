@@ -5,6 +5,7 @@ bad input."""
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from aiayn.corpora import (
     BIBLE_TEST_BOOKS,
     SPEC_FORMS,
     clean_osis,
+    parse_bible_spec,
     read_bible_pairs,
     read_corpus,
 )
@@ -107,6 +109,43 @@ def test_other_bible_pairs_read_the_right_modules():
     assert (spa_eng[0].src, spa_eng[0].tgt) == (kjv[0].tgt, GENESIS_1_1)
     spa_kjv, _ = read_bible_pairs("spa-kjv", books=["Gen"])
     assert [(p.src, p.tgt, p.ref) for p in spa_kjv] == [(p.tgt, p.src, p.ref) for p in kjv]
+
+
+def test_a_second_english_bible_adds_training_verses_only(bible_corpus):
+    both = read_corpus("bible:eng+kjv-spa", DataConfig())
+    assert both.dev == bible_corpus.dev and both.test == bible_corpus.test  # held out as before
+    web_train = bible_corpus.train
+    assert both.train[:len(web_train)] == web_train
+    extra = both.train[len(web_train):]
+    kjv_train = [p for p in read_bible_pairs("kjv-spa")[0]
+                 if book(p) not in BIBLE_DEV_BOOKS + BIBLE_TEST_BOOKS]
+    assert len(extra) > 0.95 * len(kjv_train)  # a few dropped by the length filters
+    assert extra[0] == corpora.Pair("In the beginning God created the heaven and the earth.",
+                                    web_train[0].tgt, "Gen.1.1@kjv-spa")
+    # every extra verse's Spanish is the same verse's Spanish in the WEB pairs
+    spanish = {p.ref: p.tgt for p in web_train}
+    shared = [p for p in extra if p.ref.split("@")[0] in spanish]
+    assert len(shared) > 0.95 * len(extra)
+    assert all(p.tgt == spanish[p.ref.split("@")[0]] for p in shared)
+    assert "in train also King James Version" in both.description
+
+
+@pytest.mark.parametrize("arg, expected", [
+    ("eng-spa", ("eng-spa", [])),
+    ("eng+kjv-spa", ("eng-spa", ["kjv-spa"])),
+    ("kjv+eng-spa", ("kjv-spa", ["eng-spa"])),
+    ("spa-eng+kjv", ("spa-eng", ["spa-kjv"])),
+])
+def test_parse_bible_spec(arg, expected):
+    assert parse_bible_spec(arg) == expected
+
+
+@pytest.mark.parametrize("arg", ["eng+eng-spa", "eng+fra-spa", "eng-spa+kjv", "eng+kjv",
+                                 "eng-kjv-spa", "+eng-spa", "eng+-spa"])
+def test_bad_bible_specs_are_named(arg):
+    with pytest.raises(AiaynError, match=rf"unknown Bible pair 'bible:{re.escape(arg)}'.*"
+                                         "bible:eng\\+kjv-spa"):
+        read_corpus(f"bible:{arg}", DataConfig())
 
 
 def test_missing_sword_modules_name_the_debian_packages(tmp_path, monkeypatch):

@@ -8,6 +8,10 @@ spec                                  pairs
 ``bible:eng-spa`` (default)           World English Bible -> Reina-Valera 1909, by verse
 ``bible:spa-eng``, ``bible:kjv-spa``  the same modules the other way round; King James
 ``bible:spa-kjv``                     (sword-text-kjv) as the English side
+``bible:eng+kjv-spa``                 WEB -> RV1909, and in train also KJV -> RV1909: a
+                                      second English text of the same verses doubles the
+                                      training pairs (dev and test stay WEB -> RV1909;
+                                      ``bible:spa-eng+kjv`` the other way round)
 ``hf:NAME[:CONFIG]``                  ``datasets.load_dataset(NAME, CONFIG)``, e.g.
                                       ``hf:opus_books:en-it``; NAME may also be a local
                                       data file or folder (read through ``datasets`` too)
@@ -53,8 +57,8 @@ from aiayn.errors import AiaynError
 SPLITS = ("train", "dev", "test")
 DROP_REASONS = ("empty", "versification", "too_long", "length_ratio")
 SPEC_FORMS = (
-    "bible:eng-spa", "bible:spa-eng", "bible:kjv-spa", "bible:spa-kjv", "hf:NAME[:CONFIG]",
-    "tsv:PATH",
+    "bible:eng-spa", "bible:spa-eng", "bible:kjv-spa", "bible:spa-kjv", "bible:eng+kjv-spa",
+    "hf:NAME[:CONFIG]", "tsv:PATH",
     "jsonl:PATH", "parallel:SRC_PATH,TGT_PATH",
 )
 
@@ -295,18 +299,52 @@ def bible_split(book: str) -> str:
     return "train"
 
 
+def parse_bible_spec(arg: str) -> tuple[str, list[str]]:
+    """``eng+kjv-spa`` -> (``eng-spa``, [``kjv-spa``]): the pair of every split, and the pairs
+    that add training verses only (a side may list several modules, joined by ``+``; its
+    first one is the held-out splits')."""
+    sides = arg.split("-")
+    codes = [side.split("+") for side in sides]
+    pairs = [f"{s}-{t}" for s in codes[0] for t in codes[-1]] if len(sides) == 2 else []
+    if (not pairs or any(p not in BIBLE_PAIRS for p in pairs)
+            or any(len(set(side)) != len(side) for side in codes)):
+        raise AiaynError(f"unknown Bible pair 'bible:{arg}'; valid: "
+                         + ", ".join(f"bible:{p}" for p in BIBLE_PAIRS)
+                         + ", and a side of several modules for more training verses, "
+                         "e.g. bible:eng+kjv-spa")
+    return pairs[0], pairs[1:]
+
+
 def _read_bible(arg: str, cfg: DataConfig, progress: bool) -> _Raw:
-    pairs, dropped = read_bible_pairs(arg, progress=progress)
-    src_code, tgt_code = arg.split("-")
-    src_mod, tgt_mod = BIBLE_MODULES[src_code], BIBLE_MODULES[tgt_code]
+    main, extras = parse_bible_spec(arg)
+    pairs, dropped = read_bible_pairs(main, progress=progress)
+    routed = [(pair, bible_split(_book(pair.ref))) for pair in pairs]
+    train_books = {_book(pair.ref) for pair, split in routed if split == "train"}
+    for extra in extras:  # training verses only: the held-out books stay unseen
+        more, more_dropped = read_bible_pairs(extra, books=train_books, progress=progress)
+        routed += [(Pair(p.src, p.tgt, f"{p.ref}@{extra}"), "train") for p in more]
+        dropped += more_dropped
+
+    def title(code: str) -> str:
+        module = BIBLE_MODULES[code]
+        return f"{module.title} ({module.module})"
+
+    src_code, tgt_code = main.split("-")
+    extra_codes = {code for extra in extras for code in extra.split("-")} - {src_code, tgt_code}
+    description = f"{title(src_code)} -> {title(tgt_code)}" + "".join(
+        f"; in train also {title(code)}" for code in sorted(extra_codes))
     return _Raw(
-        description=f"{src_mod.title} ({src_mod.module}) -> {tgt_mod.title} ({tgt_mod.module})",
+        description=description,
         given=set(SPLITS),
-        pairs=[(pair, bible_split(pair.ref.split(".")[0])) for pair in pairs],
+        pairs=routed,
         split_rule="by book: test " + ", ".join(BIBLE_TEST_BOOKS) + "; dev "
         + ", ".join(BIBLE_DEV_BOOKS),
         dropped={"versification": dropped},
     )
+
+
+def _book(ref: str) -> str:
+    return ref.split(".")[0]
 
 
 def read_bible_pairs(pair_code: str, books: Iterable[str] | None = None,
