@@ -17,6 +17,7 @@ from aiayn.data import (
     TokenBatchSampler,
     collate,
     encode_split,
+    length_multiple,
     load_prepared,
     percentiles,
     prepare,
@@ -277,6 +278,20 @@ def test_collate_pads_and_shifts():
     assert batch.n_tokens == 8 and batch.index.tolist() == [4, 7]
     assert batch.src.dtype == batch.tgt_in.dtype == batch.index.dtype == torch.long
     assert len(batch) == 2 and batch.to("cpu").src.equal(batch.src)
+
+
+def test_collate_rounds_lengths_up_to_a_multiple_with_padding_only():
+    examples = [Example([5, 6, 7, EOS_ID], [BOS_ID, 8, 9, EOS_ID], 4),
+                Example([5, EOS_ID], [BOS_ID, 8, 9, 10, 11, EOS_ID], 7)]
+    plain, padded = collate(examples), collate(examples, multiple=16)
+    assert padded.src.shape == padded.tgt_in.shape == padded.tgt_out.shape == (2, 16)
+    for name in ("src", "tgt_in", "tgt_out"):
+        a, b = getattr(plain, name), getattr(padded, name)
+        assert b[:, : a.size(1)].equal(a) and (b[:, a.size(1):] == PAD_ID).all()
+    assert padded.n_tokens == plain.n_tokens == 8
+    # a length already on the multiple is left as it is
+    assert collate(examples, multiple=4).src.shape == (2, 4)
+    assert length_multiple(bf16=False) == 1 and length_multiple(bf16=True) % 8 == 0
 
 
 def test_sample_batch(tmp_path):

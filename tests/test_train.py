@@ -302,6 +302,34 @@ def test_gradient_accumulation_equals_one_batch_of_the_same_tokens(data_dir):
         torch.testing.assert_close(ga[name], gb[name], rtol=1e-3, atol=1e-5)
 
 
+def test_padding_lengths_to_a_multiple_changes_no_update(data_dir):
+    """bf16 training pads lengths to aiayn.data.length_multiple (fewer shapes for oneDNN):
+    the extra pad positions are masked out, so the loss and gradients are those of the
+    unpadded batch (checked in fp32, where the sums are comparable)."""
+    from aiayn.data import collate, encode_split, load_prepared
+
+    config = load_config(TINY, ["model.dropout=0.0", "train.bf16=false"])
+    prepared = load_prepared(data_dir)
+    config = train.resolve_config(config, prepared.tokenizers, data_dir)
+    examples, _ = encode_split(prepared.train, prepared.tokenizers, 64, "drop")
+    batch = examples[:5]
+    world = train.Dist()
+    results = []
+    for multiple in (1, 16):
+        collated = collate(batch, config.model.pad_id, multiple)
+        assert collated.src.size(1) % multiple == 0
+        torch.manual_seed(0)
+        model = train.build_model(config, world.device)
+        sgd = torch.optim.SGD(model.parameters(), lr=0.0)
+        step = train.train_step(model, None, sgd, [collated], 1, config, world)
+        results.append((step, collated.src.size(1)))
+    (a, width_a), (b, width_b) = results
+    assert width_b > width_a  # the second really was padded further
+    assert a.n_tokens == b.n_tokens
+    assert a.loss == pytest.approx(b.loss, rel=1e-5)
+    assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-4)
+
+
 # ---------------------------------------------------------------- distributed
 def test_two_gloo_processes_match_one_process_with_the_same_global_batch(data_dir, tmp_path):
     """torchrun, 2 CPU ranks with one micro-batch each == 1 process accumulating 2.

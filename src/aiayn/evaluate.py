@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from aiayn.config import Config
-from aiayn.data import Example, collate, load_prepared, token_batches
+from aiayn.data import Example, collate, length_multiple, load_prepared, token_batches
 from aiayn.distributed import choose_device
 from aiayn.errors import AiaynError
 from aiayn.io import atomic_write_text, check_output_file
@@ -58,7 +58,8 @@ def dev_loss(model: Transformer, examples: list, config: Config, device: torch.d
     n = 0
     widths = [max(len(e.src), len(e.tgt)) for e in examples]
     for positions in token_batches(widths, t.max_tokens):
-        batch = collate([examples[i] for i in positions], m.pad_id).to(device)
+        batch = collate([examples[i] for i in positions], m.pad_id,
+                        length_multiple(t.use_bf16)).to(device)
         with autocast:
             logits = model(batch.src, batch.tgt_in)
         total_ls += label_smoothed_loss(logits, batch.tgt_out, t.label_smoothing, m.pad_id).item()

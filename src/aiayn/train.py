@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from aiayn.checkpoint import load_train_state, load_weights, save_train_state, save_weights
 from aiayn.config import Config
-from aiayn.data import TokenBatchSampler, collate, load_prepared
+from aiayn.data import TokenBatchSampler, collate, length_multiple, load_prepared
 from aiayn.distributed import (
     Dist,
     ThreadTuner,
@@ -139,8 +139,10 @@ class BatchStream:
     position is the sampler's (no prefetching, so a saved sampler state names exactly the
     batches already trained on)."""
 
-    def __init__(self, data: TrainData, pad_id: int, device: torch.device, max_epochs: int):
+    def __init__(self, data: TrainData, pad_id: int, device: torch.device, max_epochs: int,
+                 multiple: int = 1):
         self.data, self.pad_id, self.device = data, pad_id, device
+        self.multiple = multiple  # lengths padded to it (aiayn.data.length_multiple)
         self.max_epochs = max_epochs
         self.epoch = 0
         self.data.sampler.set_epoch(self.epoch)
@@ -156,7 +158,7 @@ class BatchStream:
             self.data.sampler.set_epoch(self.epoch)
             self._it = iter(self.data.sampler)
             positions = next(self._it)
-        batch = collate([self.data.train[i] for i in positions], self.pad_id)
+        batch = collate([self.data.train[i] for i in positions], self.pad_id, self.multiple)
         return batch.to(self.device, non_blocking=True)
 
     def restart_epoch(self, epoch: int) -> None:
@@ -361,7 +363,8 @@ class Trainer:
             init.load_into(self.model)
             self.log(f"init: weights {init.weights} (fresh optimizer and schedule)")
         self.optimizer = build_optimizer(self.model, config)
-        self.stream = BatchStream(self.data, config.model.pad_id, world.device, t.max_epochs)
+        self.stream = BatchStream(self.data, config.model.pad_id, world.device, t.max_epochs,
+                                  length_multiple(use_bf16))
         self.progress = Progress(best=BestTracker(t.best_metric, t.patience))
         rng = None
         if resume and not restart:
