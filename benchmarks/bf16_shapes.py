@@ -64,7 +64,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--multiple", type=int, default=16)
+    parser.add_argument("--multiple", type=int, nargs="+", default=[16],
+                        help="the padded arms' multiples (each against exact lengths)")
     parser.add_argument("--precision", choices=("true", "false"), default="true",
                         help="train.bf16 of both arms (default: bf16)")
     parser.add_argument("--arm", type=int, help=argparse.SUPPRESS)  # internal: one arm
@@ -73,10 +74,10 @@ def main() -> None:
         print(json.dumps(one_arm(args.data, args.arm, args.steps, args.threads, args.precision)))
         return
     print(device_description())
-    results: dict[int, list[dict]] = {1: [], args.multiple: []}
+    arms = [1, *args.multiple]
+    results: dict[int, list[dict]] = {m: [] for m in arms}
     for rep in range(args.reps):
-        arms = [1, args.multiple] if rep % 2 == 0 else [args.multiple, 1]
-        for multiple in arms:
+        for multiple in arms if rep % 2 == 0 else arms[::-1]:
             out = subprocess.run(
                 [sys.executable, __file__, "--data", args.data, "--steps", str(args.steps),
                  "--threads", str(args.threads), "--precision", args.precision,
@@ -86,10 +87,10 @@ def main() -> None:
             print(f"rep {rep} multiple {multiple:>2}: {result['tok_s']:,.0f} target tok/s "
                   f"({result['steps']} steps, {result['shapes']} batch shapes)", flush=True)
     exact = statistics.median(r["tok_s"] for r in results[1])
-    padded = statistics.median(r["tok_s"] for r in results[args.multiple])
-    print(f"median: exact lengths {exact:,.0f} tok/s, padded to {args.multiple}: {padded:,.0f} "
-          f"tok/s, ratio {padded / exact:.2f}x (bf16={args.precision}, {args.threads} threads)")
-
+    print(f"median, bf16={args.precision}, {args.threads} threads: exact lengths {exact:,.0f} tok/s")
+    for multiple in args.multiple:
+        padded = statistics.median(r["tok_s"] for r in results[multiple])
+        print(f"  padded to {multiple}: {padded:,.0f} tok/s, {padded / exact:.2f}x")
 
 if __name__ == "__main__":
     main()

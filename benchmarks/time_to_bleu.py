@@ -6,6 +6,8 @@ and training tokens; draw the curves of several runs in one picture.
         --data data/bible-eng-spa --out runs/ttb-demo --minutes 12
     # the curves of runs, overlaid (dev BLEU against training minutes and tokens)
     python benchmarks/time_to_bleu.py plot runs/ttb-old runs/ttb-demo -o docs/time_to_bleu.png
+    # the same, keeping the curves (benchmarks/results/curves/NAME.json, plotted like a run)
+    python benchmarks/time_to_bleu.py plot runs/ttb-demo --save benchmarks/results/curves
 
 ``run`` is `aiayn train` with the budget and a validation interval set, then a table of its
 dev records (step, minutes, target tokens, dev BLEU/chrF). Minutes are the run's training minutes as
@@ -29,7 +31,10 @@ from aiayn.train import train
 
 
 def dev_curve(run_dir: str | Path) -> list[dict]:
-    """The run's dev records as {step, minutes, tokens, bleu, chrf, n_sentences}."""
+    """The run's dev records as {step, minutes, tokens, bleu, chrf, n_sentences}; ``run_dir``
+    may also be a JSON file that ``plot --save`` wrote (the curves outlive their runs)."""
+    if str(run_dir).endswith(".json"):
+        return json.loads(Path(run_dir).read_text(encoding="utf-8"))["curve"]
     return [{"step": r["step"], "minutes": r["elapsed_s"] / 60, "tokens": r.get("tokens", 0),
              "bleu": r["bleu"], "chrf": r["chrf"], "n_sentences": r["n_sentences"]}
             for r in read_metrics(run_dir) if r["kind"] == "dev"]
@@ -72,6 +77,13 @@ def plot(args: argparse.Namespace) -> None:
     print(f"wrote {save_figure(fig, args.output)}")
     summary = {str(r): dev_curve(r) for r in args.runs}
     print(json.dumps(summary, indent=1))
+    for run_dir, label in zip(args.runs, args.labels or args.runs, strict=False):
+        if args.save and not str(run_dir).endswith(".json"):
+            out = Path(args.save) / f"{Path(run_dir).name}.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({"label": label, "curve": summary[str(run_dir)]},
+                                      indent=1) + "\n", encoding="utf-8")
+            print(f"wrote {out}")
 
 
 def main() -> None:
@@ -90,6 +102,8 @@ def main() -> None:
     p.add_argument("--labels", nargs="+")
     p.add_argument("--title", default="dev BLEU against training time and tokens")
     p.add_argument("-o", "--output", default="time_to_bleu.png")
+    p.add_argument("--save", metavar="DIR",
+                   help="also write each run's curve to DIR/RUN.json (plot takes such files too)")
     args = parser.parse_args()
     run(args) if args.command == "run" else plot(args)
 
