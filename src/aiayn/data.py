@@ -689,9 +689,9 @@ def length_multiple(bf16: bool) -> int:
     In bfloat16 a CPU runs its matmuls through oneDNN, which compiles a kernel for every new
     shape it meets and keeps a bounded cache of them. Length-bucketed batches come in
     hundreds of shapes (668 in an epoch of the demo's Bible batches), so bf16 training spent
-    much of its time compiling kernels. Lengths padded to a multiple of 8 leave 117 shapes
+    much of its time compiling kernels. Lengths padded to a multiple of 8 leave 114 shapes
     for ~9% more padding: 1.39x the target tokens/s of exact lengths on a 2-core Xeon with
-    AMX, where a multiple of 16 (84 shapes, ~18% padding) gave 1.32x
+    AMX, where a multiple of 16 (84 shapes, ~19% more padding) gave 1.32x
     (benchmarks/bf16_shapes.py). GPUs' bf16 tensor cores want multiples of 8 too. fp32 runs
     through BLAS, which has no per-shape cost: no padding there (it cost 6%).
     """
