@@ -41,3 +41,26 @@ def test_eval_subset_spreads_k_positions_over_n():
     assert eval_subset(10, 0) == list(range(10))
     assert eval_subset(10, 20) == list(range(10))
     assert eval_subset(10, 5) == [0, 2, 4, 6, 8]
+
+
+def test_validation_decodes_in_fp32_when_training_runs_in_bf16(tmp_path, monkeypatch):
+    """`auto` trains in bf16 on a CPU with AVX512-BF16 or AMX; validation still decodes in
+    fp32, as `aiayn evaluate` does by default, so the two report the same BLEU there too
+    (bf16 decoding changes some tokens)."""
+    import aiayn.evaluate
+
+    made = []
+
+    class Recording(aiayn.evaluate.Translator):
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs.get("bf16"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(aiayn.evaluate, "Translator", Recording)
+    data_dir = write_prepared(tmp_path / "data")
+    run_train("--config", TINY, "--data", str(data_dir), "--out", str(tmp_path / "run"),
+              *sets(max_steps=10, eval_every=5, save_every=1000, bf16="true"))
+    dev = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text(
+        encoding="utf-8").splitlines()) if r["kind"] == "dev"]
+    assert [r["step"] for r in dev] == [5, 10]
+    assert made == [False, False]  # one Translator per validation, both in fp32

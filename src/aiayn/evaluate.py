@@ -82,8 +82,11 @@ def validate(model: Transformer, tokenizers, dev: list[Example], dev_pairs: list
         subset = eval_subset(len(dev), t.eval_max_sentences)
         chosen = list(range(len(dev))) if full else subset
         pairs = [dev_pairs[dev[i].index] for i in chosen]
+        # Decoded in fp32 as `aiayn evaluate` decodes by default, so the BLEU logged here is
+        # the one it reports for these weights on every machine (bf16 decoding, which a CPU
+        # with AVX512-BF16 or AMX trains in, changes some tokens).
         translator = Translator(model, tokenizers, max_tokens=t.max_tokens, device=device,
-                                bf16=t.use_bf16)
+                                bf16=False)
         with warnings.catch_warnings():  # long dev sources: truncated, as load_data says
             warnings.simplefilter("ignore", TruncationWarning)
             hyps, scores = translate_and_score(translator, pairs, t.eval_beam, VALIDATION_ALPHA)
