@@ -320,14 +320,21 @@ def test_padding_lengths_to_a_multiple_changes_no_update(data_dir):
         assert collated.src.size(1) % multiple == 0
         torch.manual_seed(0)
         model = train.build_model(config, world.device)
+        grads = {}  # each parameter's gradient as backward leaves it (train_step clears them)
+        for name, p in model.named_parameters():
+            p.register_post_accumulate_grad_hook(
+                lambda p, name=name: grads.__setitem__(name, p.grad.clone()))
         sgd = torch.optim.SGD(model.parameters(), lr=0.0)
         step = train.train_step(model, None, sgd, [collated], 1, config, world)
-        results.append((step, collated.src.size(1)))
-    (a, width_a), (b, width_b) = results
+        results.append((step, grads, collated.src.size(1)))
+    (a, ga, width_a), (b, gb, width_b) = results
     assert width_b > width_a  # the second really was padded further
     assert a.n_tokens == b.n_tokens
     assert a.loss == pytest.approx(b.loss, rel=1e-5)
     assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-4)
+    assert ga.keys() == gb.keys() and len(ga) == len(list(model.parameters()))
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], rtol=1e-4, atol=1e-6)
 
 
 # ---------------------------------------------------------------- distributed
