@@ -9,7 +9,7 @@ once padded to the multiple, each in a fresh process as a run starts (an empty k
 cache), alternating the two arms over ``--reps`` repetitions. It reports real target tokens
 per second (median) and the ratio padded / exact, which is what it claims.
 
-    python benchmarks/bf16_shapes.py --data data/bible-eng-spa --steps 200 --reps 3
+    python benchmarks/bf16_shapes.py --data data/bible-eng-spa --steps 200 --reps 2 --multiple 8 16
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--multiple", type=int, nargs="+", default=[16],
+    parser.add_argument("--multiple", type=int, nargs="+", default=[8, 16],
                         help="the padded arms' multiples (each against exact lengths)")
     parser.add_argument("--precision", choices=("true", "false"), default="true",
                         help="train.bf16 of both arms (default: bf16)")
@@ -91,6 +91,7 @@ def main() -> None:
     for multiple in args.multiple:
         padded = statistics.median(r["tok_s"] for r in results[multiple])
         print(f"  padded to {multiple}: {padded:,.0f} tok/s, {padded / exact:.2f}x")
+
 
 if __name__ == "__main__":
     main()
