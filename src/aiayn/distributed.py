@@ -1,5 +1,5 @@
-"""Processes: one, or one per rank under torchrun; the device, its precision and CPU threads;
-collectives; seeds and RNG states.
+"""Processes: one, or one per rank under torchrun; the device and its precision; collectives;
+seeds and RNG states. (CPU threads: aiayn.threads.)
 
 Every function takes the :class:`Dist` that ``setup_distributed`` returns and is a no-op
 (or the identity) in a single process, so the training loop reads the same either way.
@@ -71,7 +71,7 @@ def setup_distributed(device: str | None = None) -> Dist:
     return Dist(rank, world_size, local_rank, where)
 
 
-# ---------------------------------------------------------------- precision and CPU threads
+# ---------------------------------------------------------------- precision
 def prefer_bf16(fp32_seconds: float, bf16_seconds: float, margin: float = 1.2) -> bool:
     """bfloat16 only where it is clearly faster: a CPU with native bf16 (AVX512-BF16, AMX)
     runs its matmuls about twice as fast as fp32; one without (AVX2 only) emulates them,
@@ -106,65 +106,6 @@ def resolve_bf16(setting: str, device: torch.device) -> tuple[bool, str]:
     use = prefer_bf16(fp32, bf16)
     return use, (f"auto: a probe matmul took {fp32 * 1e3:.1f} ms in fp32 and {bf16 * 1e3:.1f} ms "
                  f"in bf16 on this CPU ({torch.backends.cpu.get_cpu_capability()})")
-
-
-class ThreadTuner:
-    """Keeps the CPU thread count that trains fastest *now*.
-
-    On a quiet 2-core machine two OpenMP threads are fastest. When another process keeps
-    one core busy, the two threads wait for each other at every parallel region (each
-    matmul ends with a barrier) and a step can take 7-10x longer, while one thread on the
-    free core keeps more than half the speed. The load of a laptop comes and goes, so no
-    count chosen at start-up is right for a whole run: the tuner times ``trial`` steps at
-    the other count now and then and keeps whichever spent less time per token (by
-    ``margin``). Only for CPU training with more than one core (``adaptive``); otherwise it
-    just sets ``max_threads``. The count can change the order of floating-point sums, so a
-    run that must repeat bit for bit fixes it (train.cpu_threads).
-    """
-
-    def __init__(self, max_threads: int, adaptive: bool = True, every: int = 100,
-                 every_s: float = 60.0, trial: int = 4, margin: float = 1.1):
-        self.counts = sorted({1, max_threads})
-        self.current = max_threads
-        self.every, self.every_s, self.trial, self.margin = every, every_s, trial, margin
-        self.enabled = adaptive and len(self.counts) > 1
-        self._seconds: dict[int, list[float]] = {c: [] for c in self.counts}  # s/token, recent
-        self._trying: int | None = None
-        self._since = (0, 0.0)  # steps and seconds since the last trial
-        torch.set_num_threads(self.current)
-
-    def observe(self, seconds: float, tokens: int) -> None:
-        """Record one step's time; start a trial when one is due, decide when it ends.
-
-        The first trial comes after ``trial`` steps (a busy core must not cost a whole
-        interval at a tenth of the speed), then every ``every`` steps or ``every_s``
-        seconds, whichever comes first."""
-        if not self.enabled or tokens <= 0:
-            return
-        samples = self._seconds[torch.get_num_threads()]
-        samples.append(seconds / tokens)
-        del samples[: -self.trial]
-        if self._trying is not None:
-            if len(self._seconds[self._trying]) >= self.trial:
-                faster = _median(self._seconds[self._trying]) * self.margin
-                if faster < _median(self._seconds[self.current]):
-                    self.current = self._trying
-                self._trying = None
-                torch.set_num_threads(self.current)
-            return
-        steps, elapsed = self._since[0] + 1, self._since[1] + seconds
-        self._since = (steps, elapsed)
-        first = not self._seconds[self.counts[0]] or not self._seconds[self.counts[-1]]
-        if (first and len(samples) >= self.trial) or steps >= self.every or elapsed >= self.every_s:
-            self._trying = next(c for c in self.counts if c != self.current)
-            self._seconds[self._trying] = []
-            self._since = (0, 0.0)
-            torch.set_num_threads(self._trying)
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
 
 
 # ---------------------------------------------------------------- collectives

@@ -27,6 +27,7 @@ from aiayn.metrics import Scores, score
 from aiayn.model import Transformer
 from aiayn.optim import label_smoothed_loss
 from aiayn.rundir import read_data_dir
+from aiayn.threads import default_streams, parallel_map
 from aiayn.translator import Translator, TruncationWarning, check_search
 
 VALIDATION_ALPHA = 0.6  # the paper's length penalty, for train.eval_beam > 1
@@ -48,23 +49,28 @@ def eval_subset(n: int, k: int) -> list[int]:
     return sorted({(i * n) // k for i in range(k)})
 
 
-@torch.no_grad()
 def dev_loss(model: Transformer, examples: list, config: Config, device: torch.device
              ) -> tuple[float, float]:
-    """(label-smoothed loss, plain NLL) per real target token, teacher forcing."""
+    """(label-smoothed loss, plain NLL) per real target token, teacher forcing; the batches
+    run on parallel streams of one thread each (``aiayn.threads``) and are summed in order."""
     t, m = config.train, config.model
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.use_bf16)
-    total_ls = total_nll = 0.0
-    n = 0
-    widths = [max(len(e.src), len(e.tgt)) for e in examples]
-    for positions in token_batches(widths, t.max_tokens):
+
+    @torch.no_grad()
+    def batch_losses(positions) -> tuple[float, float, int]:
         batch = collate([examples[i] for i in positions], m.pad_id,
                         length_multiple(t.use_bf16)).to(device)
-        with autocast:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.use_bf16):
             logits = model(batch.src, batch.tgt_in)
-        total_ls += label_smoothed_loss(logits, batch.tgt_out, t.label_smoothing, m.pad_id).item()
-        total_nll += label_smoothed_loss(logits, batch.tgt_out, 0.0, m.pad_id).item()
-        n += batch.n_tokens
+        return (label_smoothed_loss(logits, batch.tgt_out, t.label_smoothing, m.pad_id).item(),
+                label_smoothed_loss(logits, batch.tgt_out, 0.0, m.pad_id).item(),
+                batch.n_tokens)
+
+    widths = [max(len(e.src), len(e.tgt)) for e in examples]
+    total_ls = total_nll = 0.0
+    n = 0
+    for ls, nll, tokens in parallel_map(batch_losses, token_batches(widths, t.max_tokens),
+                                        default_streams(device)):
+        total_ls, total_nll, n = total_ls + ls, total_nll + nll, n + tokens
     return total_ls / n, total_nll / n
 
 

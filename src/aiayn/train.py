@@ -41,7 +41,6 @@ from aiayn.config import Config
 from aiayn.data import TokenBatchSampler, collate, length_multiple, load_prepared
 from aiayn.distributed import (
     Dist,
-    ThreadTuner,
     all_reduce_sum,
     gather_objects,
     max_over_ranks,
@@ -70,6 +69,7 @@ from aiayn.rundir import (
     resume_point,
     step_checkpoint_path,
 )
+from aiayn.threads import ThreadTuner
 from aiayn.transfer import InitFrom
 
 STATE_VERSION = 1

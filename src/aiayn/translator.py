@@ -8,7 +8,9 @@ the validation during training (``aiayn.evaluate``) and attention pictures.
 
 Behind ``translate`` the sentences are tokenized, sorted by length, cut into batches of at
 most ``max_tokens`` padded source tokens x beam (``aiayn.data.token_batches``), decoded
-with the KV cache (``aiayn.decode``), and put back in their input order.
+with the KV cache (``aiayn.decode``) on one CPU thread per batch, several batches at once
+(``aiayn.threads.parallel_map``: a busy core then slows one stream, not every op), and put
+back in their input order.
 
 Rules for awkward input (never a crash):
 
@@ -38,6 +40,7 @@ from aiayn.decode import Hypothesis, beam_search, greedy_decode
 from aiayn.errors import AiaynError, is_out_of_memory
 from aiayn.model import Transformer, capture_attention
 from aiayn.rundir import load_run
+from aiayn.threads import default_streams, on_one_thread, parallel_map
 from aiayn.tokenizer import BOS_ID, EOS_ID
 
 ENGINES = ("aiayn", "ctranslate2")  # who searches: aiayn.decode, or aiayn.ct2_engine
@@ -104,9 +107,13 @@ class Translator:
     """A model and its tokenizers, translating lists of sentences in length-sorted batches."""
 
     def __init__(self, model: Transformer | None, tokenizers, max_tokens: int = 8192,
-                 device: str | torch.device | None = None, bf16: bool = False, engine=None):
+                 device: str | torch.device | None = None, bf16: bool = False, engine=None,
+                 streams: int | None = None, threads_per_stream: int = 1):
         """``max_tokens``: batch budget in padded source tokens x beam (``token_batches``);
         ``bf16``: decode under bfloat16 autocast (as training validates under train.bf16).
+        ``streams``: batches decoded at once, each on one CPU thread (``aiayn.threads``;
+        None: ``default_streams``, as many as torch has threads when decoding starts);
+        ``threads_per_stream`` > 1 only to measure the barriers that one thread avoids.
         ``engine``: search with this instead of ``model`` (None then), e.g. an
         ``aiayn.ct2_engine.CTranslate2Search``: it has ``max_len``, ``device`` and
         ``search(sources, beam, alpha, nbest, max_len_b) -> list[list[Hypothesis]]``."""
@@ -127,6 +134,7 @@ class Translator:
         self.tokenizers = tokenizers
         self.max_tokens = max_tokens
         self.bf16 = bf16
+        self.streams, self.threads_per_stream = streams, threads_per_stream
         self.last_stats = DecodeStats()
 
     @classmethod
@@ -240,25 +248,30 @@ class Translator:
         self.check_limits(beam, nbest, alpha)
         results: list[list[Hypothesis]] = [[] for _ in sources]
         greedy = greedy_ok and beam == 1 and nbest == 1
-        autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16
-                    else nullcontext())
-        for batch in token_batches([len(s) for s in sources], self.max_tokens, copies=beam):
-            if self.engine is not None:
-                decoded = self.engine.search([sources[i] for i in batch], beam, alpha, nbest,
-                                             max_len_b)
-            else:
-                decoded = self._search([sources[i] for i in batch], beam, alpha, nbest,
-                                       max_len_b, greedy, autocast)
+        batches = token_batches([len(s) for s in sources], self.max_tokens, copies=beam)
+        if self.engine is not None:  # CTranslate2 runs its own threads
+            decoded_batches = (self.engine.search([sources[i] for i in batch], beam, alpha,
+                                                  nbest, max_len_b) for batch in batches)
+        else:  # one intra-op thread per stream: see aiayn.threads
+            decoded_batches = parallel_map(
+                lambda batch: self._search([sources[i] for i in batch], beam, alpha, nbest,
+                                           max_len_b, greedy), batches,
+                self.streams or default_streams(self.device), self.threads_per_stream)
+        for batch, decoded in zip(batches, decoded_batches, strict=True):
             for i, hyps in zip(batch, decoded, strict=True):
                 results[i] = hyps
             if progress is not None:
                 progress(len(batch))
         return results
 
-    def _search(self, rows: list[list[int]], beam, alpha, nbest, max_len_b, greedy, autocast
+    @torch.no_grad()
+    def _search(self, rows: list[list[int]], beam, alpha, nbest, max_len_b, greedy
                 ) -> list[list[Hypothesis]]:
-        """aiayn's own search (``aiayn.decode``) over one batch of source id lists."""
+        """aiayn's own search (``aiayn.decode``) over one batch of source id lists (on a
+        stream's thread: grad mode and autocast are per thread, so both are set here)."""
         src = pad(rows).to(self.device)
+        autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16
+                    else nullcontext())
         try:
             with autocast:
                 if greedy:
@@ -293,7 +306,8 @@ class Translator:
         # Decode ids (not text) so that the teacher-forced pass sees the exact hypothesis.
         sources, _ = self.encode([_one_line(sentence)])
         hypothesis = self.decode_ids(sources, beam=beam, alpha=alpha)[0][0].ids
-        return sentence_attention(self.model, self.tokenizers, sentence, hypothesis)
+        return on_one_thread(lambda: sentence_attention(self.model, self.tokenizers, sentence,
+                                                        hypothesis))
 
 
 def _one_line(sentence: str) -> str:
