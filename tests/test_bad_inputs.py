@@ -116,6 +116,16 @@ def _sentences(tmp: Path) -> None:
 
 
 CASES = [
+    # 0. argument errors: one line and a pointer to --help, not the whole usage
+    ("evaluate --split nosuch", ["evaluate", "RUN", "--split", "nosuch"],
+     "argument --split: invalid choice: 'nosuch' (choose from 'test', 'dev') "
+     "(see `aiayn evaluate --help`)", None),
+    ("export --to onnx", ["export", "RUN", "--to", "onnx", "--out", "TMP/x"],
+     "argument --to: invalid choice: 'onnx'", None),
+    ("an unknown option", ["translate", "RUN", "--bem", "4"],
+     "unrecognized arguments: --bem 4 (see `aiayn --help`)", None),
+    ("a number that is not", ["translate", "RUN", "--beam", "four"],
+     "argument --beam: invalid int value: 'four' (see `aiayn translate --help`)", None),
     # 1. what used to end in a traceback
     ("translate -i DIR", ["translate", "RUN", "-i", "TMP/dir"], "-i TMP/dir: is a directory",
      _a_dir),

@@ -565,8 +565,16 @@ COMMANDS = {
 }
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a wrong argument is one line (as every other error of the program) and
+    a pointer to --help, not the whole usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"aiayn: error: {' '.join(message.split())} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(  # its subcommands' parsers are of the same class
         prog="aiayn",
         description="The Transformer of 'Attention Is All You Need': train, evaluate, translate.",
     )
