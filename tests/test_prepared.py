@@ -20,8 +20,9 @@ from aiayn.config import DataConfig, load_config
 from aiayn.data import Example, collate, load_prepared, prepare, token_batches
 from aiayn.distributed import Dist
 from aiayn.errors import AiaynError
-from aiayn.tokenizer import EOS_ID
+from aiayn.tokenizer import EOS_ID, tokenizer_fingerprint
 from aiayn.train import BatchStream, load_data
+from aiayn.transfer import describe_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -285,3 +286,18 @@ def test_the_last_validation_decodes_the_same_bounded_subset(data_dir, tmp_path)
     devs = [r for r in map(json.loads, lines) if r["kind"] == "dev"]
     assert [(r["step"], r["n_sentences"]) for r in devs] == [(2, 5), (3, 5)]
     assert len(load_prepared(data_dir).dev) == 20  # the whole split is larger
+
+
+def test_the_ids_record_the_one_tokenizer_fingerprint(data_dir, tmp_path):
+    """prepare records, the loader checks and fine-tuning compares one fingerprint: a file
+    that is not the tokenizer's (a README beside it) changes none of them."""
+    stats = json.loads((data_dir / "stats.json").read_text(encoding="utf-8"))
+    recorded = stats["ids"]["tokenizer_sha256"]
+    assert recorded == tokenizer_fingerprint(data_dir / "tokenizer")
+    assert describe_tokenizer(data_dir / "tokenizer").endswith(f"sha256 {recorded[:12]}")
+    noted = tmp_path / "noted"
+    shutil.copytree(data_dir, noted)
+    (noted / "tokenizer" / "README.txt").write_text("made by aiayn prepare\n")
+    mapped = load_data(noted, tiny_config(), Dist(), log=lambda *a: None)
+    assert len(mapped.train) == len(load_data(data_dir, tiny_config(), Dist(),
+                                               log=lambda *a: None).train)

@@ -43,9 +43,9 @@ from aiayn.evaluate import eval_subset
 from aiayn.metrics import score
 from aiayn.model import Transformer
 from aiayn.rundir import list_step_checkpoints, read_data_dir, resolve_weights
-from aiayn.tokenizer import SPECIAL_TOKENS, UNK_ID, Tokenizers
+from aiayn.tokenizer import SPECIAL_TOKENS, UNK_ID, Tokenizers, tokenizer_fingerprint
 from aiayn.train import STATE_VERSION
-from aiayn.transfer import describe_tokenizer, tokenizer_fingerprint
+from aiayn.transfer import describe_tokenizer
 from aiayn.translator import Translator
 
 CHECK_NAMES = ("config", "weights", "shapes", "tokenizer", "data", "round-trip", "translate",

@@ -53,6 +53,7 @@ import numpy as np
 
 from aiayn.config import DataConfig
 from aiayn.errors import AiaynError
+from aiayn.progress import bar as progress_bar
 
 SPLITS = ("train", "dev", "test")
 DROP_REASONS = ("empty", "versification", "too_long", "length_ratio")
@@ -141,7 +142,7 @@ class CorpusStream:
         self.kept = 0
 
     def __iter__(self) -> Iterator[tuple[Pair, str]]:
-        pairs = _progress(self._raw.pairs, self.progress, "reading", unit=" pairs")
+        pairs = progress_bar(self._raw.pairs, self.progress, "reading")
         for pair, split in pairs:
             self.read += 1
             reason = drop_reason(pair.src, pair.tgt, self.cfg)
@@ -364,7 +365,7 @@ def read_bible_pairs(pair_code: str, books: Iterable[str] | None = None,
     shared = [b for b in src_books if b in tgt_books and (wanted is None or b in wanted)]
     kept: list[Pair] = []
     dropped = 0
-    for book in _progress(shared, progress, "reading books"):
+    for book in progress_bar(shared, progress, "reading books", unit=""):
         src_verses = dict(read_sword_book(src_bible, src_books[book]))
         pairs = [
             Pair(clean_osis(src_verses[ref]), clean_osis(tgt_raw), ref)
@@ -749,12 +750,3 @@ def _count_lines(path: Path) -> int:
             n += block.count(b"\n")
             last = block[-1:]
     return n + (last != b"\n")
-
-
-def _progress(items, enabled: bool, desc: str, unit: str = ""):
-    if not enabled:
-        return items
-    from tqdm import tqdm
-
-    return tqdm(items, desc=desc, unit=unit, unit_scale=bool(unit), leave=False,
-                dynamic_ncols=True, disable=None)

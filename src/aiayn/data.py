@@ -25,7 +25,6 @@ ids existed still works: its text is encoded in memory at every start (with a no
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import itertools
 import json
 import os
@@ -44,8 +43,16 @@ from aiayn.config import DataConfig
 from aiayn.corpora import SPLITS, CorpusResult, CorpusStream, held_out_positions
 from aiayn.errors import AiaynError
 from aiayn.io import atomic_write_text, staged_directory
+from aiayn.progress import bar as progress_bar
 from aiayn.tokenids import SIDES, RaggedIds, RaggedWriter
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizers, train_tokenizers
+from aiayn.tokenizer import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    Tokenizers,
+    tokenizer_fingerprint,
+    train_tokenizers,
+)
 
 STATS_FILE = "stats.json"
 TOKENIZER_DIR = "tokenizer"
@@ -101,7 +108,7 @@ def prepare(data_cfg: DataConfig, out_dir: str | Path, model_max_len: int,
             **_token_stats(ids, model_max_len, data_cfg.long_policy, max_tokens),
             "ids": {"format": IDS_FORMAT, "directory": IDS_DIR,
                     "pairs": {name: len(split.src) for name, split in ids.items()},
-                    "tokenizer_sha256": tokenizer_digest(stage / TOKENIZER_DIR)},
+                    "tokenizer_sha256": tokenizer_fingerprint(stage / TOKENIZER_DIR)},
             "data_config": asdict(data_cfg),
         }
         del ids  # unmap before the files move
@@ -217,7 +224,7 @@ def write_splits(directory: Path, pairs: SplitPairs, tokenizers: Tokenizers,
                 stack.callback(writer.discard)  # closes its files after an error; else no-op
         texts = {name: stack.enter_context(open(directory / f"{name}.jsonl", "w",
                                                 encoding="utf-8")) for name in SPLITS}
-        bar = stack.enter_context(_bar(progress, "encoding", total))
+        bar = stack.enter_context(progress_bar(None, progress, "encoding", total))
         for n, (name, src, tgt) in enumerate(pairs.routed(), 1):
             texts[name].write(_json_line(src, tgt))
             buffer = buffers[name]
@@ -242,21 +249,6 @@ def _json_line(src: str, tgt: str) -> str:
     """``json.dumps({"src": src, "tgt": tgt}, ensure_ascii=False)`` and a line end, written
     out (json.dumps builds an encoder at every call with ensure_ascii=False: 3x slower)."""
     return f'{{"src": {_json_string(src)}, "tgt": {_json_string(tgt)}}}\n'
-
-
-def _bar(enabled: bool, desc: str, total: int | None):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit=" pairs", unit_scale=True, leave=False,
-                dynamic_ncols=True, disable=None if enabled else True)
-
-
-def tokenizer_digest(directory: Path) -> str:
-    """sha256 over a tokenizer directory's files: ties the ids to the tokenizer that made them."""
-    digest = hashlib.sha256()
-    for path in sorted(p for p in Path(directory).iterdir() if p.is_file()):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()
 
 
 def _token_stats(ids: dict[str, SplitIds], max_len: int, policy: str,
@@ -361,7 +353,7 @@ class Prepared:
         if meta.get("format") != IDS_FORMAT:
             raise AiaynError(f"{self.data_dir}: token ids of format {meta.get('format')!r}, this "
                              f"aiayn reads format {IDS_FORMAT}; run `aiayn prepare` again")
-        if meta.get("tokenizer_sha256") != tokenizer_digest(self.data_dir / TOKENIZER_DIR):
+        if meta.get("tokenizer_sha256") != tokenizer_fingerprint(self.data_dir / TOKENIZER_DIR):
             raise AiaynError(f"{self.data_dir}: the token ids were made with another tokenizer "
                              f"than {TOKENIZER_DIR}/; run `aiayn prepare` again")
         ids = SplitIds.open(self.data_dir / meta.get("directory", IDS_DIR), name)

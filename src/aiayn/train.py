@@ -59,6 +59,7 @@ from aiayn.io import remove_temp_files
 from aiayn.lock import locked
 from aiayn.model import Transformer
 from aiayn.optim import build_optimizer, label_smoothed_loss, schedule_lr, set_learning_rate
+from aiayn.progress import log
 from aiayn.rundir import (
     MetricsLog,
     check_new_run_dir,
@@ -299,7 +300,7 @@ def run_dir_held(run_dir: Path, resume: bool, force: bool):
         with locked(run_dir, "aiayn train"):
             removed = remove_temp_files(run_dir)
             if removed:
-                tqdm.write(f"removed {len(removed)} temporary file(s) an interrupted save left "
+                log(f"removed {len(removed)} temporary file(s) an interrupted save left "
                            f"in {run_dir}")
             yield
     except BaseException:
@@ -317,7 +318,7 @@ class Trainer:
                  resume: bool, overrides: list[str], world: Dist, force: bool = False,
                  init_from: str | Path | None = None):
         self.world, self.run_dir = world, run_dir
-        self.log = tqdm.write if world.is_main else (lambda *a, **k: None)
+        self.log = log if world.is_main else (lambda *a, **k: None)
         init = None
         if resume:
             config = load_run_config(run_dir, overrides)
