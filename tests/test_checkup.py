@@ -4,7 +4,10 @@ run (and leaves the files alone); `aiayn info` reports what the files say."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -223,3 +226,11 @@ def test_info_on_a_directory_that_is_no_run_is_one_line(tmp_path, capsys):
     assert main(["info", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("aiayn: error:") and "no config.yaml" in err and "\n" not in err
+
+
+def test_doctor_does_not_import_the_trainer():
+    """The train-state version lives where the state is saved (aiayn.checkpoint)."""
+    code = "import sys, aiayn.checkup; print('aiayn.train' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.stdout.strip() == "False"

@@ -16,6 +16,7 @@ from aiayn import plots
 from aiayn.cli import main
 from aiayn.config import ModelConfig, load_config
 from aiayn.model import Transformer, capture_attention, sinusoid_table
+from aiayn.rundir import read_metrics
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from aiayn.translator import sentence_attention
 
@@ -289,7 +290,7 @@ def test_trained_word_for_word_model_has_diagonal_cross_attention(trained_run):
 
 
 def test_plot_command_draws_a_real_metrics_file(trained_run, tmp_path):
-    records = plots.read_metrics(trained_run)
+    records = read_metrics(trained_run)
     assert {r["kind"] for r in records} == {"train", "dev"}
     fig = plots.curves_figure({"run": records})
     bleu = next(ax for ax in fig.axes if ax.get_title() == "dev BLEU")

@@ -31,6 +31,15 @@ pytest.importorskip("fastapi", reason="the serve extra is not installed: pip ins
 from fastapi.testclient import TestClient  # noqa: E402
 from test_translator import WORDS, random_sentence, run_dir  # noqa: E402, F401 (a fixture)
 
+import aiayn  # noqa: E402
+from aiayn.checkpoint import (  # noqa: E402
+    STATE_VERSION,
+    read_metadata,
+    save_train_state,
+    save_weights,
+)
+from aiayn.config import save_config  # noqa: E402
+from aiayn.rundir import load_run  # noqa: E402
 from aiayn.serve import ModelService, ServeLimits, create_app  # noqa: E402
 from aiayn.translator import Translator, TruncationWarning  # noqa: E402
 
@@ -165,21 +174,45 @@ def test_health_info_and_the_openapi_page(client, translator, run_dir):  # noqa:
     assert client.get("/docs").status_code == 200
 
 
-def test_info_reads_steps_and_dev_bleu_from_the_metrics(run_dir, tmp_path):  # noqa: F811
+def test_info_names_the_best_weights_as_aiayn_info_does(run_dir, tmp_path):  # noqa: F811
+    """Under train.best_metric: chrf the best weights are not those of the highest BLEU:
+    /info's "best" is what best.safetensors holds, the same record `aiayn info` gives."""
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
-    records = [{"kind": "train", "step": 50, "loss": 3.0}, {"kind": "dev", "step": 100, "bleu": 7.5},
-               {"kind": "dev", "step": 200, "bleu": 6.0}]
+    config, model, _ = load_run(run)
+    config.train.best_metric = "chrf"
+    save_config(config, run / "config.yaml")
+    records = [{"kind": "train", "step": 50, "loss": 3.0},
+               {"kind": "dev", "step": 100, "bleu": 7.5, "chrf": 30.0, "dev_loss": 2.0},
+               {"kind": "dev", "step": 200, "bleu": 6.0, "chrf": 35.0, "dev_loss": 2.1}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    save_weights(model, run / "best.safetensors",
+                 metadata={"step": "200", "best_metric": "chrf", "best_value": "35.0"})
+    save_train_state({"version": STATE_VERSION, "step": 200, "epoch": 3, "tokens": 9000,
+                      "elapsed_s": 60.0, "world_size": 1}, run / "train_state.pt")
     service = ModelService.from_run(run)
     info = service.info
-    assert (info["training_steps"], info["dev_bleu_best"], info["dev_bleu_last"]) == (200, 7.5, 6.0)
+    assert info["best"] == aiayn.run_info(run)["best"]
+    assert (info["best"]["metric"], info["best"]["step"], info["best"]["bleu"]) == ("chrf", 200, 6.0)
+    assert read_metadata(run / "best.safetensors")["step"] == str(info["best"]["step"])
+    assert info["last_dev"]["step"] == 200 and info["training_steps"] == 200
     assert service.schedule_drawn() == (service.config, "this run")  # eq. 3: as configured
     # A linear schedule that a time budget ended at step 200 reached 0 there.
     service.config.train = dataclasses.replace(service.config.train, schedule="linear",
                                                max_minutes=12.0, max_steps=100_000)
     config, label = service.schedule_drawn()
     assert config.train.max_steps == 200 and "12 minutes ended at step 200" in label
+
+
+def test_info_of_a_run_whose_metrics_are_being_written(run_dir, tmp_path):  # noqa: F811
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    (run / "metrics.jsonl").write_text('{"kind": "dev", "step": 100, "bleu": 7.5}\n'
+                                       '{"kind": "dev", "step": 200, "bl')  # half a line
+    info = ModelService.from_run(run).info
+    assert info["last_dev"]["step"] == 100 and info["best"] == {
+        "metric": "bleu", "step": None, "dev_loss": None, "bleu": None, "chrf": None,
+        "n_sentences": None}  # best.safetensors without a step: not guessed from the log
 
 
 def test_only_the_pages_own_files_are_served(client):

@@ -126,6 +126,11 @@ def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], source: str) 
     model.load_state_dict(tensors, strict=False)
 
 
+# The layout of train_state.pt (aiayn.train.Trainer.save writes it, resume and
+# `aiayn doctor` read it); a change that old files cannot be read by raises it.
+STATE_VERSION = 1
+
+
 def save_train_state(state: dict, path: str | Path) -> None:
     """torch.save of plain containers and tensors, atomically (loaded with weights_only)."""
     with atomic_path(path) as tmp:

@@ -34,7 +34,7 @@ from aiayn.export import QUANTIZATIONS, export_run
 from aiayn.export import TARGETS as EXPORT_TARGETS
 from aiayn.io import atomic_path, check_output_file
 from aiayn.model import Transformer
-from aiayn.rundir import checkpoints_to_average
+from aiayn.rundir import checkpoints_to_average, read_metrics
 from aiayn.runinfo import format_info, run_info
 from aiayn.trace import format_trace, trace_batch, trace_forward
 from aiayn.train import train
@@ -479,7 +479,7 @@ def _run_plot(args) -> int:
         output = args.output or "schedule.png"
     else:
         labels = plots.run_labels(args.run_dirs)
-        runs = {label: plots.read_metrics(run_dir)
+        runs = {label: read_metrics(run_dir)
                 for label, run_dir in zip(labels, args.run_dirs, strict=True)}
         fig = plots.curves_figure(runs)
         output = args.output or "curves.png"

@@ -36,7 +36,13 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from aiayn.checkpoint import load_train_state, load_weights, save_train_state, save_weights
+from aiayn.checkpoint import (
+    STATE_VERSION,
+    load_train_state,
+    load_weights,
+    save_train_state,
+    save_weights,
+)
 from aiayn.config import Config
 from aiayn.data import TokenBatchSampler, collate, length_multiple, load_prepared
 from aiayn.distributed import (
@@ -72,8 +78,6 @@ from aiayn.rundir import (
     step_checkpoint_path,
 )
 from aiayn.transfer import InitFrom
-
-STATE_VERSION = 1
 
 
 # ---------------------------------------------------------------- the run directory
