@@ -23,7 +23,7 @@ def bible_corpus():
 def bible_prepared(bible_corpus, tmp_path_factory):
     """``bible:eng-spa`` prepared with the defaults (BPE, joint 8000) into a directory."""
     from aiayn.config import DataConfig
-    from aiayn.data import prepare
+    from aiayn.prepare import prepare
 
     out = tmp_path_factory.mktemp("bible-eng-spa")
     prepare(DataConfig(), out, model_max_len=256, max_tokens=4096, corpus=bible_corpus)

@@ -10,22 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from aiayn.batching import Example, TokenBatchSampler, collate, length_multiple, token_batches
 from aiayn.cli import main
 from aiayn.config import Config, DataConfig
-from aiayn.data import (
-    Example,
-    TokenBatchSampler,
-    collate,
-    encode_split,
-    length_multiple,
-    load_prepared,
-    percentiles,
-    prepare,
-    read_split,
-    sample_batch,
-    token_batches,
-)
+from aiayn.data import encode_split, load_prepared, read_split, sample_batch
 from aiayn.errors import AiaynError
+from aiayn.prepare import percentiles, prepare
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_tokenizers
 
 WORDS = ("el la casa perro gato sol mar grande rojo azul come ve y un viejo niño "

@@ -22,9 +22,9 @@ import pytest
 import torch
 from test_translator import random_sentence, run_cli, run_dir  # noqa: F401 - run_dir: a fixture
 
+from aiayn.batching import pad
 from aiayn.checkpoint import save_weights
 from aiayn.config import Config, DataConfig, ModelConfig, save_config
-from aiayn.data import pad
 from aiayn.decode import beam_search, greedy_decode
 from aiayn.evaluate import evaluate_run
 from aiayn.export import export_run, residual_permutation

@@ -14,12 +14,14 @@ import numpy as np
 import pytest
 import torch
 
+from aiayn.batching import Example, collate, token_batches
 from aiayn.checkpoint import load_train_state, read_weights
 from aiayn.cli import main
 from aiayn.config import DataConfig, load_config
-from aiayn.data import Example, collate, load_prepared, prepare, token_batches
+from aiayn.data import load_prepared
 from aiayn.distributed import Dist
 from aiayn.errors import AiaynError
+from aiayn.prepare import prepare
 from aiayn.tokenizer import EOS_ID, tokenizer_fingerprint
 from aiayn.train import BatchStream, load_data
 from aiayn.transfer import describe_tokenizer

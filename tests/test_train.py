@@ -63,7 +63,8 @@ def data_dir(tmp_path_factory) -> Path:
 
 
 def batches_per_epoch(data_dir: Path, max_tokens: int = 256, world_size: int = 1) -> int:
-    from aiayn.data import TokenBatchSampler, encode_split, load_prepared
+    from aiayn.batching import TokenBatchSampler
+    from aiayn.data import encode_split, load_prepared
 
     prepared = load_prepared(data_dir)
     examples, _ = encode_split(prepared.train, prepared.tokenizers, 64, "drop")
@@ -276,7 +277,8 @@ def test_gradient_accumulation_equals_one_batch_of_the_same_tokens(data_dir):
     """Two micro-batches give the update of their union: the loss is normalised by the
     real target tokens of the whole update, not averaged per micro-batch. Plain SGD makes
     the weight change lr * gradient, so the gradients themselves are compared."""
-    from aiayn.data import collate, encode_split, load_prepared
+    from aiayn.batching import collate
+    from aiayn.data import encode_split, load_prepared
 
     config = load_config(TINY, ["model.dropout=0.0", "train.bf16=false"])
     prepared = load_prepared(data_dir)
@@ -303,10 +305,11 @@ def test_gradient_accumulation_equals_one_batch_of_the_same_tokens(data_dir):
 
 
 def test_padding_lengths_to_a_multiple_changes_no_update(data_dir):
-    """bf16 training pads lengths to aiayn.data.length_multiple (fewer shapes for oneDNN):
+    """bf16 training pads lengths to aiayn.batching.length_multiple (fewer shapes for oneDNN):
     the extra pad positions are masked out, so the loss and gradients are those of the
     unpadded batch (checked in fp32, where the sums are comparable)."""
-    from aiayn.data import collate, encode_split, load_prepared
+    from aiayn.batching import collate
+    from aiayn.data import encode_split, load_prepared
 
     config = load_config(TINY, ["model.dropout=0.0", "train.bf16=false"])
     prepared = load_prepared(data_dir)

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from aiayn import cli
+from aiayn.batching import pad
 from aiayn.checkpoint import average_checkpoints, read_metadata, read_weights, save_weights
 from aiayn.config import Config, DataConfig, ModelConfig, save_config
-from aiayn.data import pad
 from aiayn.decode import greedy_decode
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer

@@ -26,7 +26,6 @@ import torch
 from aiayn.checkpoint import average_checkpoints
 from aiayn.checkup import doctor
 from aiayn.config import Config, load_config
-from aiayn.data import prepare
 from aiayn.distributed import choose_device
 from aiayn.errors import AiaynError, is_out_of_memory
 from aiayn.evaluate import evaluate_run
@@ -34,6 +33,7 @@ from aiayn.export import QUANTIZATIONS, export_run
 from aiayn.export import TARGETS as EXPORT_TARGETS
 from aiayn.io import atomic_path, check_output_file
 from aiayn.model import Transformer
+from aiayn.prepare import prepare
 from aiayn.rundir import checkpoints_to_average, read_metrics
 from aiayn.runinfo import format_info, run_info
 from aiayn.trace import format_trace, trace_batch, trace_forward

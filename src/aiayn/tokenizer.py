@@ -255,8 +255,8 @@ class _Rows(dict):
 def tokenizer_fingerprint(directory: str | Path) -> str:
     """SHA-256 over a tokenizer directory's JSON files (``meta.json`` and the tokenizer
     files, names and bytes, sorted by name): equal fingerprints mean the same ids for every
-    text. The one identity of a tokenizer: prepared ids record it (aiayn.data) and a run
-    is fine-tuned only on data of its own (aiayn.transfer)."""
+    text. The one identity of a tokenizer: prepared ids record it (aiayn.prepare; checked
+    by aiayn.data) and a run is fine-tuned only on data of its own (aiayn.transfer)."""
     directory = Path(directory)
     files = sorted(directory.glob("*.json"))
     if not files:

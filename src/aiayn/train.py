@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
+from aiayn.batching import TokenBatchSampler, collate, length_multiple
 from aiayn.checkpoint import (
     STATE_VERSION,
     load_train_state,
@@ -44,7 +45,7 @@ from aiayn.checkpoint import (
     save_weights,
 )
 from aiayn.config import Config
-from aiayn.data import TokenBatchSampler, collate, length_multiple, load_prepared
+from aiayn.data import load_prepared
 from aiayn.distributed import (
     Dist,
     ThreadTuner,
@@ -147,7 +148,7 @@ class BatchStream:
     def __init__(self, data: TrainData, pad_id: int, device: torch.device, max_epochs: int,
                  multiple: int = 1):
         self.data, self.pad_id, self.device = data, pad_id, device
-        self.multiple = multiple  # lengths padded to it (aiayn.data.length_multiple)
+        self.multiple = multiple  # lengths padded to it (aiayn.batching.length_multiple)
         self.max_epochs = max_epochs
         self.epoch = 0
         self.data.sampler.set_epoch(self.epoch)

@@ -36,9 +36,10 @@ from safetensors import safe_open
 
 from aiayn.checkpoint import load_weights
 from aiayn.config import Config, ModelConfig, load_config
-from aiayn.data import TOKENIZER_DIR, prepare
+from aiayn.data import TOKENIZER_DIR
 from aiayn.errors import AiaynError
 from aiayn.io import atomic_write_text
+from aiayn.prepare import prepare
 from aiayn.rundir import check_vocabularies, resolve_weights
 from aiayn.tokenizer import META_FILE, Tokenizers, tokenizer_fingerprint
 
@@ -173,7 +174,7 @@ def prepare_from_run(run_dir: str | Path, out_dir: str | Path, corpus: str | Non
     """``aiayn prepare --tokenizer-from RUN_DIR``: read ``corpus`` (default: the run's) with
     the run's data settings and ``overrides`` (``data.*``), split it, and save the run's
     tokenizers (the same bytes) instead of training new ones. Returns the stats.
-    ``out_dir`` as for ``aiayn.data.prepare`` (new or empty, unless ``force``).
+    ``out_dir`` as for ``aiayn.prepare.prepare`` (new or empty, unless ``force``).
 
     A ``data.*`` tokenizer setting that differs from the run's is refused, naming both."""
     run_dir = Path(run_dir)
