@@ -11,20 +11,20 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
-def bible_corpus():
-    """``read_corpus("bible:eng-spa")`` with the default data settings."""
-    from aiayn.config import DataConfig
-    from aiayn.corpora import read_corpus
+def bible_stream():
+    """``bible:eng-spa`` as ``aiayn prepare`` reads it, with the default data settings: the
+    kept pairs of each split (by whole books) with their references (helpers.stream_pairs)."""
+    from helpers import stream_pairs
 
-    return read_corpus("bible:eng-spa", DataConfig())
+    return stream_pairs("bible:eng-spa")
 
 
 @pytest.fixture(scope="session")
-def bible_prepared(bible_corpus, tmp_path_factory):
-    """``bible:eng-spa`` prepared with the defaults (BPE, joint 8000) into a directory."""
+def bible_prepared(tmp_path_factory):
+    """``bible:eng-spa`` prepared by ``aiayn prepare`` with the defaults (BPE, joint 8000)."""
     from aiayn.config import DataConfig
     from aiayn.prepare import prepare
 
     out = tmp_path_factory.mktemp("bible-eng-spa")
-    prepare(DataConfig(), out, model_max_len=256, max_tokens=4096, corpus=bible_corpus)
+    prepare(DataConfig(), out, model_max_len=256, max_tokens=4096)
     return out

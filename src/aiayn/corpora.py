@@ -1,6 +1,8 @@
 """Where sentence pairs come from, chosen by a corpus spec string.
 
-``read_corpus(spec, data_cfg)`` reads, cleans, filters and splits one corpus:
+``CorpusStream(spec, data_cfg)`` reads, cleans and filters one corpus, pair by pair, each
+with its split where the corpus has one (``aiayn prepare`` holds the others out of train:
+``held_out_positions``; it is the one path from a spec to token ids):
 
 ====================================  ===================================================
 spec                                  pairs
@@ -31,7 +33,7 @@ leading or trailing space. Then pairs are dropped, each under the first reason t
 ``empty`` (a side with no text), ``versification`` (Bible chapters whose verses do not pair
 one to one, see ``chapters_versified_differently``), ``too_long`` (a side longer than
 ``data.max_words`` words) and ``length_ratio`` (the longer side more than
-``data.max_length_ratio`` times the shorter, in words). The counts are part of the result.
+``data.max_length_ratio`` times the shorter, in words). The stream counts them.
 """
 
 from __future__ import annotations
@@ -71,38 +73,6 @@ class Pair:
     src: str
     tgt: str
     ref: str
-
-
-@dataclass
-class CorpusResult:
-    """A corpus read, filtered and split: what ``aiayn prepare`` writes and reports."""
-
-    spec: str
-    description: str
-    splits: dict[str, list[Pair]]
-    read: int  # pairs (lines, rows, verses) read before any filter, blank ones included
-    dropped: dict[str, int]  # reason -> count, every reason in DROP_REASONS present
-    split_rule: str  # how the dev and test pairs were chosen
-
-    @property
-    def kept(self) -> int:
-        return sum(len(pairs) for pairs in self.splits.values())
-
-    @property
-    def train(self) -> list[Pair]:
-        return self.splits["train"]
-
-    @property
-    def dev(self) -> list[Pair]:
-        return self.splits["dev"]
-
-    @property
-    def test(self) -> list[Pair]:
-        return self.splits["test"]
-
-    def texts(self, split: str) -> list[tuple[str, str]]:
-        """The (source, target) texts of one split."""
-        return [(p.src, p.tgt) for p in self.splits[split]]
 
 
 @dataclass
@@ -173,27 +143,6 @@ class CorpusStream:
                 raise AiaynError(f"{self.spec}: the {name} split is empty after filtering")
 
 
-def read_corpus(spec: str, cfg: DataConfig, progress: bool = False) -> CorpusResult:
-    """Read the corpus named by ``spec``, filter it and split it into train/dev/test, in
-    memory (``aiayn prepare`` streams it instead, with the same rules: ``CorpusStream``)."""
-    stream = CorpusStream(spec, cfg, progress)
-    kept = list(stream)
-    splits: dict[str, list[Pair]] = {name: [] for name in SPLITS}
-    for pair, split in kept:
-        splits[split].append(pair)
-    stream.check_kept({name: len(pairs) for name, pairs in splits.items()})
-    chosen, rule = held_out_positions(len(splits["train"]), stream.given, cfg, spec)
-    if chosen:
-        held = {int(i): name for name, positions in chosen.items() for i in positions}
-        train = splits["train"]
-        for name in chosen:  # each split keeps the corpus order
-            splits[name] = [p for i, p in enumerate(train) if held.get(i) == name]
-        splits["train"] = [p for i, p in enumerate(train) if i not in held]
-    return CorpusResult(
-        spec=spec, description=stream.description, splits=splits, read=stream.read,
-        dropped=stream.dropped, split_rule=stream.split_rule or rule,
-    )
-
 # ------------------------------------------------------------------ cleaning and filtering
 
 
@@ -214,21 +163,6 @@ def drop_reason(src: str, tgt: str, cfg: DataConfig) -> str | None:
     if max(n_src, n_tgt) > cfg.max_length_ratio * min(n_src, n_tgt):
         return "length_ratio"
     return None
-
-
-def filter_pairs(
-    pairs: Iterable[tuple[Pair, str]], cfg: DataConfig
-) -> tuple[list[tuple[Pair, str]], dict[str, int]]:
-    """Keep the pairs with no drop reason; count the others by reason."""
-    dropped = dict.fromkeys(DROP_REASONS, 0)
-    kept = []
-    for pair, split in pairs:
-        reason = drop_reason(pair.src, pair.tgt, cfg)
-        if reason:
-            dropped[reason] += 1
-        else:
-            kept.append((pair, split))
-    return kept, dropped
 
 
 # ------------------------------------------------------------------ splitting

@@ -30,7 +30,7 @@ import numpy as np
 
 from aiayn.batching import TokenBatchSampler
 from aiayn.config import DataConfig
-from aiayn.corpora import SPLITS, CorpusResult, CorpusStream, held_out_positions
+from aiayn.corpora import SPLITS, CorpusStream, held_out_positions
 from aiayn.data import (
     ENCODE_CHUNK,
     IDS_DIR,
@@ -51,7 +51,7 @@ PERCENTILES = (50, 90, 95, 99, 100)
 
 def prepare(data_cfg: DataConfig, out_dir: str | Path, model_max_len: int,
             max_tokens: int = 4096, progress: bool = False,
-            corpus: CorpusResult | None = None, force: bool = False,
+            force: bool = False,
             tokenizers: Tokenizers | None = None) -> dict[str, Any]:
     """Read ``data_cfg.corpus``, train and save the tokenizer(s) on the train split, write
     every split's text and token ids, and write ``stats.json``. Returns the stats.
@@ -68,12 +68,11 @@ def prepare(data_cfg: DataConfig, out_dir: str | Path, model_max_len: int,
     ``model_max_len`` and ``max_tokens`` only feed the report: how many pairs the model's
     length limit would drop or truncate, and the padding of train batches of that budget
     (the ids are written whole; training applies the limit).
-    ``corpus``: the result of ``read_corpus(data_cfg.corpus, data_cfg)`` if already read.
     ``tokenizers``: use (and save) these instead of training new ones, e.g. a run's, to
     fine-tune it on this corpus (aiayn.transfer.prepare_from_run).
     """
     with staged_directory(out_dir, force, "aiayn prepare", marker=STATS_FILE) as stage:
-        pairs = read_pairs(data_cfg, stage, progress, corpus)
+        pairs = read_pairs(data_cfg, stage, progress)
         n_train = pairs.info["splits"]["train"]
         sample = min(n_train, data_cfg.tokenizer_max_pairs)
         if tokenizers is None:
@@ -144,46 +143,33 @@ class SplitPairs:
             path.unlink()
 
 
-def read_pairs(cfg: DataConfig, directory: Path, progress: bool = False,
-               corpus: CorpusResult | None = None) -> SplitPairs:
+def read_pairs(cfg: DataConfig, directory: Path, progress: bool = False) -> SplitPairs:
     """Pass 1: stream the corpus (``aiayn.corpora.CorpusStream``) into tab-separated files,
     one per split it has, and choose the held-out positions
     (``aiayn.corpora.held_out_positions``). ``info`` holds what was read, dropped and kept
     and the split rule (the first keys of stats.json)."""
-    if corpus is not None:  # already read and split, in memory
-        source = ((p, name) for name in SPLITS for p in corpus.splits[name])
-    else:
-        source = stream = CorpusStream(cfg.corpus, cfg, progress)
+    stream = CorpusStream(cfg.corpus, cfg, progress)
     files = {name: directory / f"{name}.pairs.tsv" for name in SPLITS}
     counts = dict.fromkeys(SPLITS, 0)
     with contextlib.ExitStack() as stack:
         handles = {name: stack.enter_context(open(path, "w", encoding="utf-8", newline="\n"))
                    for name, path in files.items()}
-        for pair, split in source:
+        for pair, split in stream:
             src, tgt = pair.src, pair.tgt
             if "\t" in src or "\t" in tgt or "\n" in src or "\n" in tgt:
                 raise AiaynError(f"{pair.ref}: a tab or line break in normalized text")
             handles[split].write(f"{src}\t{tgt}\n")
             counts[split] += 1
-    if corpus is not None:
-        info = _corpus_info(cfg.corpus, corpus.description, corpus.read, corpus.dropped,
-                            corpus.split_rule, counts)
-        return SplitPairs(directory, files, {}, info)
     stream.check_kept(counts)
     chosen, rule = held_out_positions(counts["train"], stream.given, cfg, cfg.corpus)
     held = {int(i): name for name, positions in chosen.items() for i in positions}
     counts["train"] -= len(held)
     counts.update({name: len(positions) for name, positions in chosen.items()})
-    info = _corpus_info(cfg.corpus, stream.description, stream.read, stream.dropped,
-                        stream.split_rule or rule, counts)
+    info = {"corpus": cfg.corpus, "description": stream.description,
+            "pairs": {"read": stream.read, "kept": sum(counts.values()),
+                      "dropped": stream.dropped},
+            "split_rule": stream.split_rule or rule, "splits": counts}
     return SplitPairs(directory, files, held, info)
-
-
-def _corpus_info(spec: str, description: str, read: int, dropped: dict[str, int],
-                 split_rule: str, splits: dict[str, int]) -> dict[str, Any]:
-    return {"corpus": spec, "description": description,
-            "pairs": {"read": read, "kept": sum(splits.values()), "dropped": dropped},
-            "split_rule": split_rule, "splits": splits}
 
 
 def write_splits(directory: Path, pairs: SplitPairs, tokenizers: Tokenizers,
