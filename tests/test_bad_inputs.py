@@ -10,7 +10,6 @@ during a save) run in-process at the end.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import random
@@ -23,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from helpers import snapshot
 
 from aiayn import checkpoint, cli, io
 from aiayn.checkpoint import load_train_state
@@ -49,18 +49,6 @@ def aiayn(*args: str, stdin: bytes | None = None, env: dict | None = None,
     return subprocess.run([sys.executable, "-m", "aiayn", *map(str, args)], input=stdin,
                           capture_output=True, timeout=timeout, cwd=cwd,
                           env={**os.environ, "PYTHONWARNINGS": "default", **(env or {})})
-
-
-def snapshot(*directories: Path) -> dict[str, str]:
-    """Every file under the directories (hidden ones too), with its SHA-256."""
-    files = {}
-    for directory in directories:
-        for path in sorted(directory.rglob("*")):
-            if path.is_file():
-                files[str(path)] = hashlib.sha256(path.read_bytes()).hexdigest()
-            elif path.is_dir():
-                files[str(path) + "/"] = "dir"
-    return files
 
 
 def one_error_line(result: subprocess.CompletedProcess) -> str:
@@ -207,7 +195,7 @@ def outcomes(world, tmp_path_factory) -> dict[str, tuple]:
     """Every case of CASES run once, two at a time (each is a process that mostly imports
     torch), each in its own temporary directory: {case id: (result, filled expectation,
     temp dir unchanged?)}; and the shared run and data directories unchanged by all."""
-    before_world = snapshot(world["root"])
+    before_world = snapshot(world["root"], folders=True)
 
     def run_case(case):
         name, args, expected, setup = case
@@ -226,13 +214,13 @@ def outcomes(world, tmp_path_factory) -> dict[str, tuple]:
                 text = text.replace(key, value)
             return text
 
-        before = snapshot(tmp)
+        before = snapshot(tmp, folders=True)
         result = aiayn(*[fill(a) for a in args], stdin=b"the red cat\n")
-        return name, (result, fill(expected), snapshot(tmp) == before)
+        return name, (result, fill(expected), snapshot(tmp, folders=True) == before)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         done = dict(pool.map(run_case, CASES))
-    assert snapshot(world["root"]) == before_world, "a bad input changed the shared run or data"
+    assert snapshot(world["root"], folders=True) == before_world, "a bad input changed the shared run or data"
     return done
 
 
@@ -250,10 +238,10 @@ def test_weights_of_a_config_edited_after_training_are_refused(world, tmp_path):
     run = copy_run(world, tmp_path)
     config = run / "config.yaml"
     config.write_text(config.read_text().replace("n_heads: 4", "n_heads: 8"), encoding="utf-8")
-    before = snapshot(run)
+    before = snapshot(run, folders=True)
     result = aiayn("translate", run, stdin=b"the red cat\n")
     assert "model.n_heads=4 but the config says model.n_heads=8" in one_error_line(result)
-    assert snapshot(run) == before
+    assert snapshot(run, folders=True) == before
 
 
 def test_nan_weights_are_refused_not_translated_to_empty_lines(world, tmp_path):
@@ -280,19 +268,19 @@ def test_no_weights_best_names_the_step_checkpoints_that_exist(world, tmp_path):
 def test_a_failed_resume_leaves_config_yaml_as_it_was(world, tmp_path):
     run = copy_run(world, tmp_path)
     (run / "train_state.pt").write_bytes(b"not a torch file")
-    before = snapshot(run)
+    before = snapshot(run, folders=True)
     result = aiayn("train", "--resume", run, "--set", "train.max_steps=99")
     assert "train_state.pt: cannot read training state" in one_error_line(result)
-    assert snapshot(run) == before
+    assert snapshot(run, folders=True) == before
 
 
 def test_weights_without_a_train_state_name_the_ways_on(world, tmp_path):
     run = copy_run(world, tmp_path)
     (run / "train_state.pt").unlink()
-    before = snapshot(run)
+    before = snapshot(run, folders=True)
     line = one_error_line(aiayn("train", "--resume", run))
     assert "no train_state.pt" in line and f"--init-from {run}" in line and "--force" in line
-    assert snapshot(run) == before
+    assert snapshot(run, folders=True) == before
 
 
 def test_a_run_that_crashed_before_its_first_save_resumes_from_step_0(world, tmp_path):
@@ -358,11 +346,11 @@ def test_prepare_force_replaces_prepared_data_only_when_not_in_use(world, tmp_pa
     data = tmp_path / "data"
     shutil.copytree(world["data"], data)
     with locked(data, "aiayn train", shared=True):  # as a training run holds it
-        before = snapshot(data)
+        before = snapshot(data, folders=True)
         result = aiayn("prepare", "--corpus", f"tsv:{world['corpus']}", "--out", data, "--force",
                        "--set", "data.tokenizer=wordlevel")
         assert "is in use" in one_error_line(result)
-        assert snapshot(data) == before
+        assert snapshot(data, folders=True) == before
     result = aiayn("prepare", "--corpus", f"tsv:{world['corpus']}", "--out", data, "--force",
                    "--set", "data.tokenizer=wordlevel", "--set", "data.split_seed=7")
     assert result.returncode == 0, result.stderr.decode()
@@ -373,7 +361,7 @@ def test_prepare_force_replaces_prepared_data_only_when_not_in_use(world, tmp_pa
 def test_a_kill_during_prepare_leaves_the_old_prepared_data(world, tmp_path):
     data = tmp_path / "data"
     shutil.copytree(world["data"], data)
-    before = snapshot(data)
+    before = snapshot(data, folders=True)
     big = tsv_corpus(tmp_path / "big.tsv", n=200_000, seed=1)
     proc = subprocess.Popen([sys.executable, "-m", "aiayn", "prepare", "--corpus", f"tsv:{big}",
                              "--out", str(data), "--force"], cwd=ROOT,
@@ -384,8 +372,8 @@ def test_a_kill_during_prepare_leaves_the_old_prepared_data(world, tmp_path):
     time.sleep(0.5)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    leftover = {k: v for k, v in snapshot(data).items()
-                if ".staging.tmp" not in k and not k.endswith("/.lock")}
+    leftover = {k: v for k, v in snapshot(data, folders=True).items()
+                if ".staging.tmp" not in k and Path(k).name != ".lock"}
     assert leftover == before
     # The next prepare cleans what the killed one left.
     result = aiayn("prepare", "--corpus", f"tsv:{world['corpus']}", "--out", data, "--force",

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import TINY, run_train, sets, snapshot, write_prepared
 from safetensors.torch import load_file, save_file
-from test_train import TINY, run_train, sets, write_prepared
 
 import aiayn
 from aiayn.checkpoint import load_train_state
@@ -35,11 +35,6 @@ def healthy(tmp_path_factory) -> Path:
               *sets(schedule="linear", peak_lr=0.003, warmup_steps=10, max_steps=30,
                     eval_every=15, save_every=15))
     return run
-
-
-def snapshot(directory: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(directory)): p.read_bytes()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 def status(report) -> dict[str, bool | None]:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import snapshot
 
 from aiayn.batching import Example, TokenBatchSampler, collate, length_multiple, token_batches
 from aiayn.cli import main
@@ -38,17 +39,12 @@ def toy_cfg(path: Path, **changes) -> DataConfig:
     return DataConfig(**{**settings, **changes})
 
 
-def tree(directory: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(directory)): p.read_bytes()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
-
-
 # ------------------------------------------------------------------ prepare
 def test_prepare_twice_gives_identical_files(tmp_path):
     cfg = toy_cfg(toy_tsv(tmp_path / "c.tsv"))
     prepare(cfg, tmp_path / "a", model_max_len=32, max_tokens=256)
     prepare(cfg, tmp_path / "b", model_max_len=32, max_tokens=256)
-    a, b = tree(tmp_path / "a"), tree(tmp_path / "b")
+    a, b = snapshot(tmp_path / "a"), snapshot(tmp_path / "b")
     ids = [f"ids/{split}.{side}.{kind}.npy" for split in ("dev", "test", "train")
            for side in ("src", "tgt") for kind in ("ids", "offsets")]
     assert sorted(a) == ["dev.jsonl", *ids, "stats.json", "test.jsonl", "tokenizer/joint.json",

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import prepare_splits
 from PIL import Image
 
 from aiayn import plots
@@ -44,22 +45,12 @@ def word_for_word_pairs(n: int, seed: int) -> list[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory) -> Path:
-    """A run directory from `aiayn train` (configs/tiny.yaml, 300 steps, ~10 s) on
-    prepared data written with the public API (JSONL splits + a word-level tokenizer)."""
-    from aiayn.config import DataConfig
-    from aiayn.tokenizer import train_tokenizers
-
+    """A run directory from `aiayn train` (configs/tiny.yaml, 300 steps, ~10 s) on data
+    prepared by `aiayn prepare` (a word-level tokenizer)."""
     base = tmp_path_factory.mktemp("plots_run")
-    data = base / "data"
-    data.mkdir()
     splits = {"train": word_for_word_pairs(400, 1), "dev": word_for_word_pairs(12, 2),
               "test": word_for_word_pairs(12, 3)}
-    for name, pairs in splits.items():
-        lines = "".join(json.dumps({"src": s, "tgt": t}) + "\n" for s, t in pairs)
-        (data / f"{name}.jsonl").write_text(lines, encoding="utf-8")
-    cfg = DataConfig(tokenizer="wordlevel", vocab_size=64, min_frequency=1)
-    train_tokenizers(splits["train"], cfg).save(data / "tokenizer")
-    (data / "stats.json").write_text("{}\n", encoding="utf-8")
+    data = prepare_splits(base / "data", splits)
     run = base / "run"
     settings = ["train.max_steps=300", "train.warmup_steps=50", "train.lr_scale=0.6",
                 "train.eval_every=150", "train.save_every=300", "model.dropout=0.0"]

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import snapshot
 
 from aiayn.batching import Example, collate, token_batches
 from aiayn.checkpoint import load_train_state, read_weights
@@ -64,11 +65,6 @@ def tiny_config(max_len: int = 64, policy: str = "drop", **train):
     for key, value in train.items():
         setattr(config.train, key, value)
     return config
-
-
-def tree(directory: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(directory)): p.read_bytes()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 # ------------------------------------------------------------------ the ids
@@ -248,14 +244,14 @@ def test_ids_that_do_not_fit_the_directory_are_a_one_line_error(data_dir, tmp_pa
 def test_a_failed_prepare_changes_nothing_on_disk(data_dir, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(data_dir, out)
-    before = tree(out)
+    before = snapshot(out)
     bad = toy_tsv(tmp_path / "bad.tsv", n=300)
     with open(bad, "a", encoding="utf-8") as fh:
         fh.write("a line without a tab at the very end\n")  # found only after reading it all
     cfg = DataConfig(corpus=f"tsv:{bad}", vocab_size=60, min_frequency=1)
     with pytest.raises(AiaynError, match="line 301 has no tab"):
         prepare(cfg, out, model_max_len=64, force=True)
-    assert tree(out) == before
+    assert snapshot(out) == before
     with pytest.raises(AiaynError, match="line 301 has no tab"):
         prepare(cfg, tmp_path / "new", model_max_len=64)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.tsv", "out"]  # no staging left

@@ -7,7 +7,6 @@ import errno
 import json
 import math
 import os
-import random
 import socket
 import subprocess
 import sys
@@ -15,46 +14,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import (
+    ROOT,
+    TINY,
+    assert_equal_weights,
+    error_line,
+    records,
+    run_train,
+    sets,
+    weights,
+    write_prepared,
+)
 
 from aiayn import io, train
-from aiayn.checkpoint import load_train_state, read_weights
+from aiayn.checkpoint import load_train_state
 from aiayn.cli import main
-from aiayn.config import DataConfig, load_config
+from aiayn.config import load_config
 from aiayn.optim import learning_rate
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "configs" / "tiny.yaml")
-
-# A toy language pair: each source word has one target word, and the order is reversed.
-LEXICON = {"red": "rojo", "blue": "azul", "cat": "gato", "dog": "perro", "sun": "sol",
-           "sea": "mar", "big": "grande", "small": "chico", "house": "casa", "tree": "arbol",
-           "eats": "come", "sees": "ve", "the": "el", "a": "un", "and": "y", "old": "viejo"}
-
-
-def synthetic_pairs(n: int, seed: int) -> list[tuple[str, str]]:
-    rng = random.Random(seed)
-    words = sorted(LEXICON)
-    pairs = []
-    for _ in range(n):
-        src = [rng.choice(words) for _ in range(rng.randint(2, 9))]
-        pairs.append((" ".join(src), " ".join(LEXICON[w] for w in reversed(src))))
-    return pairs
-
-
-def write_prepared(directory: Path, joint: bool = True) -> Path:
-    """A prepared-data directory written through the data API: JSONL splits + tokenizer."""
-    from aiayn.tokenizer import train_tokenizers
-
-    splits = {"train": synthetic_pairs(240, 1), "dev": synthetic_pairs(16, 2),
-              "test": synthetic_pairs(16, 3)}
-    directory.mkdir(parents=True, exist_ok=True)
-    for name, pairs in splits.items():
-        lines = [json.dumps({"src": s, "tgt": t}) for s, t in pairs]
-        (directory / f"{name}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    cfg = DataConfig(tokenizer="wordlevel", vocab_size=64, min_frequency=1, joint_vocab=joint)
-    train_tokenizers(splits["train"], cfg).save(directory / "tokenizer")
-    (directory / "stats.json").write_text("{}\n", encoding="utf-8")
-    return directory
 
 
 @pytest.fixture(scope="module")
@@ -70,40 +46,6 @@ def batches_per_epoch(data_dir: Path, max_tokens: int = 256, world_size: int = 1
     examples, _ = encode_split(prepared.train, prepared.tokenizers, 64, "drop")
     return len(TokenBatchSampler([len(e.src) for e in examples], [len(e.tgt) for e in examples],
                                  max_tokens, shuffle=True, seed=1, world_size=world_size))
-
-
-def run_train(*args: str) -> None:
-    assert main(["train", *args]) == 0
-
-
-def sets(**settings) -> list[str]:
-    out = []
-    for key, value in settings.items():
-        out += ["--set", f"train.{key}={value}"]
-    return out
-
-
-def weights(run_dir: Path, name: str = "last.safetensors") -> dict[str, torch.Tensor]:
-    return read_weights(run_dir / name)
-
-
-def records(run_dir: Path, kind: str) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == kind]
-
-
-def error_line(stderr: str) -> str:
-    """The CLI's one-line error (the progress bar may have written to stderr before it)."""
-    lines = [line for line in stderr.replace("\r", "\n").splitlines()
-             if line.startswith("aiayn: error:")]
-    assert len(lines) == 1, stderr
-    return lines[0]
-
-
-def assert_equal_weights(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
 
 
 # ---------------------------------------------------------------- the run directory
@@ -326,7 +268,7 @@ def test_padding_lengths_to_a_multiple_changes_no_update(data_dir):
         grads = {}  # each parameter's gradient as backward leaves it (train_step clears them)
         for name, p in model.named_parameters():
             p.register_post_accumulate_grad_hook(
-                lambda p, name=name: grads.__setitem__(name, p.grad.clone()))
+                lambda p, name=name, grads=grads: grads.__setitem__(name, p.grad.clone()))
         sgd = torch.optim.SGD(model.parameters(), lr=0.0)
         step = train.train_step(model, None, sgd, [collated], 1, config, world)
         results.append((step, grads, collated.src.size(1)))
