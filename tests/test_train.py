@@ -30,6 +30,7 @@ from aiayn import io, train
 from aiayn.checkpoint import load_train_state
 from aiayn.cli import main
 from aiayn.config import load_config
+from aiayn.errors import AiaynError
 from aiayn.optim import learning_rate
 
 
@@ -92,6 +93,42 @@ def test_existing_run_dir_and_tie_all_without_joint_vocab_are_clear_errors(
     code = main(["train", "--config", TINY, "--data", str(separate), "--out",
                  str(tmp_path / "r2"), "--set", "model.tie_embeddings=all"])
     assert code == 2 and "needs a joint vocabulary" in error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(("argv", "api", "words"), [
+    (["--data", "D", "--out", "O"], {"config": None, "data_dir": "D", "run_dir": "O"},
+     "a new run needs --config FILE --data PREPARED_DIR --out RUN_DIR"),
+    (["--config", "TINY", "--out", "O"], {"config": "TINY", "data_dir": None, "run_dir": "O"},
+     "a new run needs --config FILE --data PREPARED_DIR --out RUN_DIR"),
+    (["--resume", "O", "--config", "TINY"],
+     {"config": "TINY", "data_dir": None, "run_dir": "O", "resume": True},
+     "--resume RUN_DIR continues a run with its own config and directory"),
+    (["--resume", "O", "--force"], {"config": None, "data_dir": None, "run_dir": "O",
+                                     "resume": True, "force": True},
+     "--resume RUN_DIR continues a run with its own config and directory"),
+    (["--init-from", "R", "--out", "O"],
+     {"config": None, "data_dir": None, "run_dir": "O", "init_from": "R"},
+     "--init-from RUN_DIR starts a new run: give --data PREPARED_DIR"),
+    (["--init-from", "R", "--resume", "O", "--data", "D"],
+     {"config": None, "data_dir": "D", "run_dir": "O", "init_from": "R", "resume": True},
+     "--init-from RUN_DIR starts a new run: give --data PREPARED_DIR"),
+])
+def test_the_three_ways_to_start_are_checked_once_with_one_message(
+        argv, api, words, data_dir, tmp_path, capsys):
+    """A new run, a resume, a run from another run: each wrong combination of what they
+    need is one line, the same from the CLI and from aiayn.train.train, before anything
+    is written."""
+    names = {"D": str(data_dir), "O": str(tmp_path / "out"), "R": str(tmp_path / "base"),
+             "TINY": TINY}
+    assert main(["train", *[names.get(a, a) for a in argv]]) == 2
+    line = error_line(capsys.readouterr().err)
+    assert words in line
+    settings = {k: (load_config(TINY) if v == "TINY" else names.get(v, v))
+                for k, v in api.items()}
+    with pytest.raises(AiaynError) as err:
+        train.train(**settings)
+    assert line == f"aiayn: error: {err.value}"
+    assert not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------- exact resume

@@ -37,7 +37,7 @@ from aiayn.prepare import prepare
 from aiayn.rundir import checkpoints_to_average, read_metrics
 from aiayn.runinfo import format_info, run_info
 from aiayn.trace import format_trace, trace_batch, trace_forward
-from aiayn.train import train
+from aiayn.train import check_run_request, train
 from aiayn.transfer import prepare_from_run
 from aiayn.translator import ENGINES, Translator, check_search
 
@@ -196,26 +196,14 @@ def _run_train(args) -> int:
         overrides.append("train.bf16=true")
     if args.compile:
         overrides.append("train.compile=true")
-    if args.init_from:
-        if args.resume or not (args.data and args.out):
-            raise AiaynError("--init-from RUN_DIR starts a new run: give --data PREPARED_DIR "
-                             "--out NEW_RUN_DIR (and no --resume)")
-        config = load_config(args.config, overrides) if args.config else None
+    check_run_request(bool(args.resume), args.init_from, bool(args.config), args.data,
+                      args.out, args.force)
+    config = load_config(args.config, overrides) if args.config else None
+    if args.resume:
+        train(None, args.data, args.resume, resume=True, overrides=overrides, device=args.device)
+    else:
         train(config, args.data, args.out, overrides=overrides, device=args.device,
               force=args.force, init_from=args.init_from)
-        return 0
-    if args.resume:
-        if args.config or args.out or args.force:
-            raise AiaynError("--resume RUN_DIR continues a run with its own config and directory; "
-                             "drop --config/--out/--force (change train.* settings with --set)")
-        train(None, args.data, args.resume, resume=True, overrides=overrides,
-              device=args.device)
-        return 0
-    if not (args.config and args.data and args.out):
-        raise AiaynError("a new run needs --config FILE --data PREPARED_DIR --out RUN_DIR "
-                         "(or --resume RUN_DIR)")
-    config = load_config(args.config, overrides)
-    train(config, args.data, args.out, device=args.device, force=args.force)
     return 0
 
 

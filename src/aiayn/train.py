@@ -26,6 +26,7 @@ import math
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -36,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from aiayn.batching import TokenBatchSampler, collate, length_multiple
+from aiayn.batching import Example, TokenBatchSampler, collate, length_multiple
 from aiayn.checkpoint import (
     STATE_VERSION,
     load_train_state,
@@ -45,7 +46,7 @@ from aiayn.checkpoint import (
     save_weights,
 )
 from aiayn.config import Config
-from aiayn.data import load_prepared
+from aiayn.data import EncodedSplit, load_prepared
 from aiayn.distributed import (
     Dist,
     ThreadTuner,
@@ -78,6 +79,7 @@ from aiayn.rundir import (
     resume_point,
     step_checkpoint_path,
 )
+from aiayn.tokenizer import Tokenizers
 from aiayn.transfer import InitFrom
 
 
@@ -109,11 +111,11 @@ def build_model(config: Config, device: torch.device) -> Transformer:
 class TrainData:
     """Encoded training examples with this rank's sampler, and the dev split."""
 
-    train: list
-    sampler: Any
-    dev: list
+    train: EncodedSplit
+    sampler: TokenBatchSampler
+    dev: list[Example]
     dev_pairs: list[tuple[str, str]]
-    tokenizers: Any
+    tokenizers: Tokenizers
 
 
 def load_data(data_dir: Path, config: Config, world: Dist, log=print) -> TrainData:
@@ -269,6 +271,8 @@ def train(
         train(None, "data/kjv-spa", "runs/ft", init_from="runs/web:best",
               overrides=["train.max_steps=2000", "train.patience=3"])
     """
+    check_run_request(resume, init_from, config is not None, data_dir,
+                      None if resume else run_dir, force)
     world = setup_distributed(device)
     run_dir = Path(run_dir)
     try:
@@ -314,9 +318,96 @@ def run_dir_held(run_dir: Path, resume: bool, force: bool):
         raise
 
 
+def check_run_request(resume: bool, init_from: str | Path | None, config_given: bool,
+                      data_dir: str | Path | None, out: str | Path | None,
+                      force: bool = False) -> None:
+    """The three ways to start `aiayn train`, each with what it needs: a new run (--config,
+    --data, --out), a resume (--resume RUN_DIR: its own config and directory), a new run
+    from another run's weights (--init-from RUN_DIR, --data, --out). The CLI and ``train``
+    both check here, so a wrong combination gets the same one line from either."""
+    if init_from is not None:
+        if resume or data_dir is None or out is None:
+            raise AiaynError("--init-from RUN_DIR starts a new run: give --data PREPARED_DIR "
+                             "(prepared with `aiayn prepare --tokenizer-from RUN_DIR`) --out "
+                             "NEW_RUN_DIR (and no --resume)")
+    elif resume:
+        if config_given or out is not None or force:
+            raise AiaynError("--resume RUN_DIR continues a run with its own config and "
+                             "directory; drop --config/--out/--force (change train.* settings "
+                             "with --set)")
+    elif not config_given or data_dir is None or out is None:
+        raise AiaynError("a new run needs --config FILE --data PREPARED_DIR --out RUN_DIR "
+                         "(or --resume RUN_DIR)")
+
+
+@dataclass
+class RunStart:
+    """Where a Trainer starts: the settings before the data is seen, the data, and whether
+    it continues a saved run (a resume), begins one (new, or ``init`` from another run's
+    weights), or begins again a resumed run that had saved nothing (``restart``)."""
+
+    config: Config
+    data_dir: Path
+    resume: bool = False
+    restart: bool = False
+    init: InitFrom | None = None
+
+    @property
+    def continues(self) -> bool:
+        return self.resume and not self.restart
+
+    @classmethod
+    def choose(cls, config: Config | None, data_dir: str | Path | None, run_dir: Path,
+               resume: bool, overrides: list[str], init_from: str | Path | None,
+               log: Callable[[str], object]) -> RunStart:
+        if resume:
+            # A run that crashed before its first save has nothing to resume from: it
+            # starts again at step 0 with its own config (which is what it would have done).
+            restart = resume_point(run_dir) is None
+            if restart:
+                log(f"{run_dir}: no checkpoint was saved yet; starting it at step 0 with its "
+                    "config.yaml")
+            return cls(load_run_config(run_dir, overrides),
+                       Path(data_dir) if data_dir else read_data_dir(run_dir), True, restart)
+        assert data_dir is not None  # check_run_request
+        if init_from is None:
+            assert config is not None  # check_run_request
+            return cls(config, Path(data_dir))
+        init = InitFrom.parse(init_from)  # fine-tuning: that run's shape and tokenizers
+        init.check_data(Path(data_dir))
+        return cls(init.config_for_new_run(config, overrides, Path(data_dir)), Path(data_dir),
+                   init=init)
+
+    def record(self, run_dir: Path, stored: Config, overrides: list[str], step: int,
+               force: bool) -> None:
+        """Write the run into ``run_dir`` (rank 0, once everything is checked and loaded):
+        a new run's files; on resume the new train.* settings and a line saying so in
+        config_history.jsonl."""
+        if not self.continues:
+            create_run_dir(run_dir, stored, self.data_dir, force or self.restart)
+            if self.init is not None:
+                self.init.record(run_dir)
+        if self.resume:
+            record_config(run_dir, stored, overrides, step)
+
+
+def wrap_for_training(model: nn.Module, compile_: bool, world: Dist
+                      ) -> tuple[nn.Module | None, nn.Module]:
+    """(the DistributedDataParallel wrapper or None, the module the loop calls)."""
+    ddp: nn.Module | None = None
+    train_model = model
+    if world.enabled:
+        ddp = train_model = nn.parallel.DistributedDataParallel(
+            model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
+    if compile_:
+        # Batch shapes vary with the length buckets: compile once for symbolic shapes.
+        train_model = torch.compile(train_model, dynamic=True)
+    return ddp, train_model
+
+
 class Trainer:
     """One training run: ``__init__`` sets everything up (data, model, optimizer, the saved
-    state on resume), ``run`` is the loop; ``validate`` and ``save`` are what it does at
+    state on resume), ``run`` is the loop; ``run_validation`` and ``save`` are what it does at
     intervals. Every rank builds its own Trainer; rank 0 alone writes files."""
 
     def __init__(self, config: Config | None, data_dir: str | Path | None, run_dir: Path,
@@ -324,88 +415,41 @@ class Trainer:
                  init_from: str | Path | None = None):
         self.world, self.run_dir = world, run_dir
         self.log = log if world.is_main else (lambda *a, **k: None)
-        init = None
-        if resume:
-            config = load_run_config(run_dir, overrides)
-            data_dir = Path(data_dir) if data_dir else read_data_dir(run_dir)
-            # A run that crashed before its first save has nothing to resume from: it
-            # starts again at step 0 with its own config (which is what it would have done).
-            restart = resume_point(run_dir) is None
-            if restart:
-                self.log(f"{run_dir}: no checkpoint was saved yet; starting it at step 0 with "
-                         "its config.yaml")
-        elif init_from is not None:  # fine-tuning: that run's shape and tokenizers
-            if data_dir is None:
-                raise AiaynError("--init-from needs --data PREPARED_DIR (prepared with "
-                                 "`aiayn prepare --tokenizer-from RUN_DIR`)")
-            init = InitFrom.parse(init_from)
-            data_dir = Path(data_dir)
-            init.check_data(data_dir)
-            config = init.config_for_new_run(config, overrides, data_dir)
-            restart = False
-        else:
-            if config is None or data_dir is None:
-                raise AiaynError("a new run needs --config and --data (or use --resume RUN_DIR)")
-            data_dir = Path(data_dir)
-            restart = False
-        self.data_dir = data_dir
-        t = config.train
-
-        # Model and optimizer, seeded so every rank builds the same initial weights.
-        set_seed(t.seed)
-        self.data = load_data(data_dir, config, world, self.log)
-        config = self.config = resolve_config(config, self.data.tokenizers, data_dir)
-        stored = config  # what config.yaml holds (bf16 "auto" stays "auto")
-        # What this machine runs fast: resolved here, so config.yaml keeps "auto" and a
-        # resume on another machine chooses again.
-        use_bf16, why_bf16 = resolve_bf16(t.bf16, world.device)
-        config = self.config = replace(config, train=replace(config.train,
-                                                             bf16="true" if use_bf16 else "false"))
-        t = config.train
+        start = RunStart.choose(config, data_dir, run_dir, resume, overrides, init_from, self.log)
+        self.data_dir = start.data_dir
+        set_seed(start.config.train.seed)  # every rank builds the same initial weights
+        self.data = load_data(start.data_dir, start.config, world, self.log)
+        # What config.yaml holds: the vocabulary sizes of the data, train.bf16 as set ("auto"
+        # stays "auto", so a resume on another machine chooses again).
+        stored = resolve_config(start.config, self.data.tokenizers, start.data_dir)
+        self.bf16, why_bf16 = resolve_bf16(stored.train.bf16, world.device)
+        # What runs: the same with bf16 chosen for this device (TrainConfig.use_bf16).
+        self.config = replace(stored, train=replace(stored.train, bf16=str(self.bf16).lower()))
+        t = self.config.train
         self.threads = ThreadTuner(t.cpu_threads or torch.get_num_threads(),
                                    adaptive=t.cpu_threads == 0 and world.device.type == "cpu")
-        self.model = build_model(config, world.device)
-        if init is not None:
-            init.load_into(self.model)
-            self.log(f"init: weights {init.weights} (fresh optimizer and schedule)")
-        self.optimizer = build_optimizer(self.model, config)
-        self.stream = BatchStream(self.data, config.model.pad_id, world.device, t.max_epochs,
-                                  length_multiple(use_bf16))
+        self.model = build_model(self.config, world.device)
+        if start.init is not None:
+            start.init.load_into(self.model)
+            self.log(f"init: weights {start.init.weights} (fresh optimizer and schedule)")
+        self.optimizer = build_optimizer(self.model, self.config)
+        self.stream = BatchStream(self.data, self.config.model.pad_id, world.device,
+                                  t.max_epochs, length_multiple(self.bf16))
         self.progress = Progress(best=BestTracker(t.best_metric, t.patience))
-        rng = None
-        if resume and not restart:
-            rng = self.restore()
-            if self.progress.best.should_stop:  # it had stopped for patience: refuse, unwritten
-                raise AiaynError(f"{run_dir} stopped early at step {self.progress.step} "
-                                 f"({self.progress.best.stop_reason()}); to train on, resume "
-                                 "with a larger --set train.patience (or 0)")
-            self.log(f"resumed {run_dir} at step {self.progress.step}, epoch {self.stream.epoch}")
+        rng = self.restore() if start.continues else None
         # Everything is checked and loaded: only now is the run directory written.
-        if not resume or restart:
-            on_main(lambda: create_run_dir(run_dir, stored, data_dir, force or restart), world)
-            if init is not None:
-                on_main(lambda: init.record(run_dir), world)
-        if resume:  # new train.* settings, and a line saying so in config_history.jsonl
-            on_main(lambda: record_config(run_dir, stored, overrides, self.progress.step), world)
+        on_main(lambda: start.record(run_dir, stored, overrides, self.progress.step, force), world)
         if world.rank > 0 and rng is None:
             torch.manual_seed(t.seed + 7919 * world.rank)  # own dropout masks on each rank
-        self.ddp: nn.Module | None = None
-        self.train_model: nn.Module = self.model
-        if world.enabled:
-            self.ddp = self.train_model = nn.parallel.DistributedDataParallel(
-                self.model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
-        if t.compile:
-            # Batch shapes vary with the length buckets: compile once for symbolic shapes.
-            self.train_model = torch.compile(self.train_model, dynamic=True)
+        self.ddp, self.train_model = wrap_for_training(self.model, t.compile, world)
         if rng is not None:
             set_rng_state(rng)  # last: nothing above may draw from the restored streams
-
-        m = config.model
+        m = self.config.model
         self.log(f"model: {self.model.num_parameters() / 1e6:.2f}M parameters, d_model "
                  f"{m.d_model}, {m.n_encoder_layers}+{m.n_decoder_layers} layers, vocab "
                  f"{m.src_vocab_size}/{m.tgt_vocab_size}; device {world.device}, "
-                 f"{world.world_size} rank(s), compile {t.compile}; bf16 {use_bf16} ({why_bf16})"
-                 f"; {torch.get_num_threads()} CPU thread(s)"
+                 f"{world.world_size} rank(s), compile {t.compile}; bf16 {self.bf16} "
+                 f"({why_bf16}); {torch.get_num_threads()} CPU thread(s)"
                  f"{' (adaptive)' if self.threads.enabled else ''}; schedule {t.schedule}")
         self.metrics = MetricsLog(run_dir, world.is_main, self.progress.step if resume else None)
 
@@ -465,7 +509,7 @@ class Trainer:
                 finishing = out_of_time or progress.step >= t.max_steps
                 if progress.step % t.eval_every == 0 and not finishing:
                     full = t.eval_max_sentences == 0
-                    last_eval = self.validate(full)
+                    last_eval = self.run_validation(full)
                     last_eval_step = progress.step
                     window_start = time.perf_counter()  # evaluation time is not training time
                 if progress.step % t.save_every == 0 and not finishing:
@@ -480,7 +524,7 @@ class Trainer:
             # The end: the validation of the run (the same bounded subset; the whole dev
             # split is `aiayn evaluate`'s), then the final checkpoint.
             if last_eval_step != progress.step and progress.step > 0:
-                last_eval = self.validate(full=t.eval_max_sentences == 0)
+                last_eval = self.run_validation(full=t.eval_max_sentences == 0)
             if progress.saved_step != progress.step:
                 self.save()
         finally:
@@ -492,7 +536,7 @@ class Trainer:
                 "stop_reason": stop_reason, **progress.best.record_fields(),
                 "elapsed_s": progress.elapsed_s}
 
-    def validate(self, full: bool) -> dict | None:
+    def run_validation(self, full: bool) -> dict | None:
         """Rank 0 validates (aiayn.evaluate.validate; the others wait), logs, prints
         samples and keeps best.safetensors."""
         world, progress, log = self.world, self.progress, self.log
@@ -603,6 +647,11 @@ class Trainer:
         self.progress = Progress(step=int(state["step"]), best=best,
                                  elapsed_s=float(state["elapsed_s"]),
                                  tokens=int(state.get("tokens", 0)), saved_step=int(state["step"]))
+        if best.should_stop:  # it had stopped for patience: refuse, before anything is written
+            raise AiaynError(f"{run_dir} stopped early at step {self.progress.step} "
+                             f"({best.stop_reason()}); to train on, resume with a larger "
+                             "--set train.patience (or 0)")
+        self.log(f"resumed {run_dir} at step {self.progress.step}, epoch {stream.epoch}")
         return rng
 
 
