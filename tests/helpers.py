@@ -207,3 +207,18 @@ def snapshot(directory: Path, folders: bool = False) -> dict[str, str]:
         elif folders and path.is_dir():
             entries[name + "/"] = "folder"
     return entries
+
+
+def toy_tsv(path: Path, words: list[str], n: int = 300, seed: int = 0,
+            lengths: tuple[int, int] = (1, 12), copy: bool = False) -> Path:
+    """A toy corpus file ``tsv:PATH``: ``n`` sentences of random ``words`` (``lengths``
+    words each), each paired with itself (``copy``) or with its words reversed in upper
+    case."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n):
+        sentence = " ".join(rng.choice(words) for _ in range(rng.randint(*lengths)))
+        target = sentence if copy else " ".join(reversed(sentence.split(" "))).upper()
+        lines.append(f"{sentence}\t{target}\n")
+    path.write_text("".join(lines), encoding="utf-8")
+    return path

@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -22,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from helpers import snapshot
+from helpers import snapshot, toy_tsv
 
 from aiayn import checkpoint, cli, io
 from aiayn.checkpoint import load_train_state
@@ -31,17 +30,6 @@ from aiayn.lock import locked
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
 WORDS = "the a red blue cat dog sun sea big small house tree eats sees and old".split()
-
-
-def tsv_corpus(path: Path, n: int = 300, seed: int = 0) -> Path:
-    """A toy copy task: each sentence is its own translation."""
-    rng = random.Random(seed)
-    lines = []
-    for _ in range(n):
-        sentence = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8)))
-        lines.append(f"{sentence}\t{sentence}\n")
-    path.write_text("".join(lines), encoding="utf-8")
-    return path
 
 
 def aiayn(*args: str, stdin: bytes | None = None, env: dict | None = None,
@@ -63,7 +51,7 @@ def one_error_line(result: subprocess.CompletedProcess) -> str:
 def world(tmp_path_factory) -> dict[str, Path]:
     """A prepared data directory and a tiny trained run (8 steps, saved at 4 and 8)."""
     root = tmp_path_factory.mktemp("bad-inputs")
-    corpus = tsv_corpus(root / "pairs.tsv")
+    corpus = toy_tsv(root / "pairs.tsv", WORDS, lengths=(2, 8), copy=True)
     data, run = root / "data", root / "run"
     settings = ["--set", "data.tokenizer=wordlevel", "--set", "data.dev_fraction=0.05",
                 "--set", "data.test_fraction=0.05"]
@@ -362,7 +350,8 @@ def test_a_kill_during_prepare_leaves_the_old_prepared_data(world, tmp_path):
     data = tmp_path / "data"
     shutil.copytree(world["data"], data)
     before = snapshot(data, folders=True)
-    big = tsv_corpus(tmp_path / "big.tsv", n=200_000, seed=1)
+    big = toy_tsv(tmp_path / "big.tsv", WORDS, n=200_000, seed=1,
+                  lengths=(2, 8), copy=True)
     proc = subprocess.Popen([sys.executable, "-m", "aiayn", "prepare", "--corpus", f"tsv:{big}",
                              "--out", str(data), "--force"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

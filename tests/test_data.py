@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import snapshot
+from helpers import snapshot, toy_tsv
 
 from aiayn.batching import Example, TokenBatchSampler, collate, length_multiple, token_batches
 from aiayn.cli import main
@@ -23,16 +23,6 @@ WORDS = ("el la casa perro gato sol mar grande rojo azul come ve y un viejo niñ
          "está allí también árbol canción").split()
 
 
-def toy_tsv(path: Path, n: int = 300, seed: int = 0) -> Path:
-    rng = random.Random(seed)
-    lines = []
-    for _ in range(n):
-        words = [rng.choice(WORDS) for _ in range(rng.randint(1, 12))]
-        lines.append(" ".join(words) + "\t" + " ".join(reversed(words)).upper())
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
-
-
 def toy_cfg(path: Path, **changes) -> DataConfig:
     settings = {"corpus": f"tsv:{path}", "vocab_size": 100, "min_frequency": 1,
                 "dev_fraction": 0.05, "test_fraction": 0.05}
@@ -41,7 +31,7 @@ def toy_cfg(path: Path, **changes) -> DataConfig:
 
 # ------------------------------------------------------------------ prepare
 def test_prepare_twice_gives_identical_files(tmp_path):
-    cfg = toy_cfg(toy_tsv(tmp_path / "c.tsv"))
+    cfg = toy_cfg(toy_tsv(tmp_path / "c.tsv", WORDS))
     prepare(cfg, tmp_path / "a", model_max_len=32, max_tokens=256)
     prepare(cfg, tmp_path / "b", model_max_len=32, max_tokens=256)
     a, b = snapshot(tmp_path / "a"), snapshot(tmp_path / "b")
@@ -53,7 +43,7 @@ def test_prepare_twice_gives_identical_files(tmp_path):
 
 
 def test_prepare_writes_what_load_prepared_reads(tmp_path):
-    cfg = toy_cfg(toy_tsv(tmp_path / "c.tsv"), tokenizer="wordlevel")
+    cfg = toy_cfg(toy_tsv(tmp_path / "c.tsv", WORDS), tokenizer="wordlevel")
     stats = prepare(cfg, tmp_path / "out", model_max_len=32, max_tokens=256)
     prepared = load_prepared(tmp_path / "out")
     assert [len(prepared.train), len(prepared.dev), len(prepared.test)] == [270, 15, 15]
@@ -281,7 +271,7 @@ def test_collate_rounds_lengths_up_to_a_multiple_with_padding_only():
 
 
 def test_sample_batch(tmp_path):
-    cfg = toy_cfg(toy_tsv(tmp_path / "c.tsv"), vocab_size=60)
+    cfg = toy_cfg(toy_tsv(tmp_path / "c.tsv", WORDS), vocab_size=60)
     prepare(cfg, tmp_path / "out", model_max_len=64)
     config = Config()
     config.model.src_vocab_size = config.model.tgt_vocab_size = 60
@@ -297,7 +287,7 @@ def test_sample_batch(tmp_path):
 
 # ------------------------------------------------------------------ aiayn prepare
 def test_cli_prepare(tmp_path, capsys):
-    path = toy_tsv(tmp_path / "c.tsv")
+    path = toy_tsv(tmp_path / "c.tsv", WORDS)
     code = main(["prepare", "--corpus", f"tsv:{path}", "--out", str(tmp_path / "out"),
                  "--vocab-size", "80", "--tokenizer", "wordlevel",
                  "--set", "data.min_frequency=1", "--set", "model.max_len=32"])
@@ -318,7 +308,7 @@ def test_cli_prepare_errors_are_one_line(tmp_path, capsys):
                  "--out", str(tmp_path)]) == 2
     assert "file not found" in capsys.readouterr().err
     (tmp_path / "a-file").write_text("x")
-    assert main(["prepare", "--corpus", f"tsv:{toy_tsv(tmp_path / 'c.tsv')}",
+    assert main(["prepare", "--corpus", f"tsv:{toy_tsv(tmp_path / 'c.tsv', WORDS)}",
                  "--out", str(tmp_path / "a-file")]) == 2
     assert "is not a directory" in capsys.readouterr().err
 

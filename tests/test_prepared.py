@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import snapshot
+from helpers import snapshot, toy_tsv
 
 from aiayn.batching import Example, collate, token_batches
 from aiayn.checkpoint import load_train_state, read_weights
@@ -34,18 +34,9 @@ WORDS = ("el la casa perro gato sol mar grande rojo azul come ve y un viejo niñ
          "x[EOS]y [UNK] a-b").split()
 
 
-def toy_tsv(path: Path, n: int = 400, seed: int = 0, longest: int = 14) -> Path:
-    rng = random.Random(seed)
-    lines = []
-    for _ in range(n):
-        words = [rng.choice(WORDS) for _ in range(rng.randint(1, longest))]
-        lines.append(" ".join(words) + "\t" + " ".join(reversed(words)).upper())
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
-
-
 def prepared_dir(tmp_path: Path, name: str = "data", **changes) -> Path:
-    settings = {"corpus": f"tsv:{toy_tsv(tmp_path / 'corpus.tsv')}", "vocab_size": 120,
+    corpus = toy_tsv(tmp_path / "corpus.tsv", WORDS, n=400, lengths=(1, 14))
+    settings = {"corpus": f"tsv:{corpus}", "vocab_size": 120,
                 "min_frequency": 1, "dev_fraction": 0.05, "test_fraction": 0.05,
                 "tokenizer": "wordlevel"}
     prepare(DataConfig(**{**settings, **changes}), tmp_path / name, model_max_len=64,
@@ -245,7 +236,7 @@ def test_a_failed_prepare_changes_nothing_on_disk(data_dir, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(data_dir, out)
     before = snapshot(out)
-    bad = toy_tsv(tmp_path / "bad.tsv", n=300)
+    bad = toy_tsv(tmp_path / "bad.tsv", WORDS, n=300, lengths=(1, 14))
     with open(bad, "a", encoding="utf-8") as fh:
         fh.write("a line without a tab at the very end\n")  # found only after reading it all
     cfg = DataConfig(corpus=f"tsv:{bad}", vocab_size=60, min_frequency=1)

@@ -49,6 +49,20 @@ def batches_per_epoch(data_dir: Path, max_tokens: int = 256, world_size: int = 1
                                  max_tokens, shuffle=True, seed=1, world_size=world_size))
 
 
+def test_training_tests_run_on_the_memory_mapped_ids_users_get(data_dir):
+    """helpers.write_prepared is `aiayn prepare`'s output: training maps its ids, with no
+    note about a directory prepared by an older aiayn (whose text is encoded at start)."""
+    import numpy as np
+
+    from aiayn.distributed import Dist
+
+    notes: list[str] = []
+    data = train.load_data(data_dir, load_config(TINY), Dist(), log=notes.append)
+    assert not [n for n in notes if "older aiayn" in n], notes
+    assert isinstance(data.train.ids.src.ids, np.memmap)
+    assert isinstance(data.train.ids.tgt.ids, np.memmap)
+
+
 # ---------------------------------------------------------------- the run directory
 def test_run_directory_layout_metrics_and_dev_scores(data_dir, tmp_path):
     run = tmp_path / "run"
