@@ -222,3 +222,11 @@ def toy_tsv(path: Path, words: list[str], n: int = 300, seed: int = 0,
         lines.append(f"{sentence}\t{target}\n")
     path.write_text("".join(lines), encoding="utf-8")
     return path
+
+
+def tiny_model(seed: int = 0, **settings) -> Transformer:
+    """A model of configs/tiny.yaml (with ``settings`` of model.* changed), seeded."""
+    from aiayn.config import load_config
+
+    torch.manual_seed(seed)
+    return Transformer(replace(load_config(TINY).model, **settings))
