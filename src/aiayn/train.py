@@ -310,7 +310,7 @@ def run_dir_held(run_dir: Path, resume: bool, force: bool):
             removed = remove_temp_files(run_dir)
             if removed:
                 log(f"removed {len(removed)} temporary file(s) an interrupted save left "
-                           f"in {run_dir}")
+                    f"in {run_dir}")
             yield
     except BaseException:
         if created and not (run_dir / "config.yaml").exists():
