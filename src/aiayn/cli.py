@@ -31,7 +31,7 @@ from aiayn.errors import AiaynError, is_out_of_memory
 from aiayn.evaluate import evaluate_run
 from aiayn.export import QUANTIZATIONS, export_run
 from aiayn.export import TARGETS as EXPORT_TARGETS
-from aiayn.io import atomic_path, check_output_file
+from aiayn.io import DiskError, as_disk_error, atomic_path, check_output_file
 from aiayn.model import Transformer
 from aiayn.prepare import prepare
 from aiayn.rundir import checkpoints_to_average, read_metrics
@@ -571,12 +571,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with _warnings_as_lines():
             return run(args) or 0
+    except DiskError as exc:
+        return _error(_disk_error_line(exc, args))
     except AiaynError as exc:
         return _error(str(exc))
     except OSError as exc:  # a file the user named, a full disk, a permission
         if isinstance(exc, BrokenPipeError):  # `aiayn translate ... | head`
             return 0
-        return _error(_os_error_line(exc))
+        disk = as_disk_error(exc)
+        return _error(_disk_error_line(disk, args) if disk else _os_error_line(exc))
     except (RuntimeError, MemoryError) as exc:
         if not is_out_of_memory(exc):
             raise  # a bug in aiayn: keep the traceback
@@ -590,6 +593,22 @@ def main(argv: list[str] | None = None) -> int:
 def _error(line: str) -> int:
     print(f"aiayn: error: {' '.join(line.split())}", file=sys.stderr)
     return 2
+
+
+# The option of each command that chooses where it writes (named in a full disk's fix).
+OUTPUT_OPTION = {"prepare": "--out", "train": "--out", "translate": "-o", "evaluate": "-o",
+                 "average": "-o", "export": "OUT_DIR", "trace": "--png", "attention": "-o",
+                 "plot": "-o"}
+
+
+def _disk_error_line(exc: DiskError, args) -> str:
+    """The DiskError's line with the fix for this command: the option to change, or for
+    `train --resume` the command that goes on from the last good checkpoint."""
+    run = (args.resume or args.out) if args.command == "train" else None
+    if run and exc.code in (errno.ENOSPC, errno.EDQUOT) and (Path(run) / "train_state.pt").is_file():
+        return exc.line(fix=f"free space, then `aiayn train --resume {run}` goes on from the "
+                        "last good checkpoint (kept as it was)")
+    return exc.line(OUTPUT_OPTION.get(args.command))
 
 
 def _os_error_line(exc: OSError) -> str:

@@ -29,7 +29,7 @@ from typing import Any
 from aiayn.checkpoint import load_weights
 from aiayn.config import Config, load_config, save_config
 from aiayn.errors import AiaynError
-from aiayn.io import atomic_write_text, check_writable_dir
+from aiayn.io import atomic_write_text, check_writable_dir, disk_errors
 from aiayn.lock import PID_FILE
 from aiayn.model import Transformer
 from aiayn.tokenizer import Tokenizers
@@ -111,14 +111,25 @@ def resume_point(run_dir: Path) -> Path | None:
         f"--config {run_dir / 'config.yaml'} --data DIR --out {run_dir} --force`")
 
 def copy_tokenizer(src: Path, dst: Path) -> None:
-    """Copy the tokenizer directory beside the weights (a temp dir renamed into place)."""
+    """Copy the tokenizer directory beside the weights (a temp dir renamed into place).
+    File by file, not shutil.copytree: that one gathers a full disk into a shutil.Error
+    without an errno; here it is one DiskError naming ``dst`` (and the temp dir goes)."""
     if not src.is_dir():
         raise AiaynError(f"tokenizer directory not found: {src} (run `aiayn prepare` first)")
     tmp = dst.with_name(f".{dst.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp)
-    shutil.rmtree(dst, ignore_errors=True)
-    os.replace(tmp, dst)
+    files = sorted(path for path in src.rglob("*") if path.is_file())
+    try:
+        with disk_errors(dst, sum(path.stat().st_size for path in files), "the tokenizer copy"):
+            tmp.mkdir(parents=True)
+            for path in files:
+                target = tmp / path.relative_to(src)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path, target)
+            shutil.rmtree(dst, ignore_errors=True)
+            os.replace(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_run_config(run_dir: Path, overrides: list[str]) -> Config:
