@@ -63,7 +63,7 @@ from aiayn.distributed import (
 from aiayn.early_stopping import BestTracker
 from aiayn.errors import AiaynError
 from aiayn.evaluate import validate
-from aiayn.io import remove_temp_files
+from aiayn.io import as_disk_error, remove_temp_files
 from aiayn.lock import locked
 from aiayn.model import Transformer
 from aiayn.optim import build_optimizer, label_smoothed_loss, schedule_lr, set_learning_rate
@@ -297,7 +297,8 @@ def train(
 def run_dir_held(run_dir: Path, resume: bool, force: bool):
     """Check that ``run_dir`` can take this command (before anything is written), create
     it if new, hold its lock for the block, and clean temporary files a crash left. A new
-    directory is removed again if the command fails before writing the run into it."""
+    directory is removed again if the command fails before writing the run into it, or if
+    a full disk stops it before its first save."""
     if resume:
         if not run_dir.is_dir():
             raise AiaynError(f"--resume {run_dir}: run directory not found")
@@ -312,8 +313,11 @@ def run_dir_held(run_dir: Path, resume: bool, force: bool):
                 log(f"removed {len(removed)} temporary file(s) an interrupted save left "
                     f"in {run_dir}")
             yield
-    except BaseException:
-        if created and not (run_dir / "config.yaml").exists():
+    except BaseException as exc:
+        # A new directory goes again if nothing was written into it, or if the disk
+        # refused the run before its first save (no train state: nothing to resume).
+        half_made = as_disk_error(exc) is not None and not (run_dir / "train_state.pt").exists()
+        if created and (half_made or not (run_dir / "config.yaml").exists()):
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
 
@@ -576,7 +580,9 @@ class Trainer:
 
         Order: the step's own weights file, then train_state.pt naming it, then last.safetensors,
         then pruning of old step files. A kill between any two writes leaves a train state whose
-        weights file exists and matches it.
+        weights file exists and matches it. A failed write (a full disk: aiayn.io.DiskError)
+        removes the step's weights file again unless train_state.pt already names it, so the
+        last good save stays what a resume continues from, and nothing half-made stays.
         """
         world, run_dir, config, progress = self.world, self.run_dir, self.config, self.progress
         rngs = gather_objects(rng_state(), world)
@@ -586,7 +592,23 @@ class Trainer:
         step = progress.step
         meta = {"step": str(step)}
         weights = step_checkpoint_path(run_dir, step)
-        save_weights(self.model, weights, metadata=meta)
+        existed = weights.exists()
+        try:
+            save_weights(self.model, weights, metadata=meta)
+            self._save_state(weights, rngs, streams)
+        except BaseException:
+            if not existed:
+                weights.unlink(missing_ok=True)
+            raise
+        save_weights(self.model, run_dir / "last.safetensors", metadata=meta)
+        prune_step_checkpoints(run_dir, config.train.keep_checkpoints)
+        progress.saved_step = step
+
+    def _save_state(self, weights: Path, rngs: list, streams: list) -> None:
+        """train_state.pt naming ``weights`` (written just before by :meth:`save`), with
+        every rank's RNG and sampler states."""
+        world, run_dir, config, progress = self.world, self.run_dir, self.config, self.progress
+        step = progress.step
         state = {
             "version": STATE_VERSION,
             "step": step,
@@ -604,9 +626,6 @@ class Trainer:
             "tokens": progress.tokens,
         }
         save_train_state(state, run_dir / "train_state.pt")
-        save_weights(self.model, run_dir / "last.safetensors", metadata=meta)
-        prune_step_checkpoints(run_dir, config.train.keep_checkpoints)
-        progress.saved_step = step
 
     def restore(self) -> dict:
         """Load what :meth:`save` wrote; returns this rank's RNG state (set it last, after
