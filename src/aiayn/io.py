@@ -31,12 +31,17 @@ class DiskError(AiaynError):
     (the CLI knows it: --out, -o, OUT_DIR); ``str()`` says "another location"."""
 
     def __init__(self, code: int, path: str | Path, need: int | None = None,
-                 what: str = "the file"):
+                 what: str = "the file", free: int | None = None):
         self.code, self.path, self.need, self.what = code, Path(path), need, what
+        self.free = free  # set by check_room: refused before anything was written
         super().__init__(self.line())
 
     def line(self, option: str | None = None, fix: str | None = None) -> str:
         where = f"choose another {option}" if option else "write to another location"
+        if self.free is not None:
+            return (f"not enough space on {self.path}: {self.what} needs ~"
+                    f"{human_size(self.need or 0)}, {human_size(self.free)} free; "
+                    f"{fix or f'free space or {where}'}")
         if self.code in (errno.ENOSPC, errno.EDQUOT):
             need = f"{self.what} needs ~{human_size(self.need)}" if self.need else \
                 f"writing {self.what}"
@@ -82,6 +87,22 @@ def _concerns(filename: Path, path: Path) -> bool:
         if part == path or (part.parent == path.parent and part.name.startswith(f".{path.name}.")):
             return True
     return False
+
+
+def check_room(path: str | Path, need: int, what: str) -> None:
+    """Refuse (one DiskError) before a long job when the filesystem that will hold ``path``
+    has less than ``need`` bytes free (``need`` is an estimate: a few percent more is
+    asked, so the last file of a job does not fail after hours of work)."""
+    path = Path(path)
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        free = shutil.disk_usage(existing).free
+    except OSError:
+        return  # cannot tell: the writes themselves report a full disk
+    if free < need:
+        raise DiskError(errno.ENOSPC, path, need, what, free=free)
 
 
 @contextmanager

@@ -41,7 +41,7 @@ from aiayn.data import (
     fit_to_max_len,
 )
 from aiayn.errors import AiaynError
-from aiayn.io import atomic_write_text, staged_directory
+from aiayn.io import atomic_write_text, check_room, staged_directory
 from aiayn.progress import bar as progress_bar
 from aiayn.tokenids import SIDES, RaggedWriter
 from aiayn.tokenizer import Tokenizers, tokenizer_fingerprint, train_tokenizers
@@ -71,7 +71,10 @@ def prepare(data_cfg: DataConfig, out_dir: str | Path, model_max_len: int,
     ``tokenizers``: use (and save) these instead of training new ones, e.g. a run's, to
     fine-tune it on this corpus (aiayn.transfer.prepare_from_run).
     """
-    with staged_directory(out_dir, force, "aiayn prepare", marker=STATS_FILE) as stage:
+    need = prepared_size(data_cfg.corpus)
+    if need is not None:
+        check_room(out_dir, need, "the prepared data")
+    with staged_directory(out_dir, force, "aiayn prepare", marker=STATS_FILE, need=need) as stage:
         pairs = read_pairs(data_cfg, stage, progress)
         n_train = pairs.info["splits"]["train"]
         sample = min(n_train, data_cfg.tokenizer_max_pairs)
@@ -98,6 +101,22 @@ def prepare(data_cfg: DataConfig, out_dir: str | Path, model_max_len: int,
         del ids  # unmap before the files move
         atomic_write_text(stage / STATS_FILE, json.dumps(stats, indent=2, ensure_ascii=False) + "\n")
     return stats
+
+
+def prepared_size(spec: str) -> int | None:
+    """About the bytes prepare writes for a corpus of the user's files (tsv, jsonl,
+    parallel): three times their size (the staged pairs, the JSON lines, the ids, which
+    take about as much as the text); None for corpora whose size is not known beforehand."""
+    kind, _, arg = spec.partition(":")
+    if kind not in ("tsv", "jsonl", "parallel"):
+        return None
+    total = 0
+    for pattern in arg.strip().split(",") if kind == "parallel" else [arg.strip()]:
+        names = [pattern.replace("{split}", split) for split in SPLITS] if "{split}" in pattern \
+            else [pattern]
+        total += sum(path.stat().st_size for path in (Path(n).expanduser() for n in names)
+                     if path.is_file())
+    return 3 * total or None
 
 
 class SplitPairs:

@@ -44,6 +44,8 @@ from aiayn.checkpoint import (
     load_weights,
     save_train_state,
     save_weights,
+    tensors_size,
+    unique_state_dict,
 )
 from aiayn.config import Config
 from aiayn.data import EncodedSplit, load_prepared
@@ -63,7 +65,7 @@ from aiayn.distributed import (
 from aiayn.early_stopping import BestTracker
 from aiayn.errors import AiaynError
 from aiayn.evaluate import validate
-from aiayn.io import as_disk_error, remove_temp_files
+from aiayn.io import as_disk_error, check_room, remove_temp_files
 from aiayn.lock import locked
 from aiayn.model import Transformer
 from aiayn.optim import build_optimizer, label_smoothed_loss, schedule_lr, set_learning_rate
@@ -395,6 +397,18 @@ class RunStart:
             record_config(run_dir, stored, overrides, step)
 
 
+def run_size(model: nn.Module, keep_checkpoints: int, continues: bool) -> int:
+    """About the bytes a run still writes at its fullest (aiayn.checkpoint.tensors_size):
+    a new one its step checkpoints (one more before the oldest is pruned), last and best,
+    and train_state.pt (the weights and Adam's two moments) with its temporary copy beside
+    the old one; a resumed one, whose files are there, one new step file and that copy."""
+    weights = tensors_size(unique_state_dict(model))
+    state = 3 * weights
+    if continues:
+        return weights + state
+    return (keep_checkpoints + 1 + 2) * weights + 2 * state
+
+
 def wrap_for_training(model: nn.Module, compile_: bool, world: Dist
                       ) -> tuple[nn.Module | None, nn.Module]:
     """(the DistributedDataParallel wrapper or None, the module the loop calls)."""
@@ -441,6 +455,9 @@ class Trainer:
                                   t.max_epochs, length_multiple(self.bf16))
         self.progress = Progress(best=BestTracker(t.best_metric, t.patience))
         rng = self.restore() if start.continues else None
+        on_main(lambda: check_room(run_dir, run_size(self.model, t.keep_checkpoints,
+                                                     start.continues),
+                                   "the run"), world)
         # Everything is checked and loaded: only now is the run directory written.
         on_main(lambda: start.record(run_dir, stored, overrides, self.progress.step, force), world)
         if world.rank > 0 and rng is None:
