@@ -281,3 +281,26 @@ def test_average_and_evaluate_on_a_full_disk_are_one_line_and_write_nothing(worl
     assert result.returncode == 2
     assert line.startswith(f"aiayn: error: no space left on {hyp}")
     assert sorted(p.name for p in small_fs.iterdir()) == ["filler"]
+
+
+def test_the_metrics_log_and_a_plot_on_a_full_disk(small_fs):
+    from aiayn.rundir import MetricsLog
+
+    run = small_fs / "run"
+    run.mkdir()
+    metrics = MetricsLog(run, enabled=True)
+    try:
+        fill(small_fs)
+        with pytest.raises(DiskError) as caught:
+            metrics.write({"kind": "train", "step": 1, "loss": 2.5, "lr": 0.1})
+    finally:
+        metrics.close()
+    assert caught.value.line("--out") == (f"no space left on {run / 'metrics.jsonl'}: writing "
+                                          "the metrics log; free space or choose another --out")
+    png = small_fs / "pe.png"
+    result = aiayn("plot", "--pe", "-o", png)
+    assert one_error_line(result.stderr.decode()) == (
+        f"aiayn: error: no space left on {png}: writing the picture; free space or choose "
+        "another -o")
+    assert result.returncode == 2 and not png.exists()
+    assert not [p for p in small_fs.rglob("*") if p.name.startswith(".")]

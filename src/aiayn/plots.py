@@ -39,6 +39,7 @@ from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
 from matplotlib.ticker import StrMethodFormatter
 
 from aiayn.errors import AiaynError
+from aiayn.io import atomic_path
 from aiayn.model import sinusoid_table
 from aiayn.optim import schedule_lr
 
@@ -60,8 +61,8 @@ def save_figure(fig: Figure, path: str | Path) -> Path:
     path = Path(path)
     if path.suffix.lower() != ".png":
         raise AiaynError(f"{path}: pictures are written as PNG; name the file *.png")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=DPI, format="png")
+    with atomic_path(path, what="the picture") as tmp:  # no half PNG on a full disk
+        fig.savefig(tmp, dpi=DPI, format="png")
     return path
 
 

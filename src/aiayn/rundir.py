@@ -89,7 +89,9 @@ def record_config(run_dir: Path, config: Config, overrides: list[str], step: int
     if overrides:
         line = json.dumps({"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                            "overrides": overrides}, ensure_ascii=False)
-        with open(run_dir / "config_history.jsonl", "a", encoding="utf-8") as fh:
+        history = run_dir / "config_history.jsonl"
+        with disk_errors(history, what="the config history"), \
+                open(history, "a", encoding="utf-8") as fh:
             fh.write(line + "\n")
 
 
@@ -235,7 +237,9 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a", encoding="utf-8") as fh:
+        # A line cut by a full disk is left out when read (read_metrics) and on resume.
+        with disk_errors(self.path, what="the metrics log"), \
+                open(self.path, "a", encoding="utf-8") as fh:
             fh.write(_metrics_line(record))
         kind, step = record["kind"], record["step"]
         for key, value in record.items():
