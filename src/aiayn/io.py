@@ -91,8 +91,8 @@ def _concerns(filename: Path, path: Path) -> bool:
 
 def check_room(path: str | Path, need: int, what: str) -> None:
     """Refuse (one DiskError) before a long job when the filesystem that will hold ``path``
-    has less than ``need`` bytes free (``need`` is an estimate: a few percent more is
-    asked, so the last file of a job does not fail after hours of work)."""
+    has less than ``need`` bytes free (an estimate of what the job writes, so that its
+    last file does not fail after hours of work; the writes still report a full disk)."""
     path = Path(path)
     existing = path
     while not existing.exists() and existing != existing.parent:
