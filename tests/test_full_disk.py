@@ -304,3 +304,15 @@ def test_the_metrics_log_and_a_plot_on_a_full_disk(small_fs):
         "another -o")
     assert result.returncode == 2 and not png.exists()
     assert not [p for p in small_fs.rglob("*") if p.name.startswith(".")]
+
+
+def test_a_read_only_filesystem_is_one_line_naming_the_file(world, small_fs):
+    if subprocess.run(["mount", "-o", "remount,ro", str(small_fs)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot remount the tmpfs read-only here")
+    avg = small_fs / "avg.safetensors"
+    result = aiayn("average", world["run"], "--last", "2", "-o", avg)
+    assert result.returncode == 2
+    assert one_error_line(result.stderr.decode()) == (
+        f"aiayn: error: read-only filesystem writing {avg}: remount it writable or choose "
+        "another -o")
