@@ -26,8 +26,9 @@ from collections.abc import Callable
 
 import torch
 
+from aiayn.batching import pad
 from aiayn.config import load_config
-from aiayn.data import load_prepared, pad
+from aiayn.data import load_prepared
 from aiayn.decode import beam_search, greedy_decode
 from aiayn.model import Transformer
 from aiayn.rundir import load_run, read_data_dir

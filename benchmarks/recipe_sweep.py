@@ -23,8 +23,9 @@ import time
 
 import torch
 
+from aiayn.batching import TokenBatchSampler, collate
 from aiayn.config import ModelConfig
-from aiayn.data import TokenBatchSampler, collate, encode_split, load_prepared
+from aiayn.data import encode_split, load_prepared
 from aiayn.decode import greedy_decode
 from aiayn.metrics import score
 from aiayn.model import Transformer

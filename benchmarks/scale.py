@@ -42,9 +42,11 @@ BASE_PAIRS = 29_417  # bible:eng-spa train verses
 def build_corpus(path: Path, copies: int) -> int:
     """The Bible's train verses and ``copies - 1`` varied copies; returns the pair count."""
     from aiayn.config import DataConfig
-    from aiayn.corpora import read_corpus
+    from aiayn.corpora import CorpusStream
 
-    base = read_corpus("bible:eng-spa", DataConfig()).texts("train")
+    # The Bible gives its split itself (by books), so the stream's train pairs are prepare's.
+    base = [(p.src, p.tgt) for p, split in CorpusStream("bible:eng-spa", DataConfig())
+            if split == "train"]
     n = 0
     with open(path, "w", encoding="utf-8") as fh:
         for k in range(copies):

@@ -11,20 +11,54 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
-def bible_corpus():
-    """``read_corpus("bible:eng-spa")`` with the default data settings."""
-    from aiayn.config import DataConfig
-    from aiayn.corpora import read_corpus
+def bible_stream():
+    """``bible:eng-spa`` as ``aiayn prepare`` reads it, with the default data settings: the
+    kept pairs of each split (by whole books) with their references (helpers.stream_pairs)."""
+    from helpers import stream_pairs
 
-    return read_corpus("bible:eng-spa", DataConfig())
+    return stream_pairs("bible:eng-spa")
 
 
 @pytest.fixture(scope="session")
-def bible_prepared(bible_corpus, tmp_path_factory):
-    """``bible:eng-spa`` prepared with the defaults (BPE, joint 8000) into a directory."""
+def bible_prepared(tmp_path_factory):
+    """``bible:eng-spa`` prepared by ``aiayn prepare`` with the defaults (BPE, joint 8000)."""
     from aiayn.config import DataConfig
-    from aiayn.data import prepare
+    from aiayn.prepare import prepare
 
     out = tmp_path_factory.mktemp("bible-eng-spa")
-    prepare(DataConfig(), out, model_max_len=256, max_tokens=4096, corpus=bible_corpus)
+    prepare(DataConfig(), out, model_max_len=256, max_tokens=4096)
     return out
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A real (tiny) run directory: data prepared by `aiayn prepare` (sentences paired with
+    themselves, a word-level tokenizer), a model trained for a few seconds to copy its
+    input (helpers.train_copy_model), config.yaml, best/last weights, step checkpoints."""
+    import random
+    import shutil
+
+    from helpers import prepare_splits, random_sentence, train_copy_model
+
+    from aiayn.checkpoint import save_weights
+    from aiayn.config import Config, DataConfig, save_config
+    from aiayn.tokenizer import Tokenizers
+
+    root = tmp_path_factory.mktemp("copy")
+    rng = random.Random(0)
+    splits = {name: [(s, s) for s in (random_sentence(rng) for _ in range(n))]
+              for name, n in (("train", 300), ("dev", 20), ("test", 40))}
+    data = DataConfig(tokenizer="wordlevel", vocab_size=100, min_frequency=1)
+    data_dir = prepare_splits(root / "data", splits, data)
+    run = root / "run"
+    run.mkdir()
+    tokenizers = Tokenizers.load(data_dir / "tokenizer")
+    model = train_copy_model(tokenizers, run)
+    config = Config(model=model.cfg, data=data)
+    config.train.max_tokens = 256
+    save_config(config.validate(), run / "config.yaml")
+    shutil.copytree(data_dir / "tokenizer", run / "tokenizer")
+    save_weights(model, run / "best.safetensors")
+    save_weights(model, run / "last.safetensors")
+    (run / "data_dir.txt").write_text(str(data_dir) + "\n", encoding="utf-8")
+    return run

@@ -10,10 +10,8 @@ during a save) run in-process at the end.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -23,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from helpers import snapshot, toy_tsv
 
 from aiayn import checkpoint, cli, io
 from aiayn.checkpoint import load_train_state
@@ -33,34 +32,11 @@ TINY = ROOT / "configs" / "tiny.yaml"
 WORDS = "the a red blue cat dog sun sea big small house tree eats sees and old".split()
 
 
-def tsv_corpus(path: Path, n: int = 300, seed: int = 0) -> Path:
-    """A toy copy task: each sentence is its own translation."""
-    rng = random.Random(seed)
-    lines = []
-    for _ in range(n):
-        sentence = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 8)))
-        lines.append(f"{sentence}\t{sentence}\n")
-    path.write_text("".join(lines), encoding="utf-8")
-    return path
-
-
 def aiayn(*args: str, stdin: bytes | None = None, env: dict | None = None,
           cwd: Path = ROOT, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "aiayn", *map(str, args)], input=stdin,
                           capture_output=True, timeout=timeout, cwd=cwd,
                           env={**os.environ, "PYTHONWARNINGS": "default", **(env or {})})
-
-
-def snapshot(*directories: Path) -> dict[str, str]:
-    """Every file under the directories (hidden ones too), with its SHA-256."""
-    files = {}
-    for directory in directories:
-        for path in sorted(directory.rglob("*")):
-            if path.is_file():
-                files[str(path)] = hashlib.sha256(path.read_bytes()).hexdigest()
-            elif path.is_dir():
-                files[str(path) + "/"] = "dir"
-    return files
 
 
 def one_error_line(result: subprocess.CompletedProcess) -> str:
@@ -75,7 +51,7 @@ def one_error_line(result: subprocess.CompletedProcess) -> str:
 def world(tmp_path_factory) -> dict[str, Path]:
     """A prepared data directory and a tiny trained run (8 steps, saved at 4 and 8)."""
     root = tmp_path_factory.mktemp("bad-inputs")
-    corpus = tsv_corpus(root / "pairs.tsv")
+    corpus = toy_tsv(root / "pairs.tsv", WORDS, lengths=(2, 8), copy=True)
     data, run = root / "data", root / "run"
     settings = ["--set", "data.tokenizer=wordlevel", "--set", "data.dev_fraction=0.05",
                 "--set", "data.test_fraction=0.05"]
@@ -217,7 +193,7 @@ def outcomes(world, tmp_path_factory) -> dict[str, tuple]:
     """Every case of CASES run once, two at a time (each is a process that mostly imports
     torch), each in its own temporary directory: {case id: (result, filled expectation,
     temp dir unchanged?)}; and the shared run and data directories unchanged by all."""
-    before_world = snapshot(world["root"])
+    before_world = snapshot(world["root"], folders=True)
 
     def run_case(case):
         name, args, expected, setup = case
@@ -236,13 +212,13 @@ def outcomes(world, tmp_path_factory) -> dict[str, tuple]:
                 text = text.replace(key, value)
             return text
 
-        before = snapshot(tmp)
+        before = snapshot(tmp, folders=True)
         result = aiayn(*[fill(a) for a in args], stdin=b"the red cat\n")
-        return name, (result, fill(expected), snapshot(tmp) == before)
+        return name, (result, fill(expected), snapshot(tmp, folders=True) == before)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         done = dict(pool.map(run_case, CASES))
-    assert snapshot(world["root"]) == before_world, "a bad input changed the shared run or data"
+    assert snapshot(world["root"], folders=True) == before_world, "a bad input changed the shared run or data"
     return done
 
 
@@ -260,10 +236,10 @@ def test_weights_of_a_config_edited_after_training_are_refused(world, tmp_path):
     run = copy_run(world, tmp_path)
     config = run / "config.yaml"
     config.write_text(config.read_text().replace("n_heads: 4", "n_heads: 8"), encoding="utf-8")
-    before = snapshot(run)
+    before = snapshot(run, folders=True)
     result = aiayn("translate", run, stdin=b"the red cat\n")
     assert "model.n_heads=4 but the config says model.n_heads=8" in one_error_line(result)
-    assert snapshot(run) == before
+    assert snapshot(run, folders=True) == before
 
 
 def test_nan_weights_are_refused_not_translated_to_empty_lines(world, tmp_path):
@@ -290,19 +266,19 @@ def test_no_weights_best_names_the_step_checkpoints_that_exist(world, tmp_path):
 def test_a_failed_resume_leaves_config_yaml_as_it_was(world, tmp_path):
     run = copy_run(world, tmp_path)
     (run / "train_state.pt").write_bytes(b"not a torch file")
-    before = snapshot(run)
+    before = snapshot(run, folders=True)
     result = aiayn("train", "--resume", run, "--set", "train.max_steps=99")
     assert "train_state.pt: cannot read training state" in one_error_line(result)
-    assert snapshot(run) == before
+    assert snapshot(run, folders=True) == before
 
 
 def test_weights_without_a_train_state_name_the_ways_on(world, tmp_path):
     run = copy_run(world, tmp_path)
     (run / "train_state.pt").unlink()
-    before = snapshot(run)
+    before = snapshot(run, folders=True)
     line = one_error_line(aiayn("train", "--resume", run))
     assert "no train_state.pt" in line and f"--init-from {run}" in line and "--force" in line
-    assert snapshot(run) == before
+    assert snapshot(run, folders=True) == before
 
 
 def test_a_run_that_crashed_before_its_first_save_resumes_from_step_0(world, tmp_path):
@@ -368,11 +344,11 @@ def test_prepare_force_replaces_prepared_data_only_when_not_in_use(world, tmp_pa
     data = tmp_path / "data"
     shutil.copytree(world["data"], data)
     with locked(data, "aiayn train", shared=True):  # as a training run holds it
-        before = snapshot(data)
+        before = snapshot(data, folders=True)
         result = aiayn("prepare", "--corpus", f"tsv:{world['corpus']}", "--out", data, "--force",
                        "--set", "data.tokenizer=wordlevel")
         assert "is in use" in one_error_line(result)
-        assert snapshot(data) == before
+        assert snapshot(data, folders=True) == before
     result = aiayn("prepare", "--corpus", f"tsv:{world['corpus']}", "--out", data, "--force",
                    "--set", "data.tokenizer=wordlevel", "--set", "data.split_seed=7")
     assert result.returncode == 0, result.stderr.decode()
@@ -383,8 +359,9 @@ def test_prepare_force_replaces_prepared_data_only_when_not_in_use(world, tmp_pa
 def test_a_kill_during_prepare_leaves_the_old_prepared_data(world, tmp_path):
     data = tmp_path / "data"
     shutil.copytree(world["data"], data)
-    before = snapshot(data)
-    big = tsv_corpus(tmp_path / "big.tsv", n=200_000, seed=1)
+    before = snapshot(data, folders=True)
+    big = toy_tsv(tmp_path / "big.tsv", WORDS, n=200_000, seed=1,
+                  lengths=(2, 8), copy=True)
     proc = subprocess.Popen([sys.executable, "-m", "aiayn", "prepare", "--corpus", f"tsv:{big}",
                              "--out", str(data), "--force"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -394,8 +371,8 @@ def test_a_kill_during_prepare_leaves_the_old_prepared_data(world, tmp_path):
     time.sleep(0.5)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    leftover = {k: v for k, v in snapshot(data).items()
-                if ".staging.tmp" not in k and not k.endswith("/.lock")}
+    leftover = {k: v for k, v in snapshot(data, folders=True).items()
+                if ".staging.tmp" not in k and Path(k).name != ".lock"}
     assert leftover == before
     # The next prepare cleans what the killed one left.
     result = aiayn("prepare", "--corpus", f"tsv:{world['corpus']}", "--out", data, "--force",
@@ -453,9 +430,13 @@ def test_a_full_disk_during_a_checkpoint_save_is_one_line_and_the_last_one_loads
     monkeypatch.undo()
     err = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines()
            if line.startswith("aiayn:")]
-    assert code == 2 and len(err) == 1 and "No space left on device" in err[0]
-    assert ".tmp" in err[0] and str(run) in err[0]
-    assert not list(run.rglob(".*.tmp"))
+    step_file = run / "checkpoints" / "step_0000012.safetensors"
+    assert code == 2 and len(err) == 1
+    # the first write of step 12 is the new best (the last validation), then the checkpoint
+    assert err[0].startswith(f"aiayn: error: no space left on {run / 'best.safetensors'}: the "
+                             "weights file needs ~")
+    assert f"`aiayn train --resume {run}` goes on from the last good checkpoint" in err[0]
+    assert not list(run.rglob(".*.tmp")) and not step_file.exists()
     state = load_train_state(run / "train_state.pt")
     assert state["step"] == 8  # the previous checkpoint, whole
     assert cli.main(["translate", str(run), "-i", str(_write(tmp_path / "in.txt")),

@@ -7,18 +7,12 @@ import os
 
 import pytest
 import torch
+from helpers import tiny_model
 
 from aiayn import io
 from aiayn.checkpoint import load_train_state, load_weights, save_train_state, save_weights
-from aiayn.config import load_config
 from aiayn.errors import AiaynError
-from aiayn.model import Transformer
 from aiayn.rundir import list_step_checkpoints, prune_step_checkpoints, step_checkpoint_path
-
-
-def tiny_model(seed: int) -> Transformer:
-    torch.manual_seed(seed)
-    return Transformer(load_config("configs/tiny.yaml").model)
 
 
 def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:

@@ -4,14 +4,17 @@ run (and leaves the files alone); `aiayn info` reports what the files say."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import TINY, run_train, sets, snapshot, write_prepared
 from safetensors.torch import load_file, save_file
-from test_train import TINY, run_train, sets, write_prepared
 
 import aiayn
 from aiayn.checkpoint import load_train_state
@@ -32,11 +35,6 @@ def healthy(tmp_path_factory) -> Path:
               *sets(schedule="linear", peak_lr=0.003, warmup_steps=10, max_steps=30,
                     eval_every=15, save_every=15))
     return run
-
-
-def snapshot(directory: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(directory)): p.read_bytes()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 def status(report) -> dict[str, bool | None]:
@@ -223,3 +221,11 @@ def test_info_on_a_directory_that_is_no_run_is_one_line(tmp_path, capsys):
     assert main(["info", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("aiayn: error:") and "no config.yaml" in err and "\n" not in err
+
+
+def test_doctor_does_not_import_the_trainer():
+    """The train-state version lives where the state is saved (aiayn.checkpoint)."""
+    code = "import sys, aiayn.checkup; print('aiayn.train' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.stdout.strip() == "False"

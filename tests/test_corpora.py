@@ -10,6 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from helpers import first_pass, stream_pairs
 
 from aiayn import corpora
 from aiayn.config import DataConfig
@@ -20,7 +21,6 @@ from aiayn.corpora import (
     clean_osis,
     parse_bible_spec,
     read_bible_pairs,
-    read_corpus,
 )
 from aiayn.errors import AiaynError
 
@@ -32,51 +32,53 @@ def book(pair) -> str:
 
 
 # ------------------------------------------------------------------ the Bible
-def test_genesis_1_1_reads_exactly(bible_corpus):
-    first = bible_corpus.train[0]
+def test_genesis_1_1_reads_exactly(bible_stream):
+    first = bible_stream.splits["train"][0]
     assert first.ref == "Gen.1.1"
     assert first.src == GENESIS_1_1  # the footnote on "God" is gone, no "Godcreated"
     assert first.tgt == "EN el principio crió Dios los cielos y la tierra."
 
 
-def test_bible_counts_and_split_sizes(bible_corpus):
-    """The figures stated in the README's Data section."""
-    assert bible_corpus.read == 31102
-    assert bible_corpus.dropped == {"empty": 25, "versification": 592, "too_long": 1,
-                                    "length_ratio": 6}
-    assert {name: len(p) for name, p in bible_corpus.splits.items()} == {
-        "train": 29417, "dev": 371, "test": 690}
-    assert bible_corpus.kept == bible_corpus.read - sum(bible_corpus.dropped.values())
+def test_bible_counts_and_split_sizes(bible_stream, bible_prepared):
+    """The figures stated in the README's Data section, as `aiayn prepare` reports them."""
+    stats = json.loads((bible_prepared / "stats.json").read_text(encoding="utf-8"))
+    assert stats["pairs"]["read"] == bible_stream.stream.read == 31102
+    assert stats["pairs"]["dropped"] == bible_stream.stream.dropped == {
+        "empty": 25, "versification": 592, "too_long": 1, "length_ratio": 6}
+    sizes = {name: len(p) for name, p in bible_stream.splits.items()}
+    assert stats["splits"] == sizes == {"train": 29417, "dev": 371, "test": 690}
+    assert stats["pairs"]["kept"] == 31102 - (25 + 592 + 1 + 6)
+    assert stats["split_rule"] == bible_stream.stream.split_rule
 
 
-def test_bible_split_is_by_whole_books(bible_corpus):
-    books = {name: {book(p) for p in pairs} for name, pairs in bible_corpus.splits.items()}
+def test_bible_split_is_by_whole_books(bible_stream):
+    books = {name: {book(p) for p in pairs} for name, pairs in bible_stream.splits.items()}
     assert books["test"] == set(BIBLE_TEST_BOOKS)
     assert books["dev"] == set(BIBLE_DEV_BOOKS)
     assert not books["train"] & (set(BIBLE_TEST_BOOKS) | set(BIBLE_DEV_BOOKS))
     assert len(books["train"]) == 66 - 15
-    refs = [p.ref for pairs in bible_corpus.splits.values() for p in pairs]
+    refs = [p.ref for pairs in bible_stream.splits.values() for p in pairs]
     assert len(refs) == len(set(refs))
 
 
-def test_no_test_verse_text_in_train(bible_corpus):
+def test_no_test_verse_text_in_train(bible_stream):
     """Whole books held out: no test pair (text, not just reference) appears in train."""
-    train = set(bible_corpus.texts("train"))
-    assert not train & set(bible_corpus.texts("test"))
-    assert not train & set(bible_corpus.texts("dev"))
-    assert all(book(p) in BIBLE_TEST_BOOKS for p in bible_corpus.test)
+    train = set(bible_stream.texts("train"))
+    assert not train & set(bible_stream.texts("test"))
+    assert not train & set(bible_stream.texts("dev"))
+    assert all(book(p) in BIBLE_TEST_BOOKS for p in bible_stream.splits["test"])
 
 
-def test_revelation_glossary_is_dropped(bible_corpus):
-    refs = {p.ref for pairs in bible_corpus.splits.values() for p in pairs}
+def test_revelation_glossary_is_dropped(bible_stream):
+    refs = {p.ref for pairs in bible_stream.splits.values() for p in pairs}
     assert "Rev.22.21" not in refs
     assert "Rev.22.20" in refs
     assert not any("Glossary" in p.src or "Abaddon is Hebrew" in p.src
-                   for p in bible_corpus.train)
+                   for p in bible_stream.splits["train"])
 
 
-def test_markup_strong_numbers_and_footnotes_are_gone(bible_corpus):
-    pairs = [p for split in bible_corpus.splits.values() for p in split]
+def test_markup_strong_numbers_and_footnotes_are_gone(bible_stream):
+    pairs = [p for split in bible_stream.splits.values() for p in split]
     for pair in pairs:
         for text in (pair.src, pair.tgt):
             assert "<" not in text and ">" not in text and "strong:" not in text
@@ -94,11 +96,11 @@ def test_markup_strong_numbers_and_footnotes_are_gone(bible_corpus):
     assert by_ref["Ps.3.1"].tgt.startswith("Salmo de David, cuando huía")
 
 
-def test_chapters_versified_differently_are_left_out(bible_corpus):
+def test_chapters_versified_differently_are_left_out(bible_stream):
     """RV1909 starts Jonah 2 at the KJV's 1:17: every verse of Jonah 2 would be misaligned."""
-    chapters = Counter((book(p), int(p.ref.split(".")[1])) for p in bible_corpus.test)
+    chapters = Counter((book(p), int(p.ref.split(".")[1])) for p in bible_stream.splits["test"])
     assert ("Jonah", 2) not in chapters and ("Jonah", 3) in chapters
-    assert not any(p.ref.startswith("Num.13.") for p in bible_corpus.train)
+    assert not any(p.ref.startswith("Num.13.") for p in bible_stream.splits["train"])
 
 
 def test_other_bible_pairs_read_the_right_modules():
@@ -111,12 +113,13 @@ def test_other_bible_pairs_read_the_right_modules():
     assert [(p.src, p.tgt, p.ref) for p in spa_kjv] == [(p.tgt, p.src, p.ref) for p in kjv]
 
 
-def test_a_second_english_bible_adds_training_verses_only(bible_corpus):
-    both = read_corpus("bible:eng+kjv-spa", DataConfig())
-    assert both.dev == bible_corpus.dev and both.test == bible_corpus.test  # held out as before
-    web_train = bible_corpus.train
-    assert both.train[:len(web_train)] == web_train
-    extra = both.train[len(web_train):]
+def test_a_second_english_bible_adds_training_verses_only(bible_stream):
+    both = stream_pairs("bible:eng+kjv-spa")
+    for held in ("dev", "test"):  # held out as before
+        assert both.splits[held] == bible_stream.splits[held]
+    web_train = bible_stream.splits["train"]
+    assert both.splits["train"][:len(web_train)] == web_train
+    extra = both.splits["train"][len(web_train):]
     kjv_train = [p for p in read_bible_pairs("kjv-spa")[0]
                  if book(p) not in BIBLE_DEV_BOOKS + BIBLE_TEST_BOOKS]
     assert len(extra) > 0.95 * len(kjv_train)  # a few dropped by the length filters
@@ -127,7 +130,7 @@ def test_a_second_english_bible_adds_training_verses_only(bible_corpus):
     shared = [p for p in extra if p.ref.split("@")[0] in spanish]
     assert len(shared) > 0.95 * len(extra)
     assert all(p.tgt == spanish[p.ref.split("@")[0]] for p in shared)
-    assert "in train also King James Version" in both.description
+    assert "in train also King James Version" in both.stream.description
 
 
 @pytest.mark.parametrize("arg, expected", [
@@ -142,16 +145,16 @@ def test_parse_bible_spec(arg, expected):
 
 @pytest.mark.parametrize("arg", ["eng+eng-spa", "eng+fra-spa", "eng-spa+kjv", "eng+kjv",
                                  "eng-kjv-spa", "+eng-spa", "eng+-spa"])
-def test_bad_bible_specs_are_named(arg):
+def test_bad_bible_specs_are_named(arg, tmp_path):
     with pytest.raises(AiaynError, match=rf"unknown Bible pair 'bible:{re.escape(arg)}'.*"
                                          "bible:eng\\+kjv-spa"):
-        read_corpus(f"bible:{arg}", DataConfig())
+        first_pass(f"bible:{arg}", DataConfig(), tmp_path)
 
 
 def test_missing_sword_modules_name_the_debian_packages(tmp_path, monkeypatch):
     monkeypatch.setenv("SWORD_PATH", str(tmp_path))
     with pytest.raises(AiaynError) as err:
-        read_corpus("bible:eng-spa", DataConfig())
+        first_pass("bible:eng-spa", DataConfig(), tmp_path)
     message = str(err.value)
     assert "engWEB2015eb" in message and str(tmp_path) in message
     assert "apt-get install sword-text-web sword-text-sparv sword-text-kjv" in message
@@ -170,16 +173,16 @@ def test_clean_osis_keeps_words_apart_and_drops_notes():
 
 # ------------------------------------------------------------------ spec errors
 @pytest.mark.parametrize("spec", ["foo:bar", "bible", "tsv:", "opus_books"])
-def test_unknown_spec_lists_the_valid_forms(spec):
+def test_unknown_spec_lists_the_valid_forms(spec, tmp_path):
     with pytest.raises(AiaynError) as err:
-        read_corpus(spec, DataConfig())
+        first_pass(spec, DataConfig(), tmp_path)
     for form in SPEC_FORMS:
         assert form in str(err.value)
 
 
-def test_unknown_bible_pair():
+def test_unknown_bible_pair(tmp_path):
     with pytest.raises(AiaynError, match="bible:eng-spa, bible:spa-eng, bible:kjv-spa"):
-        read_corpus("bible:eng-fra", DataConfig())
+        first_pass("bible:eng-fra", DataConfig(), tmp_path)
 
 
 # ------------------------------------------------------------------ the user's files
@@ -201,96 +204,101 @@ def test_tsv_drops_and_counts_blank_lines(tmp_path):
     lines[9] = "only source\t  "
     path = write(tmp_path / "c.tsv", "\n".join(lines) + "\n")
     cfg = DataConfig(dev_fraction=0.1, test_fraction=0.1)
-    result = read_corpus(f"tsv:{path}", cfg)
-    assert result.read == 20 and result.kept == 17
-    assert result.dropped["empty"] == 3
-    assert {name: len(p) for name, p in result.splits.items()} == {"train": 13, "dev": 2,
-                                                                    "test": 2}
-    refs = [p.ref for split in result.splits.values() for p in split]
-    assert len(set(refs)) == 17 and "c.tsv:4" not in refs
-    assert "random" in result.split_rule and "seed 1234" in result.split_rule
+    info, splits = first_pass(f"tsv:{path}", cfg, tmp_path)
+    assert info["pairs"]["read"] == 20 and info["pairs"]["kept"] == 17
+    assert info["pairs"]["dropped"]["empty"] == 3
+    assert {name: len(p) for name, p in splits.items()} == info["splits"] == {
+        "train": 13, "dev": 2, "test": 2}
+    kept = {pair for split in splits.values() for pair in split}
+    assert kept == {pair for i, pair in enumerate(numbered_pairs(20)) if i not in (3, 7, 9)}
+    assert "random" in info["split_rule"] and "seed 1234" in info["split_rule"]
 
 
 def test_seeded_split_is_reproducible_and_depends_on_the_seed(tmp_path):
     path = write(tmp_path / "c.tsv", "".join(f"{s}\t{t}\n" for s, t in numbered_pairs(200)))
     cfg = DataConfig(dev_fraction=0.05, test_fraction=0.05)
-    a, b = read_corpus(f"tsv:{path}", cfg), read_corpus(f"tsv:{path}", cfg)
-    assert a.splits == b.splits
-    other = read_corpus(f"tsv:{path}", DataConfig(dev_fraction=0.05, test_fraction=0.05,
-                                                   split_seed=7))
-    assert other.dev != a.dev
-    assert len(a.dev) == len(a.test) == 10
+    (_, a), (_, b) = first_pass(f"tsv:{path}", cfg, tmp_path), first_pass(f"tsv:{path}", cfg,
+                                                                          tmp_path)
+    assert a == b
+    _, other = first_pass(f"tsv:{path}", DataConfig(dev_fraction=0.05, test_fraction=0.05,
+                                                    split_seed=7), tmp_path)
+    assert other["dev"] != a["dev"]
+    assert len(a["dev"]) == len(a["test"]) == 10
     # each split keeps the file's order
-    assert [p.ref for p in a.dev] == sorted((p.ref for p in a.dev), key=lambda r: int(r[6:]))
+    line = {pair: i for i, pair in enumerate(numbered_pairs(200))}
+    for name in ("train", "dev", "test"):
+        assert [line[p] for p in a[name]] == sorted(line[p] for p in a[name])
 
 
 def test_tsv_extra_columns_ignored_and_missing_tab_is_an_error(tmp_path):
     good = write(tmp_path / "g.tsv", "a b\tc d\tCC-BY attribution\n" * 5)
-    result = read_corpus(f"tsv:{good}", DataConfig(dev_fraction=0.2, test_fraction=0.2))
-    assert result.train[0].src == "a b" and result.train[0].tgt == "c d"
+    _, splits = first_pass(f"tsv:{good}", DataConfig(dev_fraction=0.2, test_fraction=0.2),
+                           tmp_path)
+    assert splits["train"][0] == ("a b", "c d")
     bad = write(tmp_path / "b.tsv", "a\tb\nno tab here\n")
     with pytest.raises(AiaynError, match=r"b\.tsv: line 2 has no tab"):
-        read_corpus(f"tsv:{bad}", DataConfig())
+        first_pass(f"tsv:{bad}", DataConfig(), tmp_path)
 
 
 def test_split_files_are_used_when_given(tmp_path):
     for name, n in (("train", 30), ("dev", 4), ("test", 5)):
         write(tmp_path / f"{name}.tsv", "".join(f"{s}\t{t}\n" for s, t in numbered_pairs(n)))
-    result = read_corpus(f"tsv:{tmp_path}/{{split}}.tsv", DataConfig())
-    assert [len(result.splits[s]) for s in ("train", "dev", "test")] == [30, 4, 5]
-    assert result.split_rule == "given"
+    info, splits = first_pass(f"tsv:{tmp_path}/{{split}}.tsv", DataConfig(), tmp_path)
+    assert [len(splits[s]) for s in ("train", "dev", "test")] == [30, 4, 5]
+    assert info["split_rule"] == "given"
     (tmp_path / "test.tsv").unlink()  # no test file: test is held out of train
-    result = read_corpus(f"tsv:{tmp_path}/{{split}}.tsv", DataConfig(test_fraction=0.1))
-    assert [len(result.splits[s]) for s in ("train", "dev", "test")] == [27, 4, 3]
+    _, splits = first_pass(f"tsv:{tmp_path}/{{split}}.tsv", DataConfig(test_fraction=0.1),
+                           tmp_path)
+    assert [len(splits[s]) for s in ("train", "dev", "test")] == [27, 4, 3]
 
 
 def test_parallel_files(tmp_path):
     pairs = numbered_pairs(10)
     src = write(tmp_path / "c.en", "".join(s + "\n" for s, _ in pairs))
     tgt = write(tmp_path / "c.es", "".join(t + "\r\n" for _, t in pairs))  # CRLF is fine
-    result = read_corpus(f"parallel:{src},{tgt}", DataConfig(dev_fraction=0.1,
-                                                             test_fraction=0.1))
-    assert sorted(result.texts("train") + result.texts("dev") + result.texts("test")) == \
-        sorted(pairs)
+    _, splits = first_pass(f"parallel:{src},{tgt}", DataConfig(dev_fraction=0.1,
+                                                               test_fraction=0.1), tmp_path)
+    assert sorted(splits["train"] + splits["dev"] + splits["test"]) == sorted(pairs)
 
 
 def test_parallel_files_with_different_line_counts(tmp_path):
     src = write(tmp_path / "c.en", "a\nb\nc\n")
     tgt = write(tmp_path / "c.es", "x\ny\n")
     with pytest.raises(AiaynError) as err:
-        read_corpus(f"parallel:{src},{tgt}", DataConfig())
+        first_pass(f"parallel:{src},{tgt}", DataConfig(), tmp_path)
     message = str(err.value)
     assert f"{src} has 3 lines" in message and f"{tgt} has 2" in message
 
 
 def test_parallel_spec_needs_two_paths(tmp_path):
     with pytest.raises(AiaynError, match="parallel:SRC_PATH,TGT_PATH"):
-        read_corpus(f"parallel:{tmp_path / 'only.en'}", DataConfig())
+        first_pass(f"parallel:{tmp_path / 'only.en'}", DataConfig(), tmp_path)
 
 
 def test_invalid_utf8_names_file_and_line(tmp_path):
     path = write(tmp_path / "c.tsv", b"ok\tbien\ncaf\xe9\tcaf\xe9\n")
     with pytest.raises(AiaynError) as err:
-        read_corpus(f"tsv:{path}", DataConfig())
+        first_pass(f"tsv:{path}", DataConfig(), tmp_path)
     assert f"{path}: line 2 is not valid UTF-8" in str(err.value)
 
 
 def test_utf8_bom_is_ignored(tmp_path):
     path = write(tmp_path / "c.tsv", "\ufeffhello there\thola\n" * 10)
-    result = read_corpus(f"tsv:{path}", DataConfig(dev_fraction=0.1, test_fraction=0.1))
-    assert result.train[0].src == "hello there"
+    _, splits = first_pass(f"tsv:{path}", DataConfig(dev_fraction=0.1, test_fraction=0.1),
+                           tmp_path)
+    assert splits["train"][0][0] == "hello there"
 
 
 @pytest.mark.parametrize("kind", ["tsv", "jsonl"])
 def test_missing_file(tmp_path, kind):
     with pytest.raises(AiaynError, match="file not found"):
-        read_corpus(f"{kind}:{tmp_path / 'nope.txt'}", DataConfig())
+        first_pass(f"{kind}:{tmp_path / 'nope.txt'}", DataConfig(), tmp_path)
 
 
 def test_missing_parallel_file(tmp_path):
     src = write(tmp_path / "c.en", "a\n")
     with pytest.raises(AiaynError, match=r"c\.es: file not found"):
-        read_corpus(f"parallel:{src},{tmp_path / 'c.es'}", DataConfig())
+        first_pass(f"parallel:{src},{tmp_path / 'c.es'}", DataConfig(), tmp_path)
 
 
 def test_jsonl_with_configured_fields(tmp_path):
@@ -298,31 +306,31 @@ def test_jsonl_with_configured_fields(tmp_path):
     path = write(tmp_path / "c.jsonl",
                  "\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n\n")
     cfg = DataConfig(src_field="en", tgt_field="es", dev_fraction=0.1, test_fraction=0.1)
-    result = read_corpus(f"jsonl:{path}", cfg)
-    assert result.read == 11 and result.dropped["empty"] == 1
-    assert result.train[0].tgt == "la casa número 0 es roja"
+    info, splits = first_pass(f"jsonl:{path}", cfg, tmp_path)
+    assert info["pairs"]["read"] == 11 and info["pairs"]["dropped"]["empty"] == 1
+    assert splits["train"][0][1] == "la casa número 0 es roja"
 
 
 def test_jsonl_line_not_json(tmp_path):
     path = write(tmp_path / "c.jsonl", '{"src": "a", "tgt": "b"}\n{"src": "a", tgt}\n')
     with pytest.raises(AiaynError, match=r"c\.jsonl: line 2 is not valid JSON"):
-        read_corpus(f"jsonl:{path}", DataConfig())
+        first_pass(f"jsonl:{path}", DataConfig(), tmp_path)
 
 
 def test_jsonl_line_lacking_a_field(tmp_path):
     path = write(tmp_path / "c.jsonl", '{"src": "a", "tgt": "b"}\n' * 3 + '{"src": "a"}\n')
     with pytest.raises(AiaynError) as err:
-        read_corpus(f"jsonl:{path}", DataConfig())
+        first_pass(f"jsonl:{path}", DataConfig(), tmp_path)
     assert "c.jsonl: line 4 lacks the field 'tgt'" in str(err.value)
     path = write(tmp_path / "d.jsonl", '["a", "b"]\n')
     with pytest.raises(AiaynError, match="line 1 is not a JSON object"):
-        read_corpus(f"jsonl:{path}", DataConfig())
+        first_pass(f"jsonl:{path}", DataConfig(), tmp_path)
 
 
 def test_empty_corpus_after_filtering(tmp_path):
     path = write(tmp_path / "c.tsv", "\n  \na\tb c d e f g h\n")
     with pytest.raises(AiaynError) as err:
-        read_corpus(f"tsv:{path}", DataConfig())
+        first_pass(f"tsv:{path}", DataConfig(), tmp_path)
     message = str(err.value)
     assert "no sentence pairs left" in message and "2 empty" in message
     assert "1 length_ratio" in message
@@ -339,8 +347,9 @@ def test_pair_filters(tmp_path):
 def test_text_is_normalized(tmp_path):
     decomposed = "cafe\u0301  con\u00a0leche "
     path = write(tmp_path / "c.tsv", f"{decomposed}\tcoffee\n" * 10)
-    result = read_corpus(f"tsv:{path}", DataConfig(dev_fraction=0.1, test_fraction=0.1))
-    assert result.train[0].src == "caf\u00e9 con leche"
+    _, splits = first_pass(f"tsv:{path}", DataConfig(dev_fraction=0.1, test_fraction=0.1),
+                           tmp_path)
+    assert splits["train"][0][0] == "caf\u00e9 con leche"
 
 
 # ------------------------------------------------------------------ Hugging Face datasets
@@ -371,14 +380,14 @@ def test_hf_local_file_goes_through_datasets(tmp_path, hf_cache, monkeypatch):
 
     monkeypatch.setattr(datasets, "load_dataset", spy)
     path = write(tmp_path / "books.jsonl", opus_rows(50))
-    result = read_corpus(f"hf:{path}:en-it", DataConfig(dev_fraction=0.1, test_fraction=0.1))
+    info, splits = first_pass(f"hf:{path}:en-it", DataConfig(dev_fraction=0.1,
+                                                            test_fraction=0.1), tmp_path)
     assert calls and calls[0][0] == ("json",)
-    assert result.read == 50 and [len(result.splits[s]) for s in ("train", "dev", "test")] \
-        == [40, 5, 5]
-    assert result.train[0].src == "The house 0 is red." and result.train[0].tgt == \
-        "La casa 0 è rossa."
-    reverse = read_corpus(f"hf:{path}", DataConfig(src_field="it", tgt_field="en"))
-    assert reverse.train[0].src == "La casa 0 è rossa."
+    assert info["pairs"]["read"] == 50
+    assert [len(splits[s]) for s in ("train", "dev", "test")] == [40, 5, 5]
+    assert splits["train"][0] == ("The house 0 is red.", "La casa 0 è rossa.")
+    _, reverse = first_pass(f"hf:{path}", DataConfig(src_field="it", tgt_field="en"), tmp_path)
+    assert reverse["train"][0][0] == "La casa 0 è rossa."
 
 
 def test_hf_local_folder_keeps_its_splits(tmp_path, hf_cache):
@@ -387,10 +396,10 @@ def test_hf_local_folder_keeps_its_splits(tmp_path, hf_cache):
     write(folder / "train.jsonl", opus_rows(40))
     write(folder / "validation.jsonl", opus_rows(4, 40))
     write(folder / "test.jsonl", opus_rows(6, 44))
-    result = read_corpus(f"hf:{folder}:en-it", DataConfig())
-    assert [len(result.splits[s]) for s in ("train", "dev", "test")] == [40, 4, 6]
-    assert result.test[0].src == "The house 44 is red."
-    assert result.split_rule == "given"
+    info, splits = first_pass(f"hf:{folder}:en-it", DataConfig(), tmp_path)
+    assert [len(splits[s]) for s in ("train", "dev", "test")] == [40, 4, 6]
+    assert splits["test"][0][0] == "The house 44 is red."
+    assert info["split_rule"] == "given"
 
 
 def test_hf_hub_name_and_config_reach_load_dataset(tmp_path, hf_cache, monkeypatch):
@@ -402,10 +411,10 @@ def test_hf_hub_name_and_config_reach_load_dataset(tmp_path, hf_cache, monkeypat
                                                                opus_rows(30))))
     calls = []
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: calls.append(a) or local)
-    result = read_corpus("hf:opus_books:en-it", DataConfig(dev_fraction=0.1,
-                                                           test_fraction=0.1))
+    info, splits = first_pass("hf:opus_books:en-it", DataConfig(dev_fraction=0.1,
+                                                               test_fraction=0.1), tmp_path)
     assert calls == [("opus_books", "en-it")]
-    assert result.kept == 30 and result.train[0].tgt == "La casa 0 è rossa."
+    assert info["pairs"]["kept"] == 30 and splits["train"][0][1] == "La casa 0 è rossa."
 
 
 def test_hf_failure_is_one_line(tmp_path, hf_cache, monkeypatch):
@@ -417,11 +426,11 @@ def test_hf_failure_is_one_line(tmp_path, hf_cache, monkeypatch):
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(AiaynError) as err:
-        read_corpus("hf:opus_books:en-it", DataConfig())
+        first_pass("hf:opus_books:en-it", DataConfig(), tmp_path)
     assert "\n" not in str(err.value) and "network" in str(err.value)
 
 
 def test_hf_rows_without_the_languages(tmp_path, hf_cache):
     path = write(tmp_path / "books.jsonl", opus_rows(5))
     with pytest.raises(AiaynError, match="translation has languages en, it"):
-        read_corpus(f"hf:{path}:de-fr", DataConfig())
+        first_pass(f"hf:{path}:de-fr", DataConfig(), tmp_path)

@@ -9,37 +9,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import snapshot, toy_tsv
 
+from aiayn.batching import Example, TokenBatchSampler, collate, length_multiple, token_batches
 from aiayn.cli import main
 from aiayn.config import Config, DataConfig
-from aiayn.data import (
-    Example,
-    TokenBatchSampler,
-    collate,
-    encode_split,
-    length_multiple,
-    load_prepared,
-    percentiles,
-    prepare,
-    read_split,
-    sample_batch,
-    token_batches,
-)
+from aiayn.data import encode_split, load_prepared, read_split, sample_batch
 from aiayn.errors import AiaynError
+from aiayn.prepare import percentiles, prepare
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_tokenizers
 
 WORDS = ("el la casa perro gato sol mar grande rojo azul come ve y un viejo niño "
          "está allí también árbol canción").split()
-
-
-def toy_tsv(path: Path, n: int = 300, seed: int = 0) -> Path:
-    rng = random.Random(seed)
-    lines = []
-    for _ in range(n):
-        words = [rng.choice(WORDS) for _ in range(rng.randint(1, 12))]
-        lines.append(" ".join(words) + "\t" + " ".join(reversed(words)).upper())
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
 
 
 def toy_cfg(path: Path, **changes) -> DataConfig:
@@ -48,17 +29,12 @@ def toy_cfg(path: Path, **changes) -> DataConfig:
     return DataConfig(**{**settings, **changes})
 
 
-def tree(directory: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(directory)): p.read_bytes()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
-
-
 # ------------------------------------------------------------------ prepare
 def test_prepare_twice_gives_identical_files(tmp_path):
-    cfg = toy_cfg(toy_tsv(tmp_path / "c.tsv"))
+    cfg = toy_cfg(toy_tsv(tmp_path / "c.tsv", WORDS))
     prepare(cfg, tmp_path / "a", model_max_len=32, max_tokens=256)
     prepare(cfg, tmp_path / "b", model_max_len=32, max_tokens=256)
-    a, b = tree(tmp_path / "a"), tree(tmp_path / "b")
+    a, b = snapshot(tmp_path / "a"), snapshot(tmp_path / "b")
     ids = [f"ids/{split}.{side}.{kind}.npy" for split in ("dev", "test", "train")
            for side in ("src", "tgt") for kind in ("ids", "offsets")]
     assert sorted(a) == ["dev.jsonl", *ids, "stats.json", "test.jsonl", "tokenizer/joint.json",
@@ -67,7 +43,7 @@ def test_prepare_twice_gives_identical_files(tmp_path):
 
 
 def test_prepare_writes_what_load_prepared_reads(tmp_path):
-    cfg = toy_cfg(toy_tsv(tmp_path / "c.tsv"), tokenizer="wordlevel")
+    cfg = toy_cfg(toy_tsv(tmp_path / "c.tsv", WORDS), tokenizer="wordlevel")
     stats = prepare(cfg, tmp_path / "out", model_max_len=32, max_tokens=256)
     prepared = load_prepared(tmp_path / "out")
     assert [len(prepared.train), len(prepared.dev), len(prepared.test)] == [270, 15, 15]
@@ -295,7 +271,7 @@ def test_collate_rounds_lengths_up_to_a_multiple_with_padding_only():
 
 
 def test_sample_batch(tmp_path):
-    cfg = toy_cfg(toy_tsv(tmp_path / "c.tsv"), vocab_size=60)
+    cfg = toy_cfg(toy_tsv(tmp_path / "c.tsv", WORDS), vocab_size=60)
     prepare(cfg, tmp_path / "out", model_max_len=64)
     config = Config()
     config.model.src_vocab_size = config.model.tgt_vocab_size = 60
@@ -311,7 +287,7 @@ def test_sample_batch(tmp_path):
 
 # ------------------------------------------------------------------ aiayn prepare
 def test_cli_prepare(tmp_path, capsys):
-    path = toy_tsv(tmp_path / "c.tsv")
+    path = toy_tsv(tmp_path / "c.tsv", WORDS)
     code = main(["prepare", "--corpus", f"tsv:{path}", "--out", str(tmp_path / "out"),
                  "--vocab-size", "80", "--tokenizer", "wordlevel",
                  "--set", "data.min_frequency=1", "--set", "model.max_len=32"])
@@ -332,7 +308,7 @@ def test_cli_prepare_errors_are_one_line(tmp_path, capsys):
                  "--out", str(tmp_path)]) == 2
     assert "file not found" in capsys.readouterr().err
     (tmp_path / "a-file").write_text("x")
-    assert main(["prepare", "--corpus", f"tsv:{toy_tsv(tmp_path / 'c.tsv')}",
+    assert main(["prepare", "--corpus", f"tsv:{toy_tsv(tmp_path / 'c.tsv', WORDS)}",
                  "--out", str(tmp_path / "a-file")]) == 2
     assert "is not a directory" in capsys.readouterr().err
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_train import TINY, run_train, sets, write_prepared
+from helpers import TINY, run_train, sets, write_prepared
 
 from aiayn.cli import main
 from aiayn.evaluate import eval_subset, evaluate_run

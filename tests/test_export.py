@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_translator import random_sentence, run_cli, run_dir  # noqa: F401 - run_dir: a fixture
+from helpers import random_sentence, run_cli
 
+from aiayn.batching import pad
 from aiayn.checkpoint import save_weights
 from aiayn.config import Config, DataConfig, ModelConfig, save_config
-from aiayn.data import pad
 from aiayn.decode import beam_search, greedy_decode
 from aiayn.evaluate import evaluate_run
 from aiayn.export import export_run, residual_permutation
@@ -127,7 +127,7 @@ def test_the_exported_tokenizer_gives_aiayn_ids_and_text(tmp_path):
 
 
 @needs_hf
-def test_generate_gives_aiayn_greedy_and_beam_tokens(run_dir, tmp_path):  # noqa: F811
+def test_generate_gives_aiayn_greedy_and_beam_tokens(run_dir, tmp_path):
     export_run(run_dir, "hf", tmp_path / "hf")
     marian, tokenizer = load_hf(tmp_path / "hf")
     _, model, tokenizers = load_run(run_dir)
@@ -178,7 +178,7 @@ def test_the_ctranslate2_model_gives_aiayn_log_probabilities(tmp_path, tie, norm
 
 
 @needs_ct2
-def test_ctranslate2_float32_gives_aiayn_greedy_tokens(run_dir, tmp_path):  # noqa: F811
+def test_ctranslate2_float32_gives_aiayn_greedy_tokens(run_dir, tmp_path):
     export_run(run_dir, "ctranslate2", tmp_path / "ct2")
     ours = Translator.from_pretrained(run_dir)
     theirs = Translator.from_pretrained(tmp_path / "ct2", engine="ctranslate2")
@@ -196,7 +196,7 @@ def ids(results) -> list[list[list[int]]]:
 
 
 @needs_ct2
-def test_translate_and_evaluate_with_the_ctranslate2_engine(run_dir, tmp_path, capsys,  # noqa: F811
+def test_translate_and_evaluate_with_the_ctranslate2_engine(run_dir, tmp_path, capsys,
                                                             monkeypatch):
     out = tmp_path / "ct2"
     code, printed, _ = run_cli(["export", str(run_dir), "--to", "ctranslate2", str(out)], capsys)
@@ -227,7 +227,7 @@ def one_line_error(code: int, err: str, *words: str) -> bool:
 
 
 @pytest.mark.parametrize("to", ["hf", "ctranslate2"])
-def test_export_into_a_non_empty_directory_is_refused(run_dir, tmp_path, capsys, to):  # noqa: F811
+def test_export_into_a_non_empty_directory_is_refused(run_dir, tmp_path, capsys, to):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine\n")
@@ -238,7 +238,7 @@ def test_export_into_a_non_empty_directory_is_refused(run_dir, tmp_path, capsys,
 
 
 @needs_ct2
-def test_export_into_an_empty_directory_fills_it(run_dir, tmp_path, capsys):  # noqa: F811
+def test_export_into_an_empty_directory_fills_it(run_dir, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     code, _, _ = run_cli(["export", str(run_dir), "--to", "ctranslate2", str(out)], capsys)
@@ -247,7 +247,7 @@ def test_export_into_an_empty_directory_fills_it(run_dir, tmp_path, capsys):  # 
 
 
 @pytest.mark.parametrize("to", ["hf", "ctranslate2"])
-def test_a_run_without_weights_is_one_line(run_dir, tmp_path, capsys, to):  # noqa: F811
+def test_a_run_without_weights_is_one_line(run_dir, tmp_path, capsys, to):
     if find_spec("transformers" if to == "hf" else "ctranslate2") is None:
         pytest.skip("the missing library is reported first")
     run = tmp_path / "run"
@@ -277,7 +277,7 @@ def test_separate_vocabularies_are_refused_for_transformers_in_one_line(tmp_path
 
 
 @pytest.mark.parametrize("to, library", [("hf", "transformers"), ("ctranslate2", "ctranslate2")])
-def test_a_missing_library_says_what_to_install(run_dir, tmp_path, capsys, monkeypatch,  # noqa: F811
+def test_a_missing_library_says_what_to_install(run_dir, tmp_path, capsys, monkeypatch,
                                                  to, library):
     monkeypatch.setitem(sys.modules, library, None)  # import now raises ImportError
     code, _, err = run_cli(["export", str(run_dir), "--to", to, str(tmp_path / "out")], capsys)
@@ -285,14 +285,14 @@ def test_a_missing_library_says_what_to_install(run_dir, tmp_path, capsys, monke
     assert not (tmp_path / "out").exists()
 
 
-def test_quantization_is_for_ctranslate2_only(run_dir, tmp_path, capsys):  # noqa: F811
+def test_quantization_is_for_ctranslate2_only(run_dir, tmp_path, capsys):
     code, _, err = run_cli(["export", str(run_dir), "--to", "hf", str(tmp_path / "out"),
                             "--quantization", "int8"], capsys)
     assert one_line_error(code, err, "--quantization", "ctranslate2")
 
 
 @needs_ct2
-def test_the_engines_name_the_directory_they_need(run_dir, tmp_path, capsys):  # noqa: F811
+def test_the_engines_name_the_directory_they_need(run_dir, tmp_path, capsys):
     out = tmp_path / "ct2"
     export_run(run_dir, "ctranslate2", out)
     code, _, err = run_cli(["evaluate", str(out)], capsys)

@@ -10,12 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import prepare_splits, tiny_model
 from PIL import Image
 
 from aiayn import plots
 from aiayn.cli import main
-from aiayn.config import ModelConfig, load_config
+from aiayn.config import load_config
 from aiayn.model import Transformer, capture_attention, sinusoid_table
+from aiayn.rundir import read_metrics
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from aiayn.translator import sentence_attention
 
@@ -43,22 +45,12 @@ def word_for_word_pairs(n: int, seed: int) -> list[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory) -> Path:
-    """A run directory from `aiayn train` (configs/tiny.yaml, 300 steps, ~10 s) on
-    prepared data written with the public API (JSONL splits + a word-level tokenizer)."""
-    from aiayn.config import DataConfig
-    from aiayn.tokenizer import train_tokenizers
-
+    """A run directory from `aiayn train` (configs/tiny.yaml, 300 steps, ~10 s) on data
+    prepared by `aiayn prepare` (a word-level tokenizer)."""
     base = tmp_path_factory.mktemp("plots_run")
-    data = base / "data"
-    data.mkdir()
     splits = {"train": word_for_word_pairs(400, 1), "dev": word_for_word_pairs(12, 2),
               "test": word_for_word_pairs(12, 3)}
-    for name, pairs in splits.items():
-        lines = "".join(json.dumps({"src": s, "tgt": t}) + "\n" for s, t in pairs)
-        (data / f"{name}.jsonl").write_text(lines, encoding="utf-8")
-    cfg = DataConfig(tokenizer="wordlevel", vocab_size=64, min_frequency=1)
-    train_tokenizers(splits["train"], cfg).save(data / "tokenizer")
-    (data / "stats.json").write_text("{}\n", encoding="utf-8")
+    data = prepare_splits(base / "data", splits)
     run = base / "run"
     settings = ["train.max_steps=300", "train.warmup_steps=50", "train.lr_scale=0.6",
                 "train.eval_every=150", "train.save_every=300", "model.dropout=0.0"]
@@ -159,15 +151,14 @@ def test_attention_figure_refuses_labels_that_do_not_fit():
         plots.attention_figure(maps, ["a"] * 4, ["b"] * 3)  # rows and columns swapped
 
 
-def tiny_model(seed=0) -> Transformer:
-    torch.manual_seed(seed)
-    cfg = ModelConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=16, n_heads=2, d_ff=32,
-                      n_encoder_layers=2, n_decoder_layers=2, max_len=32, dropout=0.0)
-    return Transformer(cfg).eval()
+def small_model(seed: int = 0) -> Transformer:
+    """2 layers of 2 heads each side, no dropout, in eval mode: small pictures to check."""
+    return tiny_model(seed, src_vocab_size=40, tgt_vocab_size=40, d_model=16, n_heads=2,
+                      d_ff=32, max_len=32, dropout=0.0).eval()
 
 
 def test_model_maps_causal_decoder_self_attention_is_lower_triangular_in_the_picture():
-    model = tiny_model()
+    model = small_model()
     src = torch.tensor([[5, 6, 7, 8, 9, EOS_ID]])
     tgt = torch.tensor([[BOS_ID, 11, 12, 13]])
     with capture_attention(model) as maps:
@@ -198,7 +189,7 @@ def test_model_maps_causal_decoder_self_attention_is_lower_triangular_in_the_pic
 def test_model_maps_padding_forces_encoder_and_cross_attention_onto_the_one_real_key():
     # One real source token and three pads: every query of the encoder and of the
     # cross-attention must put all its weight on key 0, i.e. in column 0.
-    model = tiny_model()
+    model = small_model()
     src = torch.tensor([[EOS_ID, PAD_ID, PAD_ID, PAD_ID]])
     tgt = torch.tensor([[BOS_ID, 11, 12, 13, 14, 15]])  # 6 queries vs 4 keys: not square
     with capture_attention(model) as maps:
@@ -240,7 +231,7 @@ class WordTokenizers:
 def test_sentence_attention_labels_and_shapes(tmp_path):
     tok = WordTokenizers(["the", "dog", "eats", "el", "perro", "come"])
     hypothesis = tok.encode_tgt(["el perro come"])[0][1:-1]
-    att = sentence_attention(tiny_model(), tok, "the dog eats", hypothesis)
+    att = sentence_attention(small_model(), tok, "the dog eats", hypothesis)
     assert att.translation == "el perro come"
     assert att.src_tokens == ["the", "dog", "eats", "[EOS]"]
     assert att.tgt_tokens == ["[BOS]", "el", "perro", "come"]
@@ -289,7 +280,7 @@ def test_trained_word_for_word_model_has_diagonal_cross_attention(trained_run):
 
 
 def test_plot_command_draws_a_real_metrics_file(trained_run, tmp_path):
-    records = plots.read_metrics(trained_run)
+    records = read_metrics(trained_run)
     assert {r["kind"] for r in records} == {"train", "dev"}
     fig = plots.curves_figure({"run": records})
     bleu = next(ax for ax in fig.axes if ax.get_title() == "dev BLEU")
@@ -411,7 +402,7 @@ def test_trace_png(tmp_path, capsys):
 def test_trace_figure_boxes_follow_the_model():
     from aiayn.trace import trace_forward
 
-    model = tiny_model()
+    model = small_model()
     rows = trace_forward(model, torch.randint(4, 40, (2, 7)), torch.randint(4, 40, (2, 5)))
     enc, dec = plots._trace_columns(rows)
     assert [b.title for b in enc] == [

@@ -13,15 +13,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import snapshot, toy_tsv
 
+from aiayn.batching import Example, collate, token_batches
 from aiayn.checkpoint import load_train_state, read_weights
 from aiayn.cli import main
 from aiayn.config import DataConfig, load_config
-from aiayn.data import Example, collate, load_prepared, prepare, token_batches
+from aiayn.data import load_prepared
 from aiayn.distributed import Dist
 from aiayn.errors import AiaynError
-from aiayn.tokenizer import EOS_ID
+from aiayn.prepare import prepare
+from aiayn.tokenizer import EOS_ID, tokenizer_fingerprint
 from aiayn.train import BatchStream, load_data
+from aiayn.transfer import describe_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -30,18 +34,9 @@ WORDS = ("el la casa perro gato sol mar grande rojo azul come ve y un viejo niñ
          "x[EOS]y [UNK] a-b").split()
 
 
-def toy_tsv(path: Path, n: int = 400, seed: int = 0, longest: int = 14) -> Path:
-    rng = random.Random(seed)
-    lines = []
-    for _ in range(n):
-        words = [rng.choice(WORDS) for _ in range(rng.randint(1, longest))]
-        lines.append(" ".join(words) + "\t" + " ".join(reversed(words)).upper())
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
-
-
 def prepared_dir(tmp_path: Path, name: str = "data", **changes) -> Path:
-    settings = {"corpus": f"tsv:{toy_tsv(tmp_path / 'corpus.tsv')}", "vocab_size": 120,
+    corpus = toy_tsv(tmp_path / "corpus.tsv", WORDS, n=400, lengths=(1, 14))
+    settings = {"corpus": f"tsv:{corpus}", "vocab_size": 120,
                 "min_frequency": 1, "dev_fraction": 0.05, "test_fraction": 0.05,
                 "tokenizer": "wordlevel"}
     prepare(DataConfig(**{**settings, **changes}), tmp_path / name, model_max_len=64,
@@ -61,11 +56,6 @@ def tiny_config(max_len: int = 64, policy: str = "drop", **train):
     for key, value in train.items():
         setattr(config.train, key, value)
     return config
-
-
-def tree(directory: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(directory)): p.read_bytes()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 # ------------------------------------------------------------------ the ids
@@ -245,14 +235,14 @@ def test_ids_that_do_not_fit_the_directory_are_a_one_line_error(data_dir, tmp_pa
 def test_a_failed_prepare_changes_nothing_on_disk(data_dir, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(data_dir, out)
-    before = tree(out)
-    bad = toy_tsv(tmp_path / "bad.tsv", n=300)
+    before = snapshot(out)
+    bad = toy_tsv(tmp_path / "bad.tsv", WORDS, n=300, lengths=(1, 14))
     with open(bad, "a", encoding="utf-8") as fh:
         fh.write("a line without a tab at the very end\n")  # found only after reading it all
     cfg = DataConfig(corpus=f"tsv:{bad}", vocab_size=60, min_frequency=1)
     with pytest.raises(AiaynError, match="line 301 has no tab"):
         prepare(cfg, out, model_max_len=64, force=True)
-    assert tree(out) == before
+    assert snapshot(out) == before
     with pytest.raises(AiaynError, match="line 301 has no tab"):
         prepare(cfg, tmp_path / "new", model_max_len=64)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.tsv", "out"]  # no staging left
@@ -285,3 +275,18 @@ def test_the_last_validation_decodes_the_same_bounded_subset(data_dir, tmp_path)
     devs = [r for r in map(json.loads, lines) if r["kind"] == "dev"]
     assert [(r["step"], r["n_sentences"]) for r in devs] == [(2, 5), (3, 5)]
     assert len(load_prepared(data_dir).dev) == 20  # the whole split is larger
+
+
+def test_the_ids_record_the_one_tokenizer_fingerprint(data_dir, tmp_path):
+    """prepare records, the loader checks and fine-tuning compares one fingerprint: a file
+    that is not the tokenizer's (a README beside it) changes none of them."""
+    stats = json.loads((data_dir / "stats.json").read_text(encoding="utf-8"))
+    recorded = stats["ids"]["tokenizer_sha256"]
+    assert recorded == tokenizer_fingerprint(data_dir / "tokenizer")
+    assert describe_tokenizer(data_dir / "tokenizer").endswith(f"sha256 {recorded[:12]}")
+    noted = tmp_path / "noted"
+    shutil.copytree(data_dir, noted)
+    (noted / "tokenizer" / "README.txt").write_text("made by aiayn prepare\n")
+    mapped = load_data(noted, tiny_config(), Dist(), log=lambda *a: None)
+    assert len(mapped.train) == len(load_data(data_dir, tiny_config(), Dist(),
+                                               log=lambda *a: None).train)

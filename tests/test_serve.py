@@ -29,22 +29,31 @@ import pytest
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed: pip install 'aiayn[serve]'")
 from fastapi.testclient import TestClient  # noqa: E402
-from test_translator import WORDS, random_sentence, run_dir  # noqa: E402, F401 (a fixture)
+from helpers import COPY_WORDS, random_sentence  # noqa: E402
 
+import aiayn  # noqa: E402
+from aiayn.checkpoint import (  # noqa: E402
+    STATE_VERSION,
+    read_metadata,
+    save_train_state,
+    save_weights,
+)
+from aiayn.config import save_config  # noqa: E402
+from aiayn.rundir import load_run  # noqa: E402
 from aiayn.serve import ModelService, ServeLimits, create_app  # noqa: E402
 from aiayn.translator import Translator, TruncationWarning  # noqa: E402
 
 SENTENCES = ["red green blue", "", "sun moon star tree river", "white", "black sun"]
-LONG = " ".join(WORDS * 3)  # 30 words: over the tiny model's max_len of 16 tokens
+LONG = " ".join(COPY_WORDS * 3)  # 30 words: over the tiny model's max_len of 16 tokens
 
 
 @pytest.fixture(scope="module")
-def translator(run_dir) -> Translator:  # noqa: F811
+def translator(run_dir) -> Translator:
     return Translator.from_pretrained(run_dir)
 
 
 @pytest.fixture(scope="module")
-def service(run_dir) -> ModelService:  # noqa: F811
+def service(run_dir) -> ModelService:
     return ModelService.from_run(run_dir)
 
 
@@ -140,7 +149,7 @@ def test_malformed_requests_get_422_with_one_line(client, path, body, words):
     assert_clean_error(response, 422, words)
 
 
-def test_an_unexpected_failure_is_a_500_without_traceback(run_dir, monkeypatch):  # noqa: F811
+def test_an_unexpected_failure_is_a_500_without_traceback(run_dir, monkeypatch):
     service = ModelService.from_run(run_dir)
     monkeypatch.setattr(service.translator, "translate_nbest",
                         lambda *a, **k: (_ for _ in ()).throw(RuntimeError("secret detail")))
@@ -151,7 +160,7 @@ def test_an_unexpected_failure_is_a_500_without_traceback(run_dir, monkeypatch):
 
 
 # ---------------------------------------------------------------- the rest of the API
-def test_health_info_and_the_openapi_page(client, translator, run_dir):  # noqa: F811
+def test_health_info_and_the_openapi_page(client, translator, run_dir):
     assert client.get("/health").json()["status"] == "ok"
     info = client.get("/info").json()
     cfg = translator.model.cfg
@@ -165,21 +174,45 @@ def test_health_info_and_the_openapi_page(client, translator, run_dir):  # noqa:
     assert client.get("/docs").status_code == 200
 
 
-def test_info_reads_steps_and_dev_bleu_from_the_metrics(run_dir, tmp_path):  # noqa: F811
+def test_info_names_the_best_weights_as_aiayn_info_does(run_dir, tmp_path):
+    """Under train.best_metric: chrf the best weights are not those of the highest BLEU:
+    /info's "best" is what best.safetensors holds, the same record `aiayn info` gives."""
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
-    records = [{"kind": "train", "step": 50, "loss": 3.0}, {"kind": "dev", "step": 100, "bleu": 7.5},
-               {"kind": "dev", "step": 200, "bleu": 6.0}]
+    config, model, _ = load_run(run)
+    config.train.best_metric = "chrf"
+    save_config(config, run / "config.yaml")
+    records = [{"kind": "train", "step": 50, "loss": 3.0},
+               {"kind": "dev", "step": 100, "bleu": 7.5, "chrf": 30.0, "dev_loss": 2.0},
+               {"kind": "dev", "step": 200, "bleu": 6.0, "chrf": 35.0, "dev_loss": 2.1}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    save_weights(model, run / "best.safetensors",
+                 metadata={"step": "200", "best_metric": "chrf", "best_value": "35.0"})
+    save_train_state({"version": STATE_VERSION, "step": 200, "epoch": 3, "tokens": 9000,
+                      "elapsed_s": 60.0, "world_size": 1}, run / "train_state.pt")
     service = ModelService.from_run(run)
     info = service.info
-    assert (info["training_steps"], info["dev_bleu_best"], info["dev_bleu_last"]) == (200, 7.5, 6.0)
+    assert info["best"] == aiayn.run_info(run)["best"]
+    assert (info["best"]["metric"], info["best"]["step"], info["best"]["bleu"]) == ("chrf", 200, 6.0)
+    assert read_metadata(run / "best.safetensors")["step"] == str(info["best"]["step"])
+    assert info["last_dev"]["step"] == 200 and info["training_steps"] == 200
     assert service.schedule_drawn() == (service.config, "this run")  # eq. 3: as configured
     # A linear schedule that a time budget ended at step 200 reached 0 there.
     service.config.train = dataclasses.replace(service.config.train, schedule="linear",
                                                max_minutes=12.0, max_steps=100_000)
     config, label = service.schedule_drawn()
     assert config.train.max_steps == 200 and "12 minutes ended at step 200" in label
+
+
+def test_info_of_a_run_whose_metrics_are_being_written(run_dir, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    (run / "metrics.jsonl").write_text('{"kind": "dev", "step": 100, "bleu": 7.5}\n'
+                                       '{"kind": "dev", "step": 200, "bl')  # half a line
+    info = ModelService.from_run(run).info
+    assert info["last_dev"]["step"] == 100 and info["best"] == {
+        "metric": "bleu", "step": None, "dev_loss": None, "bleu": None, "chrf": None,
+        "n_sentences": None}  # best.safetensors without a step: not guessed from the log
 
 
 def test_only_the_pages_own_files_are_served(client):
@@ -232,7 +265,7 @@ def test_the_model_never_runs_on_two_threads(service, monkeypatch):
     assert [a["translations"][0] for a in answers] == [h[0][0] for h in real(texts, 1, 0.6, 1)]
 
 
-def test_serve_without_the_extra_says_how_to_install_it(run_dir, monkeypatch, capsys):  # noqa: F811
+def test_serve_without_the_extra_says_how_to_install_it(run_dir, monkeypatch, capsys):
     from aiayn import cli
 
     monkeypatch.setitem(sys.modules, "fastapi", None)  # as if FastAPI were not installed
@@ -257,7 +290,7 @@ def http_json(url: str, body: dict | None = None, timeout: float = 30) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(run_dir):  # noqa: F811
+def server(run_dir):
     """`aiayn serve RUN_DIR --port P` as a subprocess; its base URL once /health answers."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -417,7 +450,7 @@ def start_translate(run: Path, *options: str, stdin) -> subprocess.Popen:
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def test_translate_interactive_answers_each_line_before_the_next(run_dir, translator):  # noqa: F811
+def test_translate_interactive_answers_each_line_before_the_next(run_dir, translator):
     process = start_translate(run_dir, "--interactive", "--beam", "2", stdin=subprocess.PIPE)
     out = process.stdout.fileno()
     try:
@@ -433,7 +466,7 @@ def test_translate_interactive_answers_each_line_before_the_next(run_dir, transl
         process.kill()
 
 
-def test_translate_reads_a_terminal_line_by_line(run_dir, translator):  # noqa: F811
+def test_translate_reads_a_terminal_line_by_line(run_dir, translator):
     """A terminal on stdin (no --interactive): answers as lines come, n-best rows numbered
     across lines as for a file."""
     controller, terminal = pty.openpty()
@@ -455,7 +488,7 @@ def test_translate_reads_a_terminal_line_by_line(run_dir, translator):  # noqa: 
         os.close(controller)
 
 
-def test_translate_interactive_refuses_an_input_file(run_dir, capsys):  # noqa: F811
+def test_translate_interactive_refuses_an_input_file(run_dir, capsys):
     from aiayn import cli
 
     assert cli.main(["translate", str(run_dir), "--interactive", "-i", "file.txt"]) == 2

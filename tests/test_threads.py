@@ -114,7 +114,7 @@ def test_decoding_leaves_grad_mode_and_the_callers_threads_alone(random_translat
 
 
 def test_dev_loss_is_the_same_on_one_or_two_streams(random_translator, threads):
-    from aiayn.data import Example
+    from aiayn.batching import Example
 
     rng = random.Random(5)
     examples = [Example(s, [2, *rng.choices(range(4, 14), k=rng.randint(1, 9)), EOS_ID], i)

@@ -7,7 +7,6 @@ import errno
 import json
 import math
 import os
-import random
 import socket
 import subprocess
 import sys
@@ -15,46 +14,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import (
+    ROOT,
+    TINY,
+    assert_equal_weights,
+    error_line,
+    records,
+    run_train,
+    sets,
+    weights,
+    write_prepared,
+)
 
 from aiayn import io, train
-from aiayn.checkpoint import load_train_state, read_weights
+from aiayn.checkpoint import load_train_state
 from aiayn.cli import main
-from aiayn.config import DataConfig, load_config
+from aiayn.config import load_config
+from aiayn.errors import AiaynError
 from aiayn.optim import learning_rate
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "configs" / "tiny.yaml")
-
-# A toy language pair: each source word has one target word, and the order is reversed.
-LEXICON = {"red": "rojo", "blue": "azul", "cat": "gato", "dog": "perro", "sun": "sol",
-           "sea": "mar", "big": "grande", "small": "chico", "house": "casa", "tree": "arbol",
-           "eats": "come", "sees": "ve", "the": "el", "a": "un", "and": "y", "old": "viejo"}
-
-
-def synthetic_pairs(n: int, seed: int) -> list[tuple[str, str]]:
-    rng = random.Random(seed)
-    words = sorted(LEXICON)
-    pairs = []
-    for _ in range(n):
-        src = [rng.choice(words) for _ in range(rng.randint(2, 9))]
-        pairs.append((" ".join(src), " ".join(LEXICON[w] for w in reversed(src))))
-    return pairs
-
-
-def write_prepared(directory: Path, joint: bool = True) -> Path:
-    """A prepared-data directory written through the data API: JSONL splits + tokenizer."""
-    from aiayn.tokenizer import train_tokenizers
-
-    splits = {"train": synthetic_pairs(240, 1), "dev": synthetic_pairs(16, 2),
-              "test": synthetic_pairs(16, 3)}
-    directory.mkdir(parents=True, exist_ok=True)
-    for name, pairs in splits.items():
-        lines = [json.dumps({"src": s, "tgt": t}) for s, t in pairs]
-        (directory / f"{name}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    cfg = DataConfig(tokenizer="wordlevel", vocab_size=64, min_frequency=1, joint_vocab=joint)
-    train_tokenizers(splits["train"], cfg).save(directory / "tokenizer")
-    (directory / "stats.json").write_text("{}\n", encoding="utf-8")
-    return directory
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +40,8 @@ def data_dir(tmp_path_factory) -> Path:
 
 
 def batches_per_epoch(data_dir: Path, max_tokens: int = 256, world_size: int = 1) -> int:
-    from aiayn.data import TokenBatchSampler, encode_split, load_prepared
+    from aiayn.batching import TokenBatchSampler
+    from aiayn.data import encode_split, load_prepared
 
     prepared = load_prepared(data_dir)
     examples, _ = encode_split(prepared.train, prepared.tokenizers, 64, "drop")
@@ -71,38 +49,18 @@ def batches_per_epoch(data_dir: Path, max_tokens: int = 256, world_size: int = 1
                                  max_tokens, shuffle=True, seed=1, world_size=world_size))
 
 
-def run_train(*args: str) -> None:
-    assert main(["train", *args]) == 0
+def test_training_tests_run_on_the_memory_mapped_ids_users_get(data_dir):
+    """helpers.write_prepared is `aiayn prepare`'s output: training maps its ids, with no
+    note about a directory prepared by an older aiayn (whose text is encoded at start)."""
+    import numpy as np
 
+    from aiayn.distributed import Dist
 
-def sets(**settings) -> list[str]:
-    out = []
-    for key, value in settings.items():
-        out += ["--set", f"train.{key}={value}"]
-    return out
-
-
-def weights(run_dir: Path, name: str = "last.safetensors") -> dict[str, torch.Tensor]:
-    return read_weights(run_dir / name)
-
-
-def records(run_dir: Path, kind: str) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == kind]
-
-
-def error_line(stderr: str) -> str:
-    """The CLI's one-line error (the progress bar may have written to stderr before it)."""
-    lines = [line for line in stderr.replace("\r", "\n").splitlines()
-             if line.startswith("aiayn: error:")]
-    assert len(lines) == 1, stderr
-    return lines[0]
-
-
-def assert_equal_weights(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    notes: list[str] = []
+    data = train.load_data(data_dir, load_config(TINY), Dist(), log=notes.append)
+    assert not [n for n in notes if "older aiayn" in n], notes
+    assert isinstance(data.train.ids.src.ids, np.memmap)
+    assert isinstance(data.train.ids.tgt.ids, np.memmap)
 
 
 # ---------------------------------------------------------------- the run directory
@@ -149,6 +107,42 @@ def test_existing_run_dir_and_tie_all_without_joint_vocab_are_clear_errors(
     code = main(["train", "--config", TINY, "--data", str(separate), "--out",
                  str(tmp_path / "r2"), "--set", "model.tie_embeddings=all"])
     assert code == 2 and "needs a joint vocabulary" in error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(("argv", "api", "words"), [
+    (["--data", "D", "--out", "O"], {"config": None, "data_dir": "D", "run_dir": "O"},
+     "a new run needs --config FILE --data PREPARED_DIR --out RUN_DIR"),
+    (["--config", "TINY", "--out", "O"], {"config": "TINY", "data_dir": None, "run_dir": "O"},
+     "a new run needs --config FILE --data PREPARED_DIR --out RUN_DIR"),
+    (["--resume", "O", "--config", "TINY"],
+     {"config": "TINY", "data_dir": None, "run_dir": "O", "resume": True},
+     "--resume RUN_DIR continues a run with its own config and directory"),
+    (["--resume", "O", "--force"], {"config": None, "data_dir": None, "run_dir": "O",
+                                     "resume": True, "force": True},
+     "--resume RUN_DIR continues a run with its own config and directory"),
+    (["--init-from", "R", "--out", "O"],
+     {"config": None, "data_dir": None, "run_dir": "O", "init_from": "R"},
+     "--init-from RUN_DIR starts a new run: give --data PREPARED_DIR"),
+    (["--init-from", "R", "--resume", "O", "--data", "D"],
+     {"config": None, "data_dir": "D", "run_dir": "O", "init_from": "R", "resume": True},
+     "--init-from RUN_DIR starts a new run: give --data PREPARED_DIR"),
+])
+def test_the_three_ways_to_start_are_checked_once_with_one_message(
+        argv, api, words, data_dir, tmp_path, capsys):
+    """A new run, a resume, a run from another run: each wrong combination of what they
+    need is one line, the same from the CLI and from aiayn.train.train, before anything
+    is written."""
+    names = {"D": str(data_dir), "O": str(tmp_path / "out"), "R": str(tmp_path / "base"),
+             "TINY": TINY}
+    assert main(["train", *[names.get(a, a) for a in argv]]) == 2
+    line = error_line(capsys.readouterr().err)
+    assert words in line
+    settings = {k: (load_config(TINY) if v == "TINY" else names.get(v, v))
+                for k, v in api.items()}
+    with pytest.raises(AiaynError) as err:
+        train.train(**settings)
+    assert line == f"aiayn: error: {err.value}"
+    assert not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------- exact resume
@@ -276,7 +270,8 @@ def test_gradient_accumulation_equals_one_batch_of_the_same_tokens(data_dir):
     """Two micro-batches give the update of their union: the loss is normalised by the
     real target tokens of the whole update, not averaged per micro-batch. Plain SGD makes
     the weight change lr * gradient, so the gradients themselves are compared."""
-    from aiayn.data import collate, encode_split, load_prepared
+    from aiayn.batching import collate
+    from aiayn.data import encode_split, load_prepared
 
     config = load_config(TINY, ["model.dropout=0.0", "train.bf16=false"])
     prepared = load_prepared(data_dir)
@@ -303,10 +298,11 @@ def test_gradient_accumulation_equals_one_batch_of_the_same_tokens(data_dir):
 
 
 def test_padding_lengths_to_a_multiple_changes_no_update(data_dir):
-    """bf16 training pads lengths to aiayn.data.length_multiple (fewer shapes for oneDNN):
+    """bf16 training pads lengths to aiayn.batching.length_multiple (fewer shapes for oneDNN):
     the extra pad positions are masked out, so the loss and gradients are those of the
     unpadded batch (checked in fp32, where the sums are comparable)."""
-    from aiayn.data import collate, encode_split, load_prepared
+    from aiayn.batching import collate
+    from aiayn.data import encode_split, load_prepared
 
     config = load_config(TINY, ["model.dropout=0.0", "train.bf16=false"])
     prepared = load_prepared(data_dir)
@@ -323,7 +319,7 @@ def test_padding_lengths_to_a_multiple_changes_no_update(data_dir):
         grads = {}  # each parameter's gradient as backward leaves it (train_step clears them)
         for name, p in model.named_parameters():
             p.register_post_accumulate_grad_hook(
-                lambda p, name=name: grads.__setitem__(name, p.grad.clone()))
+                lambda p, name=name, grads=grads: grads.__setitem__(name, p.grad.clone()))
         sgd = torch.optim.SGD(model.parameters(), lr=0.0)
         step = train.train_step(model, None, sgd, [collated], 1, config, world)
         results.append((step, grads, collated.src.size(1)))

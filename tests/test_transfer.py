@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import (
+from helpers import (
     LEXICON,
     TINY,
     assert_equal_weights,
@@ -17,6 +17,7 @@ from test_train import (
     records,
     run_train,
     sets,
+    snapshot,
     weights,
     write_prepared,
 )
@@ -49,11 +50,6 @@ def write_tsv_corpus(directory: Path) -> str:
         lines = [f"{s}\t{t}" for s, t in monotone_pairs(n, seed)]
         (directory / f"{split}.tsv").write_text("\n".join(lines) + "\n", encoding="utf-8")
     return f"tsv:{directory}/{{split}}.tsv"
-
-
-def files(directory: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(directory)): p.read_bytes()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 # A learning rate at which the tiny model learns within tens of steps.
@@ -93,20 +89,20 @@ def dev_loss_of(run: Path, weights_name: str, data_dir: Path) -> float:
 # ---------------------------------------------------------------- fine-tuning
 def test_fine_tuning_lowers_the_new_corpus_dev_loss_and_keeps_the_vocabulary(
         base_run, second_corpus, tmp_path):
-    base_tokenizer = files(base_run / "tokenizer")
-    assert files(second_corpus / "tokenizer") == base_tokenizer  # prepare --tokenizer-from
+    base_tokenizer = snapshot(base_run / "tokenizer")
+    assert snapshot(second_corpus / "tokenizer") == base_tokenizer  # prepare --tokenizer-from
     again = tmp_path / "again"  # and, like prepare, it writes a new or empty --out only
     again.mkdir()
     (again / "keep.txt").write_text("mine")
     spec = json.loads((second_corpus / "stats.json").read_text())["corpus"]
     args = ["prepare", "--tokenizer-from", str(base_run), "--corpus", spec, "--out", str(again)]
     assert main(args) == 2
-    assert main([*args, "--force"]) == 0 and files(again / "tokenizer") == base_tokenizer
+    assert main([*args, "--force"]) == 0 and snapshot(again / "tokenizer") == base_tokenizer
     assert json.loads((second_corpus / "stats.json").read_text())["splits"]["train"] == 240
     tuned = tmp_path / "tuned"
     run_train("--init-from", f"{base_run}:last", "--data", str(second_corpus),
               "--out", str(tuned), *sets(max_steps=40, eval_every=20, save_every=20))
-    assert files(tuned / "tokenizer") == base_tokenizer
+    assert snapshot(tuned / "tokenizer") == base_tokenizer
     before = dev_loss_of(base_run, "last", second_corpus)
     after = dev_loss_of(tuned, "last", second_corpus)
     assert after < before - 0.1, (before, after)

@@ -7,97 +7,30 @@ weights, step checkpoints and a prepared data directory.
 
 from __future__ import annotations
 
-import io
 import json
 import random
 import shutil
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
+from helpers import random_sentence, run_cli
 from safetensors.torch import save_file
 
-from aiayn import cli
+from aiayn.batching import pad
 from aiayn.checkpoint import average_checkpoints, read_metadata, read_weights, save_weights
-from aiayn.config import Config, DataConfig, ModelConfig, save_config
-from aiayn.data import pad
+from aiayn.config import DataConfig, ModelConfig
 from aiayn.decode import greedy_decode
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer
 from aiayn.rundir import load_run
-from aiayn.tokenizer import EOS_ID, Tokenizers, train_tokenizers
+from aiayn.tokenizer import EOS_ID, train_tokenizers
 from aiayn.translator import (
     Translator,
     TruncationWarning,
     truncate_source,
 )
-
-WORDS = "red green blue black white sun moon star tree river".split()
-
-
-def random_sentence(rng: random.Random, longest: int = 6) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, longest)))
-
-
-def write_prepared(directory: Path, splits: dict[str, list[tuple[str, str]]],
-                   tokenizers: Tokenizers) -> None:
-    """A prepared data directory in the documented format (docs/interfaces.md)."""
-    for name, pairs in splits.items():
-        lines = "".join(json.dumps({"src": s, "tgt": t}) + "\n" for s, t in pairs)
-        (directory / f"{name}.jsonl").write_text(lines, encoding="utf-8")
-    tokenizers.save(directory / "tokenizer")
-    (directory / "stats.json").write_text("{}\n", encoding="utf-8")
-
-
-def train_copy_model(tokenizers: Tokenizers, run_dir: Path, steps: int = 400) -> Transformer:
-    """A tiny model taught to copy sentences; saves step checkpoints along the way."""
-    torch.manual_seed(0)
-    rng = random.Random(1)
-    cfg = ModelConfig(src_vocab_size=tokenizers.src_vocab_size,
-                      tgt_vocab_size=tokenizers.tgt_vocab_size, d_model=32, n_heads=4,
-                      d_ff=64, n_encoder_layers=1, n_decoder_layers=1, dropout=0.0,
-                      max_len=16, tie_embeddings="all")
-    model = Transformer(cfg)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for step in range(1, steps + 1):
-        batch = [random_sentence(rng) for _ in range(32)]
-        src, tgt = pad(tokenizers.encode_src(batch)), pad(tokenizers.encode_tgt(batch))
-        logits = model(src, tgt[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), tgt[:, 1:].flatten(), ignore_index=0)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if step % 100 == 0:
-            save_weights(model, run_dir / "checkpoints" / f"step_{step:07d}.safetensors")
-    return model.eval()
-
-
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("copy")
-    rng = random.Random(0)
-    splits = {name: [(s, s) for s in (random_sentence(rng) for _ in range(n))]
-              for name, n in (("train", 300), ("dev", 20), ("test", 40))}
-    tokenizers = train_tokenizers(splits["train"], DataConfig(tokenizer="wordlevel",
-                                                              vocab_size=100, min_frequency=1))
-    data_dir = root / "data"
-    data_dir.mkdir()
-    write_prepared(data_dir, splits, tokenizers)
-    run = root / "run"
-    run.mkdir()
-    model = train_copy_model(tokenizers, run)
-    config = Config(model=model.cfg, data=DataConfig(tokenizer="wordlevel", vocab_size=100,
-                                                     min_frequency=1))
-    config.train.max_tokens = 256
-    save_config(config.validate(), run / "config.yaml")
-    tokenizers.save(run / "tokenizer")
-    save_weights(model, run / "best.safetensors")
-    save_weights(model, run / "last.safetensors")
-    (run / "data_dir.txt").write_text(str(data_dir) + "\n", encoding="utf-8")
-    return run
 
 
 @pytest.fixture(scope="module")
@@ -269,14 +202,6 @@ def test_average_refuses_checkpoints_of_different_models(run_dir, tmp_path):
 
 
 # ---------------------------------------------------------------- the command line
-def run_cli(argv: list[str], capsys, stdin: str | None = None, monkeypatch=None):
-    if stdin is not None:
-        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
-    code = cli.main(argv)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_cli_translate_keeps_order_and_empty_lines(run_dir, capsys, monkeypatch, translator):
     lines = ["red sun", "", "moon tree river", "star"]
     code, out, _ = run_cli(["translate", str(run_dir), "--beam", "2"], capsys,

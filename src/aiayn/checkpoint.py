@@ -10,6 +10,8 @@ What else a run directory holds, and where: ``aiayn.rundir``.
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 import torch
@@ -53,8 +55,34 @@ def save_weights(model: nn.Module, path: str | Path, metadata: dict[str, str] | 
     model = getattr(model, "module", model)  # unwrap DistributedDataParallel
     model = getattr(model, "_orig_mod", model)  # unwrap torch.compile
     metadata = {**(metadata or {}), ARCHITECTURE_KEY: json.dumps(architecture(model))}
-    with atomic_path(path) as tmp:
-        save_file(unique_state_dict(model), str(tmp), metadata=metadata)
+    write_safetensors(unique_state_dict(model), path, metadata)
+
+
+def tensors_size(tensors) -> int:
+    """Bytes the tensors take in a file (safetensors and torch.save store them raw)."""
+    if isinstance(tensors, torch.Tensor):
+        return tensors.numel() * tensors.element_size()
+    if isinstance(tensors, dict):
+        return sum(tensors_size(value) for value in tensors.values())
+    if isinstance(tensors, (list, tuple)):
+        return sum(tensors_size(value) for value in tensors)
+    return 0
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: str | Path,
+                      metadata: dict[str, str]) -> None:
+    """The one place weights are written: atomically (aiayn.io.atomic_path), and a full
+    disk, a quota or a read-only mount is one DiskError naming ``path`` and the size (the
+    Rust writer raises its own SafetensorError, "... (os error 28)", not an OSError)."""
+    with atomic_path(path, need=tensors_size(tensors), what="the weights file") as tmp:
+        try:
+            save_file(tensors, str(tmp), metadata=metadata)
+        except SafetensorError as exc:
+            code = re.search(r"\(os error (\d+)\)", str(exc))
+            if code is None:
+                raise
+            number = int(code.group(1))
+            raise OSError(number, os.strerror(number), str(tmp)) from None
 
 
 def read_metadata(path: str | Path) -> dict[str, str]:
@@ -126,10 +154,18 @@ def load_state(model: nn.Module, tensors: dict[str, torch.Tensor], source: str) 
     model.load_state_dict(tensors, strict=False)
 
 
+# The layout of train_state.pt (aiayn.train.Trainer.save writes it, resume and
+# `aiayn doctor` read it); a change that old files cannot be read by raises it.
+STATE_VERSION = 1
+
+
 def save_train_state(state: dict, path: str | Path) -> None:
     """torch.save of plain containers and tensors, atomically (loaded with weights_only)."""
-    with atomic_path(path) as tmp:
-        torch.save(state, tmp)
+    # Through a Python file: torch's own file writer reports a full disk as a RuntimeError
+    # without an errno ("unexpected pos ..."), a file object raises the OSError itself.
+    with atomic_path(path, need=tensors_size(state), what="the train state") as tmp, \
+            open(tmp, "wb") as fh:
+        torch.save(state, fh)
 
 
 def load_train_state(path: str | Path) -> dict:
@@ -169,8 +205,7 @@ def average_checkpoints(paths: list[str | Path], out: str | Path) -> dict[str, t
                          "models of different architectures (their metadata differ)")
     if None not in architectures:
         metadata[ARCHITECTURE_KEY] = architectures.pop()
-    with atomic_path(out) as tmp:
-        save_file(averaged, str(tmp), metadata=metadata)
+    write_safetensors(averaged, out, metadata)
     return averaged
 
 

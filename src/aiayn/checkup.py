@@ -35,7 +35,13 @@ from pathlib import Path
 
 import torch
 
-from aiayn.checkpoint import check_architecture, load_state, load_train_state, read_weights
+from aiayn.checkpoint import (
+    STATE_VERSION,
+    check_architecture,
+    load_state,
+    load_train_state,
+    read_weights,
+)
 from aiayn.config import Config, load_config
 from aiayn.data import TOKENIZER_DIR, read_split
 from aiayn.errors import AiaynError
@@ -43,9 +49,8 @@ from aiayn.evaluate import eval_subset
 from aiayn.metrics import score
 from aiayn.model import Transformer
 from aiayn.rundir import list_step_checkpoints, read_data_dir, resolve_weights
-from aiayn.tokenizer import SPECIAL_TOKENS, UNK_ID, Tokenizers
-from aiayn.train import STATE_VERSION
-from aiayn.transfer import describe_tokenizer, tokenizer_fingerprint
+from aiayn.tokenizer import SPECIAL_TOKENS, UNK_ID, Tokenizers, tokenizer_fingerprint
+from aiayn.transfer import describe_tokenizer
 from aiayn.translator import Translator
 
 CHECK_NAMES = ("config", "weights", "shapes", "tokenizer", "data", "round-trip", "translate",

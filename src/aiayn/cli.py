@@ -26,18 +26,18 @@ import torch
 from aiayn.checkpoint import average_checkpoints
 from aiayn.checkup import doctor
 from aiayn.config import Config, load_config
-from aiayn.data import prepare
 from aiayn.distributed import choose_device
 from aiayn.errors import AiaynError, is_out_of_memory
 from aiayn.evaluate import evaluate_run
 from aiayn.export import QUANTIZATIONS, export_run
 from aiayn.export import TARGETS as EXPORT_TARGETS
-from aiayn.io import atomic_path, check_output_file
+from aiayn.io import DiskError, as_disk_error, atomic_path, check_output_file
 from aiayn.model import Transformer
-from aiayn.rundir import checkpoints_to_average
+from aiayn.prepare import prepare
+from aiayn.rundir import checkpoints_to_average, read_metrics
 from aiayn.runinfo import format_info, run_info
 from aiayn.trace import format_trace, trace_batch, trace_forward
-from aiayn.train import train
+from aiayn.train import check_run_request, train
 from aiayn.transfer import prepare_from_run
 from aiayn.translator import ENGINES, Translator, check_search
 
@@ -196,26 +196,14 @@ def _run_train(args) -> int:
         overrides.append("train.bf16=true")
     if args.compile:
         overrides.append("train.compile=true")
-    if args.init_from:
-        if args.resume or not (args.data and args.out):
-            raise AiaynError("--init-from RUN_DIR starts a new run: give --data PREPARED_DIR "
-                             "--out NEW_RUN_DIR (and no --resume)")
-        config = load_config(args.config, overrides) if args.config else None
+    check_run_request(bool(args.resume), args.init_from, bool(args.config), args.data,
+                      args.out, args.force)
+    config = load_config(args.config, overrides) if args.config else None
+    if args.resume:
+        train(None, args.data, args.resume, resume=True, overrides=overrides, device=args.device)
+    else:
         train(config, args.data, args.out, overrides=overrides, device=args.device,
               force=args.force, init_from=args.init_from)
-        return 0
-    if args.resume:
-        if args.config or args.out or args.force:
-            raise AiaynError("--resume RUN_DIR continues a run with its own config and directory; "
-                             "drop --config/--out/--force (change train.* settings with --set)")
-        train(None, args.data, args.resume, resume=True, overrides=overrides,
-              device=args.device)
-        return 0
-    if not (args.config and args.data and args.out):
-        raise AiaynError("a new run needs --config FILE --data PREPARED_DIR --out RUN_DIR "
-                         "(or --resume RUN_DIR)")
-    config = load_config(args.config, overrides)
-    train(config, args.data, args.out, device=args.device, force=args.force)
     return 0
 
 
@@ -479,7 +467,7 @@ def _run_plot(args) -> int:
         output = args.output or "schedule.png"
     else:
         labels = plots.run_labels(args.run_dirs)
-        runs = {label: plots.read_metrics(run_dir)
+        runs = {label: read_metrics(run_dir)
                 for label, run_dir in zip(labels, args.run_dirs, strict=True)}
         fig = plots.curves_figure(runs)
         output = args.output or "curves.png"
@@ -591,12 +579,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with _warnings_as_lines():
             return run(args) or 0
+    except DiskError as exc:
+        return _error(_disk_error_line(exc, args))
     except AiaynError as exc:
         return _error(str(exc))
     except OSError as exc:  # a file the user named, a full disk, a permission
         if isinstance(exc, BrokenPipeError):  # `aiayn translate ... | head`
             return 0
-        return _error(_os_error_line(exc))
+        disk = as_disk_error(exc)
+        return _error(_disk_error_line(disk, args) if disk else _os_error_line(exc))
     except (RuntimeError, MemoryError) as exc:
         if not is_out_of_memory(exc):
             raise  # a bug in aiayn: keep the traceback
@@ -610,6 +601,22 @@ def main(argv: list[str] | None = None) -> int:
 def _error(line: str) -> int:
     print(f"aiayn: error: {' '.join(line.split())}", file=sys.stderr)
     return 2
+
+
+# The option of each command that chooses where it writes (named in a full disk's fix).
+OUTPUT_OPTION = {"prepare": "--out", "train": "--out", "translate": "-o", "evaluate": "-o",
+                 "average": "-o", "export": "OUT_DIR", "trace": "--png", "attention": "-o",
+                 "plot": "-o"}
+
+
+def _disk_error_line(exc: DiskError, args) -> str:
+    """The DiskError's line with the fix for this command: the option to change, or for
+    `train --resume` the command that goes on from the last good checkpoint."""
+    run = (args.resume or args.out) if args.command == "train" else None
+    if run and exc.code in (errno.ENOSPC, errno.EDQUOT) and (Path(run) / "train_state.pt").is_file():
+        return exc.line(fix=f"free space, then `aiayn train --resume {run}` goes on from the "
+                        "last good checkpoint (kept as it was)")
+    return exc.line(OUTPUT_OPTION.get(args.command))
 
 
 def _os_error_line(exc: OSError) -> str:

@@ -1,6 +1,8 @@
 """Where sentence pairs come from, chosen by a corpus spec string.
 
-``read_corpus(spec, data_cfg)`` reads, cleans, filters and splits one corpus:
+``CorpusStream(spec, data_cfg)`` reads, cleans and filters one corpus, pair by pair, each
+with its split where the corpus has one (``aiayn prepare`` holds the others out of train:
+``held_out_positions``; it is the one path from a spec to token ids):
 
 ====================================  ===================================================
 spec                                  pairs
@@ -31,7 +33,7 @@ leading or trailing space. Then pairs are dropped, each under the first reason t
 ``empty`` (a side with no text), ``versification`` (Bible chapters whose verses do not pair
 one to one, see ``chapters_versified_differently``), ``too_long`` (a side longer than
 ``data.max_words`` words) and ``length_ratio`` (the longer side more than
-``data.max_length_ratio`` times the shorter, in words). The counts are part of the result.
+``data.max_length_ratio`` times the shorter, in words). The stream counts them.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ import numpy as np
 
 from aiayn.config import DataConfig
 from aiayn.errors import AiaynError
+from aiayn.progress import bar as progress_bar
 
 SPLITS = ("train", "dev", "test")
 DROP_REASONS = ("empty", "versification", "too_long", "length_ratio")
@@ -70,38 +73,6 @@ class Pair:
     src: str
     tgt: str
     ref: str
-
-
-@dataclass
-class CorpusResult:
-    """A corpus read, filtered and split: what ``aiayn prepare`` writes and reports."""
-
-    spec: str
-    description: str
-    splits: dict[str, list[Pair]]
-    read: int  # pairs (lines, rows, verses) read before any filter, blank ones included
-    dropped: dict[str, int]  # reason -> count, every reason in DROP_REASONS present
-    split_rule: str  # how the dev and test pairs were chosen
-
-    @property
-    def kept(self) -> int:
-        return sum(len(pairs) for pairs in self.splits.values())
-
-    @property
-    def train(self) -> list[Pair]:
-        return self.splits["train"]
-
-    @property
-    def dev(self) -> list[Pair]:
-        return self.splits["dev"]
-
-    @property
-    def test(self) -> list[Pair]:
-        return self.splits["test"]
-
-    def texts(self, split: str) -> list[tuple[str, str]]:
-        """The (source, target) texts of one split."""
-        return [(p.src, p.tgt) for p in self.splits[split]]
 
 
 @dataclass
@@ -141,7 +112,7 @@ class CorpusStream:
         self.kept = 0
 
     def __iter__(self) -> Iterator[tuple[Pair, str]]:
-        pairs = _progress(self._raw.pairs, self.progress, "reading", unit=" pairs")
+        pairs = progress_bar(self._raw.pairs, self.progress, "reading")
         for pair, split in pairs:
             self.read += 1
             reason = drop_reason(pair.src, pair.tgt, self.cfg)
@@ -172,27 +143,6 @@ class CorpusStream:
                 raise AiaynError(f"{self.spec}: the {name} split is empty after filtering")
 
 
-def read_corpus(spec: str, cfg: DataConfig, progress: bool = False) -> CorpusResult:
-    """Read the corpus named by ``spec``, filter it and split it into train/dev/test, in
-    memory (``aiayn prepare`` streams it instead, with the same rules: ``CorpusStream``)."""
-    stream = CorpusStream(spec, cfg, progress)
-    kept = list(stream)
-    splits: dict[str, list[Pair]] = {name: [] for name in SPLITS}
-    for pair, split in kept:
-        splits[split].append(pair)
-    stream.check_kept({name: len(pairs) for name, pairs in splits.items()})
-    chosen, rule = held_out_positions(len(splits["train"]), stream.given, cfg, spec)
-    if chosen:
-        held = {int(i): name for name, positions in chosen.items() for i in positions}
-        train = splits["train"]
-        for name in chosen:  # each split keeps the corpus order
-            splits[name] = [p for i, p in enumerate(train) if held.get(i) == name]
-        splits["train"] = [p for i, p in enumerate(train) if i not in held]
-    return CorpusResult(
-        spec=spec, description=stream.description, splits=splits, read=stream.read,
-        dropped=stream.dropped, split_rule=stream.split_rule or rule,
-    )
-
 # ------------------------------------------------------------------ cleaning and filtering
 
 
@@ -213,21 +163,6 @@ def drop_reason(src: str, tgt: str, cfg: DataConfig) -> str | None:
     if max(n_src, n_tgt) > cfg.max_length_ratio * min(n_src, n_tgt):
         return "length_ratio"
     return None
-
-
-def filter_pairs(
-    pairs: Iterable[tuple[Pair, str]], cfg: DataConfig
-) -> tuple[list[tuple[Pair, str]], dict[str, int]]:
-    """Keep the pairs with no drop reason; count the others by reason."""
-    dropped = dict.fromkeys(DROP_REASONS, 0)
-    kept = []
-    for pair, split in pairs:
-        reason = drop_reason(pair.src, pair.tgt, cfg)
-        if reason:
-            dropped[reason] += 1
-        else:
-            kept.append((pair, split))
-    return kept, dropped
 
 
 # ------------------------------------------------------------------ splitting
@@ -364,7 +299,7 @@ def read_bible_pairs(pair_code: str, books: Iterable[str] | None = None,
     shared = [b for b in src_books if b in tgt_books and (wanted is None or b in wanted)]
     kept: list[Pair] = []
     dropped = 0
-    for book in _progress(shared, progress, "reading books"):
+    for book in progress_bar(shared, progress, "reading books", unit=""):
         src_verses = dict(read_sword_book(src_bible, src_books[book]))
         pairs = [
             Pair(clean_osis(src_verses[ref]), clean_osis(tgt_raw), ref)
@@ -749,12 +684,3 @@ def _count_lines(path: Path) -> int:
             n += block.count(b"\n")
             last = block[-1:]
     return n + (last != b"\n")
-
-
-def _progress(items, enabled: bool, desc: str, unit: str = ""):
-    if not enabled:
-        return items
-    from tqdm import tqdm
-
-    return tqdm(items, desc=desc, unit=unit, unit_scale=bool(unit), leave=False,
-                dynamic_ncols=True, disable=None)

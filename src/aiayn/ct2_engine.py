@@ -2,7 +2,7 @@
 ctranslate2` on a directory written by `aiayn export RUN_DIR --to ctranslate2 OUT_DIR`.
 
 Only the search differs: ``aiayn.translator.Translator`` still tokenizes, truncates, batches
-(``aiayn.data.token_batches``), detokenizes and keeps the input order, and
+(``aiayn.batching.token_batches``), detokenizes and keeps the input order, and
 ``aiayn.evaluate`` scores as always. An export directory holds, beside CTranslate2's
 model.bin, config.json and vocabularies, the run's config.yaml (for max_len), tokenizer/
 and data_dir.txt.

@@ -138,14 +138,17 @@ def max_over_ranks(value: float, world: Dist) -> float:
 
 def on_main(action, world: Dist) -> None:
     """Run ``action`` on rank 0 only; if it fails with an AiaynError, every rank raises it
-    (rather than the others waiting for rank 0 at the next collective until a timeout)."""
-    error = None
+    (rather than the others waiting for rank 0 at the next collective until a timeout).
+    Rank 0 raises its own error (a DiskError keeps its path and size for the CLI's line)."""
+    error = caught = None
     if world.is_main:
         try:
             action()
         except AiaynError as exc:
-            error = str(exc)
+            error, caught = str(exc), exc
     error = gather_objects(error, world)[0]
+    if caught is not None:
+        raise caught
     if error is not None:
         raise AiaynError(error)
 

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from aiayn.batching import Example, collate, length_multiple, token_batches
 from aiayn.config import Config
-from aiayn.data import Example, collate, length_multiple, load_prepared, token_batches
+from aiayn.data import load_prepared
 from aiayn.distributed import choose_device
 from aiayn.errors import AiaynError
 from aiayn.io import atomic_write_text, check_output_file

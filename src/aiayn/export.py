@@ -61,9 +61,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from aiayn.checkpoint import tensors_size, unique_state_dict
 from aiayn.config import Config, ModelConfig, load_config
 from aiayn.errors import AiaynError
-from aiayn.io import atomic_directory, atomic_write_text, check_writable_dir
+from aiayn.io import atomic_directory, atomic_write_text, check_room, check_writable_dir
 from aiayn.model import Transformer, sinusoid_table
 from aiayn.rundir import copy_tokenizer, load_run
 from aiayn.tokenizer import BOS, BOS_ID, EOS, EOS_ID, PAD, PAD_ID, UNK, Tokenizers
@@ -117,7 +118,9 @@ def export_run(run_dir: str | Path, to: str, out_dir: str | Path, weights: str |
     config, model, tokenizers = load_run(run_dir, weights)
     if to == "hf":
         check_one_vocabulary(tokenizers, str(run_dir))
-    with atomic_directory(out_dir) as tmp:
+    need = export_size(model, run_dir)
+    check_room(out_dir, need, "the export")
+    with atomic_directory(out_dir, need, "the export") as tmp:
         if to == "hf":
             write_hf(model, tokenizers, tmp)
         else:
@@ -127,6 +130,12 @@ def export_run(run_dir: str | Path, to: str, out_dir: str | Path, weights: str |
                 "weights": str(weights), "quantization": quantization}
         atomic_write_text(tmp / EXPORT_INFO, json.dumps(info, indent=2) + "\n")
     return out_dir
+
+
+def export_size(model: Transformer, run_dir: Path) -> int:
+    """About what an export writes: the float32 weights and the tokenizer files."""
+    tokenizer = sum(p.stat().st_size for p in (run_dir / "tokenizer").rglob("*") if p.is_file())
+    return tensors_size(unique_state_dict(model)) + tokenizer
 
 
 def write_aiayn_side(config: Config, run_dir: Path, out: Path) -> None:

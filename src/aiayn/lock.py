@@ -62,6 +62,11 @@ def locked(directory: str | Path, what: str, shared: bool = False) -> Iterator[N
 
 
 def _write_pid(directory: Path, what: str) -> None:
+    """The holder's line, for others' refusal messages only: on a full disk it is left out
+    (the lock is held all the same; the command's own writes report the disk)."""
     tmp = directory / f"{PID_FILE}.{os.getpid()}"
-    tmp.write_text(f"pid {os.getpid()} ({what})\n", encoding="utf-8")
-    os.replace(tmp, directory / PID_FILE)
+    try:
+        tmp.write_text(f"pid {os.getpid()} ({what})\n", encoding="utf-8")
+        os.replace(tmp, directory / PID_FILE)
+    except OSError:
+        tmp.unlink(missing_ok=True)

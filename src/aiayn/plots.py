@@ -22,7 +22,6 @@ input tokens, keys are source tokens.
 
 from __future__ import annotations
 
-import json
 import math
 import textwrap
 from collections.abc import Sequence
@@ -40,6 +39,7 @@ from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
 from matplotlib.ticker import StrMethodFormatter
 
 from aiayn.errors import AiaynError
+from aiayn.io import atomic_path
 from aiayn.model import sinusoid_table
 from aiayn.optim import schedule_lr
 
@@ -61,8 +61,8 @@ def save_figure(fig: Figure, path: str | Path) -> Path:
     path = Path(path)
     if path.suffix.lower() != ".png":
         raise AiaynError(f"{path}: pictures are written as PNG; name the file *.png")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=DPI, format="png")
+    with atomic_path(path, what="the picture") as tmp:  # no half PNG on a full disk
+        fig.savefig(tmp, dpi=DPI, format="png")
     return path
 
 
@@ -197,43 +197,6 @@ CURVES = [
     ("dev BLEU", "dev", "bleu", "BLEU"),
     ("learning rate", "train", "lr", "lr"),
 ]
-
-
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The records of ``RUN_DIR/metrics.jsonl`` (see docs/interfaces.md), checked line by line."""
-    run_dir = Path(run_dir)
-    path = run_dir / "metrics.jsonl"
-    if not run_dir.is_dir():
-        raise AiaynError(f"{run_dir}: not a directory (expected a run directory from "
-                         "`aiayn train`)")
-    if not path.is_file():
-        raise AiaynError(f"{path}: not found; is {run_dir} a run directory from `aiayn train`?")
-    records = []
-    with open(path, encoding="utf-8") as fh:
-        for number, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}, line {number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise AiaynError(f"{where}: not valid JSON ({exc.msg})") from None
-            if not isinstance(record, dict):
-                raise AiaynError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            for key in ("step", "kind"):
-                if key not in record:
-                    raise AiaynError(f'{where}: the record has no "{key}"')
-            if not _is_number(record["step"]):
-                raise AiaynError(f'{where}: "step" is not a number ({record["step"]!r})')
-            for _, kind, key, _ in CURVES:
-                if record["kind"] == kind and key in record and not _is_number(record[key]):
-                    raise AiaynError(f'{where}: "{key}" is not a number ({record[key]!r})')
-            records.append(record)
-    return records
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def metric_series(records: list[dict[str, Any]], kind: str, key: str) -> tuple[list, list]:

@@ -29,10 +29,12 @@ from typing import Any
 from aiayn.checkpoint import load_weights
 from aiayn.config import Config, load_config, save_config
 from aiayn.errors import AiaynError
-from aiayn.io import atomic_write_text, check_writable_dir
+from aiayn.io import atomic_write_text, check_writable_dir, disk_errors
 from aiayn.lock import PID_FILE
 from aiayn.model import Transformer
 from aiayn.tokenizer import Tokenizers
+
+METRICS_FILE = "metrics.jsonl"
 
 # ---------------------------------------------------------------- creating a run
 # What `aiayn train` writes into a run directory (``--force`` removes exactly these).
@@ -87,7 +89,9 @@ def record_config(run_dir: Path, config: Config, overrides: list[str], step: int
     if overrides:
         line = json.dumps({"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                            "overrides": overrides}, ensure_ascii=False)
-        with open(run_dir / "config_history.jsonl", "a", encoding="utf-8") as fh:
+        history = run_dir / "config_history.jsonl"
+        with disk_errors(history, what="the config history"), \
+                open(history, "a", encoding="utf-8") as fh:
             fh.write(line + "\n")
 
 
@@ -109,14 +113,25 @@ def resume_point(run_dir: Path) -> Path | None:
         f"--config {run_dir / 'config.yaml'} --data DIR --out {run_dir} --force`")
 
 def copy_tokenizer(src: Path, dst: Path) -> None:
-    """Copy the tokenizer directory beside the weights (a temp dir renamed into place)."""
+    """Copy the tokenizer directory beside the weights (a temp dir renamed into place).
+    File by file, not shutil.copytree: that one gathers a full disk into a shutil.Error
+    without an errno; here it is one DiskError naming ``dst`` (and the temp dir goes)."""
     if not src.is_dir():
         raise AiaynError(f"tokenizer directory not found: {src} (run `aiayn prepare` first)")
     tmp = dst.with_name(f".{dst.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp)
-    shutil.rmtree(dst, ignore_errors=True)
-    os.replace(tmp, dst)
+    files = sorted(path for path in src.rglob("*") if path.is_file())
+    try:
+        with disk_errors(dst, sum(path.stat().st_size for path in files), "the tokenizer copy"):
+            tmp.mkdir(parents=True)
+            for path in files:
+                target = tmp / path.relative_to(src)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path, target)
+            shutil.rmtree(dst, ignore_errors=True)
+            os.replace(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_run_config(run_dir: Path, overrides: list[str]) -> Config:
@@ -206,14 +221,14 @@ class MetricsLog:
 
     def __init__(self, run_dir: Path, enabled: bool, resume_step: int | None = None):
         self.enabled = enabled
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_dir / METRICS_FILE
         self.writer = None
         if not enabled:
             return
         if resume_step is not None and self.path.exists():
-            keep = [line for line in self.path.read_text(encoding="utf-8").splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            atomic_write_text(self.path, "".join(line + "\n" for line in keep))
+            # A line cut by the crash being resumed from is dropped with the later ones.
+            keep = [r for r in read_metrics(run_dir, strict=False) if r["step"] <= resume_step]
+            atomic_write_text(self.path, "".join(map(_metrics_line, keep)))
         from torch.utils.tensorboard import SummaryWriter
 
         purge = resume_step + 1 if resume_step is not None else None
@@ -222,8 +237,10 @@ class MetricsLog:
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+        # A line cut by a full disk is left out when read (read_metrics) and on resume.
+        with disk_errors(self.path, what="the metrics log"), \
+                open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(_metrics_line(record))
         kind, step = record["kind"], record["step"]
         for key, value in record.items():
             if key not in ("kind", "step") and isinstance(value, (int, float)):
@@ -236,6 +253,61 @@ class MetricsLog:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def _metrics_line(record: dict[str, Any]) -> str:
+    return json.dumps(record, ensure_ascii=False) + "\n"
+
+
+# The numbers of metrics.jsonl records that readers compute with, by record kind.
+METRIC_NUMBERS = {"train": ("loss", "lr"), "dev": ("dev_loss", "bleu", "chrf")}
+
+
+def read_metrics(run_dir: str | Path, strict: bool = True) -> list[dict[str, Any]]:
+    """The records of ``RUN_DIR/metrics.jsonl`` (see docs/interfaces.md), in file order.
+
+    Each is a JSON object with a ``kind`` and a numeric ``step``, and the numbers of
+    ``METRIC_NUMBERS`` are numbers. ``strict`` (`aiayn plot`): anything else, or a missing
+    file, is an error naming the file and line. Not strict (`aiayn info`, `aiayn serve`'s
+    /info, a resume): such lines are left out (a run may be writing the last one right
+    now) and a missing file has no records."""
+    run_dir = Path(run_dir)
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        if not strict:
+            return []
+        if not run_dir.is_dir():
+            raise AiaynError(f"{run_dir}: not a directory (expected a run directory from "
+                             "`aiayn train`)")
+        raise AiaynError(f"{path}: not found; is {run_dir} a run directory from `aiayn train`?")
+    records = []
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for number, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(_metrics_record(line))
+            except ValueError as exc:
+                if strict:
+                    raise AiaynError(f"{path}, line {number}: {exc}") from None
+    return records
+
+
+def _metrics_record(line: str) -> dict[str, Any]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON ({exc.msg})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    for key in ("step", "kind"):
+        if key not in record:
+            raise ValueError(f'the record has no "{key}"')
+    for key in ("step", *METRIC_NUMBERS.get(record["kind"], ())):
+        value = record.get(key)
+        if key in record and not (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            raise ValueError(f'"{key}" is not a number ({value!r})')
+    return record
 
 
 # ---------------------------------------------------------------- step checkpoints (training)

@@ -11,18 +11,16 @@ started from (``--init-from``). Reads files only; loads no weights::
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
-from aiayn.checkpoint import load_train_state
+from aiayn.checkpoint import load_train_state, read_metadata
 from aiayn.config import load_config
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer
-from aiayn.rundir import list_step_checkpoints
+from aiayn.rundir import list_step_checkpoints, read_metrics
 from aiayn.transfer import describe_tokenizer, read_init_from
 
 
@@ -52,7 +50,7 @@ def run_info(run_dir: str | Path) -> dict[str, Any]:
         "last_dev": None,
         "weights": _weights(run_dir),
     }
-    devs = _dev_records(run_dir)
+    devs = [r for r in read_metrics(run_dir, strict=False) if r["kind"] == "dev"]
     if devs:
         last = devs[-1]
         info["last_dev"] = {k: last.get(k) for k in ("step", "dev_loss", "bleu", "chrf",
@@ -76,21 +74,6 @@ def _training(run_dir: Path) -> dict[str, Any] | None:
             "world_size": state.get("world_size")}
 
 
-def _dev_records(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict) and record.get("kind") == "dev":
-            records.append(record)
-    return records
-
-
 def _best(run_dir: Path, devs: list[dict[str, Any]], metric: str) -> dict[str, Any] | None:
     """The best validation by the run's rule: what best.safetensors holds (its metadata)
     and that step's dev record."""
@@ -99,7 +82,8 @@ def _best(run_dir: Path, devs: list[dict[str, Any]], metric: str) -> dict[str, A
         return None
     meta = _metadata(path)
     step = int(meta["step"]) if meta.get("step", "").isdigit() else None
-    record = next((r for r in devs if r.get("step") == step), {})
+    # The last record of that step: a resumed run logs again the steps after its checkpoint.
+    record = next((r for r in reversed(devs) if r.get("step") == step), {})
     return {"metric": meta.get("best_metric", "bleu" if "select_bleu" in meta else metric),
             "step": step, "dev_loss": record.get("dev_loss"), "bleu": record.get("bleu"),
             "chrf": record.get("chrf"), "n_sentences": record.get("n_sentences")}
@@ -107,9 +91,8 @@ def _best(run_dir: Path, devs: list[dict[str, Any]], metric: str) -> dict[str, A
 
 def _metadata(path: Path) -> dict[str, str]:
     try:
-        with safe_open(str(path), "pt") as fh:
-            return fh.metadata() or {}
-    except Exception:  # noqa: BLE001 - an unreadable file: `aiayn doctor` says why
+        return read_metadata(path)
+    except AiaynError:  # an unreadable file: `aiayn doctor` says why
         return {}
 
 

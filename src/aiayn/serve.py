@@ -9,7 +9,8 @@ One process loads the run's model once (``Translator.from_pretrained``) and serv
                       -> the translation, source and target tokens and every layer x head
                          map of encoder self-, decoder self- and cross-attention, as
                          `aiayn attention` computes them (rows = queries, columns = keys)
-    GET  /health, /info (model sizes, vocabulary, training steps, dev BLEU)
+    GET  /health, /info (model sizes, vocabulary, training steps, the best and last dev
+                      scores as `aiayn info` gives them)
     GET  /            the page (static/index.html, app.js, style.css: no build step, no CDN)
     GET  /figures/positional_encoding.png, /figures/schedule.png   the plots.py pictures
     GET  /docs        the OpenAPI page (FastAPI's)
@@ -56,6 +57,7 @@ from aiayn import plots
 from aiayn.config import Config
 from aiayn.errors import AiaynError
 from aiayn.rundir import load_run, resolve_weights
+from aiayn.runinfo import run_info
 from aiayn.translator import SentenceAttention, Translator, TruncationWarning
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -127,8 +129,8 @@ class ModelService:
         """Load ``run_dir`` once (see ``load_run``) and gather what /info reports."""
         config, model, tokenizers = load_run(run_dir, weights)
         translator = Translator(model, tokenizers, device=device)
-        return cls(translator, config, run_info(run_dir, weights, config, model,
-                                                translator.device))
+        return cls(translator, config, serve_info(run_dir, weights, config, model,
+                                                  translator.device))
 
     def translate(self, texts: list[str], beam: int, alpha: float, nbest: int) -> dict:
         """`aiayn translate`'s answer for ``texts``: translations in input order, the n-best
@@ -194,19 +196,12 @@ def attention_json(att: SentenceAttention, decimals: int = 5) -> dict:
                      "cross": ["tgt_tokens", "src_tokens"]}}
 
 
-def run_info(run_dir: str | Path, weights: str, config: Config, model, device: torch.device
-             ) -> dict:
-    """What GET /info reports: sizes, vocabularies, the training steps and dev BLEU so far."""
-    steps, best_bleu, last_bleu = None, None, None
-    try:
-        records = plots.read_metrics(run_dir)
-    except AiaynError:  # no metrics.jsonl, or one being written by a training run right now
-        records = []
-    if records:
-        steps = max((r["step"] for r in records), default=None)
-        bleus = [r["bleu"] for r in records if r["kind"] == "dev" and "bleu" in r]
-        best_bleu = max(bleus, default=None)
-        last_bleu = bleus[-1] if bleus else None
+def serve_info(run_dir: str | Path, weights: str, config: Config, model, device: torch.device
+               ) -> dict:
+    """What GET /info reports: the served weights, sizes, vocabularies, and the run as
+    `aiayn info` describes it (aiayn.runinfo.run_info): the steps trained, the best dev
+    score by the run's ``train.best_metric`` (what best.safetensors holds) and the last."""
+    run = run_info(run_dir)
     return {
         "run_dir": str(run_dir),
         "weights": str(resolve_weights(run_dir, weights)),
@@ -216,9 +211,9 @@ def run_info(run_dir: str | Path, weights: str, config: Config, model, device: t
         "tokenizer": config.data.tokenizer,
         "joint_vocab": config.data.joint_vocab,
         "corpus": config.data.corpus,
-        "training_steps": steps,
-        "dev_bleu_best": best_bleu,
-        "dev_bleu_last": last_bleu,
+        "training_steps": (run["training"] or {}).get("step"),
+        "best": run["best"],
+        "last_dev": run["last_dev"],
     }
 
 

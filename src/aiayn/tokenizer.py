@@ -23,6 +23,7 @@ vocabulary for both sides) or ``src.json`` and ``tgt.json``, each a `tokenizers`
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import unicodedata
@@ -35,6 +36,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from aiayn.config import DataConfig
 from aiayn.errors import AiaynError
 from aiayn.io import atomic_write_text
+from aiayn.progress import bar as progress_bar
 
 PAD, UNK, BOS, EOS = "[PAD]", "[UNK]", "[BOS]", "[EOS]"
 SPECIAL_TOKENS = [PAD, UNK, BOS, EOS]
@@ -250,6 +252,21 @@ class _Rows(dict):
         return -1
 
 
+def tokenizer_fingerprint(directory: str | Path) -> str:
+    """SHA-256 over a tokenizer directory's JSON files (``meta.json`` and the tokenizer
+    files, names and bytes, sorted by name): equal fingerprints mean the same ids for every
+    text. The one identity of a tokenizer: prepared ids record it (aiayn.prepare; checked
+    by aiayn.data) and a run is fine-tuned only on data of its own (aiayn.transfer)."""
+    directory = Path(directory)
+    files = sorted(directory.glob("*.json"))
+    if not files:
+        raise AiaynError(f"{directory}: no tokenizer files here")
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def ids_dtype(vocab_size: int) -> np.dtype:
     """The smallest unsigned integer type that holds every id of the vocabulary."""
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
@@ -275,7 +292,7 @@ def train_tokenizers(pairs: Sequence[tuple[str, str]] | Callable[[], Iterable[tu
     def texts(side: str) -> Iterator[str]:
         # NFC here (a quick check on text that already is) rather than in the tokenizer
         # while it trains: the same vocabulary, 15% less time.
-        bar = _bar(fresh(), progress, f"tokenizer ({side})", total)
+        bar = progress_bar(fresh(), progress, f"tokenizer ({side})", total)
         for src, tgt in bar:
             if side != "target":
                 yield unicodedata.normalize("NFC", src)
@@ -287,15 +304,6 @@ def train_tokenizers(pairs: Sequence[tuple[str, str]] | Callable[[], Iterable[tu
         return Tokenizers(joint, joint, cfg.tokenizer)
     return Tokenizers(_train_one(texts("source"), cfg), _train_one(texts("target"), cfg),
                       cfg.tokenizer)
-
-
-def _bar(items, enabled: bool, desc: str, total: int | None):
-    if not enabled:
-        return items
-    from tqdm import tqdm
-
-    return tqdm(items, desc=desc, total=total, unit=" pairs", unit_scale=True, leave=False,
-                dynamic_ncols=True, disable=None)
 
 
 def new_tokenizer(kind: str) -> Tokenizer:

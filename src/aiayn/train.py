@@ -26,6 +26,7 @@ import math
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -36,9 +37,18 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from aiayn.checkpoint import load_train_state, load_weights, save_train_state, save_weights
+from aiayn.batching import Example, TokenBatchSampler, collate, length_multiple
+from aiayn.checkpoint import (
+    STATE_VERSION,
+    load_train_state,
+    load_weights,
+    save_train_state,
+    save_weights,
+    tensors_size,
+    unique_state_dict,
+)
 from aiayn.config import Config
-from aiayn.data import TokenBatchSampler, collate, length_multiple, load_prepared
+from aiayn.data import EncodedSplit, load_prepared
 from aiayn.distributed import (
     Dist,
     all_reduce_sum,
@@ -54,10 +64,11 @@ from aiayn.distributed import (
 from aiayn.early_stopping import BestTracker
 from aiayn.errors import AiaynError
 from aiayn.evaluate import validate
-from aiayn.io import remove_temp_files
+from aiayn.io import as_disk_error, check_room, remove_temp_files
 from aiayn.lock import locked
 from aiayn.model import Transformer
 from aiayn.optim import build_optimizer, label_smoothed_loss, schedule_lr, set_learning_rate
+from aiayn.progress import log
 from aiayn.rundir import (
     MetricsLog,
     check_new_run_dir,
@@ -70,9 +81,8 @@ from aiayn.rundir import (
     step_checkpoint_path,
 )
 from aiayn.threads import ThreadTuner
+from aiayn.tokenizer import Tokenizers
 from aiayn.transfer import InitFrom
-
-STATE_VERSION = 1
 
 
 # ---------------------------------------------------------------- the run directory
@@ -103,11 +113,11 @@ def build_model(config: Config, device: torch.device) -> Transformer:
 class TrainData:
     """Encoded training examples with this rank's sampler, and the dev split."""
 
-    train: list
-    sampler: Any
-    dev: list
+    train: EncodedSplit
+    sampler: TokenBatchSampler
+    dev: list[Example]
     dev_pairs: list[tuple[str, str]]
-    tokenizers: Any
+    tokenizers: Tokenizers
 
 
 def load_data(data_dir: Path, config: Config, world: Dist, log=print) -> TrainData:
@@ -142,7 +152,7 @@ class BatchStream:
     def __init__(self, data: TrainData, pad_id: int, device: torch.device, max_epochs: int,
                  multiple: int = 1):
         self.data, self.pad_id, self.device = data, pad_id, device
-        self.multiple = multiple  # lengths padded to it (aiayn.data.length_multiple)
+        self.multiple = multiple  # lengths padded to it (aiayn.batching.length_multiple)
         self.max_epochs = max_epochs
         self.epoch = 0
         self.data.sampler.set_epoch(self.epoch)
@@ -263,6 +273,8 @@ def train(
         train(None, "data/kjv-spa", "runs/ft", init_from="runs/web:best",
               overrides=["train.max_steps=2000", "train.patience=3"])
     """
+    check_run_request(resume, init_from, config is not None, data_dir,
+                      None if resume else run_dir, force)
     world = setup_distributed(device)
     run_dir = Path(run_dir)
     try:
@@ -287,7 +299,8 @@ def train(
 def run_dir_held(run_dir: Path, resume: bool, force: bool):
     """Check that ``run_dir`` can take this command (before anything is written), create
     it if new, hold its lock for the block, and clean temporary files a crash left. A new
-    directory is removed again if the command fails before writing the run into it."""
+    directory is removed again if the command fails before writing the run into it, or if
+    a full disk stops it before its first save."""
     if resume:
         if not run_dir.is_dir():
             raise AiaynError(f"--resume {run_dir}: run directory not found")
@@ -299,107 +312,165 @@ def run_dir_held(run_dir: Path, resume: bool, force: bool):
         with locked(run_dir, "aiayn train"):
             removed = remove_temp_files(run_dir)
             if removed:
-                tqdm.write(f"removed {len(removed)} temporary file(s) an interrupted save left "
-                           f"in {run_dir}")
+                log(f"removed {len(removed)} temporary file(s) an interrupted save left "
+                    f"in {run_dir}")
             yield
-    except BaseException:
-        if created and not (run_dir / "config.yaml").exists():
+    except BaseException as exc:
+        # A new directory goes again if nothing was written into it, or if the disk
+        # refused the run before its first save (no train state: nothing to resume).
+        half_made = as_disk_error(exc) is not None and not (run_dir / "train_state.pt").exists()
+        if created and (half_made or not (run_dir / "config.yaml").exists()):
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
 
 
+def check_run_request(resume: bool, init_from: str | Path | None, config_given: bool,
+                      data_dir: str | Path | None, out: str | Path | None,
+                      force: bool = False) -> None:
+    """The three ways to start `aiayn train`, each with what it needs: a new run (--config,
+    --data, --out), a resume (--resume RUN_DIR: its own config and directory), a new run
+    from another run's weights (--init-from RUN_DIR, --data, --out). The CLI and ``train``
+    both check here, so a wrong combination gets the same one line from either."""
+    if init_from is not None:
+        if resume or data_dir is None or out is None:
+            raise AiaynError("--init-from RUN_DIR starts a new run: give --data PREPARED_DIR "
+                             "(prepared with `aiayn prepare --tokenizer-from RUN_DIR`) --out "
+                             "NEW_RUN_DIR (and no --resume)")
+    elif resume:
+        if config_given or out is not None or force:
+            raise AiaynError("--resume RUN_DIR continues a run with its own config and "
+                             "directory; drop --config/--out/--force (change train.* settings "
+                             "with --set)")
+    elif not config_given or data_dir is None or out is None:
+        raise AiaynError("a new run needs --config FILE --data PREPARED_DIR --out RUN_DIR "
+                         "(or --resume RUN_DIR)")
+
+
+@dataclass
+class RunStart:
+    """Where a Trainer starts: the settings before the data is seen, the data, and whether
+    it continues a saved run (a resume), begins one (new, or ``init`` from another run's
+    weights), or begins again a resumed run that had saved nothing (``restart``)."""
+
+    config: Config
+    data_dir: Path
+    resume: bool = False
+    restart: bool = False
+    init: InitFrom | None = None
+
+    @property
+    def continues(self) -> bool:
+        return self.resume and not self.restart
+
+    @classmethod
+    def choose(cls, config: Config | None, data_dir: str | Path | None, run_dir: Path,
+               resume: bool, overrides: list[str], init_from: str | Path | None,
+               log: Callable[[str], object]) -> RunStart:
+        if resume:
+            # A run that crashed before its first save has nothing to resume from: it
+            # starts again at step 0 with its own config (which is what it would have done).
+            restart = resume_point(run_dir) is None
+            if restart:
+                log(f"{run_dir}: no checkpoint was saved yet; starting it at step 0 with its "
+                    "config.yaml")
+            return cls(load_run_config(run_dir, overrides),
+                       Path(data_dir) if data_dir else read_data_dir(run_dir), True, restart)
+        assert data_dir is not None  # check_run_request
+        if init_from is None:
+            assert config is not None  # check_run_request
+            return cls(config, Path(data_dir))
+        init = InitFrom.parse(init_from)  # fine-tuning: that run's shape and tokenizers
+        init.check_data(Path(data_dir))
+        return cls(init.config_for_new_run(config, overrides, Path(data_dir)), Path(data_dir),
+                   init=init)
+
+    def record(self, run_dir: Path, stored: Config, overrides: list[str], step: int,
+               force: bool) -> None:
+        """Write the run into ``run_dir`` (rank 0, once everything is checked and loaded):
+        a new run's files; on resume the new train.* settings and a line saying so in
+        config_history.jsonl."""
+        if not self.continues:
+            create_run_dir(run_dir, stored, self.data_dir, force or self.restart)
+            if self.init is not None:
+                self.init.record(run_dir)
+        if self.resume:
+            record_config(run_dir, stored, overrides, step)
+
+
+def run_size(model: nn.Module, keep_checkpoints: int, continues: bool) -> int:
+    """About the bytes a run still writes at its fullest (aiayn.checkpoint.tensors_size):
+    a new one its step checkpoints (one more before the oldest is pruned), last and best,
+    and train_state.pt (the weights and Adam's two moments) with its temporary copy beside
+    the old one; a resumed one, whose files are there, one new step file and that copy."""
+    weights = tensors_size(unique_state_dict(model))
+    state = 3 * weights
+    if continues:
+        return weights + state
+    return (keep_checkpoints + 1 + 2) * weights + 2 * state
+
+
+def wrap_for_training(model: nn.Module, compile_: bool, world: Dist
+                      ) -> tuple[nn.Module | None, nn.Module]:
+    """(the DistributedDataParallel wrapper or None, the module the loop calls)."""
+    ddp: nn.Module | None = None
+    train_model = model
+    if world.enabled:
+        ddp = train_model = nn.parallel.DistributedDataParallel(
+            model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
+    if compile_:
+        # Batch shapes vary with the length buckets: compile once for symbolic shapes.
+        train_model = torch.compile(train_model, dynamic=True)
+    return ddp, train_model
+
+
 class Trainer:
     """One training run: ``__init__`` sets everything up (data, model, optimizer, the saved
-    state on resume), ``run`` is the loop; ``validate`` and ``save`` are what it does at
+    state on resume), ``run`` is the loop; ``run_validation`` and ``save`` are what it does at
     intervals. Every rank builds its own Trainer; rank 0 alone writes files."""
 
     def __init__(self, config: Config | None, data_dir: str | Path | None, run_dir: Path,
                  resume: bool, overrides: list[str], world: Dist, force: bool = False,
                  init_from: str | Path | None = None):
         self.world, self.run_dir = world, run_dir
-        self.log = tqdm.write if world.is_main else (lambda *a, **k: None)
-        init = None
-        if resume:
-            config = load_run_config(run_dir, overrides)
-            data_dir = Path(data_dir) if data_dir else read_data_dir(run_dir)
-            # A run that crashed before its first save has nothing to resume from: it
-            # starts again at step 0 with its own config (which is what it would have done).
-            restart = resume_point(run_dir) is None
-            if restart:
-                self.log(f"{run_dir}: no checkpoint was saved yet; starting it at step 0 with "
-                         "its config.yaml")
-        elif init_from is not None:  # fine-tuning: that run's shape and tokenizers
-            if data_dir is None:
-                raise AiaynError("--init-from needs --data PREPARED_DIR (prepared with "
-                                 "`aiayn prepare --tokenizer-from RUN_DIR`)")
-            init = InitFrom.parse(init_from)
-            data_dir = Path(data_dir)
-            init.check_data(data_dir)
-            config = init.config_for_new_run(config, overrides, data_dir)
-            restart = False
-        else:
-            if config is None or data_dir is None:
-                raise AiaynError("a new run needs --config and --data (or use --resume RUN_DIR)")
-            data_dir = Path(data_dir)
-            restart = False
-        self.data_dir = data_dir
-        t = config.train
-
-        # Model and optimizer, seeded so every rank builds the same initial weights.
-        set_seed(t.seed)
-        self.data = load_data(data_dir, config, world, self.log)
-        config = self.config = resolve_config(config, self.data.tokenizers, data_dir)
-        stored = config  # what config.yaml holds (bf16 "auto" stays "auto")
-        # What this machine runs fast: resolved here, so config.yaml keeps "auto" and a
-        # resume on another machine chooses again.
-        use_bf16, why_bf16 = resolve_bf16(t.bf16, world.device)
-        config = self.config = replace(config, train=replace(config.train,
-                                                             bf16="true" if use_bf16 else "false"))
-        t = config.train
+        self.log = log if world.is_main else (lambda *a, **k: None)
+        start = RunStart.choose(config, data_dir, run_dir, resume, overrides, init_from, self.log)
+        self.data_dir = start.data_dir
+        set_seed(start.config.train.seed)  # every rank builds the same initial weights
+        self.data = load_data(start.data_dir, start.config, world, self.log)
+        # What config.yaml holds: the vocabulary sizes of the data, train.bf16 as set ("auto"
+        # stays "auto", so a resume on another machine chooses again).
+        stored = resolve_config(start.config, self.data.tokenizers, start.data_dir)
+        self.bf16, why_bf16 = resolve_bf16(stored.train.bf16, world.device)
+        # What runs: the same with bf16 chosen for this device (TrainConfig.use_bf16).
+        self.config = replace(stored, train=replace(stored.train, bf16=str(self.bf16).lower()))
+        t = self.config.train
         self.threads = ThreadTuner(t.cpu_threads or torch.get_num_threads(),
                                    adaptive=t.cpu_threads == 0 and world.device.type == "cpu")
-        self.model = build_model(config, world.device)
-        if init is not None:
-            init.load_into(self.model)
-            self.log(f"init: weights {init.weights} (fresh optimizer and schedule)")
-        self.optimizer = build_optimizer(self.model, config)
-        self.stream = BatchStream(self.data, config.model.pad_id, world.device, t.max_epochs,
-                                  length_multiple(use_bf16))
+        self.model = build_model(self.config, world.device)
+        if start.init is not None:
+            start.init.load_into(self.model)
+            self.log(f"init: weights {start.init.weights} (fresh optimizer and schedule)")
+        self.optimizer = build_optimizer(self.model, self.config)
+        self.stream = BatchStream(self.data, self.config.model.pad_id, world.device,
+                                  t.max_epochs, length_multiple(self.bf16))
         self.progress = Progress(best=BestTracker(t.best_metric, t.patience))
-        rng = None
-        if resume and not restart:
-            rng = self.restore()
-            if self.progress.best.should_stop:  # it had stopped for patience: refuse, unwritten
-                raise AiaynError(f"{run_dir} stopped early at step {self.progress.step} "
-                                 f"({self.progress.best.stop_reason()}); to train on, resume "
-                                 "with a larger --set train.patience (or 0)")
-            self.log(f"resumed {run_dir} at step {self.progress.step}, epoch {self.stream.epoch}")
+        rng = self.restore() if start.continues else None
+        on_main(lambda: check_room(run_dir, run_size(self.model, t.keep_checkpoints,
+                                                     start.continues),
+                                   "the run"), world)
         # Everything is checked and loaded: only now is the run directory written.
-        if not resume or restart:
-            on_main(lambda: create_run_dir(run_dir, stored, data_dir, force or restart), world)
-            if init is not None:
-                on_main(lambda: init.record(run_dir), world)
-        if resume:  # new train.* settings, and a line saying so in config_history.jsonl
-            on_main(lambda: record_config(run_dir, stored, overrides, self.progress.step), world)
+        on_main(lambda: start.record(run_dir, stored, overrides, self.progress.step, force), world)
         if world.rank > 0 and rng is None:
             torch.manual_seed(t.seed + 7919 * world.rank)  # own dropout masks on each rank
-        self.ddp: nn.Module | None = None
-        self.train_model: nn.Module = self.model
-        if world.enabled:
-            self.ddp = self.train_model = nn.parallel.DistributedDataParallel(
-                self.model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
-        if t.compile:
-            # Batch shapes vary with the length buckets: compile once for symbolic shapes.
-            self.train_model = torch.compile(self.train_model, dynamic=True)
+        self.ddp, self.train_model = wrap_for_training(self.model, t.compile, world)
         if rng is not None:
             set_rng_state(rng)  # last: nothing above may draw from the restored streams
-
-        m = config.model
+        m = self.config.model
         self.log(f"model: {self.model.num_parameters() / 1e6:.2f}M parameters, d_model "
                  f"{m.d_model}, {m.n_encoder_layers}+{m.n_decoder_layers} layers, vocab "
                  f"{m.src_vocab_size}/{m.tgt_vocab_size}; device {world.device}, "
-                 f"{world.world_size} rank(s), compile {t.compile}; bf16 {use_bf16} ({why_bf16})"
-                 f"; {torch.get_num_threads()} CPU thread(s)"
+                 f"{world.world_size} rank(s), compile {t.compile}; bf16 {self.bf16} "
+                 f"({why_bf16}); {torch.get_num_threads()} CPU thread(s)"
                  f"{' (adaptive)' if self.threads.enabled else ''}; schedule {t.schedule}")
         self.metrics = MetricsLog(run_dir, world.is_main, self.progress.step if resume else None)
 
@@ -459,7 +530,7 @@ class Trainer:
                 finishing = out_of_time or progress.step >= t.max_steps
                 if progress.step % t.eval_every == 0 and not finishing:
                     full = t.eval_max_sentences == 0
-                    last_eval = self.validate(full)
+                    last_eval = self.run_validation(full)
                     last_eval_step = progress.step
                     window_start = time.perf_counter()  # evaluation time is not training time
                 if progress.step % t.save_every == 0 and not finishing:
@@ -474,7 +545,7 @@ class Trainer:
             # The end: the validation of the run (the same bounded subset; the whole dev
             # split is `aiayn evaluate`'s), then the final checkpoint.
             if last_eval_step != progress.step and progress.step > 0:
-                last_eval = self.validate(full=t.eval_max_sentences == 0)
+                last_eval = self.run_validation(full=t.eval_max_sentences == 0)
             if progress.saved_step != progress.step:
                 self.save()
         finally:
@@ -486,7 +557,7 @@ class Trainer:
                 "stop_reason": stop_reason, **progress.best.record_fields(),
                 "elapsed_s": progress.elapsed_s}
 
-    def validate(self, full: bool) -> dict | None:
+    def run_validation(self, full: bool) -> dict | None:
         """Rank 0 validates (aiayn.evaluate.validate; the others wait), logs, prints
         samples and keeps best.safetensors."""
         world, progress, log = self.world, self.progress, self.log
@@ -526,7 +597,9 @@ class Trainer:
 
         Order: the step's own weights file, then train_state.pt naming it, then last.safetensors,
         then pruning of old step files. A kill between any two writes leaves a train state whose
-        weights file exists and matches it.
+        weights file exists and matches it. A failed write (a full disk: aiayn.io.DiskError)
+        removes the step's weights file again unless train_state.pt already names it, so the
+        last good save stays what a resume continues from, and nothing half-made stays.
         """
         world, run_dir, config, progress = self.world, self.run_dir, self.config, self.progress
         rngs = gather_objects(rng_state(), world)
@@ -536,7 +609,23 @@ class Trainer:
         step = progress.step
         meta = {"step": str(step)}
         weights = step_checkpoint_path(run_dir, step)
-        save_weights(self.model, weights, metadata=meta)
+        existed = weights.exists()
+        try:
+            save_weights(self.model, weights, metadata=meta)
+            self._save_state(weights, rngs, streams)
+        except BaseException:
+            if not existed:
+                weights.unlink(missing_ok=True)
+            raise
+        save_weights(self.model, run_dir / "last.safetensors", metadata=meta)
+        prune_step_checkpoints(run_dir, config.train.keep_checkpoints)
+        progress.saved_step = step
+
+    def _save_state(self, weights: Path, rngs: list, streams: list) -> None:
+        """train_state.pt naming ``weights`` (written just before by :meth:`save`), with
+        every rank's RNG and sampler states."""
+        world, run_dir, config, progress = self.world, self.run_dir, self.config, self.progress
+        step = progress.step
         state = {
             "version": STATE_VERSION,
             "step": step,
@@ -554,9 +643,6 @@ class Trainer:
             "tokens": progress.tokens,
         }
         save_train_state(state, run_dir / "train_state.pt")
-        save_weights(self.model, run_dir / "last.safetensors", metadata=meta)
-        prune_step_checkpoints(run_dir, config.train.keep_checkpoints)
-        progress.saved_step = step
 
     def restore(self) -> dict:
         """Load what :meth:`save` wrote; returns this rank's RNG state (set it last, after
@@ -597,6 +683,11 @@ class Trainer:
         self.progress = Progress(step=int(state["step"]), best=best,
                                  elapsed_s=float(state["elapsed_s"]),
                                  tokens=int(state.get("tokens", 0)), saved_step=int(state["step"]))
+        if best.should_stop:  # it had stopped for patience: refuse, before anything is written
+            raise AiaynError(f"{run_dir} stopped early at step {self.progress.step} "
+                             f"({best.stop_reason()}); to train on, resume with a larger "
+                             "--set train.patience (or 0)")
+        self.log(f"resumed {run_dir} at step {self.progress.step}, epoch {stream.epoch}")
         return rng
 
 

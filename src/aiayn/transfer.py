@@ -27,7 +27,6 @@ where it started.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -37,11 +36,12 @@ from safetensors import safe_open
 
 from aiayn.checkpoint import load_weights
 from aiayn.config import Config, ModelConfig, load_config
-from aiayn.data import TOKENIZER_DIR, prepare
+from aiayn.data import TOKENIZER_DIR
 from aiayn.errors import AiaynError
 from aiayn.io import atomic_write_text
+from aiayn.prepare import prepare
 from aiayn.rundir import check_vocabularies, resolve_weights
-from aiayn.tokenizer import META_FILE, Tokenizers
+from aiayn.tokenizer import META_FILE, Tokenizers, tokenizer_fingerprint
 
 INIT_FILE = "init_from.json"
 # model.* settings a new run may change: they do not change any weight's shape or meaning.
@@ -53,19 +53,6 @@ TOKENIZER_FIELDS = ("tokenizer", "vocab_size", "joint_vocab", "min_frequency")
 
 
 # ---------------------------------------------------------------- the tokenizers' identity
-def tokenizer_fingerprint(directory: str | Path) -> str:
-    """SHA-256 over the tokenizer directory's JSON files (names and bytes, sorted by name):
-    equal fingerprints mean the same ids for every text."""
-    directory = Path(directory)
-    files = sorted(directory.glob("*.json"))
-    if not files:
-        raise AiaynError(f"{directory}: no tokenizer files here")
-    digest = hashlib.sha256()
-    for path in files:
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()
-
-
 def describe_tokenizer(directory: str | Path) -> str:
     """``bpe, joint vocabulary of 8000, sha256 1a2b3c4d5e6f`` from meta.json."""
     directory = Path(directory)
@@ -187,7 +174,7 @@ def prepare_from_run(run_dir: str | Path, out_dir: str | Path, corpus: str | Non
     """``aiayn prepare --tokenizer-from RUN_DIR``: read ``corpus`` (default: the run's) with
     the run's data settings and ``overrides`` (``data.*``), split it, and save the run's
     tokenizers (the same bytes) instead of training new ones. Returns the stats.
-    ``out_dir`` as for ``aiayn.data.prepare`` (new or empty, unless ``force``).
+    ``out_dir`` as for ``aiayn.prepare.prepare`` (new or empty, unless ``force``).
 
     A ``data.*`` tokenizer setting that differs from the run's is refused, naming both."""
     run_dir = Path(run_dir)

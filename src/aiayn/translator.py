@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from aiayn.data import pad, token_batches
+from aiayn.batching import pad, token_batches
 from aiayn.decode import Hypothesis, beam_search, greedy_decode
 from aiayn.errors import AiaynError, is_out_of_memory
 from aiayn.model import Transformer, capture_attention

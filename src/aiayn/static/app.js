@@ -33,7 +33,10 @@ async function showInfo() {
       `vocabulary ${m.src_vocab_size}/${m.tgt_vocab_size} (${info.tokenizer})`,
     ];
     if (info.training_steps != null) parts.push(`${info.training_steps} training steps`);
-    if (info.dev_bleu_best != null) parts.push(`best dev BLEU ${info.dev_bleu_best.toFixed(2)}`);
+    const best = info.best;  // what best.safetensors holds, chosen by train.best_metric
+    if (best && best.bleu != null) {
+      parts.push(`best (by dev ${best.metric}) step ${best.step}: dev BLEU ${best.bleu.toFixed(2)}`);
+    }
     parts.push(`weights ${info.weights.split("/").pop()} on ${info.device}`);
     $("info").textContent = parts.join(" · ");
   } catch (err) {
