@@ -77,6 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loads", default=",".join(LOADS),
                    help=f"comma-separated, of: {', '.join(LOADS)}")
     p.add_argument("--no-ct2", action="store_true", help="leave CTranslate2 out")
+    p.add_argument("--no-decode", action="store_true", help="time training only")
     p.add_argument("--train-seconds", type=float, default=0.0,
                    help="also time `aiayn train` this long per load and thread setting")
     p.add_argument("--core", type=int, default=(os.cpu_count() or 1) - 1,
@@ -145,7 +146,7 @@ def time_training(args, seconds: float, threads: int) -> float:
                    str(read_data_dir(args.run_dir)), "--out", str(out),
                    "--max-minutes", str(seconds / 60), "--set", f"train.cpu_threads={threads}",
                    "--set", "train.eval_every=100000000", "--set", "train.save_every=100000000",
-                   "--set", "train.max_steps=100000000"]
+                   "--set", "train.max_steps=100000000", "--set", "train.log_every=1"]
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL)
         last = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
@@ -161,15 +162,20 @@ def main(argv: list[str] | None = None) -> None:
     rates: dict[str, dict[str, float]] = {}
     train: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        translators = decoders(args, Path(tmp))
+        translators = {} if args.no_decode else decoders(args, Path(tmp))
         for translator in translators.values():  # untimed: thread pools, allocators
             translator.translate([src for src, _ in pairs[:16]], args.beam, args.alpha)
         for load in args.loads:
             with background(LOADS[load], args.core):
-                rates[load], outputs = time_decoding(args, translators, pairs)
+                if translators:
+                    rates[load], outputs = time_decoding(args, translators, pairs)
                 if args.train_seconds > 0:
                     train[load] = {f"train.cpu_threads={n}": time_training(args, args.train_seconds, n)
                                    for n in (0, 1, 2)}
+                    print(f"{load}: " + ", ".join(f"{n} {r:.2f} steps/s"
+                                                  for n, r in train[load].items()), flush=True)
+            if not translators:
+                continue
             reference = outputs[REFERENCE][0]
             for name in AIAYN:
                 if any(out != reference for out in outputs[name]):
@@ -191,9 +197,10 @@ def report(args, pairs, rates, train) -> None:
           f"of {args.repeats}; (x) = against quiet '{REFERENCE}'; load pinned to core "
           f"{args.core}")
     print(f"device: {device_description()}\n")
-    names = list(next(iter(rates.values())))
-    print(markdown_table(["decoding", *loads],
-                         [[n, *(cell(rates[ld][n], quiet_one) for ld in loads)] for n in names]))
+    if rates:
+        names = list(next(iter(rates.values())))
+        print(markdown_table(["decoding", *loads], [[n, *(cell(rates[ld][n], quiet_one)
+                                                         for ld in loads)] for n in names]))
     if train:
         floor = train.get("quiet", {}).get("train.cpu_threads=1")
         print(f"\ntraining steps/s over {args.train_seconds:g} s of `aiayn train` (x) = against "
