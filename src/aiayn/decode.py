@@ -49,11 +49,6 @@ class Hypothesis(NamedTuple):
     score: float  # log-probability / length penalty (greedy search reports 0.0)
 
 
-def output_limit(model: Transformer, src_pad: Tensor, max_len_b: int = 50) -> int:
-    """Most new tokens to generate for this batch: longest source + max_len_b, within max_len."""
-    return int(output_limits(model, src_pad, max_len_b).max())
-
-
 def output_limits(model: Transformer, src_pad: Tensor, max_len_b: int = 50) -> Tensor:
     """(B,) most new tokens (EOS included) per sentence: source length + max_len_b, capped
     so that ``[BOS] + tokens + [EOS]`` fits in ``model.cfg.max_len`` positions."""
@@ -105,10 +100,7 @@ class _DecoderState:
             self.memory = self.memory.index_select(0, rows)
             self.src_pad = self.src_pad.index_select(0, rows)
         elif self.cache is not None:
-            for layer in self.cache.layers:  # see KVCache: layers[i]["self"] = {"k", "v"}
-                own = layer["self"]
-                for name, tensor in own.items():
-                    own[name] = tensor.index_select(0, rows)
+            self.cache.reorder(rows, kinds=("self",))
 
 
 @torch.no_grad()

@@ -330,12 +330,13 @@ class KVCache:
         ]
         self.length = 0  # positions already decoded (the next position's index)
 
-    def reorder(self, index: Tensor) -> None:
-        """Keep rows ``index`` of every cached tensor (beam search: follow the chosen beams)."""
+    def reorder(self, index: Tensor, kinds: tuple[str, ...] = ("self", "cross")) -> None:
+        """Keep rows ``index`` of the cached tensors of ``kinds`` (beam search: follow the
+        chosen beams; a reorder within sentences leaves the cross-attention K/V as they are)."""
         for layer in self.layers:
-            for kind in layer.values():
-                for name, tensor in kind.items():
-                    kind[name] = tensor.index_select(0, index)
+            for kind in kinds:
+                for name, tensor in layer[kind].items():
+                    layer[kind][name] = tensor.index_select(0, index)
 
 
 class Transformer(nn.Module):

@@ -7,7 +7,7 @@ the validation during training (``aiayn.evaluate``) and attention pictures.
     ['El Señor es mi pastor.']
 
 Behind ``translate`` the sentences are tokenized, sorted by length, cut into batches of at
-most ``max_tokens`` padded source tokens x beam (``aiayn.data.token_batches``), decoded
+most ``max_tokens`` padded source tokens x beam (``aiayn.batching.token_batches``), decoded
 with the KV cache (``aiayn.decode``) on one CPU thread per batch, several batches at once
 (``aiayn.threads.parallel_map``: a busy core then slows one stream, not every op), and put
 back in their input order.
