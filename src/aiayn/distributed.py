@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from aiayn.errors import AiaynError
+from aiayn.threads import on_one_thread
 
 
 # ---------------------------------------------------------------- processes and devices
@@ -102,7 +103,10 @@ def resolve_bf16(setting: str, device: torch.device) -> tuple[bool, str]:
     if device.type == "cuda":
         ok = torch.cuda.is_bf16_supported()
         return ok, f"auto: this GPU {'supports' if ok else 'does not support'} bfloat16"
-    fp32, bf16 = matmul_seconds(torch.float32), matmul_seconds(torch.bfloat16)
+    # On one thread: what the probe compares is the core's arithmetic, and two threads would
+    # time the barrier of a busy core instead (fp32 8.0 ms against 0.2 ms quiet, seen here).
+    fp32, bf16 = on_one_thread(lambda: (matmul_seconds(torch.float32),
+                                        matmul_seconds(torch.bfloat16)))
     use = prefer_bf16(fp32, bf16)
     return use, (f"auto: a probe matmul took {fp32 * 1e3:.1f} ms in fp32 and {bf16 * 1e3:.1f} ms "
                  f"in bf16 on this CPU ({torch.backends.cpu.get_cpu_capability()})")
