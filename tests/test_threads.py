@@ -100,7 +100,12 @@ def test_translations_do_not_depend_on_the_number_of_streams(random_translator, 
     assert by_streams[2] == by_streams[1] and by_streams[4] == by_streams[1]  # scores too
 
 
-def test_decoding_leaves_grad_mode_and_the_callers_threads_alone(random_translator, threads):
+def test_streams_decode_without_autograd_and_leave_the_caller_alone(random_translator, threads):
+    """Grad mode is per thread: each stream must switch it off itself (a graph per step
+    would cost memory and time), and the caller's own mode and thread count stay."""
+    seen: list[tuple[bool, int]] = []
+    hook = random_translator.model.generator.register_forward_hook(
+        lambda *_: seen.append((torch.is_grad_enabled(), torch.get_num_threads())))
     torch.set_num_threads(2)
     random_translator.streams = 2
     try:
@@ -109,8 +114,9 @@ def test_decoding_leaves_grad_mode_and_the_callers_threads_alone(random_translat
             assert torch.is_grad_enabled()
     finally:
         random_translator.streams = None
+        hook.remove()
+    assert seen and set(seen) == {(False, 1)}
     assert torch.get_num_threads() == 2
-    assert all(p.grad is None for p in random_translator.model.parameters())
 
 
 def test_dev_loss_is_the_same_on_one_or_two_streams(random_translator, threads):
