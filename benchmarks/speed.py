@@ -60,7 +60,8 @@ from common import (  # noqa: E402  (benchmarks/ is not a package)
 
 from aiayn.config import ModelConfig, load_config  # noqa: E402
 from aiayn.decode import greedy_decode  # noqa: E402
-from aiayn.model import Generator, PositionalEncoding, TokenEmbedding, Transformer  # noqa: E402
+from aiayn.model import Transformer  # noqa: E402
+from aiayn.reference import TorchReference, copy_weights, max_logit_difference  # noqa: E402
 from aiayn.tokenizer import EOS_ID, PAD_ID  # noqa: E402
 
 LABEL_SMOOTHING = 0.1
@@ -93,97 +94,8 @@ QUICK = Plan(max_tokens=1024, n_batches=2, train_reps=1, decode_reps=1, decode_b
 
 
 # --------------------------------------------------------------------------- the reference
-
-
-class Reference(nn.Module):
-    """torch.nn.Transformer between aiayn's embeddings and generator, as a user builds it.
-
-    ``nn.Transformer`` puts a final LayerNorm after both stacks even in post-norm; the paper
-    (and aiayn) has none, so they are removed to compute the same function. With
-    ``matched_dropout`` the attention-weight dropout and the dropout inside the
-    feed-forward block, which nn.Transformer applies with the same p and the paper does
-    not, follow aiayn's config instead (``attention_dropout``, none), so both models do the
-    same work; ``--reference-dropout default`` keeps nn.Transformer's own placement.
-    """
-
-    def __init__(self, cfg: ModelConfig, matched_dropout: bool = True):
-        super().__init__()
-        self.cfg = cfg
-        self.src_embed = TokenEmbedding(cfg.src_vocab_size, cfg.d_model)
-        self.tgt_embed = TokenEmbedding(cfg.tgt_vocab_size, cfg.d_model)
-        self.src_pos = PositionalEncoding(cfg.d_model, cfg.max_len, cfg.dropout)
-        self.tgt_pos = PositionalEncoding(cfg.d_model, cfg.max_len, cfg.dropout)
-        self.transformer = nn.Transformer(
-            d_model=cfg.d_model, nhead=cfg.n_heads, num_encoder_layers=cfg.n_encoder_layers,
-            num_decoder_layers=cfg.n_decoder_layers, dim_feedforward=cfg.d_ff,
-            dropout=cfg.dropout, batch_first=True, norm_first=cfg.norm_first,
-        )
-        if not cfg.norm_first:
-            self.transformer.encoder.norm = None
-            self.transformer.decoder.norm = None
-        if matched_dropout:
-            for layer in self.transformer.encoder.layers:
-                layer.self_attn.dropout = cfg.attention_dropout
-                layer.dropout = nn.Identity()
-            for layer in self.transformer.decoder.layers:
-                layer.self_attn.dropout = cfg.attention_dropout
-                layer.multihead_attn.dropout = cfg.attention_dropout
-                layer.dropout = nn.Identity()
-        self.generator = Generator(cfg.d_model, cfg.tgt_vocab_size)
-        if cfg.tie_embeddings in ("decoder", "all"):
-            self.generator.proj.weight = self.tgt_embed.embedding.weight
-        if cfg.tie_embeddings == "all":
-            self.src_embed.embedding.weight = self.tgt_embed.embedding.weight
-
-    def forward(self, src: Tensor, tgt: Tensor) -> Tensor:
-        """(B, S) source, (B, T) decoder input -> (B, T, V) logits, masks as the docs pass them."""
-        src_pad = src.eq(self.cfg.pad_id)
-        tgt_pad = tgt.eq(self.cfg.pad_id)
-        tgt_mask = nn.Transformer.generate_square_subsequent_mask(tgt.size(1), device=tgt.device)
-        hidden = self.transformer(
-            self.src_pos(self.src_embed(src)), self.tgt_pos(self.tgt_embed(tgt)),
-            tgt_mask=tgt_mask, src_key_padding_mask=src_pad,
-            tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=src_pad,
-        )
-        return self.generator(hidden)
-
-
-@torch.no_grad()
-def copy_weights(ours: Transformer, ref: Reference) -> None:
-    """Give the reference aiayn's weights, so both compute one function (checked below)."""
-    ref.src_embed.load_state_dict(ours.src_embed.state_dict())
-    ref.tgt_embed.load_state_dict(ours.tgt_embed.state_dict())
-    ref.generator.load_state_dict(ours.generator.state_dict())
-    pairs = [(a, b, False) for a, b in zip(ours.encoder.layers, ref.transformer.encoder.layers,
-                                          strict=True)]
-    pairs += [(a, b, True) for a, b in zip(ours.decoder.layers, ref.transformer.decoder.layers,
-                                          strict=True)]
-    for a, b, is_decoder in pairs:
-        b.self_attn.in_proj_weight.copy_(a.self_attn.qkv_proj.weight)
-        b.self_attn.in_proj_bias.copy_(a.self_attn.qkv_proj.bias)
-        b.self_attn.out_proj.load_state_dict(a.self_attn.out_proj.state_dict())
-        b.linear1.load_state_dict(a.feed_forward.linear1.state_dict())
-        b.linear2.load_state_dict(a.feed_forward.linear2.state_dict())
-        b.norm1.load_state_dict(a.sublayer1.norm.state_dict())
-        b.norm2.load_state_dict(a.sublayer2.norm.state_dict())
-        if is_decoder:
-            cross = a.cross_attn
-            b.multihead_attn.in_proj_weight.copy_(
-                torch.cat([cross.q_proj.weight, cross.kv_proj.weight]))
-            b.multihead_attn.in_proj_bias.copy_(torch.cat([cross.q_proj.bias, cross.kv_proj.bias]))
-            b.multihead_attn.out_proj.load_state_dict(cross.out_proj.state_dict())
-            b.norm3.load_state_dict(a.sublayer3.norm.state_dict())
-
-
-@torch.no_grad()
-def max_logit_difference(ours: Transformer, ref: Reference, batch: Batch) -> float:
-    """Largest |logit difference| at real target positions, both in eval mode."""
-    was_training = ours.training, ref.training
-    ours.eval(), ref.eval()
-    real = batch.tgt_out.ne(PAD_ID)
-    diff = (ours(batch.src, batch.tgt_in)[real] - ref(batch.src, batch.tgt_in)[real]).abs().max()
-    ours.train(was_training[0]), ref.train(was_training[1])
-    return float(diff)
+# aiayn.reference.TorchReference: torch.nn.Transformer between aiayn's embeddings and
+# generator, given aiayn's weights by copy_weights (and checked to agree) before timing.
 
 
 # --------------------------------------------------------------------------- training
@@ -266,9 +178,9 @@ def bench_training(
     """fp32 and bf16 steps of both models plus both matmul peaks, interleaved in each rep."""
     torch.manual_seed(0)
     ours = Transformer(cfg)
-    ref = Reference(cfg, matched_dropout=matched_dropout)
+    ref = TorchReference(cfg, matched_dropout=matched_dropout)
     copy_weights(ours, ref)
-    diff = max_logit_difference(ours, ref, batches[0])
+    diff = max_logit_difference(ours, ref, batches[0].src, batches[0].tgt_in)
     print(f"  same function: max |logit difference| aiayn vs reference (eval) = {diff:.1e}")
     if matched_dropout and diff > 1e-3:
         raise SystemExit(f"reference and aiayn disagree ({diff:.2e}): the comparison is void")

@@ -19,6 +19,7 @@ from aiayn.model import (
     padding_mask,
     sinusoid_table,
 )
+from aiayn.reference import TorchReference, copy_weights, max_logit_difference
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 TINY = dict(src_vocab_size=23, tgt_vocab_size=29, d_model=32, n_heads=4, d_ff=48,
@@ -44,73 +45,27 @@ def random_batch(cfg: ModelConfig, src_lens, tgt_lens, seed=0):
 
 
 # ----------------------------------------------------------------- torch.nn reference
-def reference_stacks(cfg: ModelConfig):
-    enc_layer = nn.TransformerEncoderLayer(cfg.d_model, cfg.n_heads, cfg.d_ff, dropout=0.0,
-                                           batch_first=True, norm_first=cfg.norm_first)
-    dec_layer = nn.TransformerDecoderLayer(cfg.d_model, cfg.n_heads, cfg.d_ff, dropout=0.0,
-                                           batch_first=True, norm_first=cfg.norm_first)
-    enc_norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else None
-    dec_norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else None
-    encoder = nn.TransformerEncoder(enc_layer, cfg.n_encoder_layers, norm=enc_norm,
-                                    enable_nested_tensor=False)
-    decoder = nn.TransformerDecoder(dec_layer, cfg.n_decoder_layers, norm=dec_norm)
-    for p in list(encoder.parameters()) + list(decoder.parameters()):  # not the defaults
-        nn.init.normal_(p, std=0.2)
-    return encoder, decoder
-
-
-@torch.no_grad()
-def copy_reference_into(model: Transformer, encoder, decoder) -> None:
-    d = model.cfg.d_model
-    for ours, ref in zip(model.encoder.layers, encoder.layers):
-        ours.self_attn.qkv_proj.weight.copy_(ref.self_attn.in_proj_weight)
-        ours.self_attn.qkv_proj.bias.copy_(ref.self_attn.in_proj_bias)
-        ours.self_attn.out_proj.load_state_dict(ref.self_attn.out_proj.state_dict())
-        ours.feed_forward.linear1.load_state_dict(ref.linear1.state_dict())
-        ours.feed_forward.linear2.load_state_dict(ref.linear2.state_dict())
-        ours.sublayer1.norm.load_state_dict(ref.norm1.state_dict())
-        ours.sublayer2.norm.load_state_dict(ref.norm2.state_dict())
-    for ours, ref in zip(model.decoder.layers, decoder.layers):
-        ours.self_attn.qkv_proj.weight.copy_(ref.self_attn.in_proj_weight)
-        ours.self_attn.qkv_proj.bias.copy_(ref.self_attn.in_proj_bias)
-        ours.self_attn.out_proj.load_state_dict(ref.self_attn.out_proj.state_dict())
-        w, b = ref.multihead_attn.in_proj_weight, ref.multihead_attn.in_proj_bias
-        ours.cross_attn.q_proj.weight.copy_(w[:d])
-        ours.cross_attn.q_proj.bias.copy_(b[:d])
-        ours.cross_attn.kv_proj.weight.copy_(w[d:])
-        ours.cross_attn.kv_proj.bias.copy_(b[d:])
-        ours.cross_attn.out_proj.load_state_dict(ref.multihead_attn.out_proj.state_dict())
-        ours.feed_forward.linear1.load_state_dict(ref.linear1.state_dict())
-        ours.feed_forward.linear2.load_state_dict(ref.linear2.state_dict())
-        ours.sublayer1.norm.load_state_dict(ref.norm1.state_dict())
-        ours.sublayer2.norm.load_state_dict(ref.norm2.state_dict())
-        ours.sublayer3.norm.load_state_dict(ref.norm3.state_dict())
-    if model.cfg.norm_first:
-        model.encoder.norm.load_state_dict(encoder.norm.state_dict())
-        model.decoder.norm.load_state_dict(decoder.norm.state_dict())
-
-
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post-norm", "pre-norm"])
-def test_equals_torch_nn_transformer_with_same_embeddings_and_generator(norm_first):
+def test_equals_torch_nn_transformer_with_the_same_weights(norm_first):
+    """aiayn.reference puts aiayn's weights into torch.nn.Transformer (between aiayn's own
+    embeddings and generator): the two must give the same logits."""
     torch.manual_seed(0)
     cfg = tiny(norm_first=norm_first)
-    model = Transformer(cfg).eval()
-    encoder, decoder = reference_stacks(cfg)
-    encoder.eval(), decoder.eval()
-    copy_reference_into(model, encoder, decoder)
-    src, tgt = random_batch(cfg, [9, 5, 7], [6, 8, 3])
-
-    src_pad, tgt_pad = src.eq(PAD_ID), tgt.eq(PAD_ID)
-    causal = torch.ones(tgt.size(1), tgt.size(1), dtype=torch.bool).triu(1)  # True = hidden
+    model = Transformer(cfg)
     with torch.no_grad():
-        memory = encoder(model.src_pos(model.src_embed(src)), src_key_padding_mask=src_pad)
-        hidden = decoder(model.tgt_pos(model.tgt_embed(tgt)), memory, tgt_mask=causal,
-                         tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=src_pad)
-        expected = model.generator(hidden)
-        got = model(src, tgt)
-    real = ~tgt_pad
+        for p in model.parameters():  # not the defaults: LayerNorms and biases differ too
+            nn.init.normal_(p, std=0.2)
+    ref = TorchReference(cfg)
+    src, tgt = random_batch(cfg, [9, 5, 7], [6, 8, 3])
+    assert max_logit_difference(model, ref, src, tgt) > 0.1  # different weights, so it can fail
+    copy_weights(model, ref)
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        got, expected = model(src, tgt), ref(src, tgt)
+    real = tgt.ne(PAD_ID)
     assert got.shape == (3, 8, cfg.tgt_vocab_size)
     torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
+    assert max_logit_difference(model, ref, src, tgt) < 1e-5
 
 
 # ----------------------------------------------------------------- masks
