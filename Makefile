@@ -8,7 +8,7 @@ BROWSER_PACKAGES := chromium chromium-driver fonts-liberation
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEMO_MINUTES ?= 12
 
-.PHONY: venv sword browser test lint demo bench clean
+.PHONY: venv sword browser test lint notebook demo bench clean
 
 # torch first, pinned: an unpinned torch would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -36,7 +36,13 @@ test: venv sword browser
 	$(BIN)/python -m pytest
 
 lint: venv
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks docs
+
+# Execute docs/walkthrough.ipynb in place (about a minute on a CPU core) and record the
+# fingerprint of its code and of the aiayn modules it imports; tests/test_notebook.py fails
+# when that fingerprint is no longer current.
+notebook: venv
+	$(BIN)/python docs/notebook.py
 
 demo: venv sword
 	$(BIN)/aiayn prepare --corpus bible:eng-spa --config configs/demo.yaml --out data/bible-eng-spa --force  # again: replaces what a run before wrote

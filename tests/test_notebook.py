@@ -1,0 +1,79 @@
+"""docs/walkthrough.ipynb runs top to bottom, and the outputs committed with it are current.
+
+The notebook is committed with its outputs so that it reads on GitHub without running;
+docs/notebook.py (`make notebook`) executes it in place and records a fingerprint of its code
+cells and of the aiayn modules they import. Here a copy runs in a fresh kernel (every check
+cell asserts), the recorded fingerprint must be the current one, and the cells tagged
+``deterministic`` (shapes, parameter counts, the schedule's values, ...) must print what was
+committed. About a minute on one core, most of it the toy training of section 5.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("docs_notebook", ROOT / "docs" / "notebook.py")
+tool = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tool)
+
+
+@pytest.fixture(scope="module")
+def committed():
+    return tool.read()
+
+
+@pytest.fixture(scope="module")
+def executed(committed, tmp_path_factory):
+    """The committed notebook run again top to bottom, outputs replaced, in an empty
+    directory (it writes nothing, and must need nothing but the package)."""
+    nb = copy.deepcopy(committed)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = []
+    return tool.execute(nb, cwd=tmp_path_factory.mktemp("notebook"))
+
+
+def test_committed_outputs_are_not_stale(committed):
+    assert tool.recorded_fingerprint(committed) == tool.fingerprint(committed), tool.STALE
+
+
+def test_fingerprint_covers_the_code_cells_and_the_imported_modules(committed):
+    modules = tool.imported_modules(committed)
+    for name in ("aiayn.model", "aiayn.trace", "aiayn.optim", "aiayn.decode", "aiayn.reference"):
+        assert name in modules
+    changed = copy.deepcopy(committed)
+    cell = next(c for c in changed.cells if c.cell_type == "code")
+    cell.source += "\n"
+    assert tool.fingerprint(changed) != tool.fingerprint(committed)
+    changed = copy.deepcopy(committed)
+    next(c for c in changed.cells if c.cell_type == "markdown").source += " more prose"
+    assert tool.fingerprint(changed) == tool.fingerprint(committed)  # prose changes no output
+
+
+def test_committed_figure_file_is_the_notebooks(committed):
+    pictures = tool.figures(committed)
+    assert set(pictures) == {"walkthrough_reversal"}
+    assert (ROOT / "docs" / "walkthrough_reversal.png").read_bytes() == pictures["walkthrough_reversal"], \
+        tool.STALE
+
+
+def test_notebook_runs_top_to_bottom(executed):
+    # execute() raised at a failing cell (an assert); nothing printed to stderr either
+    for cell in executed.cells:
+        for output in cell.get("outputs", []):
+            assert output.output_type != "error"
+            assert not (output.output_type == "stream" and output.name == "stderr"), output.text
+    assert tool.figures(executed)["walkthrough_reversal"].startswith(b"\x89PNG")
+
+
+def test_deterministic_outputs_match_the_committed_ones(committed, executed):
+    fresh = tool.deterministic_texts(executed)
+    stored = tool.deterministic_texts(committed)
+    assert len(fresh) == len(stored) >= 8
+    for i, (new, old) in enumerate(zip(fresh, stored)):
+        assert new == old, f"deterministic cell {i} prints something else now; {tool.STALE}"
