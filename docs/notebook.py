@@ -33,6 +33,7 @@ STALE = "docs/walkthrough.ipynb is stale: run `make notebook`"
 DETERMINISTIC = "deterministic"  # the tag of cells whose text outputs are the same on every machine
 FIGURE = "figure:"  # a tag "figure:NAME": this cell's PNG output is docs/NAME.png
 TIMEOUT_S = 600  # per cell
+STARTUP_S = 300  # for the kernel to start (nbclient's 60 s can pass on a machine that is busy)
 
 
 def read(path: Path = NOTEBOOK) -> nbformat.NotebookNode:
@@ -92,8 +93,8 @@ def execute(nb: nbformat.NotebookNode, cwd: Path = DOCS) -> nbformat.NotebookNod
     ``nbclient.exceptions.CellExecutionError`` (naming the cell) at the first that fails."""
     from nbclient import NotebookClient  # only where the notebook runs
 
-    NotebookClient(nb, timeout=TIMEOUT_S, kernel_name="python3", record_timing=False,
-                   resources={"metadata": {"path": str(cwd)}}).execute()
+    NotebookClient(nb, timeout=TIMEOUT_S, startup_timeout=STARTUP_S, kernel_name="python3",
+                   record_timing=False, resources={"metadata": {"path": str(cwd)}}).execute()
     return nb
 
 
