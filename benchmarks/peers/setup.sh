@@ -4,8 +4,9 @@
 #   .venvs/opennmt  OpenNMT-py 3.5.1
 # torch==2.13.0 (the CPU build aiayn uses) goes in first and constraints.txt holds it there.
 # JoeyNMT asks for torch>=1.12, which that satisfies: it installs with all its declared
-# requirements. OpenNMT-py 3.5.1 asks for torch<2.3: it installs with --no-deps, then its
-# other declared requirements explicitly (the list below, copied from its metadata).
+# requirements (and one it forgets). OpenNMT-py 3.5.1 asks for torch<2.3: it installs with
+# --no-deps, then its other declared requirements explicitly (the list below, copied from
+# its metadata).
 # Each venv's `pip freeze` goes to .venvs/NAME.freeze.txt.
 set -euo pipefail
 
@@ -14,6 +15,9 @@ VENVS=${PEERS_VENVS:-$HERE/.venvs}
 PYTHON=${PYTHON:-python3}
 CONSTRAINTS=$HERE/constraints.txt
 TORCH=torch==2.13.0
+# JoeyNMT calls SentencePieceProcessor.SetVocabulary, which 0.2.3 (the newest) no longer
+# has; 0.2.0 does. Both peers get the same release (run.py trains the model in either).
+SENTENCEPIECE=sentencepiece==0.2.0
 
 OPENNMT_REQUIREMENTS=(
   configargparse 'ctranslate2>=4,<5' 'tensorboard>=2.3' flask waitress 'pyonmttok>=1.37,<2'
@@ -44,13 +48,15 @@ finish() {
 mkdir -p "$VENVS"
 
 if new_venv joeynmt; then
-  "$VENVS/joeynmt/bin/python" -m pip install --quiet -c "$CONSTRAINTS" joeynmt==2.3.0 sentencepiece
+  # joeynmt/helpers.py imports importlib_metadata, which JoeyNMT 2.3.0 does not declare.
+  "$VENVS/joeynmt/bin/python" -m pip install --quiet -c "$CONSTRAINTS" joeynmt==2.3.0 \
+    "$SENTENCEPIECE" importlib-metadata
   finish joeynmt
 fi
 
 if new_venv opennmt; then
   "$VENVS/opennmt/bin/python" -m pip install --quiet --no-deps OpenNMT-py==3.5.1
   "$VENVS/opennmt/bin/python" -m pip install --quiet -c "$CONSTRAINTS" \
-    "${OPENNMT_REQUIREMENTS[@]}" sentencepiece
+    "${OPENNMT_REQUIREMENTS[@]}" "$SENTENCEPIECE"
   finish opennmt
 fi
