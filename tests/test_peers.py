@@ -54,7 +54,8 @@ def test_joey_config_follows_the_recipe(peers):
 
 def test_onmt_noam_peaks_at_the_recipe_rate(peers):
     r = peers.Recipe()
-    c = peers.onmt_config(r, Path("/t"), Path("/w"), Path("/t/vocab.txt"), Path("/t/spm.model"))
+    c = peers.onmt_config(r, Path("/t"), Path("/w"), Path("/t/vocab.txt"), Path("/t/spm.model"),
+                          29417)
 
     def noam(step):  # OpenNMT-py's decay_method noam, times its learning_rate
         return c["learning_rate"] * 256**-0.5 * min(step**-0.5, step * 200**-1.5)
@@ -66,6 +67,7 @@ def test_onmt_noam_peaks_at_the_recipe_rate(peers):
         3, 3, 4, 256, 1024)
     assert c["share_embeddings"] and c["share_decoder_embeddings"]
     assert c["save_checkpoint_steps"] == 0 and c["data"]["corpus_1"]["path_src"] == "/t/train.src"
+    assert c["bucket_size"] == 29417
     args = peers.onmt_translate_args(r, Path("/w/m.pt"), Path("/t/test.src"), Path("/w/h"),
                                      Path("/t/spm.model"))
     assert args[args.index("-alpha") + 1] == "0.6" and args[args.index("-length_penalty") + 1] == "wu"
@@ -94,6 +96,16 @@ def test_log_parsing(peers):
     assert peers.number_after("none", "Generation took") is None
 
 
+def test_aiayn_precision(peers):
+    log = ("model: 7.58M parameters; device cpu, 1 rank(s), compile False; bf16 False (auto: a "
+           "probe matmul took 0.9 ms in fp32 and 49.0 ms in bf16 on this CPU (AVX2)); 2 CPU "
+           "thread(s); schedule linear")
+    precision, why = peers.aiayn_precision(log)
+    assert precision == "fp32" and why.startswith("auto: a probe matmul") and why.endswith("(AVX2)")
+    assert peers.aiayn_precision("; bf16 True (forced); 1 CPU thread(s)") == ("bf16", "forced")
+    assert peers.aiayn_precision("nothing") == ("unknown", "")
+
+
 def test_score_and_table(peers):
     s = peers.score(["the cat sat on the mat"], ["the cat sat on the mat"])
     assert s["bleu"] == pytest.approx(100) and s["chrf"] == pytest.approx(100)
@@ -103,8 +115,8 @@ def test_score_and_table(peers):
     rows = [{"toolkit": "aiayn", "updates": 1700, "target_tokens": 1_500_000, "tokens_per_s": 2083.3,
              "bleu": 18.91, "chrf": 45.0, "decode_s": 50.04, "precision": "fp32", "epochs": 1.6,
              "search_s": None, "startup_s": 3.0, "weights": "last"},
-            {"toolkit": "joeynmt", "error": "exited with status 1"}]
+            {"toolkit": "joeynmt", "error": "exited with status 1: a | b"}]
     table = peers.results_table(rows, 12)
     assert "| aiayn | 1,700 | 1,500,000 | 2,083 | 18.91 | 45.00 | 50.0 |" in table
-    assert "| joeynmt | failed: exited with status 1 |" in table
+    assert "| joeynmt | failed: exited with status 1: a / b |" in table
     assert "| aiayn | fp32 | 882 | 1.60 | - | 3 | last |" in table

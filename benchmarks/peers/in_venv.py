@@ -6,10 +6,11 @@
     python in_venv.py joey-stats CHECKPOINT        # {"updates", "target_tokens"} as JSON
     python in_venv.py onmt-train CONFIG            # onmt_train that SIGUSR1 stops cleanly
 
-``onmt-train`` is OpenNMT-py's own ``onmt_train -config CONFIG`` with one addition: after
-SIGUSR1 the trainer's batch stream ends at the next update, so the training loop leaves
-normally and OpenNMT-py saves its final checkpoint of the last update (it has no time
-limit, and an interrupt saves nothing). At the end it prints one line,
+``onmt-train`` is OpenNMT-py's own ``onmt_train -config CONFIG`` with additions made from
+outside: after SIGUSR1 the trainer's batch stream ends before the next update, so the
+training loop leaves normally and OpenNMT-py saves its final checkpoint of the last update
+(it has no time limit, and an interrupt saves nothing). It prints ``PEERS-FIRST-UPDATE``
+when the first batch is ready (the budget starts there) and at the end one line,
 ``PEERS-TOTALS {"updates": N, "target_tokens": M}``, from the trainer's own statistics.
 """
 
@@ -21,6 +22,7 @@ import signal
 import sys
 
 TOTALS_MARK = "PEERS-TOTALS"
+FIRST_UPDATE_MARK = "PEERS-FIRST-UPDATE"
 
 
 def spm_train(files: list[str], prefix: str, vocab_size: int, threads: int) -> None:
@@ -63,9 +65,11 @@ def onmt_train(config: str) -> None:
     accum_batches, train = Trainer._accum_batches, Trainer.train
 
     def accum_until_stopped(self, iterator):
-        for item in accum_batches(self, iterator):
+        for i, item in enumerate(accum_batches(self, iterator)):
             if stop:
                 return
+            if i == 0:  # OpenNMT-py filled its first bucket of examples: update 1 is next
+                print(FIRST_UPDATE_MARK, flush=True)
             yield item
 
     def train_and_report(self, *args, **kwargs):

@@ -42,8 +42,8 @@ VENV_OF = {"joeynmt": "joeynmt", "opennmt": "opennmt"}
 SRC, TGT = "src", "tgt"  # suffixes of the exported text files
 SPM_SPECIALS = ("<unk>", "<pad>", "<s>", "</s>")  # ids 0-3 of the SentencePiece model
 # The lines after which a peer's first update begins; its budget is counted from there.
-FIRST_UPDATE_MARK = {"joeynmt": "EPOCH 1", "opennmt": "Start training loop"}
-TOTALS_MARK = "PEERS-TOTALS"  # printed by in_venv.py onmt-train
+FIRST_UPDATE_MARK = {"joeynmt": "EPOCH 1", "opennmt": "PEERS-FIRST-UPDATE"}
+TOTALS_MARK = "PEERS-TOTALS"  # printed by in_venv.py onmt-train, as the line above
 STARTUP_LIMIT_S = 1800  # a peer that has not begun training by then has failed
 SHUTDOWN_LIMIT_S = 600  # for the final checkpoint after the stop signal
 HUGE = 100_000_000  # "never": steps, epochs, validation intervals
@@ -176,15 +176,20 @@ def noam_scale(r: Recipe) -> float:
     return r.peak_lr * (r.d_model * r.warmup_steps) ** 0.5
 
 
-def onmt_config(r: Recipe, data: Path, run_dir: Path, vocab: Path, spm_model: Path) -> dict:
-    """OpenNMT-py 3.5.1 training config (onmt_train -config)."""
+def onmt_config(r: Recipe, data: Path, run_dir: Path, vocab: Path, spm_model: Path,
+                n_train: int) -> dict:
+    """OpenNMT-py 3.5.1 training config (onmt_train -config). Its bucket (the examples it
+    reads, transforms and sorts by length before cutting batches) is one epoch, ``n_train``
+    examples: the default, 262,144, would read and tokenise train ~9 times before its
+    first update, and sort the same as one epoch does."""
     return {
         "save_data": str(run_dir / "data"),
         "src_vocab": str(vocab), "tgt_vocab": str(vocab), "share_vocab": True,
         "src_vocab_size": r.vocab_size, "tgt_vocab_size": r.vocab_size,
         "data": {"corpus_1": {"path_src": str(data / f"train.{SRC}"),
                               "path_tgt": str(data / f"train.{TGT}"),
-                              "transforms": ["sentencepiece"]}},
+                              "transforms": ["sentencepiece"], "weight": 1}},
+        "bucket_size": n_train,
         "src_subword_model": str(spm_model), "tgt_subword_model": str(spm_model),
         "src_subword_nbest": 1, "src_subword_alpha": 0.0,
         "tgt_subword_nbest": 1, "tgt_subword_alpha": 0.0,
@@ -276,7 +281,8 @@ def train_for(cmd: list[str], log: Path, env: dict[str, str], mark: str, seconds
     Returns the startup and training seconds and the time it took to stop."""
     began = time.perf_counter()
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                preexec_fn=default_sigint)
         try:
             first_update = wait_for_mark(proc, log, mark, began)
             deadline = first_update + seconds
@@ -297,6 +303,13 @@ def train_for(cmd: list[str], log: Path, env: dict[str, str], mark: str, seconds
         raise PeerError(f"exited with status {rc} after the stop signal: {last_lines(log)} (log: {log})")
     return {"startup_s": first_update - began, "train_s": stopped - first_update,
             "stop_to_exit_s": time.perf_counter() - stopped}
+
+
+def default_sigint() -> None:
+    """In the child before it starts: SIGINT back to its default. A shell starts background
+    jobs with SIGINT ignored, and a Python that starts so ignores it too (no
+    KeyboardInterrupt), which would leave JoeyNMT running past its budget."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def wait_for_mark(proc: subprocess.Popen, log: Path, mark: str, began: float) -> float:
@@ -415,7 +428,8 @@ def run_joeynmt(s: Setup, work: Path) -> dict:
 def run_opennmt(s: Setup, work: Path) -> dict:
     check_venv(s, "opennmt")
     r, py = s.recipe, str(s.python("opennmt"))
-    config = onmt_config(r, s.text, work, s.text / "vocab.txt", s.spm_model)
+    n_train = len(read_lines(s.text / f"train.{SRC}"))
+    config = onmt_config(r, s.text, work, s.text / "vocab.txt", s.spm_model, n_train)
     (work / "train.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
     timing = train_for([py, str(HERE / "in_venv.py"), "onmt-train", str(work / "train.yaml")],
                        work / "train.out", s.env(), FIRST_UPDATE_MARK["opennmt"],
@@ -437,12 +451,17 @@ def run_opennmt(s: Setup, work: Path) -> dict:
             "hypotheses": str(hyp), "weights": f"last ({checkpoint.name})"}
 
 
-def aiayn_precision(train_log: str) -> str:
-    """What `aiayn train` says it chose ("...; bf16 True (reason); ...")."""
+def aiayn_precision(train_log: str) -> tuple[str, str]:
+    """What `aiayn train` says it chose ("...; bf16 True (reason); ..."): "bf16" or "fp32",
+    and the reason it gives."""
     at = train_log.find("; bf16 ")
     if at < 0:
-        return "unknown"
-    return train_log[at + 2:].split(";")[0].strip()
+        return "unknown", ""
+    said = train_log[at + len("; bf16 "):].split("; ")[0].strip()
+    choice, _, reason = said.partition(" ")
+    if reason.startswith("(") and reason.endswith(")"):
+        reason = reason[1:-1]
+    return {"True": "bf16", "False": "fp32"}.get(choice, "unknown"), reason
 
 
 def run_aiayn(s: Setup, work: Path, overrides: list[str]) -> dict:
@@ -462,12 +481,12 @@ def run_aiayn(s: Setup, work: Path, overrides: list[str]) -> dict:
                             "--alpha", str(s.recipe.alpha), "-o", str(hyp)],
                            work / "test.out", s.env(), "aiayn evaluate")
     summary = json.loads(hyp.with_suffix(".json").read_text())
+    precision, why = aiayn_precision((work / "train.out").read_text(errors="replace"))
     return {"updates": last["step"], "target_tokens": last["tokens"],
             "train_s": last["elapsed_s"], "command_s": train_s,
             "validation_s": validation_s, "decode_s": decode_s, "search_s": summary["seconds"],
             "hypotheses": str(hyp), "weights": s.aiayn_weights,
-            "precision": aiayn_precision((work / "train.out").read_text(errors="replace")),
-            "overrides": sets}
+            "precision": precision, "precision_reason": why, "overrides": sets}
 
 
 def run_toolkit(s: Setup, toolkit: str, references: list[str]) -> dict:
@@ -495,7 +514,8 @@ def results_table(rows: list[dict], minutes: float) -> str:
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['toolkit']} | failed: {row['error'][:200]} | | | | | |")
+            error = row["error"][:200].replace("|", "/")
+            lines.append(f"| {row['toolkit']} | failed: {error} | | | | | |")
             continue
         lines.append(f"| {row['toolkit']} | {row['updates']:,} | {row['target_tokens']:,} | "
                      f"{row['tokens_per_s']:,.0f} | {row['bleu']:.2f} | {row['chrf']:.2f} | "
