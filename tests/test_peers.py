@@ -106,6 +106,15 @@ def test_aiayn_precision(peers):
     assert peers.aiayn_precision("nothing") == ("unknown", "")
 
 
+def test_aiayn_counts(peers):
+    records = [{"kind": "train", "step": 10, "elapsed_s": 5.0, "tokens": 900},
+               {"kind": "dev", "step": 400, "elapsed_s": 200.0, "tokens": 4e5, "eval_s": 6.0},
+               {"kind": "train", "step": 410, "elapsed_s": 206.0, "tokens": 410_000},
+               {"kind": "dev", "step": 412, "elapsed_s": 207.0, "tokens": 412_000, "eval_s": 20.0}]
+    assert peers.aiayn_counts(records) == {"updates": 412, "target_tokens": 412_000, "train_s": 207.0,
+                                           "validation_s": 6.0, "final_validation_s": 20.0}
+
+
 def test_score_and_table(peers):
     s = peers.score(["the cat sat on the mat"], ["the cat sat on the mat"])
     assert s["bleu"] == pytest.approx(100) and s["chrf"] == pytest.approx(100)

@@ -357,6 +357,7 @@ class Setup:
     threads: int
     aiayn_config: Path
     aiayn_weights: str
+    test_limit: int  # decode only the first N test sentences (0: all), for smoke runs
     epoch_tokens: dict  # target tokens of one pass over train: {"aiayn", "sentencepiece"}
 
     @property
@@ -375,7 +376,10 @@ def prepare_text(s: Setup, toolkits: list[str]) -> int:
     returns the target tokens of one epoch in its pieces (with EOS)."""
     s.text.mkdir(parents=True, exist_ok=True)
     for split in ("train", "dev", "test"):
-        export_split(read_pairs(s.data / f"{split}.jsonl"), s.text / split)
+        pairs = read_pairs(s.data / f"{split}.jsonl")
+        if split == "test" and s.test_limit:
+            pairs = pairs[:s.test_limit]
+        export_split(pairs, s.text / split)
     venv = next(t for t in toolkits if t in VENV_OF)
     run_command([str(s.python(venv)), str(HERE / "in_venv.py"), "spm-train",
                  "--prefix", str(s.text / "spm"), "--vocab-size", str(s.recipe.vocab_size),
@@ -464,6 +468,16 @@ def aiayn_precision(train_log: str) -> tuple[str, str]:
     return {"True": "bf16", "False": "fp32"}.get(choice, "unknown"), reason
 
 
+def aiayn_counts(records: list[dict]) -> dict:
+    """Updates, target tokens and training seconds from a run's metrics.jsonl records, and
+    the seconds its validations took: those inside the budget (every train.eval_every
+    updates) and the final whole-dev one that `aiayn train` adds after it (the last)."""
+    last = max(records, key=lambda rec: (rec["step"], rec["elapsed_s"]))
+    dev = [rec.get("eval_s", 0.0) for rec in records if rec["kind"] == "dev"]
+    return {"updates": last["step"], "target_tokens": last["tokens"], "train_s": last["elapsed_s"],
+            "validation_s": sum(dev[:-1]), "final_validation_s": dev[-1] if dev else None}
+
+
 def run_aiayn(s: Setup, work: Path, overrides: list[str]) -> dict:
     run_dir = work / "run"
     aiayn = [sys.executable, "-m", "aiayn"]
@@ -472,19 +486,16 @@ def run_aiayn(s: Setup, work: Path, overrides: list[str]) -> dict:
                            "--out", str(run_dir), "--max-minutes", str(s.minutes),
                            *[arg for item in sets for arg in ("--set", item)]],
                           work / "train.out", s.env(), "aiayn train")
-    records = [json.loads(line) for line in read_lines(run_dir / "metrics.jsonl")]
-    last = max(records, key=lambda rec: (rec["step"], rec["elapsed_s"]))
-    validation_s = sum(rec.get("eval_s", 0.0) for rec in records if rec["kind"] == "dev")
+    counts = aiayn_counts([json.loads(line) for line in read_lines(run_dir / "metrics.jsonl")])
     hyp = work / "hyp.test"
     decode_s = run_command([*aiayn, "evaluate", str(run_dir), "--split", "test",
                             "--weights", s.aiayn_weights, "--beam", str(s.recipe.beam),
-                            "--alpha", str(s.recipe.alpha), "-o", str(hyp)],
+                            "--alpha", str(s.recipe.alpha), "-o", str(hyp),
+                            "--limit", str(s.test_limit)],
                            work / "test.out", s.env(), "aiayn evaluate")
     summary = json.loads(hyp.with_suffix(".json").read_text())
     precision, why = aiayn_precision((work / "train.out").read_text(errors="replace"))
-    return {"updates": last["step"], "target_tokens": last["tokens"],
-            "train_s": last["elapsed_s"], "command_s": train_s,
-            "validation_s": validation_s, "decode_s": decode_s, "search_s": summary["seconds"],
+    return {**counts, "command_s": train_s, "decode_s": decode_s, "search_s": summary["seconds"],
             "hypotheses": str(hyp), "weights": s.aiayn_weights,
             "precision": precision, "precision_reason": why, "overrides": sets}
 
@@ -507,8 +518,9 @@ def run_toolkit(s: Setup, toolkit: str, references: list[str]) -> dict:
 
 
 # ---------------------------------------------------------------- results
-def results_table(rows: list[dict], minutes: float) -> str:
-    lines = [f"Test split, {minutes:g} training minutes each (from the first update), "
+def results_table(rows: list[dict], minutes: float, test_limit: int = 0) -> str:
+    split = f"The first {test_limit} sentences of the test split" if test_limit else "Test split"
+    lines = [f"{split}, {minutes:g} training minutes each (from the first update), "
              "beam 4, alpha 0.6, sacreBLEU on detokenised output.", "",
              "| toolkit | updates | target tokens | tokens/s | test BLEU | chrF | decode seconds |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -542,14 +554,14 @@ def _maybe(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def load_rows(path: Path, minutes: float, data: Path) -> list[dict]:
-    """Rows of an earlier results.json with the same budget and data (a rerun of one
-    toolkit keeps the others); none otherwise."""
+def load_rows(path: Path, meta: dict) -> list[dict]:
+    """Rows of an earlier results.json with the same budget, data and test sentences (a
+    rerun of one toolkit keeps the others); none otherwise."""
     try:
         old = json.loads(path.read_text())
     except (OSError, ValueError):
         return []
-    if old.get("minutes") != minutes or old.get("data") != str(data):
+    if any(old.get(key) != meta[key] for key in ("minutes", "data", "test_limit")):
         return []
     return old.get("rows", [])
 
@@ -570,7 +582,7 @@ def write_results(out: Path, meta: dict, rows: list[dict]) -> None:
     order = {t: i for i, t in enumerate(TOOLKITS)}
     rows = sorted(rows, key=lambda row: order.get(row["toolkit"], len(order)))
     (out / "results.json").write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
-    (out / "table.md").write_text(results_table(rows, meta["minutes"]))
+    (out / "table.md").write_text(results_table(rows, meta["minutes"], meta["test_limit"]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -587,6 +599,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--aiayn-weights", default="last",
                    help="weights aiayn decodes: last (as the peers) or best")
+    p.add_argument("--test-limit", type=int, default=0,
+                   help="decode only the first N test sentences (0: all; for smoke runs)")
     args = p.parse_args(argv)
     toolkits = [t.strip() for t in args.only.split(",") if t.strip()]
     unknown = sorted(set(toolkits) - set(TOOLKITS))
@@ -597,13 +611,14 @@ def main(argv: list[str] | None = None) -> int:
     s = Setup(recipe=recipe_from_config(args.config), data=data, text=out / "text", out=out,
               venvs=args.venvs.resolve(), minutes=args.minutes, threads=args.threads,
               aiayn_config=args.config.resolve(), aiayn_weights=args.aiayn_weights,
-              epoch_tokens={"aiayn": aiayn_epoch_tokens(data)})
+              test_limit=max(0, args.test_limit), epoch_tokens={"aiayn": aiayn_epoch_tokens(data)})
     references = [tgt for _, tgt in read_pairs(data / "test.jsonl")]
-    meta = {"minutes": args.minutes, "data": str(data), "threads": args.threads,
+    references = references[:s.test_limit] if s.test_limit else references
+    meta = {"minutes": args.minutes, "data": str(data), "test_limit": s.test_limit,
+            "threads": args.threads,
             "recipe": asdict(s.recipe), "installed": installed_versions(s.venvs),
             "epoch_target_tokens": s.epoch_tokens}
-    rows = [row for row in load_rows(out / "results.json", args.minutes, data)
-            if row["toolkit"] not in toolkits]
+    rows = [row for row in load_rows(out / "results.json", meta) if row["toolkit"] not in toolkits]
     peers = [t for t in toolkits if t in VENV_OF]
     if peers:
         try:
