@@ -608,6 +608,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--only takes some of {', '.join(TOOLKITS)}; got {args.only!r}")
     data, out = args.data.resolve(), args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
+    # table.md and results.json are the results; the rest (checkpoints, text) stays out of git
+    (out / ".gitignore").write_text("".join(f"/{name}/\n" for name in ("text", *TOOLKITS)))
     s = Setup(recipe=recipe_from_config(args.config), data=data, text=out / "text", out=out,
               venvs=args.venvs.resolve(), minutes=args.minutes, threads=args.threads,
               aiayn_config=args.config.resolve(), aiayn_weights=args.aiayn_weights,
