@@ -380,7 +380,10 @@ def prepare_text(s: Setup, toolkits: list[str]) -> int:
         if split == "test" and s.test_limit:
             pairs = pairs[:s.test_limit]
         export_split(pairs, s.text / split)
-    venv = next(t for t in toolkits if t in VENV_OF)
+    venv = next((t for t in toolkits if s.python(t).exists()), None)
+    if venv is None:
+        raise PeerError(f"no virtual environment of {', '.join(toolkits)} in {s.venvs}: "
+                        "run benchmarks/peers/setup.sh")
     run_command([str(s.python(venv)), str(HERE / "in_venv.py"), "spm-train",
                  "--prefix", str(s.text / "spm"), "--vocab-size", str(s.recipe.vocab_size),
                  "--threads", str(s.threads), str(s.text / f"train.{SRC}"), str(s.text / f"train.{TGT}")],
@@ -625,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     if peers:
         try:
             s.epoch_tokens["sentencepiece"] = prepare_text(s, peers)
-        except (PeerError, OSError, StopIteration) as exc:
+        except (PeerError, OSError) as exc:
             for t in peers:
                 print(f"{t}: failed: preparing the text: {exc}", file=sys.stderr)
                 rows.append({"toolkit": t, "error": f"preparing the text: {exc}"})
