@@ -8,7 +8,7 @@ BROWSER_PACKAGES := chromium chromium-driver fonts-liberation
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEMO_MINUTES ?= 12
 
-.PHONY: venv sword browser test lint notebook demo bench clean
+.PHONY: venv sword browser test lint notebook demo bench peers clean
 
 # torch first, pinned: an unpinned torch would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -53,6 +53,11 @@ demo: venv sword
 
 bench: venv
 	$(BIN)/python benchmarks/speed.py
+
+# JoeyNMT and OpenNMT-py for the side-by-side of benchmarks/peers/ (run.py there), each in
+# its own venv under benchmarks/peers/.venvs with the same torch==2.13.0 CPU build.
+peers:
+	PYTHON=$(PYTHON) benchmarks/peers/setup.sh
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
