@@ -18,12 +18,14 @@ def test_validation_during_training_and_aiayn_evaluate_give_the_same_scores(tmp_
                                                                              capsys):
     data_dir = write_prepared(tmp_path / "data")
     run = tmp_path / "run"
+    # A moderate peak (the tiny preset's eq. 3 peaks near 4e-2): at that rate the toy model
+    # collapsed to empty outputs on some CPUs (AVX2 numerics), and two empty scores agree.
     run_train("--config", TINY, "--data", str(data_dir), "--out", str(run),
-              *sets(max_steps=60, eval_every=1000, save_every=1000, eval_beam=beam,
-                    num_samples=16, seed=2))  # seed 2: its tiny model already writes words
+              *sets(max_steps=100, eval_every=1000, save_every=1000, eval_beam=beam,
+                    num_samples=16, seed=2, schedule="linear", peak_lr=3e-3))
     lines = (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
     dev = [r for r in map(json.loads, lines) if r["kind"] == "dev"][-1]
-    assert dev["step"] == 60 and dev["n_sentences"] == 16  # the final, whole-dev evaluation
+    assert dev["step"] == 100 and dev["n_sentences"] == 16  # the final, whole-dev evaluation
     summary = evaluate_run(run, split="dev", beam=beam, weights="last", progress=False)
     assert summary["sentences"] == 16
     assert summary["bleu"] == dev["bleu"] and summary["chrf"] == dev["chrf"]
