@@ -59,7 +59,7 @@ class Recipe:
 
     d_model: int = 256
     n_heads: int = 4
-    d_ff: int = 1024
+    d_ff: int = 512
     encoder_layers: int = 3
     decoder_layers: int = 3
     dropout: float = 0.0
@@ -146,11 +146,14 @@ def joey_config(r: Recipe, data: Path, model_dir: Path, vocab: Path, spm_model: 
         "data": data_cfg,
         "training": {
             "optimizer": "adam", "adam_betas": list(r.adam_betas),
-            "scheduling": "warmupinversesquareroot",
+            # Noam, scaled to peak at r.peak_lr, as OpenNMT-py's. (JoeyNMT 2.3.0's
+            # "warmupinversesquareroot" cannot: its TrainConfig drops learning_rate_peak,
+            # so that schedule peaks at learning_rate, which here is the first update's rate.)
+            "scheduling": "noam", "learning_rate_factor": noam_scale(r),
+            "learning_rate_warmup": r.warmup_steps,
             # the first update runs at this rate, before the scheduler first sets one
             "learning_rate": r.peak_lr / r.warmup_steps,
-            "learning_rate_peak": r.peak_lr, "learning_rate_warmup": r.warmup_steps,
-            "learning_rate_min": 1.0e-8,  # the default (1e-4) would clip the warm-up and stop
+            "learning_rate_min": 1.0e-8,  # not read by noam; a floor for the other schedules
             "clip_grad_norm": r.clip_norm, "weight_decay": 0.0,
             "loss": "crossentropy", "label_smoothing": r.label_smoothing,
             "normalization": "tokens",
