@@ -450,9 +450,10 @@ def run_opennmt(s: Setup, work: Path) -> dict:
     checkpoint = work / f"model_step_{counts['updates']}.pt"
     if not checkpoint.is_file():
         raise PeerError(f"no checkpoint {checkpoint}")
-    onmt_translate = s.python("opennmt").parent / "onmt_translate"
     hyp = work / "hyp.test"
-    decode_s = run_command([str(onmt_translate), *onmt_translate_args(
+    # its own module, not the onmt_translate script, whose first line names the venv's
+    # python by the path it was installed at (a moved venv would lose it)
+    decode_s = run_command([py, "-m", "onmt.bin.translate", *onmt_translate_args(
         r, checkpoint, s.text / f"test.{SRC}", hyp, s.spm_model)],
         work / "test.out", s.env(), "onmt_translate")
     search_s = number_after((work / "test.out").read_text(errors="replace"),
