@@ -32,15 +32,15 @@ def test_joey_config_follows_the_recipe(peers):
     c = peers.joey_config(r, Path("/t"), Path("/m"), Path("/t/vocab.txt"), Path("/t/spm.model"))
     t, m = c["training"], c["model"]
     assert t["scheduling"] == "noam" and t["learning_rate_warmup"] == 200
-    assert t["learning_rate_factor"] * 256 ** -0.5 * 200 ** -0.5 == pytest.approx(1.5e-3)
-    assert t["learning_rate"] == pytest.approx(1.5e-3 / 200)  # the first update warms up too
+    assert t["learning_rate_factor"] * 256 ** -0.5 * 200 ** -0.5 == pytest.approx(2.5e-3)
+    assert t["learning_rate"] == pytest.approx(2.5e-3 / 200)  # the first update warms up too
     assert t["learning_rate_min"] < t["learning_rate"]
     assert t["adam_betas"] == [0.9, 0.98] and t["clip_grad_norm"] == 1.0
     assert (t["batch_size"], t["batch_type"], t["normalization"]) == (1024, "token", "tokens")
     assert t["validation_freq"] % t["logging_freq"] == 0  # JoeyNMT refuses it otherwise
     for stack in (m["encoder"], m["decoder"]):
         assert (stack["num_layers"], stack["num_heads"], stack["hidden_size"], stack["ff_size"]) == (
-            3, 4, 256, 512)
+            2, 4, 256, 512)
         assert stack["layer_norm"] == "pre" and stack["dropout"] == 0.0
     assert m["tied_embeddings"] and m["tied_softmax"]
     assert m["embed_init_weight"] == pytest.approx(256**-0.5)
@@ -61,11 +61,11 @@ def test_onmt_noam_peaks_at_the_recipe_rate(peers):
     def noam(step):  # OpenNMT-py's decay_method noam, times its learning_rate
         return c["learning_rate"] * 256**-0.5 * min(step**-0.5, step * 200**-1.5)
 
-    assert noam(200) == pytest.approx(1.5e-3)
-    assert noam(1) == pytest.approx(1.5e-3 / 200)
-    assert max(noam(s) for s in range(1, 2000)) == pytest.approx(1.5e-3)
+    assert noam(200) == pytest.approx(2.5e-3)
+    assert noam(1) == pytest.approx(2.5e-3 / 200)
+    assert max(noam(s) for s in range(1, 2000)) == pytest.approx(2.5e-3)
     assert (c["enc_layers"], c["dec_layers"], c["heads"], c["hidden_size"], c["transformer_ff"]) == (
-        3, 3, 4, 256, 512)
+        2, 2, 4, 256, 512)
     assert c["share_embeddings"] and c["share_decoder_embeddings"]
     assert c["save_checkpoint_steps"] == 0 and c["data"]["corpus_1"]["path_src"] == "/t/train.src"
     assert c["bucket_size"] == 29417

@@ -60,13 +60,13 @@ class Recipe:
     d_model: int = 256
     n_heads: int = 4
     d_ff: int = 512
-    encoder_layers: int = 3
-    decoder_layers: int = 3
+    encoder_layers: int = 2
+    decoder_layers: int = 2
     dropout: float = 0.0
     label_smoothing: float = 0.0
     max_tokens: int = 1024
     warmup_steps: int = 200
-    peak_lr: float = 1.5e-3
+    peak_lr: float = 2.5e-3
     adam_betas: tuple[float, float] = (0.9, 0.98)
     clip_norm: float = 1.0
     vocab_size: int = 8000
