@@ -27,7 +27,7 @@ from aiayn.checkpoint import save_weights
 from aiayn.config import Config, DataConfig, ModelConfig, save_config
 from aiayn.decode import beam_search, greedy_decode
 from aiayn.evaluate import evaluate_run
-from aiayn.export import export_run, residual_permutation
+from aiayn.export import TARGETS, export_run, residual_permutation
 from aiayn.model import Transformer, sinusoid_table
 from aiayn.rundir import load_run
 from aiayn.tokenizer import train_tokenizers
@@ -43,7 +43,7 @@ TEXTS = ["¡Hola, señor! ¿Cómo estás?", "The Lord is my shepherd.", "red gre
 
 
 def random_run(root: Path, name: str, tie: str = "all", norm_first: bool = False,
-               joint: bool = True) -> Path:
+               joint: bool = True, qk_norm: bool = False) -> Path:
     """A run directory holding a random model (every parameter perturbed) and a BPE
     tokenizer over sentences with punctuation and accents."""
     pairs = [(s, s[::-1]) for s in TEXTS] * 4
@@ -52,7 +52,7 @@ def random_run(root: Path, name: str, tie: str = "all", norm_first: bool = False
     cfg = ModelConfig(src_vocab_size=tokenizers.src_vocab_size,
                       tgt_vocab_size=tokenizers.tgt_vocab_size, d_model=32, n_heads=4,
                       d_ff=48, n_encoder_layers=2, n_decoder_layers=1, dropout=0.1,
-                      max_len=64, tie_embeddings=tie, norm_first=norm_first)
+                      max_len=64, tie_embeddings=tie, norm_first=norm_first, qk_norm=qk_norm)
     torch.manual_seed(0)
     model = Transformer(cfg)
     with torch.no_grad():
@@ -265,6 +265,18 @@ def test_a_pre_norm_run_is_refused_for_marian_in_one_line(tmp_path, capsys):
     run = random_run(tmp_path, "run", norm_first=True)
     code, _, err = run_cli(["export", str(run), "--to", "hf", str(tmp_path / "out")], capsys)
     assert one_line_error(code, err, "pre-norm", "--to ctranslate2")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("to", TARGETS)
+def test_a_qk_norm_run_is_refused_for_both_targets_in_one_line(tmp_path, capsys, to):
+    """Neither target computes per-head QK-norm in encoder-decoder attention (CTranslate2 4.8
+    gave log-probabilities 1.2 off): refused before any weights are read, nothing written."""
+    pytest.importorskip("transformers" if to == "hf" else "ctranslate2")
+    run = random_run(tmp_path, "run", norm_first=True, qk_norm=True)
+    (run / "best.safetensors").unlink()  # the refusal comes from config.yaml alone
+    code, _, err = run_cli(["export", str(run), "--to", to, str(tmp_path / "out")], capsys)
+    assert one_line_error(code, err, "model.qk_norm: true", f"--to {to}")
     assert not (tmp_path / "out").exists()
 
 

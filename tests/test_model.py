@@ -164,10 +164,11 @@ def test_capture_attention_records_every_layer_with_queries_as_rows():
 
 
 # ----------------------------------------------------------------- incremental decoding
-@pytest.mark.parametrize("norm_first", [False, True])
-def test_incremental_decoding_equals_full_forward(norm_first):
+@pytest.mark.parametrize("norm_first, qk_norm", [(False, False), (True, False), (True, True)],
+                         ids=["post-norm", "pre-norm", "pre-norm+qk-norm"])
+def test_incremental_decoding_equals_full_forward(norm_first, qk_norm):
     torch.manual_seed(6)
-    cfg = tiny(norm_first=norm_first)
+    cfg = tiny(norm_first=norm_first, qk_norm=qk_norm)
     model = Transformer(cfg).eval()
     src, tgt = random_batch(cfg, [8, 5], [7, 7])
     with torch.no_grad():
@@ -179,6 +180,30 @@ def test_incremental_decoding_equals_full_forward(norm_first):
                  for t in range(tgt.size(1))]
     assert cache.length == tgt.size(1)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cross", [False, True], ids=["self", "cross"])
+def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys(cross):
+    """softmax(norm(q) norm(k)^T / sqrt(d_k)): scaling W_Q and W_K (and their biases) by 50
+    changes nothing with QK-norm, and changes the attention weights without it."""
+    torch.manual_seed(11)
+    x, memory = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
+    for qk_norm in (True, False):
+        mha = MultiHeadAttention(32, 4, cross=cross, qk_norm=qk_norm).eval()
+        with torch.no_grad():
+            before = mha(x, memory if cross else None, need_weights=True)[1]
+            if cross:
+                for w in (mha.q_proj.weight, mha.q_proj.bias,
+                          mha.kv_proj.weight[:32], mha.kv_proj.bias[:32]):
+                    w.mul_(50.0)
+            else:
+                mha.qkv_proj.weight[:64].mul_(50.0)
+                mha.qkv_proj.bias[:64].mul_(50.0)
+            after = mha(x, memory if cross else None, need_weights=True)[1]
+        if qk_norm:
+            torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-4)
+        else:
+            assert (after - before).abs().max() > 0.1
 
 
 def test_cache_prefill_of_several_tokens_then_single_steps():
@@ -371,10 +396,11 @@ def test_config_files_load_and_reject_unknown_keys(tmp_path):
         load_config("configs/tiny.yaml", ["train.max_stepz=7"])
 
 
-def test_bf16_training_on_cpu_matches_fp32_within_bf16_precision():
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk-norm"])
+def test_bf16_training_on_cpu_matches_fp32_within_bf16_precision(qk_norm):
     """Under bf16 autocast with gradients, attention takes the explicit path on a CPU."""
     torch.manual_seed(13)
-    cfg = tiny(dropout=0.0)
+    cfg = tiny(dropout=0.0, norm_first=qk_norm, qk_norm=qk_norm)
     model = Transformer(cfg).train()
     src, tgt = random_batch(cfg, [9, 5], [7, 4])
     reference = model(src, tgt)

@@ -112,6 +112,11 @@ class ModelConfig:
     # "normal": token embeddings ~ N(0, d_model^-0.5) as in tensor2tensor; "xavier": as the
     # tutorials (see Transformer.reset_parameters).
     embedding_init: str = "normal"
+    # True: RMS-normalise each head's queries and keys (with a learnt gain per dimension)
+    # before Q K^T / sqrt(d_k) (QK-norm; Henry et al. 2020, Wortsman et al. 2023; not in
+    # the paper). It bounds the attention logits, the instability behind runs that stall
+    # at a high peak learning rate.
+    qk_norm: bool = False
     pad_id: int = 0
 
 

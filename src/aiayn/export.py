@@ -113,8 +113,8 @@ def export_run(run_dir: str | Path, to: str, out_dir: str | Path, weights: str |
                          "into a new one")
     require("transformers" if to == "hf" else "ctranslate2", f"--to {to}")
     config_path = run_dir / "config.yaml"
-    if to == "hf" and config_path.is_file():  # refuse before reading any weights
-        check_marian_can_express(load_config(config_path).model, str(run_dir))
+    if config_path.is_file():  # refuse before reading any weights
+        check_target_can_express(load_config(config_path).model, to, str(run_dir))
     config, model, tokenizers = load_run(run_dir, weights)
     if to == "hf":
         check_one_vocabulary(tokenizers, str(run_dir))
@@ -150,14 +150,24 @@ def write_aiayn_side(config: Config, run_dir: Path, out: Path) -> None:
                           (run_dir / "data_dir.txt").read_text(encoding="utf-8"))
 
 
-# ---------------------------------------------------------------- Hugging Face (Marian)
-def check_marian_can_express(cfg: ModelConfig, where: str) -> None:
-    """Marian is the paper's post-norm Transformer: a pre-norm model is refused."""
-    if cfg.norm_first:
+def check_target_can_express(cfg: ModelConfig, to: str, where: str) -> None:
+    """Refuse what ``to`` cannot compute: Marian is the paper's post-norm Transformer, and
+    neither target has aiayn's per-head QK-norm in encoder-decoder attention."""
+    if cfg.qk_norm:
+        why = ("Transformers' Marian has no QK-norm" if to == "hf" else
+               "CTranslate2 (4.8) normalises the whole query of encoder-decoder attention, "
+               "not each head, so its translations would differ")
+        raise AiaynError(
+            f"{where}: a model with QK-norm (model.qk_norm: true) cannot be exported --to {to} "
+            f"({why}); translate it with aiayn itself, or train with --set model.qk_norm=false")
+    if to == "hf" and cfg.norm_first:
         raise AiaynError(
             f"{where}: a pre-norm model (model.norm_first: true) cannot be written as a Marian "
             "model (Transformers' Marian is post-norm only, no normalize_before option); "
             "export it with --to ctranslate2")
+
+
+# ---------------------------------------------------------------- Hugging Face (Marian)
 
 
 def check_one_vocabulary(tokenizers: Tokenizers, where: str) -> None:
@@ -300,7 +310,7 @@ def write_hf(model: Transformer, tokenizers: Tokenizers, out: Path) -> None:
     """config.json, generation_config.json, model.safetensors, tokenizer.json (+ config)."""
     transformers = require("transformers", "--to hf")
     cfg = model.cfg
-    check_marian_can_express(cfg, "this model")
+    check_target_can_express(cfg, "hf", "this model")
     check_one_vocabulary(tokenizers, "this model")
     marian = transformers.MarianMTModel(transformers.MarianConfig(**marian_config(cfg)))
     missing, unexpected = marian.load_state_dict(marian_state_dict(model), strict=False)

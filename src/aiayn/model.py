@@ -73,6 +73,17 @@ class PositionalEncoding(nn.Module):
         return self.dropout(x + self.table[offset:end])
 
 
+class HeadNorm(nn.RMSNorm):
+    """x / rms(x) * g over each head's d_k features (QK-norm), in fp32 and back to x's dtype:
+    under bf16 autocast RMSNorm's fused kernel needs input and gain of one dtype."""
+
+    def __init__(self, d_k: int):
+        super().__init__(d_k, eps=1e-5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x.float()).to(x.dtype)
+
+
 class MultiHeadAttention(nn.Module):
     """MultiHead(Q, K, V) = Concat(head_1..head_h) W^O,  head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V).
 
@@ -82,9 +93,13 @@ class MultiHeadAttention(nn.Module):
     from the decoder and K, V (fused) from the encoder memory. The fast path calls
     ``F.scaled_dot_product_attention``; ``need_weights=True`` computes the same thing
     explicitly and also returns the (B, H, T_q, T_k) attention weights.
+
+    ``qk_norm`` (not in the paper; ModelConfig.qk_norm) RMS-normalises every head's query
+    and key before the product, so no logit exceeds sqrt(d_k) times the learnt gains.
     """
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, cross: bool = False):
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, cross: bool = False,
+                 qk_norm: bool = False):
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
@@ -97,6 +112,9 @@ class MultiHeadAttention(nn.Module):
         else:
             self.qkv_proj = nn.Linear(d_model, 3 * d_model)
         self.out_proj = nn.Linear(d_model, d_model)
+        # QK-norm (ModelConfig.qk_norm): q_i / rms(q_i) * g, the same for k, per head.
+        self.q_norm = HeadNorm(self.d_k) if qk_norm else nn.Identity()
+        self.k_norm = HeadNorm(self.d_k) if qk_norm else nn.Identity()
         self.record_weights = False  # set by capture_attention(): keep the last weights
         self.last_weights: Tensor | None = None
 
@@ -121,17 +139,19 @@ class MultiHeadAttention(nn.Module):
         the new K/V to it; cross-attention fills it once from ``memory`` and reuses it.
         """
         if self.cross:
-            q = self._heads(self.q_proj(x))
+            q = self.q_norm(self._heads(self.q_proj(x)))
             if cache is not None and "k" in cache:
                 k, v = cache["k"], cache["v"]  # memory's K/V, computed at the first step
             else:
                 if memory is None:
                     raise ValueError("cross-attention needs the encoder memory")
                 k, v = (self._heads(t) for t in self.kv_proj(memory).chunk(2, dim=-1))
+                k = self.k_norm(k)
                 if cache is not None:
                     cache["k"], cache["v"] = k, v
         else:
             q, k, v = (self._heads(t) for t in self.qkv_proj(x).chunk(3, dim=-1))
+            q, k = self.q_norm(q), self.k_norm(k)  # per position: the cache keeps normed K
             if cache is not None:
                 if "k" in cache:  # K/V of earlier positions, grown one step at a time
                     k = torch.cat([cache["k"], k], dim=2)
@@ -219,7 +239,8 @@ class EncoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout,
+                                            qk_norm=cfg.qk_norm)
         self.feed_forward = FeedForward(cfg.d_model, cfg.d_ff)
         self.sublayer1 = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm_first)
         self.sublayer2 = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm_first)
@@ -234,9 +255,10 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout)
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout,
+                                            qk_norm=cfg.qk_norm)
         self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout,
-                                             cross=True)
+                                             cross=True, qk_norm=cfg.qk_norm)
         self.feed_forward = FeedForward(cfg.d_model, cfg.d_ff)
         self.sublayer1 = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm_first)
         self.sublayer2 = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm_first)
