@@ -1,0 +1,91 @@
+"""What a change to a recipe costs per training step, as a ratio to the recipe, in one process.
+
+A recipe A/B on a CPU is fairest at equal minutes, but minutes are what a shared machine
+measures worst: the same run made 15% more steps in one round than in another. This script
+measures only the price of a change (a wider model, another layer, QK-norm): the training
+step of the config and of each variant, interleaved batch by batch on the same
+length-bucketed token-budget batches (``benchmarks/common.py``), so background load hits
+them alike. The ratios then turn a comparison at equal minutes into one at equal steps that
+does not depend on the machine's speed: a variant that costs 1.25x per step gets
+``max_steps / 1.25`` steps (benchmarks/README.md, "Time to BLEU").
+
+    python benchmarks/step_cost.py --config configs/demo.yaml --threads 1 \\
+        --variant qk=model.qk_norm=true --variant 3+3=model.n_encoder_layers=3,model.n_decoder_layers=3
+
+Each variant is a name and comma-separated ``--set`` overrides of the config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    bucket,
+    device_description,
+    interleave,
+    make_batch,
+    markdown_table,
+    median,
+    paired_ratios,
+    representative,
+    sentence_lengths,
+    spread,
+)
+from speed import training_steps  # noqa: E402
+
+from aiayn.config import load_config  # noqa: E402
+from aiayn.model import Transformer  # noqa: E402
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    name, sep, sets = text.partition("=")
+    if not sep or not sets:
+        raise SystemExit(f"--variant {text!r}: expected NAME=key=value[,key=value...]")
+    return name, sets.split(",")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/demo.yaml")
+    parser.add_argument("--variant", action="append", default=[], type=parse_variant,
+                        help="NAME=key=value[,key=value...] (repeatable)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--batches", type=int, default=8, help="representative batches per rep")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    configs = {"recipe": load_config(args.config)}
+    configs.update({name: load_config(args.config, sets) for name, sets in args.variant})
+    ref = configs["recipe"]
+    lengths = sentence_lengths(20_000, mean=31.0, max_len=ref.model.max_len)
+    groups = representative(bucket(lengths, ref.train.max_tokens), args.batches)
+    batches = [make_batch(g, ref.model.tgt_vocab_size, seed=i) for i, g in enumerate(groups)]
+    tokens = sum(b.n_tokens for b in batches)
+    steps = {}
+    for name, cfg in configs.items():
+        torch.manual_seed(0)
+        steps[name] = training_steps(Transformer(cfg.model), batches, bf16=False)
+    times = interleave(steps, args.reps)
+
+    rows = []
+    for name in configs:
+        per_rep = [sum(rep) for rep in times[name]]
+        ratios = paired_ratios(times[name], times["recipe"])
+        params = sum(p.numel() for p in Transformer(configs[name].model).parameters())
+        rows.append([name, f"{params / 1e6:.2f}M", f"{tokens / median(per_rep):,.0f}",
+                     f"{median(ratios):.3f} ({spread(ratios)})"])
+    print(f"{device_description()}; {args.threads} thread(s); {args.config}; fp32; "
+          f"{len(batches)} batches of <= {ref.train.max_tokens} tokens x {args.reps} reps")
+    print(markdown_table(["variant", "parameters", "target tokens/s", "step time / recipe's"],
+                         rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
