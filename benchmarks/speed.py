@@ -3,7 +3,8 @@
 What it measures, per model config (``configs/small.yaml``, ``configs/base.yaml``):
 
 1. Training-step throughput, in real target tokens per second: forward, label-smoothed
-   cross-entropy (0.1, pad ignored), backward, Adam step, on the same length-bucketed
+   cross-entropy (0.1, pad ignored; aiayn's own loss for aiayn, ``F.cross_entropy`` for the
+   reference), backward, Adam step, on the same length-bucketed
    token-budget batches, for ``aiayn.Transformer`` and for a reference built from
    ``torch.nn.Transformer`` (batch_first, post-norm, same sizes) with the same embeddings
    (x sqrt(d_model) + sinusoids) and generator, given its masks the way its documentation
@@ -61,6 +62,7 @@ from common import (  # noqa: E402  (benchmarks/ is not a package)
 from aiayn.config import ModelConfig, load_config  # noqa: E402
 from aiayn.decode import greedy_decode  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
+from aiayn.optim import label_smoothed_loss  # noqa: E402
 from aiayn.reference import TorchReference, copy_weights, max_logit_difference  # noqa: E402
 from aiayn.tokenizer import EOS_ID, PAD_ID  # noqa: E402
 
@@ -127,24 +129,36 @@ def training_flops(cfg: ModelConfig, B: int, S: int, T: int) -> float:
     return 3.0 * (enc + dec + gen)
 
 
-def training_steps(model: nn.Module, batches: list[Batch], bf16: bool) -> list[Callable[[], float]]:
+def torch_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    """The label-smoothed cross-entropy a user of torch.nn writes (the reference's loss)."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1),
+                           ignore_index=PAD_ID, label_smoothing=LABEL_SMOOTHING, reduction="sum")
+
+
+def aiayn_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    """The same loss as aiayn trains with (aiayn.optim.label_smoothed_loss: one softmax pass)."""
+    return label_smoothed_loss(logits, labels, LABEL_SMOOTHING, PAD_ID)
+
+
+def training_steps(model: nn.Module, batches: list[Batch], bf16: bool,
+                   loss_fn: Callable[[Tensor, Tensor], Tensor] = aiayn_loss,
+                   ) -> list[Callable[[], float]]:
     """One callable per batch, each running one training step on it; they share an optimizer.
 
-    The step: zero grads, forward and label-smoothed cross-entropy (under bf16 autocast
-    when asked), backward, Adam(0.9, 0.98, 1e-9) update -- the paper's optimiser, with the
-    fused kernel as ``aiayn.train.build_optimizer`` makes it.
+    The step: zero grads, forward and label-smoothed cross-entropy per real target token
+    (``loss_fn``: aiayn's own for aiayn's models, ``torch_loss`` for the reference; under
+    bf16 autocast when asked), backward, Adam(0.9, 0.98, 1e-9) update -- the paper's
+    optimiser, with the fused kernel as ``aiayn.train.build_optimizer`` makes it.
     """
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
                                  fused=True)
-    vocab = model.cfg.tgt_vocab_size
 
     def step(batch: Batch) -> float:
         model.train()
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             logits = model(batch.src, batch.tgt_in)
-            loss = F.cross_entropy(logits.reshape(-1, vocab), batch.tgt_out.reshape(-1),
-                                   ignore_index=PAD_ID, label_smoothing=LABEL_SMOOTHING)
+            loss = loss_fn(logits, batch.tgt_out) / batch.n_tokens
         loss.backward()
         optimizer.step()
         return float(loss.detach())
@@ -192,10 +206,10 @@ def bench_training(
     k = len(batches)
     contenders = {  # each a list of k items: interleaved batch by batch (common.interleave)
         "aiayn fp32": training_steps(ours, batches, bf16=False),
-        "ref fp32": training_steps(ref, batches, bf16=False),
+        "ref fp32": training_steps(ref, batches, bf16=False, loss_fn=torch_loss),
         "peak fp32": [peak32] * k,
         "aiayn bf16": training_steps(ours, batches, bf16=True),
-        "ref bf16": training_steps(ref, batches, bf16=True),
+        "ref bf16": training_steps(ref, batches, bf16=True, loss_fn=torch_loss),
         "peak bf16": [peak16] * k,
     }
     times = interleave(contenders, reps=reps, warmup=1)

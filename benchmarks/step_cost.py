@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     ref = configs["recipe"]
     lengths = sentence_lengths(20_000, mean=31.0, max_len=ref.model.max_len)
     groups = representative(bucket(lengths, ref.train.max_tokens), args.batches)
-    batches = [make_batch(g, ref.model.tgt_vocab_size, seed=i) for i, g in enumerate(groups)]
+    # Random ids valid in every variant's vocabularies (a variant may have smaller ones).
+    vocab = min(min(c.model.src_vocab_size, c.model.tgt_vocab_size) for c in configs.values())
+    batches = [make_batch(g, vocab, seed=i) for i, g in enumerate(groups)]
     tokens = sum(b.n_tokens for b in batches)
     steps = {}
     for name, cfg in configs.items():

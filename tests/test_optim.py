@@ -46,6 +46,37 @@ def test_label_smoothed_loss_ignores_padding_and_smooths_over_the_vocabulary():
     assert label_smoothed_loss(logits2, labels, eps, 0).item() == pytest.approx(got.item())
 
 
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_label_smoothed_loss_and_its_gradient_are_torch_cross_entropy(eps):
+    """SmoothedCrossEntropy keeps the softmax for backward: the same loss and the same
+    gradient as F.cross_entropy(label_smoothing=eps, ignore_index=pad), also for rows with a
+    hopeless reference (a logit gap of 200, where the reference's probability is 0 in fp32)."""
+    torch.manual_seed(0)
+    V = 50
+    logits = torch.randn(3, 7, V) * 5
+    logits[1, 2, 9], logits[1, 2, 4] = 200.0, 0.0  # reference 4, 200 nats behind token 9
+    labels = torch.randint(1, V, (3, 7))
+    labels[1, 2] = 4
+    labels[0, 5:] = 0  # padding
+    ours = logits.clone().requires_grad_()
+    theirs = logits.clone().requires_grad_()
+    got = label_smoothed_loss(ours, labels, eps, pad_id=0)
+    expected = F.cross_entropy(theirs.reshape(-1, V), labels.reshape(-1), ignore_index=0,
+                               label_smoothing=eps, reduction="sum")
+    assert torch.isfinite(got) and got.item() > 200.0 * (1 - eps)
+    assert got.item() == pytest.approx(expected.item(), rel=1e-6)
+    got.backward(torch.tensor(0.3))
+    expected.backward(torch.tensor(0.3))
+    assert torch.allclose(ours.grad, theirs.grad, atol=1e-7)
+    assert ours.grad[0, 5:].abs().max() == 0  # padding gets no gradient
+    # The kept softmax is updated in place by the backward pass: a second one is refused.
+    again = ours.detach().clone().requires_grad_()
+    loss = label_smoothed_loss(again, labels, eps, 0)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError):
+        loss.backward()
+
+
 def test_linear_schedule_warms_up_then_falls_to_zero_at_the_end_of_the_budget():
     from aiayn.optim import budget_fraction, linear_decay
 
