@@ -12,7 +12,9 @@ does not depend on the machine's speed: a variant that costs 1.25x per step gets
     python benchmarks/step_cost.py --config configs/demo.yaml --threads 1 \\
         --variant qk=model.qk_norm=true --variant 3+3=model.n_encoder_layers=3,model.n_decoder_layers=3
 
-Each variant is a name and comma-separated ``--set`` overrides of the config.
+Each variant is a name and comma-separated ``--set`` overrides of the config. ``--torch-loss``
+adds the recipe trained with ``F.cross_entropy`` in place of aiayn's loss
+(``aiayn.optim.SmoothedCrossEntropy``), to price the loss itself.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from common import (  # noqa: E402
     sentence_lengths,
     spread,
 )
-from speed import training_steps  # noqa: E402
+from speed import torch_loss, training_steps  # noqa: E402
 
 from aiayn.config import load_config  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
@@ -57,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--batches", type=int, default=8, help="representative batches per rep")
+    parser.add_argument("--torch-loss", action="store_true",
+                        help="also time the recipe with F.cross_entropy in place of aiayn's loss")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -73,10 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     for name, cfg in configs.items():
         torch.manual_seed(0)
         steps[name] = training_steps(Transformer(cfg.model), batches, bf16=False)
+    if args.torch_loss:
+        configs["recipe, F.cross_entropy"] = ref
+        torch.manual_seed(0)
+        steps["recipe, F.cross_entropy"] = training_steps(Transformer(ref.model), batches,
+                                                          bf16=False, loss_fn=torch_loss)
     times = interleave(steps, args.reps)
 
     rows = []
-    for name in configs:
+    for name in steps:
         per_rep = [sum(rep) for rep in times[name]]
         ratios = paired_ratios(times[name], times["recipe"])
         params = sum(p.numel() for p in Transformer(configs[name].model).parameters())
