@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 RUN_PY = Path(__file__).resolve().parents[1] / "benchmarks" / "peers" / "run.py"
+JOINT = {"src": Path("/t/vocab.txt"), "tgt": Path("/t/vocab.txt")}
+SPM = {"src": Path("/t/spm.model"), "tgt": Path("/t/spm.model")}
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,7 @@ def test_recipe_is_demo_yaml(peers):
 
 def test_joey_config_follows_the_recipe(peers):
     r = peers.Recipe()
-    c = peers.joey_config(r, Path("/t"), Path("/m"), Path("/t/vocab.txt"), Path("/t/spm.model"))
+    c = peers.joey_config(r, Path("/t"), Path("/m"), JOINT, SPM)
     t, m = c["training"], c["model"]
     assert t["scheduling"] == "noam" and t["learning_rate_warmup"] == 200
     assert t["learning_rate_factor"] * 256 ** -0.5 * 200 ** -0.5 == pytest.approx(2.5e-3)
@@ -47,16 +49,14 @@ def test_joey_config_follows_the_recipe(peers):
     assert (c["testing"]["beam_size"], c["testing"]["beam_alpha"]) == (4, 0.6)
     assert c["testing"]["batch_size"] == 2048  # aiayn's 8192 counts the beam, JoeyNMT's not
     assert "train" in c["data"] and "load_model" not in c["testing"]
-    decode = peers.joey_config(r, Path("/t"), Path("/m"), Path("/t/vocab.txt"), Path("/t/spm.model"),
-                               decode=True)
+    decode = peers.joey_config(r, Path("/t"), Path("/m"), JOINT, SPM, decode=True)
     assert "dev" not in decode["data"] and decode["data"]["test"] == "/t/test"
     assert decode["testing"]["load_model"] == "/m/latest.ckpt"
 
 
 def test_onmt_noam_peaks_at_the_recipe_rate(peers):
     r = peers.Recipe()
-    c = peers.onmt_config(r, Path("/t"), Path("/w"), Path("/t/vocab.txt"), Path("/t/spm.model"),
-                          29417)
+    c = peers.onmt_config(r, Path("/t"), Path("/w"), JOINT, SPM, 29417)
 
     def noam(step):  # OpenNMT-py's decay_method noam, times its learning_rate
         return c["learning_rate"] * 256**-0.5 * min(step**-0.5, step * 200**-1.5)
@@ -69,9 +69,32 @@ def test_onmt_noam_peaks_at_the_recipe_rate(peers):
     assert c["share_embeddings"] and c["share_decoder_embeddings"]
     assert c["save_checkpoint_steps"] == 0 and c["data"]["corpus_1"]["path_src"] == "/t/train.src"
     assert c["bucket_size"] == 29417
-    args = peers.onmt_translate_args(r, Path("/w/m.pt"), Path("/t/test.src"), Path("/w/h"),
-                                     Path("/t/spm.model"))
+    args = peers.onmt_translate_args(r, Path("/w/m.pt"), Path("/t/test.src"), Path("/w/h"), SPM)
     assert args[args.index("-alpha") + 1] == "0.6" and args[args.index("-length_penalty") + 1] == "wu"
+
+
+def test_separate_vocabularies_reach_both_peers(peers, tmp_path):
+    """A recipe with one vocabulary per side: one SentencePiece model and vocabulary file per
+    side, source embeddings not shared, the target embedding still tied to the output."""
+    r = peers.Recipe(joint_vocab=False, vocab_size=5300)
+    s = peers.Setup(recipe=r, data=tmp_path, text=Path("/t"), out=tmp_path, venvs=tmp_path,
+                    minutes=1, threads=1, aiayn_config=tmp_path, aiayn_weights="best",
+                    test_limit=0, epoch_tokens={})
+    assert s.spm_models == {"src": Path("/t/spm.src.model"), "tgt": Path("/t/spm.tgt.model")}
+    assert s.vocabs == {"src": Path("/t/vocab.src.txt"), "tgt": Path("/t/vocab.tgt.txt")}
+    joey = peers.joey_config(r, Path("/t"), Path("/m"), s.vocabs, s.spm_models)
+    assert joey["data"]["src"]["voc_file"] == "/t/vocab.src.txt"
+    assert joey["data"]["trg"]["tokenizer_cfg"]["model_file"] == "/t/spm.tgt.model"
+    assert not joey["model"]["tied_embeddings"] and joey["model"]["tied_softmax"]
+    onmt = peers.onmt_config(r, Path("/t"), Path("/w"), s.vocabs, s.spm_models, 10)
+    assert (onmt["src_vocab"], onmt["tgt_vocab"]) == ("/t/vocab.src.txt", "/t/vocab.tgt.txt")
+    assert not onmt["share_vocab"] and not onmt["share_embeddings"]
+    assert onmt["share_decoder_embeddings"] and onmt["tgt_vocab_size"] == 5300
+    args = peers.onmt_translate_args(r, Path("/w/m.pt"), Path("/t/test.src"), Path("/w/h"),
+                                     s.spm_models)
+    assert args[args.index("-tgt_subword_model") + 1] == "/t/spm.tgt.model"
+    joint = peers.Setup(**{**s.__dict__, "recipe": peers.Recipe()})
+    assert joint.spm_models == SPM and joint.vocabs == JOINT
 
 
 def test_vocab_pieces_leave_out_the_specials(peers, tmp_path):

@@ -26,8 +26,8 @@ FIRST_UPDATE_MARK = "PEERS-FIRST-UPDATE"
 
 
 def spm_train(files: list[str], prefix: str, vocab_size: int, threads: int) -> None:
-    """Joint BPE on ``files``; ids 0-3 are <unk> <pad> <s> </s> (JoeyNMT's order). The text
-    is already NFC, so SentencePiece normalises nothing ("identity")."""
+    """BPE on ``files`` (both sides' for a joint vocabulary); ids 0-3 are <unk> <pad> <s>
+    </s> (JoeyNMT's order). The text is already NFC, so SentencePiece normalises nothing ("identity")."""
     import sentencepiece as spm
 
     spm.SentencePieceTrainer.train(

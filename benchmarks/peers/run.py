@@ -69,7 +69,9 @@ class Recipe:
     peak_lr: float = 2.5e-3
     adam_betas: tuple[float, float] = (0.9, 0.98)
     clip_norm: float = 1.0
-    vocab_size: int = 8000
+    vocab_size: int = 8000  # of each vocabulary
+    joint_vocab: bool = True  # one vocabulary for both sides, all embeddings tied; else two,
+    # the target embedding tied to the output projection (aiayn's tie_embeddings: decoder)
     seed: int = 1
     beam: int = 4
     alpha: float = 0.6
@@ -91,7 +93,7 @@ def recipe_from_config(path: Path) -> Recipe:
                   dropout=m.dropout, label_smoothing=t.label_smoothing, max_tokens=t.max_tokens,
                   warmup_steps=t.warmup_steps, peak_lr=t.peak_lr,
                   adam_betas=(t.adam_beta1, t.adam_beta2), clip_norm=t.clip_norm,
-                  vocab_size=d.vocab_size, seed=t.seed)
+                  vocab_size=d.vocab_size, joint_vocab=d.joint_vocab, seed=t.seed)
 
 
 # ---------------------------------------------------------------- data for the peers
@@ -118,20 +120,25 @@ def vocab_pieces(spm_vocab: Path) -> list[str]:
 
 
 # ---------------------------------------------------------------- configs
-def joey_config(r: Recipe, data: Path, model_dir: Path, vocab: Path, spm_model: Path,
-                decode: bool = False) -> dict:
-    """JoeyNMT 2.3.0 config. ``decode``: for `joeynmt test` of the test split only (no dev
-    set, so that only the test split is translated)."""
-    side = {"level": "bpe", "voc_file": str(vocab), "tokenizer_type": "sentencepiece",
-            "tokenizer_cfg": {"model_file": str(spm_model)}, "lowercase": False,
-            "normalize": False}
+def joey_config(r: Recipe, data: Path, model_dir: Path, vocabs: dict[str, Path],
+                spm_models: dict[str, Path], decode: bool = False) -> dict:
+    """JoeyNMT 2.3.0 config. ``vocabs``, ``spm_models``: the vocabulary file and the
+    SentencePiece model of each side (SRC, TGT; the same files for a joint vocabulary).
+    ``decode``: for `joeynmt test` of the test split only (no dev set, so that only the test
+    split is translated)."""
+
+    def side(lang: str) -> dict:
+        return {"lang": lang, "level": "bpe", "voc_file": str(vocabs[lang]),
+                "tokenizer_type": "sentencepiece",
+                "tokenizer_cfg": {"model_file": str(spm_models[lang])}, "lowercase": False,
+                "normalize": False}
     stack = {"type": "transformer", "num_layers": None, "num_heads": r.n_heads,
              "embeddings": {"embedding_dim": r.d_model, "scale": True, "dropout": r.dropout},
              "hidden_size": r.d_model, "ff_size": r.d_ff, "dropout": r.dropout,
              "layer_norm": "pre", "activation": "relu"}
     data_cfg = {"train": str(data / "train"), "dev": str(data / "dev"),
                 "test": str(data / "test"), "dataset_type": "plain",
-                "src": {"lang": SRC, **side}, "trg": {"lang": TGT, **side}}
+                "src": side(SRC), "trg": side(TGT)}
     testing = {"beam_size": r.beam, "beam_alpha": r.alpha,
                "batch_size": r.decode_batch_tokens, "batch_type": "token",
                "eval_metrics": ["bleu", "chrf"], "sacrebleu_cfg": {"tokenize": "13a"}}
@@ -166,7 +173,7 @@ def joey_config(r: Recipe, data: Path, model_dir: Path, vocab: Path, spm_model: 
         "model": {
             "initializer": "xavier_uniform", "init_gain": 1.0, "bias_initializer": "zeros",
             "embed_initializer": "normal", "embed_init_weight": r.d_model**-0.5,
-            "tied_embeddings": True, "tied_softmax": True,
+            "tied_embeddings": r.joint_vocab, "tied_softmax": True,
             "encoder": {**stack, "num_layers": r.encoder_layers},
             "decoder": {**stack, "num_layers": r.decoder_layers},
         },
@@ -179,21 +186,22 @@ def noam_scale(r: Recipe) -> float:
     return r.peak_lr * (r.d_model * r.warmup_steps) ** 0.5
 
 
-def onmt_config(r: Recipe, data: Path, run_dir: Path, vocab: Path, spm_model: Path,
-                n_train: int) -> dict:
+def onmt_config(r: Recipe, data: Path, run_dir: Path, vocabs: dict[str, Path],
+                spm_models: dict[str, Path], n_train: int) -> dict:
     """OpenNMT-py 3.5.1 training config (onmt_train -config). Its bucket (the examples it
     reads, transforms and sorts by length before cutting batches) is one epoch, ``n_train``
     examples: the default, 262,144, would read and tokenise train ~9 times before its
     first update, and sort the same as one epoch does."""
     return {
         "save_data": str(run_dir / "data"),
-        "src_vocab": str(vocab), "tgt_vocab": str(vocab), "share_vocab": True,
+        "src_vocab": str(vocabs[SRC]), "tgt_vocab": str(vocabs[TGT]),
+        "share_vocab": r.joint_vocab,
         "src_vocab_size": r.vocab_size, "tgt_vocab_size": r.vocab_size,
         "data": {"corpus_1": {"path_src": str(data / f"train.{SRC}"),
                               "path_tgt": str(data / f"train.{TGT}"),
                               "transforms": ["sentencepiece"], "weight": 1}},
         "bucket_size": n_train,
-        "src_subword_model": str(spm_model), "tgt_subword_model": str(spm_model),
+        "src_subword_model": str(spm_models[SRC]), "tgt_subword_model": str(spm_models[TGT]),
         "src_subword_nbest": 1, "src_subword_alpha": 0.0,
         "tgt_subword_nbest": 1, "tgt_subword_alpha": 0.0,
         "save_model": str(run_dir / "model"),
@@ -208,7 +216,7 @@ def onmt_config(r: Recipe, data: Path, run_dir: Path, vocab: Path, spm_model: Pa
         "position_encoding": True, "max_relative_positions": 0,
         "pos_ffn_activation_fn": "relu", "layer_norm": "standard", "norm_eps": 1e-5,
         "add_qkvbias": True, "add_ffnbias": True,
-        "share_embeddings": True, "share_decoder_embeddings": True,
+        "share_embeddings": r.joint_vocab, "share_decoder_embeddings": True,
         "dropout": [r.dropout], "attention_dropout": [r.dropout], "dropout_steps": [0],
         "param_init": 0.0, "param_init_glorot": True,
         "optim": "adam", "adam_beta1": r.adam_betas[0], "adam_beta2": r.adam_betas[1],
@@ -220,13 +228,13 @@ def onmt_config(r: Recipe, data: Path, run_dir: Path, vocab: Path, spm_model: Pa
 
 
 def onmt_translate_args(r: Recipe, checkpoint: Path, src: Path, output: Path,
-                        spm_model: Path) -> list[str]:
+                        spm_models: dict[str, Path]) -> list[str]:
     return ["-model", str(checkpoint), "-src", str(src), "-output", str(output),
             "-beam_size", str(r.beam), "-length_penalty", "wu", "-alpha", str(r.alpha),
             "-max_length", "256", "-max_length_ratio", "1.5",
             "-batch_size", str(r.decode_batch_tokens), "-batch_type", "tokens",
-            "-transforms", "sentencepiece", "-src_subword_model", str(spm_model),
-            "-tgt_subword_model", str(spm_model), "-gpu", "-1", "-report_time"]
+            "-transforms", "sentencepiece", "-src_subword_model", str(spm_models[SRC]),
+            "-tgt_subword_model", str(spm_models[TGT]), "-gpu", "-1", "-report_time"]
 
 
 # ---------------------------------------------------------------- logs
@@ -363,9 +371,20 @@ class Setup:
     test_limit: int  # decode only the first N test sentences (0: all), for smoke runs
     epoch_tokens: dict  # target tokens of one pass over train: {"aiayn", "sentencepiece"}
 
+    def _per_side(self, stem: str, suffix: str) -> dict[str, Path]:
+        if self.recipe.joint_vocab:
+            return {SRC: self.text / f"{stem}{suffix}", TGT: self.text / f"{stem}{suffix}"}
+        return {side: self.text / f"{stem}.{side}{suffix}" for side in (SRC, TGT)}
+
     @property
-    def spm_model(self) -> Path:
-        return self.text / "spm.model"
+    def spm_models(self) -> dict[str, Path]:
+        """The SentencePiece model of each side (one file for a joint vocabulary)."""
+        return self._per_side("spm", ".model")
+
+    @property
+    def vocabs(self) -> dict[str, Path]:
+        """The peers' vocabulary file of each side (pieces without the specials)."""
+        return self._per_side("vocab", ".txt")
 
     def python(self, toolkit: str) -> Path:
         return self.venvs / VENV_OF[toolkit] / "bin" / "python"
@@ -375,8 +394,9 @@ class Setup:
 
 
 def prepare_text(s: Setup, toolkits: list[str]) -> int:
-    """Export the splits for the peers and train the joint SentencePiece BPE on train;
-    returns the target tokens of one epoch in its pieces (with EOS)."""
+    """Export the splits for the peers and train SentencePiece BPE on train (one joint model
+    on both sides, or one per side, as the recipe's vocabulary); returns the target tokens of
+    one epoch in its pieces (with EOS)."""
     s.text.mkdir(parents=True, exist_ok=True)
     for split in ("train", "dev", "test"):
         pairs = read_pairs(s.data / f"{split}.jsonl")
@@ -387,14 +407,17 @@ def prepare_text(s: Setup, toolkits: list[str]) -> int:
     if venv is None:
         raise PeerError(f"no virtual environment of {', '.join(toolkits)} in {s.venvs}: "
                         "run benchmarks/peers/setup.sh")
-    run_command([str(s.python(venv)), str(HERE / "in_venv.py"), "spm-train",
-                 "--prefix", str(s.text / "spm"), "--vocab-size", str(s.recipe.vocab_size),
-                 "--threads", str(s.threads), str(s.text / f"train.{SRC}"), str(s.text / f"train.{TGT}")],
-                s.text / "spm.log", s.env(), "SentencePiece training")
-    pieces = vocab_pieces(s.text / "spm.vocab")
-    (s.text / "vocab.txt").write_text("".join(p + "\n" for p in pieces), encoding="utf-8")
+    trainings = ({SRC: [SRC, TGT]} if s.recipe.joint_vocab else {SRC: [SRC], TGT: [TGT]})
+    for side, texts in trainings.items():
+        prefix = str(s.spm_models[side]).removesuffix(".model")  # spm or spm.SIDE
+        run_command([str(s.python(venv)), str(HERE / "in_venv.py"), "spm-train",
+                     "--prefix", prefix, "--vocab-size", str(s.recipe.vocab_size),
+                     "--threads", str(s.threads), *(str(s.text / f"train.{t}") for t in texts)],
+                    Path(f"{prefix}.log"), s.env(), "SentencePiece training")
+        pieces = vocab_pieces(Path(f"{prefix}.vocab"))
+        s.vocabs[side].write_text("".join(p + "\n" for p in pieces), encoding="utf-8")
     count_log = s.text / "count.log"
-    run_command([str(s.python(venv)), str(HERE / "in_venv.py"), "spm-count", str(s.spm_model),
+    run_command([str(s.python(venv)), str(HERE / "in_venv.py"), "spm-count", str(s.spm_models[TGT]),
                  str(s.text / f"train.{TGT}")], count_log, s.env(), "counting train tokens")
     return int(read_lines(count_log)[-1])
 
@@ -418,7 +441,7 @@ def run_joeynmt(s: Setup, work: Path) -> dict:
     check_venv(s, "joeynmt")
     r, py = s.recipe, str(s.python("joeynmt"))
     model_dir = work / "model"
-    args = (r, s.text, model_dir, s.text / "vocab.txt", s.spm_model)
+    args = (r, s.text, model_dir, s.vocabs, s.spm_models)
     (work / "train.yaml").write_text(yaml.safe_dump(joey_config(*args)), encoding="utf-8")
     (work / "test.yaml").write_text(yaml.safe_dump(joey_config(*args, decode=True)), encoding="utf-8")
     timing = train_for([py, "-m", "joeynmt", "train", str(work / "train.yaml"), "--skip-test"],
@@ -439,7 +462,7 @@ def run_opennmt(s: Setup, work: Path) -> dict:
     check_venv(s, "opennmt")
     r, py = s.recipe, str(s.python("opennmt"))
     n_train = len(read_lines(s.text / f"train.{SRC}"))
-    config = onmt_config(r, s.text, work, s.text / "vocab.txt", s.spm_model, n_train)
+    config = onmt_config(r, s.text, work, s.vocabs, s.spm_models, n_train)
     (work / "train.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
     timing = train_for([py, str(HERE / "in_venv.py"), "onmt-train", str(work / "train.yaml")],
                        work / "train.out", s.env(), FIRST_UPDATE_MARK["opennmt"],
@@ -454,7 +477,7 @@ def run_opennmt(s: Setup, work: Path) -> dict:
     # its own module, not the onmt_translate script, whose first line names the venv's
     # python by the path it was installed at (a moved venv would lose it)
     decode_s = run_command([py, "-m", "onmt.bin.translate", *onmt_translate_args(
-        r, checkpoint, s.text / f"test.{SRC}", hyp, s.spm_model)],
+        r, checkpoint, s.text / f"test.{SRC}", hyp, s.spm_models)],
         work / "test.out", s.env(), "onmt_translate")
     search_s = number_after((work / "test.out").read_text(errors="replace"),
                             "Total translation time (s):")
