@@ -62,7 +62,6 @@ from common import (  # noqa: E402  (benchmarks/ is not a package)
 from aiayn.config import ModelConfig, load_config  # noqa: E402
 from aiayn.decode import greedy_decode  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
-from aiayn.optim import label_smoothed_loss  # noqa: E402
 from aiayn.reference import TorchReference, copy_weights, max_logit_difference  # noqa: E402
 from aiayn.tokenizer import EOS_ID, PAD_ID  # noqa: E402
 
@@ -129,19 +128,22 @@ def training_flops(cfg: ModelConfig, B: int, S: int, T: int) -> float:
     return 3.0 * (enc + dec + gen)
 
 
-def torch_loss(logits: Tensor, labels: Tensor) -> Tensor:
-    """The label-smoothed cross-entropy a user of torch.nn writes (the reference's loss)."""
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1),
+def torch_loss(model: nn.Module, batch: Batch) -> Tensor:
+    """The summed label-smoothed cross-entropy a user of torch.nn writes: the reference's
+    loss, from the model's (B, T, V) logits."""
+    logits = model(batch.src, batch.tgt_in)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch.tgt_out.reshape(-1),
                            ignore_index=PAD_ID, label_smoothing=LABEL_SMOOTHING, reduction="sum")
 
 
-def aiayn_loss(logits: Tensor, labels: Tensor) -> Tensor:
-    """The same loss as aiayn trains with (aiayn.optim.label_smoothed_loss: one softmax pass)."""
-    return label_smoothed_loss(logits, labels, LABEL_SMOOTHING, PAD_ID)
+def aiayn_loss(model: Transformer, batch: Batch) -> Tensor:
+    """The same loss as aiayn trains with: ``Transformer.forward`` given the targets
+    (the softmax kept for backward, aiayn.optim.SmoothedCrossEntropy)."""
+    return model(batch.src, batch.tgt_in, batch.tgt_out, LABEL_SMOOTHING)
 
 
 def training_steps(model: nn.Module, batches: list[Batch], bf16: bool,
-                   loss_fn: Callable[[Tensor, Tensor], Tensor] = aiayn_loss,
+                   loss_fn: Callable[[nn.Module, Batch], Tensor] = aiayn_loss,
                    ) -> list[Callable[[], float]]:
     """One callable per batch, each running one training step on it; they share an optimizer.
 
@@ -157,8 +159,7 @@ def training_steps(model: nn.Module, batches: list[Batch], bf16: bool,
         model.train()
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            logits = model(batch.src, batch.tgt_in)
-            loss = loss_fn(logits, batch.tgt_out) / batch.n_tokens
+            loss = loss_fn(model, batch) / batch.n_tokens
         loss.backward()
         optimizer.step()
         return float(loss.detach())

@@ -43,7 +43,7 @@ TEXTS = ["¡Hola, señor! ¿Cómo estás?", "The Lord is my shepherd.", "red gre
 
 
 def random_run(root: Path, name: str, tie: str = "all", norm_first: bool = False,
-               joint: bool = True, qk_norm: bool = False) -> Path:
+               joint: bool = True, qk_norm: bool = False, output_vocab: str = "all") -> Path:
     """A run directory holding a random model (every parameter perturbed) and a BPE
     tokenizer over sentences with punctuation and accents."""
     pairs = [(s, s[::-1]) for s in TEXTS] * 4
@@ -52,7 +52,8 @@ def random_run(root: Path, name: str, tie: str = "all", norm_first: bool = False
     cfg = ModelConfig(src_vocab_size=tokenizers.src_vocab_size,
                       tgt_vocab_size=tokenizers.tgt_vocab_size, d_model=32, n_heads=4,
                       d_ff=48, n_encoder_layers=2, n_decoder_layers=1, dropout=0.1,
-                      max_len=64, tie_embeddings=tie, norm_first=norm_first, qk_norm=qk_norm)
+                      max_len=64, tie_embeddings=tie, norm_first=norm_first, qk_norm=qk_norm,
+                      output_vocab=output_vocab)
     torch.manual_seed(0)
     model = Transformer(cfg)
     with torch.no_grad():
@@ -277,6 +278,18 @@ def test_a_qk_norm_run_is_refused_for_both_targets_in_one_line(tmp_path, capsys,
     (run / "best.safetensors").unlink()  # the refusal comes from config.yaml alone
     code, _, err = run_cli(["export", str(run), "--to", to, str(tmp_path / "out")], capsys)
     assert one_line_error(code, err, "model.qk_norm: true", f"--to {to}")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("to", TARGETS)
+def test_a_restricted_output_layer_is_refused_for_both_targets_in_one_line(tmp_path, capsys, to):
+    """model.output_vocab=targets scores some pieces only; neither target's output layer
+    can: refused from config.yaml before any weights are read, nothing written."""
+    pytest.importorskip("transformers" if to == "hf" else "ctranslate2")
+    run = random_run(tmp_path, "run", output_vocab="targets")
+    (run / "best.safetensors").unlink()
+    code, _, err = run_cli(["export", str(run), "--to", to, str(tmp_path / "out")], capsys)
+    assert one_line_error(code, err, "model.output_vocab: targets", f"--to {to}")
     assert not (tmp_path / "out").exists()
 
 

@@ -336,6 +336,76 @@ def test_state_dict_round_trip():
     assert b.generator.proj.weight is b.tgt_embed.embedding.weight  # still tied
 
 
+# ----------------------------------------------------------------- output_vocab: targets
+ALLOWED = torch.tensor([EOS_ID, 4, 7, 8, 15, 20, 28])  # pieces a toy training target holds
+
+
+def restricted_and_full(seed: int = 12) -> tuple[Transformer, Transformer]:
+    """The same weights twice: scoring only ALLOWED (output_vocab "targets"), and all."""
+    torch.manual_seed(seed)
+    full = Transformer(tiny(tie_embeddings="decoder")).eval()
+    restricted = Transformer(tiny(tie_embeddings="decoder", output_vocab="targets")).eval()
+    restricted.load_state_dict(full.state_dict(), strict=False)  # all but output_mask
+    restricted.generator.set_outputs(ALLOWED)
+    return restricted, full
+
+
+def test_a_restricted_output_layer_scores_its_pieces_as_the_full_one_and_the_rest_minus_inf():
+    restricted, full = restricted_and_full()
+    src, tgt = random_batch(full.cfg, [6, 4], [5, 3])
+    got, expected = restricted(src, tgt), full(src, tgt)
+    others = torch.ones(full.cfg.tgt_vocab_size, dtype=torch.bool)
+    others[ALLOWED] = False
+    torch.testing.assert_close(got[..., ALLOWED], expected[..., ALLOWED], atol=1e-6, rtol=1e-6)
+    assert torch.isneginf(got[..., others]).all()
+    assert restricted.generator.output_logits(torch.randn(2, 3, 32)).shape == (2, 3, len(ALLOWED))
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@torch.no_grad()
+def test_the_loss_of_a_restricted_model_is_the_cross_entropy_over_its_pieces(eps):
+    """forward(src, tgt_in, tgt_out, eps) = -sum_v q_v log p_v with p the softmax over the
+    allowed pieces and q smoothed over them; padding and labels it cannot output (id 5)
+    are left out; an unrestricted model's is F.cross_entropy's over the vocabulary."""
+    restricted, full = restricted_and_full()
+    src, tgt = random_batch(full.cfg, [6, 4], [5, 3])
+    tgt_in = tgt[:, :-1]
+    labels = ALLOWED[torch.tensor([[1, 2, 0, 3], [4, 0, 5, 6]])]
+    labels[1, 2] = 5  # not an output piece
+    labels[0, 3] = PAD_ID
+    logp = torch.log_softmax(full(src, tgt_in)[..., ALLOWED], dim=-1)  # over the allowed
+    column = {int(t): i for i, t in enumerate(ALLOWED)}
+    expected = 0.0
+    for b, t in [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 3)]:
+        q = torch.full((len(ALLOWED),), eps / len(ALLOWED))
+        q[column[int(labels[b, t])]] += 1 - eps
+        expected -= float((q * logp[b, t]).sum())
+    assert float(restricted(src, tgt_in, labels, eps)) == pytest.approx(expected, rel=1e-5)
+    plain = torch.nn.functional.cross_entropy(
+        full(src, tgt_in).flatten(0, 1), labels.flatten(), ignore_index=PAD_ID,
+        label_smoothing=eps, reduction="sum")
+    assert float(full(src, tgt_in, labels, eps)) == pytest.approx(float(plain), rel=1e-5)
+
+
+def test_the_output_pieces_travel_with_the_weights_and_bind_decoding():
+    restricted, _ = restricted_and_full()
+    fresh = Transformer(restricted.cfg).eval()
+    assert len(fresh.generator.output_ids) == restricted.cfg.tgt_vocab_size  # all, until set
+    fresh.load_state_dict(restricted.state_dict())
+    assert torch.equal(fresh.generator.output_ids, ALLOWED.sort().values)
+    assert "generator.output_mask" not in Transformer(tiny()).state_dict()  # old files load
+    src, _ = random_batch(restricted.cfg, [6, 5, 4], [2, 2, 2], seed=3)
+    from aiayn.decode import beam_search, greedy_decode
+
+    fresh.generator.set_outputs(ALLOWED[1:])  # no EOS: every search runs to its limit
+    for hypotheses in (greedy_decode(fresh, src, max_len_b=8),
+                       [h[0].ids for h in beam_search(fresh, src, beam=3, max_len_b=8)]):
+        assert all(len(h) >= 8 for h in hypotheses)
+        assert {t for h in hypotheses for t in h} <= set(ALLOWED[1:].tolist())
+    with pytest.raises(ValueError, match="restricted"):
+        Transformer(tiny()).generator.set_outputs(ALLOWED)
+
+
 def test_tiny_model_overfits_a_copy_task():
     """The copy task: a tiny model must learn to reproduce a few fixed sequences."""
     torch.manual_seed(12)

@@ -30,7 +30,7 @@ def test_label_smoothed_loss_ignores_padding_and_smooths_over_the_vocabulary():
     V, eps = 7, 0.1
     logits = torch.randn(2, 4, V)
     labels = torch.tensor([[5, 3, 0, 0], [1, 2, 6, 0]])  # 0 is padding
-    got = label_smoothed_loss(logits, labels, eps, pad_id=0)
+    got = label_smoothed_loss(logits, labels, eps, ignore_index=0)
     logp = F.log_softmax(logits, dim=-1)
     expected = 0.0
     for b in range(2):
@@ -60,7 +60,7 @@ def test_label_smoothed_loss_and_its_gradient_are_torch_cross_entropy(eps):
     labels[0, 5:] = 0  # padding
     ours = logits.clone().requires_grad_()
     theirs = logits.clone().requires_grad_()
-    got = label_smoothed_loss(ours, labels, eps, pad_id=0)
+    got = label_smoothed_loss(ours, labels, eps, ignore_index=0)
     expected = F.cross_entropy(theirs.reshape(-1, V), labels.reshape(-1), ignore_index=0,
                                label_smoothing=eps, reduction="sum")
     assert torch.isfinite(got) and got.item() > 200.0 * (1 - eps)

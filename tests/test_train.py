@@ -26,6 +26,7 @@ from helpers import (
     write_prepared,
 )
 
+import aiayn.model
 from aiayn import io, train
 from aiayn.checkpoint import load_train_state
 from aiayn.cli import main
@@ -171,6 +172,32 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(data_dir, tmp_path):
     assert all(r["loss"] == loss[r["step"]] for r in resumed)
 
 
+def test_output_vocab_targets_scores_the_pieces_of_the_training_targets(data_dir, tmp_path):
+    """model.output_vocab=targets: the run's output layer allows exactly the pieces that the
+    prepared training targets hold (and EOS), none of the source side's own words; the set
+    is saved with the weights and kept by a resume."""
+    import numpy as np
+
+    from aiayn.rundir import load_run
+    from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizers
+
+    run = tmp_path / "run"
+    every = sets(eval_every=100, save_every=3)
+    run_train("--config", TINY, "--data", str(data_dir), "--out", str(run), *every,
+              "--set", "model.output_vocab=targets", *sets(max_steps=3))
+    targets = np.load(data_dir / "ids" / "train.tgt.ids.npy")
+    expected = (set(np.unique(targets).tolist()) - {BOS_ID, PAD_ID}) | {EOS_ID}
+    _, model, _ = load_run(run, "last")
+    allowed = set(model.generator.output_ids.tolist())
+    assert allowed == expected
+    vocab = Tokenizers.load(data_dir / "tokenizer").tgt.get_vocab()
+    assert vocab["▁gato"] in allowed and vocab["▁cat"] not in allowed  # a joint vocabulary
+    assert len(allowed) < model.cfg.tgt_vocab_size
+    run_train("--resume", str(run), *every, *sets(max_steps=6))
+    _, resumed, _ = load_run(run, "last")
+    assert set(resumed.generator.output_ids.tolist()) == expected
+
+
 @pytest.mark.parametrize("failing_write", [0, 1, 2])
 def test_a_save_interrupted_between_temp_and_rename_leaves_a_resumable_run(
         data_dir, tmp_path, monkeypatch, capsys, failing_write):
@@ -208,17 +235,17 @@ def test_a_save_interrupted_between_temp_and_rename_leaves_a_resumable_run(
 def test_non_finite_loss_stops_with_one_line_and_keeps_the_last_good_checkpoint(
         data_dir, tmp_path, monkeypatch, capsys):
     calls = {"n": 0}
-    real = train.label_smoothed_loss
+    real = aiayn.model.label_smoothed_loss  # what Transformer.forward computes the loss with
 
-    def poisoned(logits, labels, smoothing, pad_id):
-        loss = real(logits, labels, smoothing, pad_id)
+    def poisoned(logits, labels, smoothing, ignore_index):
+        loss = real(logits, labels, smoothing, ignore_index)
         if torch.is_grad_enabled():  # a training step, not validation
             calls["n"] += 1
             if calls["n"] >= 7:
                 return loss * float("nan")
         return loss
 
-    monkeypatch.setattr(train, "label_smoothed_loss", poisoned)
+    monkeypatch.setattr(aiayn.model, "label_smoothed_loss", poisoned)
     run = tmp_path / "run"
     code = main(["train", "--config", TINY, "--data", str(data_dir), "--out", str(run),
                  *sets(max_steps=20, save_every=5, eval_every=100)])

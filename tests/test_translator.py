@@ -201,6 +201,26 @@ def test_average_refuses_checkpoints_of_different_models(run_dir, tmp_path):
                             tmp_path / "avg.safetensors")
 
 
+def test_average_keeps_the_output_pieces_and_refuses_files_that_differ_in_them(run_dir, tmp_path):
+    """output_vocab "targets" saves which pieces the model may output beside the weights: an
+    average keeps them as they are (not as a mean), and files of differing pieces are refused."""
+    config, _, _ = load_run(run_dir)
+    cfg = ModelConfig(**{**vars(config.model), "output_vocab": "targets"})
+    paths = []
+    for i, allowed in enumerate(([3, 5, 6, 9], [3, 5, 6, 9], [3, 5, 7])):
+        torch.manual_seed(i)
+        model = Transformer(cfg)
+        model.generator.set_outputs(torch.tensor(allowed))
+        paths.append(tmp_path / f"{i}.safetensors")
+        save_weights(model, paths[-1])
+    average_checkpoints(paths[:2], tmp_path / "avg.safetensors")
+    averaged = Transformer(cfg)
+    averaged.load_state_dict(read_weights(tmp_path / "avg.safetensors"), strict=False)
+    assert averaged.generator.output_ids.tolist() == [3, 5, 6, 9]
+    with pytest.raises(AiaynError, match="generator.output_mask differs"):
+        average_checkpoints(paths, tmp_path / "avg2.safetensors")
+
+
 # ---------------------------------------------------------------- the command line
 def test_cli_translate_keeps_order_and_empty_lines(run_dir, capsys, monkeypatch, translator):
     lines = ["red sun", "", "moon tree river", "star"]

@@ -41,7 +41,7 @@ def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 # metadata with the sizes, and checked against the config on load.
 ARCHITECTURE = ("src_vocab_size", "tgt_vocab_size", "d_model", "n_heads", "d_ff",
                 "n_encoder_layers", "n_decoder_layers", "max_len", "norm_first",
-                "qk_norm", "tie_embeddings", "pad_id")
+                "qk_norm", "output_vocab", "tie_embeddings", "pad_id")
 ARCHITECTURE_KEY = "aiayn_architecture"
 
 
@@ -195,6 +195,9 @@ def average_checkpoints(paths: list[str | Path], out: str | Path) -> dict[str, t
         tensors = read_weights(path)
         _check_same_tensors(first, tensors, paths[0], path)
         for name, tensor in tensors.items():
+            if not tensor.is_floating_point() and not torch.equal(tensor, first[name]):
+                raise AiaynError(f"{path}: cannot average it with {paths[0]}: {name} differs "
+                                 "(it is not a weight but a setting, e.g. the output pieces)")
             total[name] += tensor.double()
     averaged = {name: (t / len(paths)).to(first[name].dtype).contiguous()
                 for name, t in total.items()}

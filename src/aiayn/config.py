@@ -27,6 +27,7 @@ from aiayn.io import atomic_write_text
 
 TIE_CHOICES = ("none", "decoder", "all")
 EMBEDDING_INITS = ("normal", "xavier")
+OUTPUT_VOCABS = ("all", "targets")
 SCHEDULES = ("eq3", "linear")
 BEST_METRICS = ("bleu", "chrf", "loss")  # see aiayn.early_stopping
 BF16_CHOICES = ("auto", "true", "false")
@@ -67,7 +68,8 @@ RANGES: dict[str, dict[str, tuple[float, float, bool]]] = {
     },
 }
 CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
-    "model": {"tie_embeddings": TIE_CHOICES, "embedding_init": EMBEDDING_INITS},
+    "model": {"tie_embeddings": TIE_CHOICES, "embedding_init": EMBEDDING_INITS,
+              "output_vocab": OUTPUT_VOCABS},
     "data": {"tokenizer": ("bpe", "wordlevel"), "long_policy": ("drop", "truncate")},
     "train": {"schedule": SCHEDULES, "bf16": BF16_CHOICES, "best_metric": BEST_METRICS},
 }
@@ -117,6 +119,12 @@ class ModelConfig:
     # the paper). It bounds the attention logits, the instability behind runs that stall
     # at a high peak learning rate.
     qk_norm: bool = False
+    # Which pieces the output layer scores (not in the paper): "all" of the target
+    # vocabulary, or only the "targets": the pieces that occur in the training targets, found
+    # by aiayn train and saved with the weights. A joint vocabulary holds thousands of pieces
+    # of the other language that no reference contains; they can never be right, and scoring
+    # them was ~a third of the output layer's work (Generator).
+    output_vocab: str = "all"
     pad_id: int = 0
 
 

@@ -26,7 +26,6 @@ from aiayn.errors import AiaynError
 from aiayn.io import atomic_write_text, check_output_file
 from aiayn.metrics import Scores, score
 from aiayn.model import Transformer
-from aiayn.optim import label_smoothed_loss
 from aiayn.rundir import read_data_dir
 from aiayn.threads import default_streams, parallel_map
 from aiayn.translator import Translator, TruncationWarning, check_search
@@ -61,10 +60,10 @@ def dev_loss(model: Transformer, examples: list, config: Config, device: torch.d
         batch = collate([examples[i] for i in positions], m.pad_id,
                         length_multiple(t.use_bf16)).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.use_bf16):
-            logits = model(batch.src, batch.tgt_in)
-        return (label_smoothed_loss(logits, batch.tgt_out, t.label_smoothing, m.pad_id).item(),
-                label_smoothed_loss(logits, batch.tgt_out, 0.0, m.pad_id).item(),
-                batch.n_tokens)
+            smoothed = model(batch.src, batch.tgt_in, batch.tgt_out, t.label_smoothing).item()
+            nll = (model(batch.src, batch.tgt_in, batch.tgt_out).item() if t.label_smoothing
+                   else smoothed)
+        return smoothed, nll, batch.n_tokens
 
     widths = [max(len(e.src), len(e.tgt)) for e in examples]
     total_ls = total_nll = 0.0

@@ -152,7 +152,14 @@ def write_aiayn_side(config: Config, run_dir: Path, out: Path) -> None:
 
 def check_target_can_express(cfg: ModelConfig, to: str, where: str) -> None:
     """Refuse what ``to`` cannot compute: Marian is the paper's post-norm Transformer, and
-    neither target has aiayn's per-head QK-norm in encoder-decoder attention."""
+    neither target has aiayn's per-head QK-norm in encoder-decoder attention or an output
+    layer restricted to some pieces."""
+    if cfg.output_vocab != "all":
+        raise AiaynError(
+            f"{where}: a model whose output layer scores only the training targets' pieces "
+            f"(model.output_vocab: {cfg.output_vocab}) cannot be exported --to {to} (the "
+            "target's output layer scores every piece); translate it with aiayn itself, or "
+            "train with --set model.output_vocab=all")
     if cfg.qk_norm:
         why = ("Transformers' Marian has no QK-norm" if to == "hf" else
                "CTranslate2 (4.8) normalises the whole query of encoder-decoder attention, "

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
+from aiayn.optim import label_smoothed_loss
 
 
 class TokenEmbedding(nn.Module):
@@ -328,14 +329,62 @@ class Decoder(nn.Module):
 
 
 class Generator(nn.Module):
-    """Linear projection of the decoder output to vocabulary logits (3.4)."""
+    """Linear projection of the decoder output to vocabulary logits (3.4).
 
-    def __init__(self, d_model: int, vocab_size: int):
+    With ``restricted`` (ModelConfig.output_vocab: "targets") it scores only the pieces of
+    ``output_mask`` (set by ``set_outputs`` from the training targets, saved with the
+    weights); every other piece gets logit -inf, probability 0. ``forward`` returns logits
+    over the whole vocabulary, as decoding reads them; the loss takes the cheaper
+    ``output_logits`` (only the allowed pieces) with ``output_positions`` of the labels.
+    """
+
+    IGNORE = -100  # output_positions of padding, and of labels the model cannot output
+
+    def __init__(self, d_model: int, vocab_size: int, restricted: bool = False):
         super().__init__()
         self.proj = nn.Linear(d_model, vocab_size, bias=False)
+        self.restricted = restricted
+        self.register_buffer("output_mask", torch.ones(vocab_size, dtype=torch.bool),
+                             persistent=restricted)
+        # Derived from output_mask (after set_outputs and after loading weights): the ids
+        # of the allowed pieces, and each id's position among them (IGNORE if not allowed).
+        self.register_buffer("output_ids", torch.arange(vocab_size), persistent=False)
+        self.register_buffer("positions", torch.arange(vocab_size), persistent=False)
+        self.register_load_state_dict_post_hook(lambda module, _: module._index())
+
+    def set_outputs(self, ids: Tensor) -> None:
+        """Allow exactly the pieces ``ids`` (a restricted generator only)."""
+        if not self.restricted:
+            raise ValueError("set_outputs needs a generator built with restricted=True")
+        self.output_mask.zero_()
+        self.output_mask[ids] = True
+        self._index()
+
+    def _index(self) -> None:
+        self.output_ids = self.output_mask.nonzero().squeeze(1)
+        positions = torch.full_like(self.positions, self.IGNORE)
+        positions[self.output_ids] = torch.arange(len(self.output_ids), device=positions.device)
+        self.positions = positions
 
     def forward(self, hidden: Tensor) -> Tensor:  # (B, T, d) -> (B, T, V)
-        return self.proj(hidden)
+        if not self.restricted:
+            return self.proj(hidden)
+        logits = self.output_logits(hidden)
+        full = logits.new_full((*logits.shape[:-1], self.proj.out_features), float("-inf"))
+        return full.index_copy_(-1, self.output_ids, logits)
+
+    def output_logits(self, hidden: Tensor) -> Tensor:  # (B, T, d) -> (B, T, V_out)
+        """The logits of the allowed pieces only, in the order of ``output_ids``."""
+        if not self.restricted:
+            return self.proj(hidden)
+        return F.linear(hidden, self.proj.weight.index_select(0, self.output_ids))
+
+    def output_positions(self, labels: Tensor, pad_id: int) -> Tensor:
+        """Token ids -> their positions in ``output_logits``; padding and pieces the model
+        cannot output -> IGNORE (the loss leaves them out)."""
+        if not self.restricted:
+            return labels.masked_fill(labels.eq(pad_id), self.IGNORE)
+        return self.positions[labels].masked_fill(labels.eq(pad_id), self.IGNORE)
 
 
 class KVCache:
@@ -373,7 +422,8 @@ class Transformer(nn.Module):
         self.tgt_pos = PositionalEncoding(cfg.d_model, cfg.max_len, cfg.dropout)
         self.encoder = Encoder(cfg)
         self.decoder = Decoder(cfg)
-        self.generator = Generator(cfg.d_model, cfg.tgt_vocab_size)
+        self.generator = Generator(cfg.d_model, cfg.tgt_vocab_size,
+                                   restricted=cfg.output_vocab == "targets")
         self.reset_parameters()
         self.tie_weights()
 
@@ -438,11 +488,22 @@ class Transformer(nn.Module):
     def new_cache(self) -> KVCache:
         return KVCache(len(self.decoder.layers))
 
-    def forward(self, src: Tensor, tgt: Tensor) -> Tensor:
-        """Teacher forcing: (B, S) source, (B, T) decoder input -> (B, T, V) logits."""
+    def forward(self, src: Tensor, tgt: Tensor, targets: Tensor | None = None,
+                label_smoothing: float = 0.0) -> Tensor:
+        """Teacher forcing: (B, S) source, (B, T) decoder input -> (B, T, V) logits.
+
+        With ``targets`` ((B, T) ids, the decoder input shifted by one): the summed
+        label-smoothed cross-entropy over the real target tokens instead (paper, 5.4; the
+        caller divides by their count), from the logits of the pieces the model may output.
+        """
         src_pad = self.src_pad_mask(src)
         memory = self.encode(src, src_pad)
-        return self.generator(self.decode(tgt, memory, src_pad))
+        hidden = self.decode(tgt, memory, src_pad)
+        if targets is None:
+            return self.generator(hidden)
+        return label_smoothed_loss(self.generator.output_logits(hidden),
+                                   self.generator.output_positions(targets, self.cfg.pad_id),
+                                   label_smoothing, Generator.IGNORE)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -80,8 +80,10 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 # ---------------------------------------------------------------- loss (paper, 5.4)
-def label_smoothed_loss(logits: Tensor, labels: Tensor, smoothing: float, pad_id: int) -> Tensor:
-    """Summed cross-entropy with label smoothing eps_ls (paper, 5.4), padding ignored.
+def label_smoothed_loss(logits: Tensor, labels: Tensor, smoothing: float,
+                        ignore_index: int) -> Tensor:
+    """Summed cross-entropy with label smoothing eps_ls (paper, 5.4); positions whose label is
+    ``ignore_index`` (padding) are left out.
 
     The smoothed target q puts 1 - eps on the reference token and spreads eps uniformly over
     the vocabulary; the loss of a position is -sum_v q_v log p_v with p = softmax(logits).
@@ -90,7 +92,7 @@ def label_smoothed_loss(logits: Tensor, labels: Tensor, smoothing: float, pad_id
     :class:`SmoothedCrossEntropy`.
     """
     return SmoothedCrossEntropy.apply(logits.float().reshape(-1, logits.size(-1)),
-                                      labels.reshape(-1), smoothing, pad_id)
+                                      labels.reshape(-1), smoothing, ignore_index)
 
 
 class SmoothedCrossEntropy(torch.autograd.Function):

@@ -82,6 +82,15 @@ class RaggedIds:
         """The ids of sentence ``i``."""
         return self.ids[self.offsets[i]:self.offsets[i + 1]].tolist()
 
+    def id_counts(self, vocab_size: int, chunk: int = 1 << 24) -> np.ndarray:
+        """How often each id in [0, vocab_size) occurs, read a chunk at a time (memory does
+        not grow with the corpus)."""
+        counts = np.zeros(vocab_size, dtype=np.int64)
+        for start in range(0, len(self.ids), chunk):
+            counts += np.bincount(np.asarray(self.ids[start:start + chunk]),
+                                  minlength=vocab_size)[:vocab_size]
+        return counts
+
 
 class NpyAppender:
     """Writes a 1-D ``.npy`` file by appending arrays; the header gets the length at close."""

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -67,7 +68,7 @@ from aiayn.evaluate import validate
 from aiayn.io import as_disk_error, check_room, remove_temp_files
 from aiayn.lock import locked
 from aiayn.model import Transformer
-from aiayn.optim import build_optimizer, label_smoothed_loss, schedule_lr, set_learning_rate
+from aiayn.optim import build_optimizer, schedule_lr, set_learning_rate
 from aiayn.progress import log
 from aiayn.rundir import (
     MetricsLog,
@@ -81,7 +82,7 @@ from aiayn.rundir import (
     step_checkpoint_path,
 )
 from aiayn.threads import ThreadTuner
-from aiayn.tokenizer import Tokenizers
+from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizers
 from aiayn.transfer import InitFrom
 
 
@@ -106,6 +107,19 @@ def resolve_config(config: Config, tokenizers, data_dir: Path) -> Config:
 # ---------------------------------------------------------------- model
 def build_model(config: Config, device: torch.device) -> Transformer:
     return Transformer(config.model).to(device)
+
+
+def restrict_outputs(model: Transformer, train: EncodedSplit, log=print) -> None:
+    """model.output_vocab "targets": the generator scores only the pieces that occur in the
+    training targets (their labels: tokens and [EOS], not [BOS] or padding)."""
+    vocab_size = model.cfg.tgt_vocab_size
+    seen = train.ids.tgt.id_counts(vocab_size) > 0
+    seen[[PAD_ID, BOS_ID]] = False
+    seen[EOS_ID] = True
+    model.generator.set_outputs(torch.from_numpy(np.flatnonzero(seen)).to(
+        model.generator.output_mask.device))
+    log(f"output: {int(seen.sum())} of the {vocab_size} target pieces occur in the training "
+        "targets; the output layer scores those alone (model.output_vocab: targets)")
 
 
 # ---------------------------------------------------------------- data
@@ -209,7 +223,7 @@ def train_step(
     """One Adam update over ``micro_batches`` (gradient accumulation), normalised by the
     global count of real target tokens. Does not update the weights when the loss or the
     gradient is not finite (the caller stops the run)."""
-    t, m = config.train, config.model
+    t = config.train
     local_tokens = sum(b.n_tokens for b in micro_batches)
     n_tokens = int(all_reduce_sum(torch.tensor([float(local_tokens)], device=world.device), world).item())
     # DDP averages gradients over ranks; * world_size turns that average into a sum.
@@ -220,9 +234,8 @@ def train_step(
         last = i == len(micro_batches) - 1
         sync = ddp.no_sync() if ddp is not None and not last else nullcontext()
         with sync:
-            with autocast:
-                logits = model(batch.src, batch.tgt_in)
-            loss = label_smoothed_loss(logits, batch.tgt_out, t.label_smoothing, m.pad_id)
+            with autocast:  # the loss itself is computed in fp32
+                loss = model(batch.src, batch.tgt_in, batch.tgt_out, t.label_smoothing)
             (loss * scale).backward()
         loss_sum += loss.detach()
     loss_per_token = all_reduce_sum(loss_sum, world).item() / n_tokens
@@ -450,6 +463,8 @@ class Trainer:
         if start.init is not None:
             start.init.load_into(self.model)
             self.log(f"init: weights {start.init.weights} (fresh optimizer and schedule)")
+        if self.model.generator.restricted and not start.continues:  # a resume loads them
+            restrict_outputs(self.model, self.data.train, self.log)
         self.optimizer = build_optimizer(self.model, self.config)
         self.stream = BatchStream(self.data, self.config.model.pad_id, world.device,
                                   t.max_epochs, length_multiple(self.bf16))
