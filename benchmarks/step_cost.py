@@ -13,8 +13,8 @@ does not depend on the machine's speed: a variant that costs 1.25x per step gets
         --variant qk=model.qk_norm=true --variant 3+3=model.n_encoder_layers=3,model.n_decoder_layers=3
 
 Each variant is a name and comma-separated ``--set`` overrides of the config. ``--torch-loss``
-adds the recipe trained with ``F.cross_entropy`` in place of aiayn's loss
-(``aiayn.optim.SmoothedCrossEntropy``), to price the loss itself.
+adds each config whose ``model.output_vocab`` is ``all`` trained with ``F.cross_entropy`` in
+place of aiayn's loss (``aiayn.optim.SmoothedCrossEntropy``), to price the loss itself.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="pieces a model.output_vocab=targets variant scores (default: as "
                              "many as the Bible's training targets hold of the joint 8,000)")
     parser.add_argument("--torch-loss", action="store_true",
-                        help="also time the recipe with F.cross_entropy in place of aiayn's loss")
+                        help="also time each config whose output_vocab is all with "
+                             "F.cross_entropy in place of aiayn's loss")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -83,11 +84,13 @@ def main(argv: list[str] | None = None) -> int:
         if model.generator.restricted:  # which pieces does not change the time, how many does
             model.generator.set_outputs(torch.arange(args.output_pieces))
         steps[name] = training_steps(model, batches, bf16=False)
-    if args.torch_loss:
-        configs["recipe, F.cross_entropy"] = ref
-        torch.manual_seed(0)
-        steps["recipe, F.cross_entropy"] = training_steps(Transformer(ref.model), batches,
-                                                          bf16=False, loss_fn=torch_loss)
+    if args.torch_loss:  # F.cross_entropy reads logits over the whole vocabulary
+        for name, cfg in list(configs.items()):
+            if cfg.model.output_vocab == "all":
+                configs[f"{name}, F.cross_entropy"] = cfg
+                torch.manual_seed(0)
+                steps[f"{name}, F.cross_entropy"] = training_steps(
+                    Transformer(cfg.model), batches, bf16=False, loss_fn=torch_loss)
     times = interleave(steps, args.reps)
 
     rows = []
