@@ -29,6 +29,33 @@ def test_recipe_is_demo_yaml(peers):
     assert peers.recipe_from_config(RUN_PY.parents[2] / "configs" / "demo.yaml") == peers.Recipe()
 
 
+def test_set_overrides_reach_every_toolkit(peers, tmp_path, monkeypatch):
+    """run.py --set changes the recipe the peers' configs are written from and is passed on
+    to aiayn train, so all three train the same overridden recipe."""
+    demo = RUN_PY.parents[2] / "configs" / "demo.yaml"
+    sets = ["train.peak_lr=1.5e-3", "model.n_encoder_layers=3"]
+    r = peers.recipe_from_config(demo, sets)
+    assert (r.peak_lr, r.encoder_layers) == (1.5e-3, 3)
+    assert peers.recipe_from_config(demo, []) == peers.Recipe()
+    c = peers.joey_config(r, Path("/t"), Path("/m"), JOINT, SPM)
+    assert c["training"]["learning_rate"] == pytest.approx(1.5e-3 / 200)
+    s = peers.Setup(recipe=r, data=tmp_path, text=Path("/t"), out=tmp_path, venvs=tmp_path,
+                    minutes=1, threads=1, aiayn_config=demo, aiayn_weights="last",
+                    test_limit=0, epoch_tokens={}, config_sets=sets)
+    commands = []
+
+    def stop_at_train(command, *args):
+        commands.append(command)
+        raise peers.PeerError("stop here")
+
+    monkeypatch.setattr(peers, "run_command", stop_at_train)
+    with pytest.raises(peers.PeerError):
+        peers.run_aiayn(s, tmp_path, ["train.bf16=false"])
+    train = commands[0]
+    given = [train[i + 1] for i, arg in enumerate(train) if arg == "--set"]
+    assert given == ["train.cpu_threads=1", *sets, "train.bf16=false"]
+
+
 def test_joey_config_follows_the_recipe(peers):
     r = peers.Recipe()
     c = peers.joey_config(r, Path("/t"), Path("/m"), JOINT, SPM)

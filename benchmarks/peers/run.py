@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 import unicodedata
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import sacrebleu
@@ -83,10 +83,11 @@ class Recipe:
         return self.decode_max_tokens // self.beam
 
 
-def recipe_from_config(path: Path) -> Recipe:
+def recipe_from_config(path: Path, sets: list[str] | None = None) -> Recipe:
+    """The recipe of aiayn's config at ``path`` with ``sets`` (``--set`` overrides) applied."""
     from aiayn.config import load_config
 
-    c = load_config(path)
+    c = load_config(path, sets or [])
     m, d, t = c.model, c.data, c.train
     return Recipe(d_model=m.d_model, n_heads=m.n_heads, d_ff=m.d_ff,
                   encoder_layers=m.n_encoder_layers, decoder_layers=m.n_decoder_layers,
@@ -370,6 +371,7 @@ class Setup:
     aiayn_weights: str
     test_limit: int  # decode only the first N test sentences (0: all), for smoke runs
     epoch_tokens: dict  # target tokens of one pass over train: {"aiayn", "sentencepiece"}
+    config_sets: list[str] = field(default_factory=list)  # --set overrides of aiayn_config
 
     def _per_side(self, stem: str, suffix: str) -> dict[str, Path]:
         if self.recipe.joint_vocab:
@@ -511,7 +513,7 @@ def aiayn_counts(records: list[dict]) -> dict:
 def run_aiayn(s: Setup, work: Path, overrides: list[str]) -> dict:
     run_dir = work / "run"
     aiayn = [sys.executable, "-m", "aiayn"]
-    sets = [f"train.cpu_threads={s.threads}", *overrides]
+    sets = [f"train.cpu_threads={s.threads}", *s.config_sets, *overrides]
     train_s = run_command([*aiayn, "train", "--config", str(s.aiayn_config), "--data", str(s.data),
                            "--out", str(run_dir), "--max-minutes", str(s.minutes),
                            *[arg for item in sets for arg in ("--set", item)]],
@@ -625,6 +627,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=REPO / "benchmarks/results/peers")
     p.add_argument("--config", type=Path, default=REPO / "configs/demo.yaml",
                    help="aiayn's config; the peers' recipes are written from it")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a setting of --config for all toolkits, as aiayn train "
+                        "--set does (repeatable), e.g. train.peak_lr=1.5e-3")
     p.add_argument("--venvs", type=Path, default=HERE / ".venvs")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--aiayn-weights", default="last",
@@ -640,14 +645,15 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     # table.md and results.json are the results; the rest (checkpoints, text) stays out of git
     (out / ".gitignore").write_text("".join(f"/{name}/\n" for name in ("text", *TOOLKITS)))
-    s = Setup(recipe=recipe_from_config(args.config), data=data, text=out / "text", out=out,
+    s = Setup(recipe=recipe_from_config(args.config, args.sets), data=data, text=out / "text", out=out,
               venvs=args.venvs.resolve(), minutes=args.minutes, threads=args.threads,
               aiayn_config=args.config.resolve(), aiayn_weights=args.aiayn_weights,
-              test_limit=max(0, args.test_limit), epoch_tokens={"aiayn": aiayn_epoch_tokens(data)})
+              test_limit=max(0, args.test_limit), epoch_tokens={"aiayn": aiayn_epoch_tokens(data)},
+              config_sets=args.sets)
     references = [tgt for _, tgt in read_pairs(data / "test.jsonl")]
     references = references[:s.test_limit] if s.test_limit else references
     meta = {"minutes": args.minutes, "data": str(data), "test_limit": s.test_limit,
-            "threads": args.threads,
+            "threads": args.threads, "config_sets": args.sets,
             "recipe": asdict(s.recipe), "installed": installed_versions(s.venvs),
             "epoch_target_tokens": s.epoch_tokens}
     rows = [row for row in load_rows(out / "results.json", meta) if row["toolkit"] not in toolkits]
