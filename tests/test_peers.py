@@ -5,6 +5,7 @@ Neither peer is needed; the benchmark itself is not run here."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -180,3 +181,16 @@ def test_score_and_table(peers):
     assert "| aiayn | 1,700 | 1,500,000 | 2,083 | 18.91 | 45.00 | 50.0 |" in table
     assert "| joeynmt | failed: exited with status 1: a / b |" in table
     assert "| aiayn | fp32 | 882 | 1.60 | - | 3 | last |" in table
+
+
+def test_rerun_keeps_rows_of_the_same_recipe_only(peers, tmp_path):
+    """--only reruns keep the other toolkits' rows when budget, data, test sentences and
+    --set overrides are the same; rows of another recipe are dropped."""
+    path = tmp_path / "results.json"
+    meta = {"minutes": 12, "data": "/d", "test_limit": 0, "config_sets": []}
+    path.write_text(json.dumps({**meta, "rows": [{"toolkit": "joeynmt"}]}))
+    assert peers.load_rows(path, meta) == [{"toolkit": "joeynmt"}]
+    assert peers.load_rows(path, {**meta, "config_sets": ["train.peak_lr=1.5e-3"]}) == []
+    legacy = {k: v for k, v in meta.items() if k != "config_sets"}  # before --set existed
+    path.write_text(json.dumps({**legacy, "rows": [{"toolkit": "opennmt"}]}))
+    assert peers.load_rows(path, meta) == [{"toolkit": "opennmt"}]

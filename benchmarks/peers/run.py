@@ -587,13 +587,14 @@ def _maybe(value: float | None, spec: str) -> str:
 
 
 def load_rows(path: Path, meta: dict) -> list[dict]:
-    """Rows of an earlier results.json with the same budget, data and test sentences (a
-    rerun of one toolkit keeps the others); none otherwise."""
+    """Rows of an earlier results.json with the same budget, data, test sentences and --set
+    overrides (a rerun of one toolkit keeps the others); none otherwise."""
     try:
         old = json.loads(path.read_text())
     except (OSError, ValueError):
         return []
-    if any(old.get(key) != meta[key] for key in ("minutes", "data", "test_limit")):
+    old.setdefault("config_sets", [])  # written before --set existed: no overrides
+    if any(old.get(key) != meta[key] for key in ("minutes", "data", "test_limit", "config_sets")):
         return []
     return old.get("rows", [])
 
