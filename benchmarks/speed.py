@@ -128,18 +128,18 @@ def training_flops(cfg: ModelConfig, B: int, S: int, T: int) -> float:
     return 3.0 * (enc + dec + gen)
 
 
-def torch_loss(model: nn.Module, batch: Batch) -> Tensor:
+def torch_loss(model: nn.Module, batch: Batch, smoothing: float = LABEL_SMOOTHING) -> Tensor:
     """The summed label-smoothed cross-entropy a user of torch.nn writes: the reference's
     loss, from the model's (B, T, V) logits."""
     logits = model(batch.src, batch.tgt_in)
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch.tgt_out.reshape(-1),
-                           ignore_index=PAD_ID, label_smoothing=LABEL_SMOOTHING, reduction="sum")
+                           ignore_index=PAD_ID, label_smoothing=smoothing, reduction="sum")
 
 
-def aiayn_loss(model: Transformer, batch: Batch) -> Tensor:
+def aiayn_loss(model: Transformer, batch: Batch, smoothing: float = LABEL_SMOOTHING) -> Tensor:
     """The same loss as aiayn trains with: ``Transformer.forward`` given the targets
     (the softmax kept for backward, aiayn.optim.SmoothedCrossEntropy)."""
-    return model(batch.src, batch.tgt_in, batch.tgt_out, LABEL_SMOOTHING)
+    return model(batch.src, batch.tgt_in, batch.tgt_out, smoothing)
 
 
 def training_steps(model: nn.Module, batches: list[Batch], bf16: bool,

@@ -14,13 +14,18 @@ does not depend on the machine's speed: a variant that costs 1.25x per step gets
 
 Each variant is a name and comma-separated ``--set`` overrides of the config. ``--torch-loss``
 adds each config whose ``model.output_vocab`` is ``all`` trained with ``F.cross_entropy`` in
-place of aiayn's loss (``aiayn.optim.SmoothedCrossEntropy``), to price the loss itself.
+place of aiayn's loss (``aiayn.optim.SmoothedCrossEntropy``), to price the loss itself; each
+config trains with its own ``train.label_smoothing``. A variant that changes
+``train.max_tokens`` trains on batches of its own budget, cut from the same sentence lengths;
+a further column then compares the time of a target token, which is what equal compute
+means when a step holds other batches.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -38,7 +43,7 @@ from common import (  # noqa: E402
     sentence_lengths,
     spread,
 )
-from speed import torch_loss, training_steps  # noqa: E402
+from speed import aiayn_loss, torch_loss, training_steps  # noqa: E402
 
 from aiayn.config import load_config  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
@@ -72,38 +77,52 @@ def main(argv: list[str] | None = None) -> int:
     configs.update({name: load_config(args.config, sets) for name, sets in args.variant})
     ref = configs["recipe"]
     lengths = sentence_lengths(20_000, mean=31.0, max_len=ref.model.max_len)
-    groups = representative(bucket(lengths, ref.train.max_tokens), args.batches)
     # Random ids valid in every variant's vocabularies (a variant may have smaller ones).
     vocab = min(min(c.model.src_vocab_size, c.model.tgt_vocab_size) for c in configs.values())
-    batches = [make_batch(g, vocab, seed=i) for i, g in enumerate(groups)]
-    tokens = sum(b.n_tokens for b in batches)
+    batches = {}  # train.max_tokens -> the batches of that budget (a variant may change it)
+    for max_tokens in sorted({c.train.max_tokens for c in configs.values()}):
+        groups = representative(bucket(lengths, max_tokens), args.batches)
+        batches[max_tokens] = [make_batch(g, vocab, seed=i) for i, g in enumerate(groups)]
     steps = {}
     for name, cfg in configs.items():
         torch.manual_seed(0)
         model = Transformer(cfg.model)
         if model.generator.restricted:  # which pieces does not change the time, how many does
             model.generator.set_outputs(torch.arange(args.output_pieces))
-        steps[name] = training_steps(model, batches, bf16=False)
+        # each config's own label smoothing: with none, F.cross_entropy takes a cheaper path
+        loss = partial(aiayn_loss, smoothing=cfg.train.label_smoothing)
+        steps[name] = training_steps(model, batches[cfg.train.max_tokens], bf16=False,
+                                     loss_fn=loss)
     if args.torch_loss:  # F.cross_entropy reads logits over the whole vocabulary
         for name, cfg in list(configs.items()):
             if cfg.model.output_vocab == "all":
                 configs[f"{name}, F.cross_entropy"] = cfg
                 torch.manual_seed(0)
+                loss = partial(torch_loss, smoothing=cfg.train.label_smoothing)
                 steps[f"{name}, F.cross_entropy"] = training_steps(
-                    Transformer(cfg.model), batches, bf16=False, loss_fn=torch_loss)
+                    Transformer(cfg.model), batches[cfg.train.max_tokens], bf16=False,
+                    loss_fn=loss)
     times = interleave(steps, args.reps)
 
+    def tokens(name: str) -> int:
+        return sum(b.n_tokens for b in batches[configs[name].train.max_tokens])
+
+    other_batches = len(batches) > 1
     rows = []
     for name in steps:
         per_rep = [sum(rep) for rep in times[name]]
         ratios = paired_ratios(times[name], times["recipe"])
         params = sum(p.numel() for p in Transformer(configs[name].model).parameters())
-        rows.append([name, f"{params / 1e6:.2f}M", f"{tokens / median(per_rep):,.0f}",
-                     f"{median(ratios):.3f} ({spread(ratios)})"])
+        row = [name, f"{params / 1e6:.2f}M", f"{tokens(name) / median(per_rep):,.0f}",
+               f"{median(ratios):.3f} ({spread(ratios)})"]
+        if other_batches:  # a step of other batches: compare the time of a target token
+            per_token = [r * tokens("recipe") / tokens(name) for r in ratios]
+            row.append(f"{median(per_token):.3f} ({spread(per_token)})")
+        rows.append(row)
     print(f"{device_description()}; {args.threads} thread(s); {args.config}; fp32; "
-          f"{len(batches)} batches of <= {ref.train.max_tokens} tokens x {args.reps} reps")
-    print(markdown_table(["variant", "parameters", "target tokens/s", "step time / recipe's"],
-                         rows))
+          f"{args.batches} batches of <= {', '.join(map(str, batches))} tokens x {args.reps} reps")
+    header = ["variant", "parameters", "target tokens/s", "step time / recipe's"]
+    print(markdown_table(header + ["time a target token / recipe's"] * other_batches, rows))
     return 0
 
 
