@@ -46,6 +46,7 @@ from common import (  # noqa: E402
 from speed import aiayn_loss, torch_loss, training_steps  # noqa: E402
 
 from aiayn.config import load_config  # noqa: E402
+from aiayn.errors import AiaynError  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
 
 
@@ -73,8 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    configs = {"recipe": load_config(args.config)}
-    configs.update({name: load_config(args.config, sets) for name, sets in args.variant})
+    try:
+        configs = {"recipe": load_config(args.config)}
+        configs.update({name: load_config(args.config, sets) for name, sets in args.variant})
+    except AiaynError as exc:  # a bad --config or --variant setting: one line
+        parser.error(str(exc))
     ref = configs["recipe"]
     lengths = sentence_lengths(20_000, mean=31.0, max_len=ref.model.max_len)
     # Random ids valid in every variant's vocabularies (a variant may have smaller ones).

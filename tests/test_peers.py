@@ -194,3 +194,14 @@ def test_rerun_keeps_rows_of_the_same_recipe_only(peers, tmp_path):
     legacy = {k: v for k, v in meta.items() if k != "config_sets"}  # before --set existed
     path.write_text(json.dumps({**legacy, "rows": [{"toolkit": "opennmt"}]}))
     assert peers.load_rows(path, meta) == [{"toolkit": "opennmt"}]
+
+
+def test_bad_set_is_one_line_and_writes_nothing(peers, tmp_path, capsys):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        peers.main(["--only", "aiayn", "--set", "train.nope=1", "--out", str(out)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "error: --set 'train.nope=1': unknown setting train.nope" in err.strip().splitlines()[-1]
+    assert not out.exists()

@@ -643,10 +643,16 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not toolkits:
         p.error(f"--only takes some of {', '.join(TOOLKITS)}; got {args.only!r}")
     data, out = args.data.resolve(), args.out.resolve()
+    from aiayn.errors import AiaynError
+
+    try:  # a bad --config or --set: one line, before anything is written
+        recipe = recipe_from_config(args.config, args.sets)
+    except AiaynError as exc:
+        p.error(str(exc))
     out.mkdir(parents=True, exist_ok=True)
     # table.md and results.json are the results; the rest (checkpoints, text) stays out of git
     (out / ".gitignore").write_text("".join(f"/{name}/\n" for name in ("text", *TOOLKITS)))
-    s = Setup(recipe=recipe_from_config(args.config, args.sets), data=data, text=out / "text", out=out,
+    s = Setup(recipe=recipe, data=data, text=out / "text", out=out,
               venvs=args.venvs.resolve(), minutes=args.minutes, threads=args.threads,
               aiayn_config=args.config.resolve(), aiayn_weights=args.aiayn_weights,
               test_limit=max(0, args.test_limit), epoch_tokens={"aiayn": aiayn_epoch_tokens(data)},
