@@ -172,7 +172,7 @@ def test_tuner_moves_to_one_thread_under_load_and_back_when_it_ends(threads):
 
 
 def test_tuner_trials_also_come_by_time(threads):
-    tuner = ThreadTuner(2, every=1000, every_s=30.0, trial=2)
+    tuner = ThreadTuner(2, every=1000, every_s=30.0, trial=2, max_backoff=1)
     slow = FakeClock({1: 0.002, 2: 0.001})  # 1 s per step of 1000 tokens with 2 threads
     for _ in range(4):  # the first trial (1 thread, steps 3-4) loses
         slow.step(tuner)
@@ -198,7 +198,7 @@ def test_tuner_reacts_to_a_load_change_at_the_next_step(threads):
 
 
 def test_a_clearly_slower_trial_ends_after_one_step(threads):
-    tuner = ThreadTuner(2, every=5, every_s=1e9, trial=4)
+    tuner = ThreadTuner(2, every=5, every_s=1e9, trial=4, max_backoff=1)
     busy = FakeClock({1: 1.0, 2: 8.0})
     for _ in range(8):  # the first trial (after 4 steps at 2 threads) moves to 1 thread
         busy.step(tuner)
@@ -210,6 +210,33 @@ def test_a_clearly_slower_trial_ends_after_one_step(threads):
         busy.step(tuner)
         assert tuner.trying is None or torch.get_num_threads() == 2
     assert tuner.current == 1 and 5 <= slow_steps <= 12
+
+
+def trial_starts(tuner: ThreadTuner, clock: FakeClock, steps: int) -> list[int]:
+    """The steps (counted from 0) at which a trial began."""
+    starts = []
+    for i in range(steps):
+        before = tuner.trying
+        clock.step(tuner)
+        if before is None and tuner.trying is not None:
+            starts.append(i)
+    return starts
+
+
+def test_trials_that_change_nothing_come_less_often_until_the_load_changes(threads):
+    tuner = ThreadTuner(2, every=10, every_s=1e9, trial=2, max_backoff=4)
+    quiet = FakeClock({1: 1.0, 2: 0.6})
+    starts = trial_starts(tuner, quiet, 152)  # the last trial ends at step 151
+    # The first trial after 2 steps; each trial of 2 steps that loses doubles the wait for
+    # the next: 20 steps, 40, then the cap (4 x 10) again.
+    assert starts == [1, 23, 65, 107, 149]
+    assert tuner.current == 2
+    # The load changes: the next step is a trial at once, and the one that wins (one
+    # thread) brings the interval back to 10 steps.
+    busy = FakeClock({1: 1.0, 2: 6.0})
+    starts = trial_starts(tuner, busy, 30)
+    assert tuner.current == 1
+    assert starts[0] == 0 and starts[1] == 12
 
 
 def test_a_fixed_thread_count_is_never_changed(threads):

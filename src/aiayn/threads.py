@@ -96,6 +96,12 @@ class ThreadTuner:
     - tries the other count for ``trial`` steps every ``every`` steps or ``every_s``
       seconds (the first time after ``trial`` steps), and keeps whichever is faster by
       ``margin``;
+    - after each trial that changes nothing, waits twice as long for the next one, up to
+      ``max_backoff`` times ``every`` / ``every_s``; back to ``every`` when the count changes
+      or the load does. Trials of the slower count are the tuner's price: on a quiet
+      2-core AVX2 EPYC a step of the demo at one thread takes ~1.6x one at two, so 4 of
+      them every 100 steps cost ~2.5% of the training time; with a core spinning
+      (benchmarks/busy.py) a step at two threads took ~1.7x one at one thread, so ~3%;
     - ends a trial after one step when that step is ``clearly`` slower than the current
       count's median (a trial of two threads on a busy machine then costs one slow step,
       not ``trial`` of them);
@@ -109,11 +115,13 @@ class ThreadTuner:
 
     def __init__(self, max_threads: int, adaptive: bool = True, every: int = 100,
                  every_s: float = 60.0, trial: int = 4, margin: float = 1.1,
-                 clearly: float = 2.0):
+                 clearly: float = 2.0, max_backoff: int = 4):
         self.counts = sorted({1, max_threads})
         self.current = max_threads
         self.every, self.every_s, self.trial = every, every_s, trial
         self.margin, self.clearly = margin, clearly
+        self.max_backoff = max_backoff
+        self._backoff = 1  # the interval between trials, in units of every / every_s
         self.enabled = adaptive and len(self.counts) > 1
         self._seconds: dict[int, list[float]] = {c: [] for c in self.counts}  # s/token, recent
         self._trying: int | None = None
@@ -146,8 +154,10 @@ class ThreadTuner:
         untried = any(not self._seconds[c] for c in self.counts)
         if jumped:  # the older samples describe a machine that is gone: this step is now
             samples[:] = [per_token]
-        if (jumped or (untried and len(samples) >= self.trial) or steps >= self.every
-                or elapsed >= self.every_s):
+            self._backoff = 1
+        if (jumped or (untried and len(samples) >= self.trial)
+                or steps >= self.every * self._backoff
+                or elapsed >= self.every_s * self._backoff):
             self._start_trial()
 
     def _start_trial(self) -> None:
@@ -168,6 +178,9 @@ class ThreadTuner:
     def _end_trial(self, keep_trial: bool) -> None:
         if keep_trial:
             self.current = self._trying
+            self._backoff = 1
+        else:
+            self._backoff = min(2 * self._backoff, self.max_backoff)
         self._trying = None
         torch.set_num_threads(self.current)
 
