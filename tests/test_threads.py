@@ -231,6 +231,9 @@ def test_trials_that_change_nothing_come_less_often_until_the_load_changes(threa
     # the next: 20 steps, 40, then the cap (4 x 10) again.
     assert starts == [1, 23, 65, 107, 149]
     assert tuner.current == 2
+    # What the trials cost: 5 trials of 2 steps at one thread, each 0.4 s per token slower
+    # than two threads on the clock's 1000 tokens.
+    assert tuner.trial_excess_s == pytest.approx(5 * 2 * 0.4 * 1000)
     # The load changes: the next step is a trial at once, and the one that wins (one
     # thread) brings the interval back to 10 steps.
     busy = FakeClock({1: 1.0, 2: 6.0})

@@ -122,6 +122,9 @@ class ThreadTuner:
         self.margin, self.clearly = margin, clearly
         self.max_backoff = max_backoff
         self._backoff = 1  # the interval between trials, in units of every / every_s
+        # What trials cost: seconds their steps took beyond the current count's median
+        # (negative when a trial was faster); aiayn train logs it as tuner_excess_s.
+        self.trial_excess_s = 0.0
         self.enabled = adaptive and len(self.counts) > 1
         self._seconds: dict[int, list[float]] = {c: [] for c in self.counts}  # s/token, recent
         self._trying: int | None = None
@@ -139,7 +142,7 @@ class ThreadTuner:
             return
         per_token = seconds / tokens
         if self._trying is not None:
-            self._observe_trial(per_token)
+            self._observe_trial(per_token, tokens)
             return
         samples = self._seconds[self.current]
         # A step far slower than this count's recent ones: the load changed. Not kept
@@ -166,10 +169,11 @@ class ThreadTuner:
         self._since = (0, 0.0)
         torch.set_num_threads(self._trying)
 
-    def _observe_trial(self, per_token: float) -> None:
+    def _observe_trial(self, per_token: float, tokens: int) -> None:
         trial = self._seconds[self._trying]
         trial.append(per_token)
         current = self._seconds[self.current]
+        self.trial_excess_s += (per_token - _median(current)) * tokens
         if per_token > self.clearly * _median(current):
             self._end_trial(keep_trial=False)  # clearly worse: one step was enough
         elif len(trial) >= self.trial:

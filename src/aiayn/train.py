@@ -536,7 +536,8 @@ class Trainer:
                         "loss": window_loss / window_tokens, "lr": result.lr,
                         "tokens_per_s": tokens_per_s, "elapsed_s": progress.elapsed_s,
                         "tokens": progress.tokens, "grad_norm": result.grad_norm,
-                        "threads": torch.get_num_threads()})
+                        "threads": torch.get_num_threads(),
+                        "tuner_excess_s": self.threads.trial_excess_s})
                     window_loss = window_tokens = 0.0
                     window_start = time.perf_counter()
                 # The budget is the run's: all sessions (a resume continues it), as the
