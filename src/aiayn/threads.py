@@ -100,8 +100,10 @@ class ThreadTuner:
       ``max_backoff`` times ``every`` / ``every_s``; back to ``every`` when the count changes
       or the load does. Trials of the slower count are the tuner's price: on a quiet
       2-core AVX2 EPYC a step of the demo at one thread takes ~1.6x one at two, so 4 of
-      them every 100 steps cost ~2.5% of the training time; with a core spinning
-      (benchmarks/busy.py) a step at two threads took ~1.7x one at one thread, so ~3%;
+      them every 100 steps would cost ~2.5% of the training time; with a core spinning
+      (benchmarks/busy.py) a step at two threads took ~1.7x one at one thread, so ~3%
+      (estimates from those prices). With the backoff the demo's trials cost 4.8 s of its
+      720 quiet and 3.6 s busy (``trial_excess_s``);
     - ends a trial after one step when that step is ``clearly`` slower than the current
       count's median (a trial of two threads on a busy machine then costs one slow step,
       not ``trial`` of them);
