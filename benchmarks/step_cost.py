@@ -18,7 +18,9 @@ place of aiayn's loss (``aiayn.optim.SmoothedCrossEntropy``), to price the loss 
 config trains with its own ``train.label_smoothing``. A variant that changes
 ``train.max_tokens`` trains on batches of its own budget, cut from the same sentence lengths;
 a further column then compares the time of a target token, which is what equal compute
-means when a step holds other batches.
+means when a step holds other batches. ``--onednn-output`` adds each config with its output
+layer's forward product in oneDNN (``aiayn.kernels``), which ``aiayn train`` takes where a
+probe finds it faster; the configs themselves run it as ``F.linear`` does.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from speed import aiayn_loss, torch_loss, training_steps  # noqa: E402
 
 from aiayn.config import load_config  # noqa: E402
 from aiayn.errors import AiaynError  # noqa: E402
+from aiayn.kernels import onednn_available  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
 
 
@@ -68,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-pieces", type=int, default=5303,
                         help="pieces a model.output_vocab=targets variant scores (default: as "
                              "many as the Bible's training targets hold of the joint 8,000)")
+    parser.add_argument("--onednn-output", action="store_true",
+                        help="also time each config with the output layer's forward in oneDNN")
     parser.add_argument("--torch-loss", action="store_true",
                         help="also time each config whose output_vocab is all with "
                              "F.cross_entropy in place of aiayn's loss")
@@ -87,12 +92,17 @@ def main(argv: list[str] | None = None) -> int:
     for max_tokens in sorted({c.train.max_tokens for c in configs.values()}):
         groups = representative(bucket(lengths, max_tokens), args.batches)
         batches[max_tokens] = [make_batch(g, vocab, seed=i) for i, g in enumerate(groups)]
+    if args.onednn_output:
+        if not onednn_available():
+            parser.error("--onednn-output: this PyTorch has no oneDNN linear")
+        configs.update({f"{name}, oneDNN output": cfg for name, cfg in list(configs.items())})
     steps = {}
     for name, cfg in configs.items():
         torch.manual_seed(0)
         model = Transformer(cfg.model)
         if model.generator.restricted:  # which pieces does not change the time, how many does
             model.generator.set_outputs(torch.arange(args.output_pieces))
+        model.generator.onednn = name.endswith(", oneDNN output")
         # each config's own label smoothing: with none, F.cross_entropy takes a cheaper path
         loss = partial(aiayn_loss, smoothing=cfg.train.label_smoothing)
         steps[name] = training_steps(model, batches[cfg.train.max_tokens], bf16=False,

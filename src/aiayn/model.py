@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from aiayn import kernels
 from aiayn.config import ModelConfig
 from aiayn.optim import label_smoothed_loss
 
@@ -336,6 +337,10 @@ class Generator(nn.Module):
     weights); every other piece gets logit -inf, probability 0. ``forward`` returns logits
     over the whole vocabulary, as decoding reads them; the loss takes the cheaper
     ``output_logits`` (only the allowed pieces) with ``output_positions`` of the labels.
+
+    ``onednn``: compute the product in oneDNN rather than the BLAS, where
+    ``aiayn.kernels.choose_output_kernel`` found that faster on this machine (same values up
+    to rounding; not saved with the weights). None until chosen: the BLAS.
     """
 
     IGNORE = -100  # output_positions of padding, and of labels the model cannot output
@@ -344,6 +349,7 @@ class Generator(nn.Module):
         super().__init__()
         self.proj = nn.Linear(d_model, vocab_size, bias=False)
         self.restricted = restricted
+        self.onednn: bool | None = None
         self.register_buffer("output_mask", torch.ones(vocab_size, dtype=torch.bool),
                              persistent=restricted)
         # Derived from output_mask (after set_outputs and after loading weights): the ids
@@ -367,17 +373,19 @@ class Generator(nn.Module):
         self.positions = positions
 
     def forward(self, hidden: Tensor) -> Tensor:  # (B, T, d) -> (B, T, V)
-        if not self.restricted:
-            return self.proj(hidden)
         logits = self.output_logits(hidden)
+        if not self.restricted:
+            return logits
         full = logits.new_full((*logits.shape[:-1], self.proj.out_features), float("-inf"))
         return full.index_copy_(-1, self.output_ids, logits)
 
     def output_logits(self, hidden: Tensor) -> Tensor:  # (B, T, d) -> (B, T, V_out)
         """The logits of the allowed pieces only, in the order of ``output_ids``."""
-        if not self.restricted:
-            return self.proj(hidden)
-        return F.linear(hidden, self.proj.weight.index_select(0, self.output_ids))
+        weight, bias = self.proj.weight, self.proj.bias  # the paper's layer has no bias
+        if self.restricted:
+            weight = weight.index_select(0, self.output_ids)
+            bias = None if bias is None else bias.index_select(0, self.output_ids)
+        return kernels.linear(hidden, weight, bias, bool(self.onednn))
 
     def output_positions(self, labels: Tensor, pad_id: int) -> Tensor:
         """Token ids -> their positions in ``output_logits``; padding and pieces the model

@@ -66,6 +66,7 @@ from aiayn.early_stopping import BestTracker
 from aiayn.errors import AiaynError
 from aiayn.evaluate import validate
 from aiayn.io import as_disk_error, check_room, remove_temp_files
+from aiayn.kernels import choose_output_kernel
 from aiayn.lock import locked
 from aiayn.model import Transformer
 from aiayn.optim import build_optimizer, schedule_lr, set_learning_rate
@@ -470,6 +471,8 @@ class Trainer:
                                   t.max_epochs, length_multiple(self.bf16))
         self.progress = Progress(best=BestTracker(t.best_metric, t.patience))
         rng = self.restore() if start.continues else None
+        why_output = choose_output_kernel(self.model.generator, t.max_tokens,
+                                          enabled=not self.bf16)
         on_main(lambda: check_room(run_dir, run_size(self.model, t.keep_checkpoints,
                                                      start.continues),
                                    "the run"), world)
@@ -486,7 +489,8 @@ class Trainer:
                  f"{m.src_vocab_size}/{m.tgt_vocab_size}; device {world.device}, "
                  f"{world.world_size} rank(s), compile {t.compile}; bf16 {self.bf16} "
                  f"({why_bf16}); {torch.get_num_threads()} CPU thread(s)"
-                 f"{' (adaptive)' if self.threads.enabled else ''}; schedule {t.schedule}")
+                 f"{' (adaptive)' if self.threads.enabled else ''}; schedule {t.schedule}; "
+                 f"{why_output}")
         self.metrics = MetricsLog(run_dir, world.is_main, self.progress.step if resume else None)
 
     def run(self) -> dict[str, Any]:

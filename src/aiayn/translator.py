@@ -38,11 +38,15 @@ import torch
 from aiayn.batching import pad, token_batches
 from aiayn.decode import Hypothesis, beam_search, greedy_decode
 from aiayn.errors import AiaynError, is_out_of_memory
+from aiayn.kernels import choose_output_kernel
 from aiayn.model import Transformer, capture_attention
 from aiayn.rundir import load_run
 from aiayn.threads import default_streams, on_one_thread, parallel_map
 from aiayn.tokenizer import BOS_ID, EOS_ID
 
+# Rows of a decoding step the output layer's kernel is chosen for (aiayn.kernels): a beam
+# of 4-6 over the ~50 sentences of an 8,192-token batch.
+DECODE_PROBE_ROWS = 256
 ENGINES = ("aiayn", "ctranslate2")  # who searches: aiayn.decode, or aiayn.ct2_engine
 
 
@@ -130,6 +134,8 @@ class Translator:
                                  f"{decode_bytes_per_token(model.cfg)} bytes per padded "
                                  f"token), got {max_tokens}")
             self.model = model.to(self.device).eval()
+            if model.generator.onednn is None:  # a training run has chosen for its model
+                choose_output_kernel(model.generator, DECODE_PROBE_ROWS, enabled=not bf16)
             self.max_len = model.cfg.max_len
         self.tokenizers = tokenizers
         self.max_tokens = max_tokens
