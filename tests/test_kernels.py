@@ -128,3 +128,14 @@ def test_a_translator_keeps_the_choice_a_trainer_made():
     model.generator.onednn = True  # as a trainer on a machine where oneDNN won
     Translator(model, tokenizers=None)
     assert model.generator.onednn is True
+
+
+@needs_onednn
+def test_torch_compile_takes_f_linear():
+    """train.compile: inductor cannot lower oneDNN's op, so a compiled model keeps F.linear."""
+    x, w = torch.randn(6, 8, requires_grad=True), torch.randn(5, 8, requires_grad=True)
+    compiled = torch.compile(lambda x, w: kernels.linear(x, w, None, onednn=True))
+    out = compiled(x, w)
+    out.sum().backward()
+    torch.testing.assert_close(out, F.linear(x, w))
+    torch.testing.assert_close(w.grad, torch.ones(6, 5).t() @ x)

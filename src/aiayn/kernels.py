@@ -12,8 +12,8 @@ Which is faster depends on the CPU and its libraries, so it is measured, not ass
 :func:`choose_output_kernel` times both on the generator's own shape (on one thread, like
 the bf16 probe of ``aiayn.distributed``) and keeps oneDNN only when it is clearly faster.
 Output layers too small to matter are not probed (and so are computed the same way in
-every process). Under bf16 autocast, on a GPU, or where oneDNN is missing, ``F.linear``
-runs as always.
+every process). Under bf16 autocast, on a GPU, inside ``torch.compile`` (train.compile:
+inductor cannot lower the op) or where oneDNN is missing, ``F.linear`` runs as always.
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, onednn: bool) -> Tens
     """``F.linear(x, weight, bias)``, with the forward in oneDNN when ``onednn`` and this is
     an fp32 product on a CPU outside autocast; the same values up to rounding."""
     if (onednn and x.device.type == "cpu" and x.dtype == torch.float32
-            and weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")):
+            and weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+            and not torch.compiler.is_compiling()):  # inductor cannot lower the op
         return _OneDNNLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
