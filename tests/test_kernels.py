@@ -3,6 +3,8 @@ where chosen, and chosen by what the probe measured."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -53,11 +55,14 @@ def test_onednn_linear_matches_f_linear_in_values_and_gradients():
 
 
 @needs_onednn
-def test_a_training_step_is_the_same_with_either_kernel():
-    """Loss and every gradient of a restricted, tied model (the demo's output layer)."""
+@pytest.mark.parametrize("output_vocab", ["targets", "all"])
+def test_a_training_step_is_the_same_with_either_kernel(output_vocab):
+    """Loss and every gradient of a tied model, its output layer restricted (the demo's) or
+    not."""
     torch.manual_seed(0)
-    model = Transformer(CFG)
-    model.generator.set_outputs(torch.arange(4, 37))
+    model = Transformer(replace(CFG, output_vocab=output_vocab))
+    if output_vocab == "targets":
+        model.generator.set_outputs(torch.arange(4, 37))
     src, tgt_in, tgt_out = batch()
     results = []
     for onednn in (False, True):

@@ -381,6 +381,8 @@ class Generator(nn.Module):
 
     def output_logits(self, hidden: Tensor) -> Tensor:  # (B, T, d) -> (B, T, V_out)
         """The logits of the allowed pieces only, in the order of ``output_ids``."""
+        if not self.restricted and not self.onednn:
+            return self.proj(hidden)  # the module itself, so that hooks (aiayn trace) see it
         weight, bias = self.proj.weight, self.proj.bias  # the paper's layer has no bias
         if self.restricted:
             weight = weight.index_select(0, self.output_ids)
