@@ -54,6 +54,19 @@ def test_onednn_linear_matches_f_linear_in_values_and_gradients():
         x.grad = w.grad = b.grad = None
 
 
+def graph_names(t: torch.Tensor) -> set[str]:
+    """The names of every backward node behind ``t``."""
+    names, stack, seen = set(), [t.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(node.name())
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
 @needs_onednn
 @pytest.mark.parametrize("output_vocab", ["targets", "all"])
 def test_a_training_step_is_the_same_with_either_kernel(output_vocab):
@@ -69,6 +82,7 @@ def test_a_training_step_is_the_same_with_either_kernel(output_vocab):
         model.generator.onednn = onednn
         model.zero_grad()
         loss = model(src, tgt_in, tgt_out)
+        assert ("_OneDNNLinearBackward" in graph_names(loss)) is onednn  # the path taken
         loss.backward()
         results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     (loss_blas, grads_blas), (loss_dnn, grads_dnn) = results
