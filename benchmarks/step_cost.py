@@ -20,7 +20,9 @@ config trains with its own ``train.label_smoothing``. A variant that changes
 a further column then compares the time of a target token, which is what equal compute
 means when a step holds other batches. ``--onednn-output`` adds each config with its output
 layer's forward product in oneDNN (``aiayn.kernels``), which ``aiayn train`` takes where a
-probe finds it faster; the configs themselves run it as ``F.linear`` does.
+probe finds it faster; the configs themselves run it as ``F.linear`` does. ``--bf16`` times
+every step under bfloat16 autocast, as ``train.bf16: auto`` trains on a CPU with AMX or
+AVX512-BF16 (on AVX2 alone bf16 is far slower: do not use it there).
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
                              "many as the Bible's training targets hold of the joint 8,000)")
     parser.add_argument("--onednn-output", action="store_true",
                         help="also time each config with the output layer's forward in oneDNN")
+    parser.add_argument("--bf16", action="store_true",
+                        help="every step under bfloat16 autocast (the path of AMX CPUs)")
     parser.add_argument("--torch-loss", action="store_true",
                         help="also time each config whose output_vocab is all with "
                              "F.cross_entropy in place of aiayn's loss")
@@ -93,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         groups = representative(bucket(lengths, max_tokens), args.batches)
         batches[max_tokens] = [make_batch(g, vocab, seed=i) for i, g in enumerate(groups)]
     if args.onednn_output:
+        if args.bf16:  # aiayn.kernels takes F.linear under autocast: nothing to compare
+            parser.error("--onednn-output: the oneDNN output layer is fp32 only; drop --bf16")
         if not onednn_available():
             parser.error("--onednn-output: this PyTorch has no oneDNN linear")
         configs.update({f"{name}, oneDNN output": cfg for name, cfg in list(configs.items())})
@@ -105,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         model.generator.onednn = name.endswith(", oneDNN output")
         # each config's own label smoothing: with none, F.cross_entropy takes a cheaper path
         loss = partial(aiayn_loss, smoothing=cfg.train.label_smoothing)
-        steps[name] = training_steps(model, batches[cfg.train.max_tokens], bf16=False,
+        steps[name] = training_steps(model, batches[cfg.train.max_tokens], bf16=args.bf16,
                                      loss_fn=loss)
     if args.torch_loss:  # F.cross_entropy reads logits over the whole vocabulary
         for name, cfg in list(configs.items()):
@@ -114,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 torch.manual_seed(0)
                 loss = partial(torch_loss, smoothing=cfg.train.label_smoothing)
                 steps[f"{name}, F.cross_entropy"] = training_steps(
-                    Transformer(cfg.model), batches[cfg.train.max_tokens], bf16=False,
+                    Transformer(cfg.model), batches[cfg.train.max_tokens], bf16=args.bf16,
                     loss_fn=loss)
     times = interleave(steps, args.reps)
 
@@ -133,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             per_token = [r * tokens("recipe") / tokens(name) for r in ratios]
             row.append(f"{median(per_token):.3f} ({spread(per_token)})")
         rows.append(row)
-    print(f"{device_description()}; {args.threads} thread(s); {args.config}; fp32; "
+    print(f"{device_description()}; {args.threads} thread(s); {args.config}; "
+          f"{'bf16 autocast' if args.bf16 else 'fp32'}; "
           f"{args.batches} batches of <= {', '.join(map(str, batches))} tokens x {args.reps} reps")
     header = ["variant", "parameters", "target tokens/s", "step time / recipe's"]
     print(markdown_table(header + ["time a target token / recipe's"] * other_batches, rows))
