@@ -7,10 +7,6 @@ SWORD_PACKAGES := sword-text-web sword-text-sparv sword-text-kjv
 BROWSER_PACKAGES := chromium chromium-driver fonts-liberation
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEMO_MINUTES ?= 12
-# The demo's search, chosen on dev (benchmarks/README.md, "Beam size and length penalty"):
-# beam 6 with length penalty 1.0 scored 0.45-0.56 BLEU above the paper's beam 4, alpha 0.6
-# on all 371 dev verses for each of three demo-sized models.
-DEMO_SEARCH ?= --beam 6 --alpha 1.0
 
 .PHONY: venv sword browser test lint notebook demo bench peers clean
 
@@ -52,8 +48,8 @@ demo: venv sword
 	$(BIN)/aiayn prepare --corpus bible:eng-spa --config configs/demo.yaml --out data/bible-eng-spa --force  # again: replaces what a run before wrote
 	rm -rf runs/demo  # a fresh run each time: aiayn train refuses to overwrite a run
 	$(BIN)/aiayn train --config configs/demo.yaml --data data/bible-eng-spa --out runs/demo --max-minutes $(DEMO_MINUTES)
-	$(BIN)/aiayn evaluate runs/demo --split test $(DEMO_SEARCH)
-	printf '%s\n' "In the beginning God created the heavens and the earth." "The Lord is my shepherd." "Love your neighbor as yourself." | $(BIN)/aiayn translate runs/demo $(DEMO_SEARCH)
+	$(BIN)/aiayn evaluate runs/demo --split test  # the run's search: configs/demo.yaml's decode
+	printf '%s\n' "In the beginning God created the heavens and the earth." "The Lord is my shepherd." "Love your neighbor as yourself." | $(BIN)/aiayn translate runs/demo
 
 bench: venv
 	$(BIN)/python benchmarks/speed.py

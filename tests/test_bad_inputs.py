@@ -143,6 +143,8 @@ CASES = [
                    "--set", "model.dropout=1.0"], "model.dropout must be in [0, 0.999]", None),
     ("warmup 0", ["train", "--config", str(TINY), "--data", "DATA", "--out", "TMP/new",
                   "--set", "train.warmup_steps=0"], "train.warmup_steps must be in [1, inf)", None),
+    ("decode.beam 0", ["train", "--config", str(TINY), "--data", "DATA", "--out", "TMP/new",
+                       "--set", "decode.beam=0"], "decode.beam must be in [1, 64], got 0", None),
     ("a float where an integer goes", ["train", "--config", str(TINY), "--data", "DATA", "--out",
                                        "TMP/new", "--set", "train.max_steps=1.5"],
      "train.max_steps: expected int, got 1.5", None),
@@ -150,7 +152,7 @@ CASES = [
     ("--alpha -1", ["translate", "RUN", "-i", "TMP/in.txt", "--alpha", "-1"],
      "--alpha must be in [0, 10], got -1", _sentences),
     ("--nbest 0", ["translate", "RUN", "-i", "TMP/in.txt", "--nbest", "0"],
-     "--nbest must be between 1 and --beam", _sentences),
+     "--nbest must be between 1 and the beam", _sentences),
     ("average --last 0", ["average", "RUN", "--last", "0", "-o", "TMP/avg.safetensors"],
      "--last must be at least 1", None),
     # 3. what would overwrite

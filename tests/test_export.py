@@ -12,6 +12,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it
 
+import dataclasses
 import json
 import random
 import sys
@@ -24,7 +25,7 @@ from helpers import random_sentence, run_cli
 
 from aiayn.batching import pad
 from aiayn.checkpoint import save_weights
-from aiayn.config import Config, DataConfig, ModelConfig, save_config
+from aiayn.config import Config, DataConfig, DecodeConfig, ModelConfig, save_config
 from aiayn.decode import beam_search, greedy_decode
 from aiayn.evaluate import evaluate_run
 from aiayn.export import TARGETS, export_run, residual_permutation
@@ -150,6 +151,28 @@ def test_generate_gives_aiayn_greedy_and_beam_tokens(run_dir, tmp_path):
     assert theirs == [h.ids for hyps in ours for h in hyps]
     assert torch.allclose(beams.sequences_scores,
                           torch.tensor([h.score for hyps in ours for h in hyps]), atol=1e-4)
+
+
+@needs_hf
+@needs_ct2
+def test_both_exports_keep_the_runs_search(tmp_path):
+    """A run whose config's decode says beam 3, alpha 1.5: Transformers' generation defaults
+    and the CTranslate2 directory's Translator both search so."""
+    run = random_run(tmp_path, "run")
+    config = load_run(run)[0]
+    save_config(dataclasses.replace(config, decode=DecodeConfig(beam=3, alpha=1.5)),
+                run / "config.yaml")
+    export_run(run, "hf", tmp_path / "hf")
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert (generation["num_beams"], generation["length_penalty"]) == (3, 1.5)
+    export_run(run, "ctranslate2", tmp_path / "ct2")
+    assert Translator.from_pretrained(tmp_path / "ct2", engine="ctranslate2").search() == (3, 1.5)
+    # greedy (beam 1): Transformers refuses beam-only settings beside it, so none are written
+    save_config(dataclasses.replace(config, decode=DecodeConfig(beam=1, alpha=1.5)),
+                run / "config.yaml")
+    export_run(run, "hf", tmp_path / "hf1")
+    generation = json.loads((tmp_path / "hf1" / "generation_config.json").read_text())
+    assert generation.get("num_beams", 1) == 1 and "length_penalty" not in generation
 
 
 def strip(row: list[int]) -> list[int]:

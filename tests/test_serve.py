@@ -38,9 +38,9 @@ from aiayn.checkpoint import (  # noqa: E402
     save_train_state,
     save_weights,
 )
-from aiayn.config import save_config  # noqa: E402
+from aiayn.config import DecodeConfig, save_config  # noqa: E402
 from aiayn.rundir import load_run  # noqa: E402
-from aiayn.serve import ModelService, ServeLimits, create_app  # noqa: E402
+from aiayn.serve import MAX_BEAM, ModelService, ServeLimits, create_app  # noqa: E402
 from aiayn.translator import Translator, TruncationWarning  # noqa: E402
 
 SENTENCES = ["red green blue", "", "sun moon star tree river", "white", "black sun"]
@@ -93,6 +93,33 @@ def test_translate_takes_one_string_and_keeps_the_order(client, translator):
     answer = client.post("/translate", json={"text": texts, "beam": 2}).json()
     assert answer["translations"] == [translator.translate([t], 2)[0] for t in texts]
     assert answer["warnings"] == []
+
+
+def test_a_request_without_a_search_gets_the_runs_own(run_dir, tmp_path):
+    """The run's config.yaml says beam 3, alpha 1.5 (decode): a request without beam or
+    alpha decodes so and says so; one that names them gets what it names."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    config = load_run(run)[0]
+    save_config(dataclasses.replace(config, decode=DecodeConfig(beam=3, alpha=1.5)),
+                run / "config.yaml")
+    ours = Translator.from_pretrained(run)
+    client = TestClient(create_app(ModelService.from_run(run)))
+    assert client.get("/info").json()["decode"] == {"beam": 3, "alpha": 1.5}
+    answer = client.post("/translate", json={"text": SENTENCES, "nbest": 3}).json()
+    assert (answer["beam"], answer["alpha"]) == (3, 1.5)
+    want = ours.translate_nbest(SENTENCES, 3, 1.5, nbest=3)
+    assert [[(h["text"], h["score"]) for h in hyps] for hyps in answer["nbest"]] == \
+        [[(text, score) for text, score in hyps] for hyps in want]
+    told = client.post("/translate", json={"text": SENTENCES, "nbest": 3, "alpha": 0.6}).json()
+    assert (told["beam"], told["alpha"]) == (3, 0.6) and told["nbest"] != answer["nbest"]
+    # A run's beam over the server's limit: a request that names none is refused in one line
+    save_config(dataclasses.replace(config, decode=DecodeConfig(beam=MAX_BEAM + 1)),
+                run / "config.yaml")
+    client = TestClient(create_app(ModelService.from_run(run)))
+    assert_clean_error(client.post("/translate", json={"text": ["red"]}), 422,
+                       f"decode.beam {MAX_BEAM + 1} is over this server's limit")
+    assert client.post("/translate", json={"text": ["red"], "beam": 2}).json()["beam"] == 2
 
 
 # ---------------------------------------------------------------- /attention

@@ -26,7 +26,7 @@ import aiayn
 from aiayn import train as train_module
 from aiayn.checkpoint import load_train_state
 from aiayn.cli import main
-from aiayn.config import load_config
+from aiayn.config import DecodeConfig, load_config
 from aiayn.data import encode_split, load_prepared
 from aiayn.evaluate import dev_loss
 from aiayn.rundir import load_run
@@ -165,9 +165,13 @@ def test_a_changed_model_shape_or_vocabulary_is_refused_naming_both_values(
 def test_fine_tuning_may_change_dropout_and_train_settings(base_run, second_corpus, tmp_path):
     tuned = tmp_path / "tuned"
     run_train("--init-from", str(base_run), "--data", str(second_corpus), "--out", str(tuned),
-              "--set", "model.dropout=0.3", *sets(max_steps=2, eval_every=10, warmup_steps=7))
+              "--set", "model.dropout=0.3", "--set", "decode.beam=3",
+              *sets(max_steps=2, eval_every=10, warmup_steps=7))
     config = load_config(tuned / "config.yaml")
     assert config.model.dropout == 0.3 and config.train.warmup_steps == 7
+    # the search: the old run's, with what --set changes
+    old = load_config(base_run / "config.yaml").decode
+    assert config.decode == DecodeConfig(beam=3, alpha=old.alpha)
 
 
 # ---------------------------------------------------------------- early stopping

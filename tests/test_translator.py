@@ -20,11 +20,11 @@ from safetensors.torch import save_file
 
 from aiayn.batching import pad
 from aiayn.checkpoint import average_checkpoints, read_metadata, read_weights, save_weights
-from aiayn.config import DataConfig, ModelConfig
+from aiayn.config import DataConfig, DecodeConfig, ModelConfig, load_config, save_config
 from aiayn.decode import greedy_decode
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer
-from aiayn.rundir import load_run
+from aiayn.rundir import load_run, load_run_config
 from aiayn.tokenizer import EOS_ID, train_tokenizers
 from aiayn.translator import (
     Translator,
@@ -261,6 +261,68 @@ def test_cli_translate_errors_are_one_line(run_dir, capsys, argv, message):
     code, _, err = run_cli(["translate", str(run_dir), *argv], capsys)
     assert code == 2
     assert err.startswith("aiayn: error: ") and message in err and err.count("\n") == 1
+
+
+# ---------------------------------------------------------------- the run's search (decode)
+SEARCH_SENTENCES = ["red sun", "moon tree river", "star"]
+
+
+def with_search(run_dir: Path, tmp_path: Path, beam: int, alpha: float) -> Path:
+    """A copy of the run whose config.yaml's decode section says ``beam`` and ``alpha``."""
+    run = copy_of(run_dir, tmp_path)
+    config = load_config(run / "config.yaml")
+    config.decode = DecodeConfig(beam=beam, alpha=alpha)
+    save_config(config, run / "config.yaml")
+    return run
+
+
+def test_a_run_decodes_with_its_own_search_unless_told(run_dir, tmp_path):
+    t = Translator.from_pretrained(with_search(run_dir, tmp_path, 3, 1.5))
+    assert t.search() == (3, 1.5) and t.search(1, 0.2) == (1, 0.2) and t.search(2) == (2, 1.5)
+    # n-best scores are divided by the length penalty: alpha shows in them, the beam in
+    # how many hypotheses there can be
+    ours = t.translate_nbest(SEARCH_SENTENCES, nbest=3)
+    assert ours == t.translate_nbest(SEARCH_SENTENCES, 3, 1.5, nbest=3)
+    assert ours != t.translate_nbest(SEARCH_SENTENCES, 3, 0.6, nbest=3)
+    with pytest.raises(AiaynError, match=r"--nbest must be between 1 and the beam \(3\), got 4"):
+        t.translate_nbest(SEARCH_SENTENCES, nbest=4)
+    lines = "".join(t.translate_lines(SEARCH_SENTENCES, nbest=3))
+    assert lines == "".join(t.translate_lines(SEARCH_SENTENCES, 3, 1.5, nbest=3))
+
+
+def test_a_config_without_a_decode_section_searches_as_the_paper(run_dir, tmp_path):
+    """Runs trained before the section existed: beam 4, alpha 0.6, as they decoded then."""
+    run = copy_of(run_dir, tmp_path)
+    text = (run / "config.yaml").read_text(encoding="utf-8")
+    head, sep, _ = text.partition("decode:")
+    assert sep
+    (run / "config.yaml").write_text(head, encoding="utf-8")
+    assert load_config(run / "config.yaml").decode == DecodeConfig(beam=4, alpha=0.6)
+    assert Translator.from_pretrained(run).search() == (4, 0.6)
+
+
+def test_a_resumed_run_may_change_its_search_but_not_its_model(run_dir):
+    config = load_run_config(run_dir, ["decode.beam=6", "decode.alpha=1.0"])
+    assert config.decode == DecodeConfig(beam=6, alpha=1.0)
+    with pytest.raises(AiaynError, match="only train.\\* and decode.\\* settings can change"):
+        load_run_config(run_dir, ["model.d_model=8"])
+
+
+def test_cli_translate_and_evaluate_use_the_runs_search(run_dir, tmp_path, capsys, monkeypatch):
+    run = with_search(run_dir, tmp_path, 3, 1.5)
+    t = Translator.from_pretrained(run)
+    text = "\n".join(SEARCH_SENTENCES) + "\n"
+    code, out, _ = run_cli(["translate", str(run), "--nbest", "3"], capsys, text, monkeypatch)
+    assert code == 0
+    assert out == "".join(t.translate_lines(SEARCH_SENTENCES, 3, 1.5, nbest=3))
+    code, told, _ = run_cli(["translate", str(run), "--nbest", "3", "--alpha", "0.6"], capsys,
+                            text, monkeypatch)
+    assert code == 0 and told == "".join(t.translate_lines(SEARCH_SENTENCES, 3, 0.6, nbest=3))
+    assert told != out
+    code, out, _ = run_cli(["evaluate", str(run), "--limit", "5"], capsys)
+    assert code == 0 and "beam 3, alpha 1.5" in out
+    summary = json.loads((run / "eval" / "test.best.beam3.json").read_text(encoding="utf-8"))
+    assert (summary["beam"], summary["alpha"]) == (3, 1.5)
 
 
 def test_cli_evaluate_scores_the_test_split(run_dir, tmp_path, capsys):

@@ -72,9 +72,15 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                    "`aiayn export --to ctranslate2`)")
 
 
-def _add_search(p: argparse.ArgumentParser, beam: int = 4, max_tokens: bool = True) -> None:
-    p.add_argument("--beam", type=int, default=beam, help="beam size (1: greedy search)")
-    p.add_argument("--alpha", type=float, default=0.6, help="length penalty")
+def _add_search(p: argparse.ArgumentParser, beam: int | None = None,
+                max_tokens: bool = True) -> None:
+    """--beam and --alpha; not given (None), the run's config says (its decode section)."""
+    run_default = "the run's decode.beam: 4 unless its config says otherwise"
+    p.add_argument("--beam", type=int, default=beam,
+                   help=f"beam size (1: greedy search; default: {beam or run_default})")
+    p.add_argument("--alpha", type=float, default=None,
+                   help="length penalty (default: the run's decode.alpha: 0.6 unless its "
+                   "config says otherwise)")
     if max_tokens:
         p.add_argument("--max-tokens", type=int, default=8192,
                        help="batch budget: padded source tokens x beam (default 8192)")
@@ -164,8 +170,8 @@ def _add_train(sub) -> None:
         "train", help="train a model on prepared data (or resume a run)",
         description="Train on prepared data: `aiayn train --config FILE --data DIR --out RUN_DIR`, "
         "or continue a run exactly: `aiayn train --resume RUN_DIR` (there, --set may change "
-        "train.* settings only, e.g. train.max_steps), or fine-tune one on new data: `aiayn "
-        "train --init-from RUN_DIR --data DIR --out NEW_RUN` (DIR from `aiayn prepare "
+        "train.* and decode.* settings only, e.g. train.max_steps), or fine-tune one on new "
+        "data: `aiayn train --init-from RUN_DIR --data DIR --out NEW_RUN` (DIR from `aiayn prepare "
         "--tokenizer-from RUN_DIR`). Under `torchrun --nproc_per_node K -m aiayn train ...` "
         "it runs DistributedDataParallel.")
     p.add_argument("--config", help="YAML config (configs/*.yaml)")

@@ -1,10 +1,11 @@
 """Configuration as plain dataclasses, loaded from and saved to YAML.
 
-A config file has three sections, one per dataclass::
+A config file has four sections, one per dataclass::
 
-    model: {d_model: 256, n_heads: 4, ...}
-    data:  {corpus: "bible:eng-spa", vocab_size: 8000, ...}
-    train: {warmup_steps: 4000, max_tokens: 4096, ...}
+    model:  {d_model: 256, n_heads: 4, ...}
+    data:   {corpus: "bible:eng-spa", vocab_size: 8000, ...}
+    train:  {warmup_steps: 4000, max_tokens: 4096, ...}
+    decode: {beam: 4, alpha: 0.6}
 
 Every section is optional (its defaults apply). Unknown keys and impossible values are
 refused with a message that names the setting and the file. Values can be overridden from
@@ -66,6 +67,7 @@ RANGES: dict[str, dict[str, tuple[float, float, bool]]] = {
         "log_every": (1, INF, False), "num_samples": (0, INF, False),
         "cpu_threads": (0, 4096, False), "patience": (0, INF, False),
     },
+    "decode": {"beam": (1, 64, False), "alpha": (0.0, 10.0, False)},
 }
 CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
     "model": {"tie_embeddings": TIE_CHOICES, "embedding_init": EMBEDDING_INITS,
@@ -208,10 +210,29 @@ class TrainConfig:
 
 
 @dataclass
+class DecodeConfig:
+    """The search a trained run decodes with when nobody says otherwise: `aiayn translate`,
+    `evaluate` and `serve` without --beam/--alpha (or a request without them), and the
+    generation defaults of `aiayn export --to hf`. The paper (6.1): beam 4, length penalty
+    alpha 0.6. Each of the two left out of a command takes its value here (`--beam 4` on a
+    run with alpha 1.0 searches with beam 4, alpha 1.0). It changes no weights, so a run's
+    config.yaml may be edited after training; during training only validations with
+    train.eval_beam > 1 read it (their alpha)."""
+
+    beam: int = 4
+    alpha: float = 0.6
+
+
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,
+            "decode": DecodeConfig}
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
 
     def validate(self, source: str = "config") -> Config:
         """Refuse every value out of its range (``RANGES``) or that cannot build a model,
@@ -257,16 +278,16 @@ class Config:
     def from_dict(cls, raw: dict[str, Any] | None, source: str = "config") -> Config:
         raw = raw or {}
         if not isinstance(raw, dict):
-            raise AiaynError(f"{source}: expected a mapping with sections model/data/train")
-        sections = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
-        unknown = set(raw) - set(sections)
+            raise AiaynError(f"{source}: expected a mapping with sections "
+                             f"{', '.join(SECTIONS)}")
+        unknown = set(raw) - set(SECTIONS)
         if unknown:
             raise AiaynError(
                 f"{source}: unknown section(s) {', '.join(sorted(unknown))}; "
-                f"expected {', '.join(sections)}"
+                f"expected {', '.join(SECTIONS)}"
             )
         built = {}
-        for name, klass in sections.items():
+        for name, klass in SECTIONS.items():
             built[name] = _build_section(klass, raw.get(name) or {}, f"{source}: {name}")
         return cls(**built)
 
@@ -279,7 +300,8 @@ class Config:
             if not sep or not dot:
                 raise AiaynError(f"{source} {item!r}: expected section.key=value, e.g. train.max_steps=100")
             if section not in raw:
-                raise AiaynError(f"{source} {item!r}: unknown section {section!r} (model, data, train)")
+                raise AiaynError(f"{source} {item!r}: unknown section {section!r} "
+                                 f"({', '.join(SECTIONS)})")
             if name not in raw[section]:
                 raise AiaynError(
                     f"{source} {item!r}: unknown setting {section}.{name}; known: "
@@ -335,7 +357,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
         raise AiaynError(f"{path}: not a valid config file ({str(exc).splitlines()[0]})") from None
     if raw is None:
         raise AiaynError(f"{path}: the config file is empty; give at least one of its sections "
-                         "(model, data, train), e.g. copy configs/demo.yaml")
+                         f"({', '.join(SECTIONS)}), e.g. copy configs/demo.yaml")
     config = Config.from_dict(raw, str(path))
     if overrides:
         config = config.override(overrides)

@@ -4,8 +4,8 @@ ctranslate2` on a directory written by `aiayn export RUN_DIR --to ctranslate2 OU
 Only the search differs: ``aiayn.translator.Translator`` still tokenizes, truncates, batches
 (``aiayn.batching.token_batches``), detokenizes and keeps the input order, and
 ``aiayn.evaluate`` scores as always. An export directory holds, beside CTranslate2's
-model.bin, config.json and vocabularies, the run's config.yaml (for max_len), tokenizer/
-and data_dir.txt.
+model.bin, config.json and vocabularies, the run's config.yaml (max_len, and the search in
+its decode section), tokenizer/ and data_dir.txt.
 
 The search follows ``aiayn.decode``'s rules where CTranslate2 can: [PAD] and [BOS] are
 never generated (``suppress_sequences``), and each sentence gets at most its own limit of
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from aiayn.config import load_config
+from aiayn.config import Config, load_config
 from aiayn.decode import Hypothesis
 from aiayn.errors import AiaynError
 from aiayn.export import require
@@ -66,8 +66,9 @@ class CTranslate2Search:
 
 
 def load_ctranslate2(directory: str | Path, device: str = "cpu", threads: int = 0
-                     ) -> tuple[CTranslate2Search, Tokenizers]:
-    """Read an export directory: its search engine and aiayn's tokenizers."""
+                     ) -> tuple[CTranslate2Search, Tokenizers, Config]:
+    """Read an export directory: its search engine, aiayn's tokenizers and the run's config
+    (its ``decode`` section is the search a Translator runs when not told)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise AiaynError(f"directory not found: {directory}")
@@ -80,4 +81,4 @@ def load_ctranslate2(directory: str | Path, device: str = "cpu", threads: int = 
     config = load_config(directory / "config.yaml")
     tokenizers = Tokenizers.load(directory / "tokenizer")
     search = CTranslate2Search(directory, tokenizers, config.model.max_len, device, threads)
-    return search, tokenizers
+    return search, tokenizers, config

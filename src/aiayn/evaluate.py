@@ -30,11 +30,10 @@ from aiayn.rundir import read_data_dir
 from aiayn.threads import default_streams, parallel_map
 from aiayn.translator import Translator, TruncationWarning, check_search
 
-VALIDATION_ALPHA = 0.6  # the paper's length penalty, for train.eval_beam > 1
 
-
-def translate_and_score(translator: Translator, pairs: Sequence[tuple[str, str]], beam: int,
-                        alpha: float, progress: Callable[[int], object] | None = None
+def translate_and_score(translator: Translator, pairs: Sequence[tuple[str, str]],
+                        beam: int | None, alpha: float | None,
+                        progress: Callable[[int], object] | None = None
                         ) -> tuple[list[str], Scores]:
     """Translate the sources of ``pairs`` and score them against the targets."""
     hypotheses = translator.translate([src for src, _ in pairs], beam, alpha, progress=progress)
@@ -95,7 +94,9 @@ def validate(model: Transformer, tokenizers, dev: list[Example], dev_pairs: list
                                 bf16=False)
         with warnings.catch_warnings():  # long dev sources: truncated, as load_data says
             warnings.simplefilter("ignore", TruncationWarning)
-            hyps, scores = translate_and_score(translator, pairs, t.eval_beam, VALIDATION_ALPHA)
+            # train.eval_beam (greedy by default), with the run's length penalty
+            hyps, scores = translate_and_score(translator, pairs, t.eval_beam,
+                                               config.decode.alpha)
     finally:
         model.train(was_training)
     by_position = dict(zip(chosen, hyps, strict=True))
@@ -111,15 +112,17 @@ def validate(model: Transformer, tokenizers, dev: list[Example], dev_pairs: list
 
 
 # ---------------------------------------------------------------- `aiayn evaluate`
-def evaluate_run(run_dir: str | Path, split: str = "test", beam: int = 4, alpha: float = 0.6,
-                 data_dir: str | Path | None = None, weights: str | Path = "best",
-                 output: str | Path | None = None, limit: int = 0, max_tokens: int = 8192,
-                 device: str | None = "auto", bf16: bool = False,
-                 progress: bool = True, engine: str = "aiayn") -> dict[str, Any]:
+def evaluate_run(run_dir: str | Path, split: str = "test", beam: int | None = None,
+                 alpha: float | None = None, data_dir: str | Path | None = None,
+                 weights: str | Path = "best", output: str | Path | None = None,
+                 limit: int = 0, max_tokens: int = 8192, device: str | None = "auto",
+                 bf16: bool = False, progress: bool = True, engine: str = "aiayn") -> dict[str, Any]:
     """Translate a split of the run's prepared data, write the hypotheses (one per line)
     and a .json of the scores beside them; returns that summary.
 
-    ``data_dir``: default the run's data_dir.txt. ``output``: default
+    ``beam``, ``alpha``: None takes the run's (its config's decode section: the paper's beam
+    4, alpha 0.6 unless the run says otherwise). ``data_dir``: default the run's
+    data_dir.txt. ``output``: default
     RUN_DIR/eval/SPLIT.WEIGHTS.beamK.txt. ``limit``: only the first N sentences (0: all).
     ``engine="ctranslate2"``: ``run_dir`` is an `aiayn export --to ctranslate2` directory,
     decoded by CTranslate2 (WEIGHTS in the file name is then "ctranslate2").
@@ -131,6 +134,7 @@ def evaluate_run(run_dir: str | Path, split: str = "test", beam: int = 4, alpha:
         check_output_file(output, "--output")
     translator = Translator.from_pretrained(run_dir, weights, device=choose_device(device),
                                             max_tokens=max_tokens, bf16=bf16, engine=engine)
+    beam, alpha = translator.search(beam, alpha)
     translator.check_limits(beam, 1, alpha)
     data_dir = Path(data_dir) if data_dir else read_data_dir(run_dir)
     pairs = load_prepared(data_dir).split(split)

@@ -62,7 +62,7 @@ import torch
 from torch import Tensor
 
 from aiayn.checkpoint import tensors_size, unique_state_dict
-from aiayn.config import Config, ModelConfig, load_config
+from aiayn.config import Config, DecodeConfig, ModelConfig, load_config
 from aiayn.errors import AiaynError
 from aiayn.io import atomic_directory, atomic_write_text, check_room, check_writable_dir
 from aiayn.model import Transformer, sinusoid_table
@@ -122,7 +122,7 @@ def export_run(run_dir: str | Path, to: str, out_dir: str | Path, weights: str |
     check_room(out_dir, need, "the export")
     with atomic_directory(out_dir, need, "the export") as tmp:
         if to == "hf":
-            write_hf(model, tokenizers, tmp)
+            write_hf(model, tokenizers, tmp, config.decode)
         else:
             write_ctranslate2(model, tokenizers, tmp, quantization)
             write_aiayn_side(config, run_dir, tmp)
@@ -140,7 +140,7 @@ def export_size(model: Transformer, run_dir: Path) -> int:
 
 def write_aiayn_side(config: Config, run_dir: Path, out: Path) -> None:
     """What `aiayn translate/evaluate --engine ctranslate2` read beside the model: the
-    config (max_len), the tokenizer, and the prepared data the run was trained on."""
+    config (max_len, the search), the tokenizer, and the prepared data the run was trained on."""
     from aiayn.config import save_config
 
     save_config(config, out / "config.yaml")
@@ -220,17 +220,20 @@ def marian_config(cfg: ModelConfig) -> dict:
     }
 
 
-def marian_generation_config(cfg: ModelConfig) -> dict:
-    """Generation defaults that decode as aiayn does (bar the length-penalty formula)."""
+def marian_generation_config(cfg: ModelConfig, decode: DecodeConfig | None = None) -> dict:
+    """Generation defaults that decode as aiayn does (bar the length-penalty formula), with
+    the run's search (its config's decode section; default the paper's beam 4, alpha 0.6)."""
+    decode = decode or DecodeConfig()
     return {
         "decoder_start_token_id": BOS_ID,
         "bos_token_id": BOS_ID,
         "eos_token_id": EOS_ID,
         "pad_token_id": PAD_ID,
         "forced_eos_token_id": None,
-        "num_beams": 4,  # the paper's beam (6.1)
-        "length_penalty": 0.6,  # its alpha, in Transformers' length**alpha form
-        "early_stopping": True,  # a sentence is done with `beam` finished hypotheses
+        "num_beams": decode.beam,
+        # alpha, in Transformers' length**alpha form, and a sentence done with `beam`
+        # finished hypotheses: beam settings, which Transformers refuses for greedy search
+        **({"length_penalty": decode.alpha, "early_stopping": True} if decode.beam > 1 else {}),
         "max_length": cfg.max_len,  # [BOS] + tokens fits the model's positions
         # [PAD] and [BOS] are never generated, and the rest renormalized as aiayn does.
         "suppress_tokens": [PAD_ID, BOS_ID],
@@ -313,8 +316,10 @@ def hf_tokenizer(tokenizers: Tokenizers, max_len: int):
         model_max_length=max_len, padding_side="right", clean_up_tokenization_spaces=False)
 
 
-def write_hf(model: Transformer, tokenizers: Tokenizers, out: Path) -> None:
-    """config.json, generation_config.json, model.safetensors, tokenizer.json (+ config)."""
+def write_hf(model: Transformer, tokenizers: Tokenizers, out: Path,
+             decode: DecodeConfig | None = None) -> None:
+    """config.json, generation_config.json (searching with ``decode``), model.safetensors,
+    tokenizer.json (+ config)."""
     transformers = require("transformers", "--to hf")
     cfg = model.cfg
     check_target_can_express(cfg, "hf", "this model")
@@ -325,7 +330,8 @@ def write_hf(model: Transformer, tokenizers: Tokenizers, out: Path) -> None:
     missing = [k for k in missing if not k.endswith("embed_positions.weight")]
     if missing or unexpected:  # a bug in the mapping, not a user error
         raise RuntimeError(f"Marian mapping incomplete: missing {missing}, unexpected {unexpected}")
-    marian.generation_config = transformers.GenerationConfig(**marian_generation_config(cfg))
+    marian.generation_config = transformers.GenerationConfig(
+        **marian_generation_config(cfg, decode))
     with _quiet_transformers(transformers):
         marian.eval().save_pretrained(out)
         hf_tokenizer(tokenizers, cfg.max_len).save_pretrained(out)

@@ -3,7 +3,7 @@
 ::
 
     RUN_DIR/
-      config.yaml               the resolved Config (model, data, train)
+      config.yaml               the resolved Config (model, data, train, decode)
       tokenizer/                the tokenizer JSON files (see aiayn.tokenizer)
       data_dir.txt              absolute path of the prepared data it was trained on
       last.safetensors          weights after the latest save
@@ -83,7 +83,7 @@ def create_run_dir(run_dir: Path, config: Config, data_dir: Path, force: bool = 
 
 
 def record_config(run_dir: Path, config: Config, overrides: list[str], step: int) -> None:
-    """A resumed run: config.yaml takes the new train.* settings, and config_history.jsonl
+    """A resumed run: config.yaml takes the new train.*/decode.* settings, and config_history.jsonl
     says which, from which step (so a run's curve can be read with its changes)."""
     save_config(config, run_dir / "config.yaml")
     if overrides:
@@ -135,12 +135,13 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
 
 
 def load_run_config(run_dir: Path, overrides: list[str]) -> Config:
-    """The run's saved config with ``train.*`` overrides (a resumed run keeps its model/data)."""
+    """The run's saved config with ``train.*`` and ``decode.*`` overrides (a resumed run
+    keeps its model/data; its search is no part of the weights)."""
     for item in overrides:
-        if not item.strip().startswith("train."):
+        if not item.strip().startswith(("train.", "decode.")):
             raise AiaynError(
                 f"--set {item!r}: a resumed run keeps its model and data settings; only "
-                f"train.* settings can change"
+                f"train.* and decode.* settings can change"
             )
     return load_config(run_dir / "config.yaml", overrides)
 

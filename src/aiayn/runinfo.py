@@ -44,6 +44,7 @@ def run_info(run_dir: str | Path) -> dict[str, Any]:
                        "tokenizer": describe_tokenizer(run_dir / "tokenizer")},
         "data_dir": _read_text(run_dir / "data_dir.txt"),
         "corpus": config.data.corpus,
+        "decode": {"beam": config.decode.beam, "alpha": config.decode.alpha},
         "init_from": read_init_from(run_dir),
         "training": _training(run_dir),
         "best": None,
@@ -119,6 +120,8 @@ def format_info(info: dict[str, Any]) -> str:
         f"{'pre' if m['norm_first'] else 'post'}-norm, tied {m['tie_embeddings']}",
         f"vocabulary {v['src']}/{v['tgt']} ({v['tokenizer']})",
         f"data       {info['data_dir'] or '?'} (corpus {info['corpus']})",
+        f"search     beam {info['decode']['beam']}, alpha {info['decode']['alpha']} (its "
+        "config's decode: what translate, evaluate and serve use when not told)",
     ]
     if info["init_from"]:
         i = info["init_from"]

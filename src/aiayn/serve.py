@@ -4,7 +4,9 @@ One process loads the run's model once (``Translator.from_pretrained``) and serv
 
     POST /translate   {"text": ["...", ...], "beam": 4, "alpha": 0.6, "nbest": 1}
                       -> translations in input order, the n-best lists with their scores,
-                         and the warnings `aiayn translate` would print (truncation)
+                         the warnings `aiayn translate` would print (truncation), and the
+                         beam and alpha used (without them in the request: the run's, its
+                         config's decode section)
     POST /attention   {"text": "...", "beam": 1, "alpha": 0.6}
                       -> the translation, source and target tokens and every layer x head
                          map of encoder self-, decoder self- and cross-attention, as
@@ -96,8 +98,10 @@ class SearchSettings(BaseModel):
     """Beam search settings, as `aiayn translate` takes them."""
 
     model_config = ConfigDict(extra="forbid")
-    beam: int = Field(4, ge=1, le=MAX_BEAM, description="beam size (1: greedy)")
-    alpha: float = Field(0.6, ge=0.0, le=10.0, description="length penalty (GNMT)")
+    beam: int | None = Field(None, ge=1, le=MAX_BEAM,
+                             description="beam size (1: greedy; default: the run's decode.beam)")
+    alpha: float | None = Field(None, ge=0.0, le=10.0, description="length penalty (GNMT; "
+                                "default: the run's decode.alpha)")
 
 
 class TranslateRequest(SearchSettings):
@@ -128,13 +132,19 @@ class ModelService:
                  device: str | torch.device = "cpu") -> ModelService:
         """Load ``run_dir`` once (see ``load_run``) and gather what /info reports."""
         config, model, tokenizers = load_run(run_dir, weights)
-        translator = Translator(model, tokenizers, device=device)
+        translator = Translator(model, tokenizers, device=device, decode=config.decode)
         return cls(translator, config, serve_info(run_dir, weights, config, model,
                                                   translator.device))
 
-    def translate(self, texts: list[str], beam: int, alpha: float, nbest: int) -> dict:
+    def translate(self, texts: list[str], beam: int | None, alpha: float | None, nbest: int
+                  ) -> dict:
         """`aiayn translate`'s answer for ``texts``: translations in input order, the n-best
-        lists (an empty sentence gives "" and an empty list) and the warnings raised."""
+        lists (an empty sentence gives "" and an empty list), the warnings raised, and the
+        search run (None: the run's, ``Translator.search``)."""
+        beam, alpha = self.translator.search(beam, alpha)
+        if beam > MAX_BEAM:  # only the run's own can be: a request's is checked on arrival
+            raise AiaynError(f"the run's decode.beam {beam} is over this server's limit of "
+                             f"{MAX_BEAM}; give \"beam\" in the request")
         # catch_warnings changes the process's warning filters: only under the lock.
         with self.lock, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", TruncationWarning)
@@ -149,7 +159,7 @@ class ModelService:
             "beam": beam, "alpha": alpha, "seconds": seconds,
         }
 
-    def attention(self, text: str, beam: int, alpha: float) -> dict:
+    def attention(self, text: str, beam: int, alpha: float | None) -> dict:
         """`aiayn attention`'s maps for one sentence, as nested lists (see ``attention_json``)."""
         with self.lock:
             att = self.translator.attention(text, beam=beam, alpha=alpha)
@@ -211,6 +221,7 @@ def serve_info(run_dir: str | Path, weights: str, config: Config, model, device:
         "tokenizer": config.data.tokenizer,
         "joint_vocab": config.data.joint_vocab,
         "corpus": config.data.corpus,
+        "decode": asdict(config.decode),  # the search a request without beam/alpha gets
         "training_steps": (run["training"] or {}).get("step"),
         "best": run["best"],
         "last_dev": run["last_dev"],

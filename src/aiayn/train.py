@@ -277,7 +277,7 @@ def train(
 
     New run: ``config`` and ``data_dir`` are required; ``run_dir`` must be new or empty
     (``force``: replace the run files in it). Resume: the run's config.yaml with
-    ``overrides`` (train.* only) and its data_dir.txt (unless ``data_dir`` is given).
+    ``overrides`` (train.* and decode.* only) and its data_dir.txt (unless ``data_dir`` is given).
     Everything is checked before anything is written; the run directory is locked for the
     whole run (a second ``aiayn train`` on it is refused) and the data directory shared.
     ``init_from="RUN_DIR[:WEIGHTS]"``: a new run that starts from that run's weights, on
@@ -353,8 +353,8 @@ def check_run_request(resume: bool, init_from: str | Path | None, config_given: 
     elif resume:
         if config_given or out is not None or force:
             raise AiaynError("--resume RUN_DIR continues a run with its own config and "
-                             "directory; drop --config/--out/--force (change train.* settings "
-                             "with --set)")
+                             "directory; drop --config/--out/--force (change train.* or decode.* "
+                             "settings with --set)")
     elif not config_given or data_dir is None or out is None:
         raise AiaynError("a new run needs --config FILE --data PREPARED_DIR --out RUN_DIR "
                          "(or --resume RUN_DIR)")
@@ -401,7 +401,7 @@ class RunStart:
     def record(self, run_dir: Path, stored: Config, overrides: list[str], step: int,
                force: bool) -> None:
         """Write the run into ``run_dir`` (rank 0, once everything is checked and loaded):
-        a new run's files; on resume the new train.* settings and a line saying so in
+        a new run's files; on resume the new train.*/decode.* settings and a line saying so in
         config_history.jsonl."""
         if not self.continues:
             create_run_dir(run_dir, stored, self.data_dir, force or self.restart)

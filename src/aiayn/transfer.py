@@ -18,7 +18,7 @@ or from Python::
 The new run starts from the weights (``RUN_DIR:best`` by default; ``:last`` or any name
 ``resolve_weights`` knows), with a fresh optimizer and a fresh learning-rate schedule
 (warm-up again from step 1; change it with ``--set train.*``). Its settings: the old run's
-config.yaml, or the ``train`` section of ``--config FILE``, then ``--set``. What cannot
+config.yaml, or the ``train`` and ``decode`` sections of ``--config FILE``, then ``--set``. What cannot
 change is refused with both values named: the model's shape (every ``model.*`` setting but
 the two dropouts) and the vocabulary (the data's tokenizer files must be the run's, byte
 for byte, compared by their SHA-256). ``RUN_DIR/init_from.json`` in the new run records
@@ -106,7 +106,7 @@ class InitFrom:
 
     def config_for_new_run(self, given: Config | None, overrides: list[str],
                            data_dir: str | Path) -> Config:
-        """The new run's config: ``given`` (its train/data sections; its model section must
+        """The new run's config: ``given`` (its train/data/decode sections; its model section must
         be this run's shape) or this run's config with ``overrides``. The model is this
         run's, but for the dropouts; the tokenizer settings are this run's; data.corpus is
         the one ``data_dir`` was prepared from (its stats.json)."""
@@ -128,7 +128,7 @@ class InitFrom:
         model = replace(base.model, **{k: getattr(given.model, k) for k in FREE_MODEL_FIELDS})
         data = replace(given.data, **{k: getattr(base.data, k) for k in TOKENIZER_FIELDS})
         data.corpus = _prepared_corpus(data_dir) or data.corpus
-        return Config(model=model, data=data, train=given.train)
+        return Config(model=model, data=data, train=given.train, decode=given.decode)
 
     def check_data(self, data_dir: str | Path) -> None:
         check_same_tokenizers(self.run_dir, data_dir)

@@ -3,7 +3,9 @@ the validation during training (``aiayn.evaluate``) and attention pictures.
 
     >>> from aiayn.translator import Translator
     >>> t = Translator.from_pretrained("runs/demo")           # best.safetensors
-    >>> t.translate(["The Lord is my shepherd."], beam=4)      # the paper: beam 4, alpha 0.6
+    >>> t.translate(["The Lord is my shepherd."])      # the run's search (config.yaml's decode)
+    ['El Señor es mi pastor.']
+    >>> t.translate(["The Lord is my shepherd."], beam=4, alpha=0.6)   # the paper's (6.1)
     ['El Señor es mi pastor.']
 
 Behind ``translate`` the sentences are tokenized, sorted by length, cut into batches of at
@@ -36,6 +38,7 @@ import numpy as np
 import torch
 
 from aiayn.batching import pad, token_batches
+from aiayn.config import DecodeConfig
 from aiayn.decode import Hypothesis, beam_search, greedy_decode
 from aiayn.errors import AiaynError, is_out_of_memory
 from aiayn.kernels import choose_output_kernel
@@ -55,14 +58,17 @@ class TruncationWarning(UserWarning):
 
 
 # ---------------------------------------------------------------- search settings, sources
-def check_search(beam: int, nbest: int = 1, alpha: float = 0.6) -> None:
+def check_search(beam: int | None, nbest: int = 1, alpha: float | None = None) -> None:
     """The one check of the search settings that needs no model (an AiaynError names the
-    option); ``Translator.check_limits`` adds the bounds the model and memory set."""
-    if beam < 1:
+    option); ``Translator.check_limits`` adds the bounds the model and memory set. None (not
+    given: the run's ``decode`` section will say) passes; nbest is then checked against the
+    run's beam, once it is loaded."""
+    if beam is not None and beam < 1:
         raise AiaynError(f"--beam must be at least 1, got {beam}")
-    if not 1 <= nbest <= beam:
-        raise AiaynError(f"--nbest must be between 1 and --beam ({beam}), got {nbest}")
-    if not (math.isfinite(alpha) and 0 <= alpha <= 10):
+    if nbest < 1 or (beam is not None and nbest > beam):
+        top = "the beam" if beam is None else f"the beam ({beam})"
+        raise AiaynError(f"--nbest must be between 1 and {top}, got {nbest}")
+    if alpha is not None and not (math.isfinite(alpha) and 0 <= alpha <= 10):
         raise AiaynError(f"--alpha must be in [0, 10], got {alpha}")
 
 
@@ -112,7 +118,8 @@ class Translator:
 
     def __init__(self, model: Transformer | None, tokenizers, max_tokens: int = 8192,
                  device: str | torch.device | None = None, bf16: bool = False, engine=None,
-                 streams: int | None = None, threads_per_stream: int = 1):
+                 streams: int | None = None, threads_per_stream: int = 1,
+                 decode: DecodeConfig | None = None):
         """``max_tokens``: batch budget in padded source tokens x beam (``token_batches``);
         ``bf16``: decode under bfloat16 autocast (as training validates under train.bf16).
         ``streams``: batches decoded at once, each on one CPU thread (``aiayn.threads``;
@@ -120,8 +127,11 @@ class Translator:
         ``threads_per_stream`` > 1 only to measure the barriers that one thread avoids.
         ``engine``: search with this instead of ``model`` (None then), e.g. an
         ``aiayn.ct2_engine.CTranslate2Search``: it has ``max_len``, ``device`` and
-        ``search(sources, beam, alpha, nbest, max_len_b) -> list[list[Hypothesis]]``."""
+        ``search(sources, beam, alpha, nbest, max_len_b) -> list[list[Hypothesis]]``.
+        ``decode``: the search that a beam or alpha of None means (the run's config section;
+        default the paper's beam 4, alpha 0.6)."""
         self.engine = engine
+        self.decode = decode or DecodeConfig()
         if engine is not None:
             self.device, self.model, self.max_len = torch.device(engine.device), None, engine.max_len
         else:
@@ -159,24 +169,32 @@ class Translator:
             from aiayn.ct2_engine import load_ctranslate2
 
             kind = torch.device(device).type if device is not None else "cpu"
-            search, tokenizers = load_ctranslate2(run_dir, kind, torch.get_num_threads())
+            search, tokenizers, config = load_ctranslate2(run_dir, kind, torch.get_num_threads())
             kwargs.pop("bf16", None)  # the exported weight type decides
+            kwargs.setdefault("decode", config.decode)
             return cls(None, tokenizers, engine=search, **kwargs)
         if (Path(run_dir) / "model.bin").is_file() and not any(Path(run_dir).glob("*.safetensors")):
             raise AiaynError(f"{run_dir}: a CTranslate2 export, not a run directory; "
                              "`aiayn translate|evaluate` read it with --engine ctranslate2")
-        _, model, tokenizers = load_run(run_dir, weights)
+        config, model, tokenizers = load_run(run_dir, weights)
+        kwargs.setdefault("decode", config.decode)
         return cls(model, tokenizers, device=device or "cpu", **kwargs)
 
-    def translate(self, sentences: Sequence[str], beam: int = 4, alpha: float = 0.6,
-                  max_len_b: int = 50, progress: Callable[[int], object] | None = None
-                  ) -> list[str]:
+    def search(self, beam: int | None = None, alpha: float | None = None) -> tuple[int, float]:
+        """The beam and alpha to decode with: those given, else ``self.decode``'s (the run's
+        ``decode`` section). Every method below takes None to mean this."""
+        return (self.decode.beam if beam is None else beam,
+                self.decode.alpha if alpha is None else alpha)
+
+    def translate(self, sentences: Sequence[str], beam: int | None = None,
+                  alpha: float | None = None, max_len_b: int = 50,
+                  progress: Callable[[int], object] | None = None) -> list[str]:
         """One translation per sentence, in input order (``beam=1``: greedy search)."""
         hyps = self._translate(sentences, beam, alpha, 1, max_len_b, progress, scored=False)
         return [h[0][0] if h else "" for h in hyps]
 
-    def translate_nbest(self, sentences: Sequence[str], beam: int = 4, alpha: float = 0.6,
-                        nbest: int = 1, max_len_b: int = 50,
+    def translate_nbest(self, sentences: Sequence[str], beam: int | None = None,
+                        alpha: float | None = None, nbest: int = 1, max_len_b: int = 50,
                         progress: Callable[[int], object] | None = None
                         ) -> list[list[tuple[str, float]]]:
         """Up to ``nbest`` (translation, score) pairs per sentence, best first.
@@ -192,6 +210,7 @@ class Translator:
         ``progress(n)`` is called after each batch with its number of sentences (e.g. a
         tqdm bar's ``update``); ``self.last_stats`` describes the pass afterwards.
         """
+        beam, alpha = self.search(beam, alpha)
         self.check_limits(beam, nbest, alpha)
         sentences = [_one_line(s) for s in sentences]
         todo = [i for i, s in enumerate(sentences) if s.strip()]
@@ -208,13 +227,15 @@ class Translator:
                                       seconds, truncated)
         return results
 
-    def translate_lines(self, lines: Iterable[str], beam: int = 4, alpha: float = 0.6,
-                        nbest: int = 1, chunk: int = 2000) -> Iterator[str]:
+    def translate_lines(self, lines: Iterable[str], beam: int | None = None,
+                        alpha: float | None = None, nbest: int = 1, chunk: int = 2000
+                        ) -> Iterator[str]:
         """`aiayn translate`'s output, ``chunk`` lines at a time (so output appears as it is
         ready and memory stays bounded; ``chunk=1`` answers each line of a lazy iterable,
         e.g. a terminal, as soon as it arrives): one translation per line, or with
         ``nbest > 1`` rows 'LINE<TAB>SCORE<TAB>TRANSLATION' (an empty line gives
         'LINE<TAB><TAB>')."""
+        beam, alpha = self.search(beam, alpha)
         self.check_limits(beam, nbest, alpha)
         lines, first = iter(lines), 0  # first: the number of the chunk's first line
         while part := list(islice(lines, chunk)):
@@ -242,8 +263,8 @@ class Translator:
         return [truncate_source(ids, max_len) for ids in sources], truncated
 
     @torch.no_grad()
-    def decode_ids(self, sources: list[list[int]], beam: int = 4, alpha: float = 0.6,
-                   nbest: int = 1, max_len_b: int = 50,
+    def decode_ids(self, sources: list[list[int]], beam: int | None = None,
+                   alpha: float | None = None, nbest: int = 1, max_len_b: int = 50,
                    progress: Callable[[int], object] | None = None,
                    greedy_ok: bool = True) -> list[list[Hypothesis]]:
         """Decode source id lists in length-sorted batches; results in input order.
@@ -251,6 +272,7 @@ class Translator:
         With ``beam=1, nbest=1, greedy_ok`` it runs greedy search, which returns the same
         tokens as a beam of 1 more cheaply but no score (reported as 0.0).
         """
+        beam, alpha = self.search(beam, alpha)
         self.check_limits(beam, nbest, alpha)
         results: list[list[Hypothesis]] = [[] for _ in sources]
         greedy = greedy_ok and beam == 1 and nbest == 1
@@ -292,10 +314,13 @@ class Translator:
                 f"({src.numel() * beam} padded tokens) on {self.device}; give a smaller "
                 f"--max-tokens (now {self.max_tokens})") from None
 
-    def check_limits(self, beam: int, nbest: int = 1, alpha: float = 0.6) -> None:
-        """``check_search``, and a beam the model and the batch budget can hold: at most the
-        target vocabulary (more hypotheses than tokens cannot differ at the first step) and
-        ``max_tokens // 2`` (one source of a word and EOS, times the beam, must fit)."""
+    def check_limits(self, beam: int | None, nbest: int = 1, alpha: float | None = None
+                     ) -> None:
+        """``check_search`` of the search to run (``search``), and a beam the model and the
+        batch budget can hold: at most the target vocabulary (more hypotheses than tokens
+        cannot differ at the first step) and ``max_tokens // 2`` (one source of a word and
+        EOS, times the beam, must fit)."""
+        beam, alpha = self.search(beam, alpha)
         check_search(beam, nbest, alpha)
         limit = min(self.tokenizers.tgt_vocab_size, self.max_tokens // 2)
         if beam > limit:
@@ -303,7 +328,8 @@ class Translator:
                              f"{self.max_tokens} (the target vocabulary, and half the batch "
                              f"budget), got {beam}")
 
-    def attention(self, sentence: str, beam: int = 1, alpha: float = 0.6) -> SentenceAttention:
+    def attention(self, sentence: str, beam: int = 1, alpha: float | None = None
+                  ) -> SentenceAttention:
         """Translate ``sentence`` and capture every attention map of that translation."""
         if not sentence.strip():
             raise AiaynError("the sentence to translate is empty")

@@ -39,6 +39,11 @@ async function showInfo() {
     }
     parts.push(`weights ${info.weights.split("/").pop()} on ${info.device}`);
     $("info").textContent = parts.join(" · ");
+    // The run's own search (its config's decode section) is where the controls start.
+    if (info.decode) {
+      $("beam").value = Math.min(info.decode.beam, info.max_beam);
+      $("alpha").value = info.decode.alpha;
+    }
   } catch (err) {
     $("info").textContent = `no /info: ${err.message}`;
   }
