@@ -321,7 +321,7 @@ def _add_evaluate(sub) -> None:
                    "from RUN_DIR/data_dir.txt)")
     _add_weights(p)
     p.add_argument("-o", "--output", help="file for the hypotheses (default: "
-                   "RUN_DIR/eval/SPLIT.WEIGHTS.beamK.txt)")
+                   "RUN_DIR/eval/SPLIT.WEIGHTS.beamK.alphaA.txt; greedy: .beam1.txt)")
     p.add_argument("--limit", type=int, default=0, help="only the first N sentences (0: all)")
     _add_device(p)
     _add_engine(p)

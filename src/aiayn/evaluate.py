@@ -112,6 +112,11 @@ def validate(model: Transformer, tokenizers, dev: list[Example], dev_pairs: list
 
 
 # ---------------------------------------------------------------- `aiayn evaluate`
+def search_name(beam: int, alpha: float) -> str:
+    """The search in a file name: "beam1" (greedy: no length penalty), else "beam6.alpha1"."""
+    return "beam1" if beam == 1 else f"beam{beam}.alpha{alpha:g}"
+
+
 def evaluate_run(run_dir: str | Path, split: str = "test", beam: int | None = None,
                  alpha: float | None = None, data_dir: str | Path | None = None,
                  weights: str | Path = "best", output: str | Path | None = None,
@@ -123,7 +128,8 @@ def evaluate_run(run_dir: str | Path, split: str = "test", beam: int | None = No
     ``beam``, ``alpha``: None takes the run's (its config's decode section: the paper's beam
     4, alpha 0.6 unless the run says otherwise). ``data_dir``: default the run's
     data_dir.txt. ``output``: default
-    RUN_DIR/eval/SPLIT.WEIGHTS.beamK.txt. ``limit``: only the first N sentences (0: all).
+    RUN_DIR/eval/SPLIT.WEIGHTS.beamK.alphaA.txt (greedy: SPLIT.WEIGHTS.beam1.txt), so
+    searches that differ in alpha alone keep their own files. ``limit``: only the first N sentences (0: all).
     ``engine="ctranslate2"``: ``run_dir`` is an `aiayn export --to ctranslate2` directory,
     decoded by CTranslate2 (WEIGHTS in the file name is then "ctranslate2").
     """
@@ -149,7 +155,7 @@ def evaluate_run(run_dir: str | Path, split: str = "test", beam: int | None = No
     weights_name = (engine if translator.engine is not None
                     else Path(str(weights)).name.removesuffix(".safetensors"))
     output = Path(output) if output else (
-        Path(run_dir) / "eval" / f"{split}.{weights_name}.beam{beam}.txt")
+        Path(run_dir) / "eval" / f"{split}.{weights_name}.{search_name(beam, alpha)}.txt")
     atomic_write_text(output, "".join(h + "\n" for h in hypotheses))
     summary = {
         "run_dir": str(run_dir), "data_dir": str(data_dir),
