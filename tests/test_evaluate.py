@@ -20,9 +20,11 @@ def test_validation_during_training_and_aiayn_evaluate_give_the_same_scores(tmp_
     run = tmp_path / "run"
     # A moderate peak (the tiny preset's eq. 3 peaks near 4e-2): at that rate the toy model
     # collapsed to empty outputs on some CPUs (AVX2 numerics), and two empty scores agree.
+    # The run's own length penalty (decode.alpha), which both take when not told one.
     run_train("--config", TINY, "--data", str(data_dir), "--out", str(run),
               *sets(max_steps=100, eval_every=1000, save_every=1000, eval_beam=beam,
-                    num_samples=16, seed=2, schedule="linear", peak_lr=3e-3))
+                    num_samples=16, seed=2, schedule="linear", peak_lr=3e-3),
+              "--set", "decode.alpha=1.5")
     lines = (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
     dev = [r for r in map(json.loads, lines) if r["kind"] == "dev"][-1]
     assert dev["step"] == 100 and dev["n_sentences"] == 16  # the final, whole-dev evaluation

@@ -221,7 +221,7 @@ def serve_info(run_dir: str | Path, weights: str, config: Config, model, device:
         "tokenizer": config.data.tokenizer,
         "joint_vocab": config.data.joint_vocab,
         "corpus": config.data.corpus,
-        "decode": asdict(config.decode),  # the search a request without beam/alpha gets
+        "decode": run["decode"],  # the search a request without beam/alpha gets
         "training_steps": (run["training"] or {}).get("step"),
         "best": run["best"],
         "last_dev": run["last_dev"],
