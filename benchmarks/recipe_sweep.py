@@ -29,7 +29,7 @@ from aiayn.data import encode_split, load_prepared
 from aiayn.decode import greedy_decode
 from aiayn.metrics import score
 from aiayn.model import Transformer
-from aiayn.optim import label_smoothed_loss, learning_rate, linear_decay
+from aiayn.optim import learning_rate, linear_decay
 
 DEFAULT = dict(data="data/bible-eng-spa", d_model=256, n_heads=4, d_ff=1024, enc=3, dec=3,
                dropout=0.1, norm_first=False, tie="all", emb_init="xavier", max_tokens=2048,
@@ -83,8 +83,8 @@ def run(r: dict, device: torch.device, cache: dict) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(r, step, seen / budget)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=r["bf16"]):
-            logits = model(batch.src, batch.tgt_in)
-        loss = label_smoothed_loss(logits, batch.tgt_out, r["ls"], cfg.pad_id)
+            # the summed loss as aiayn.train computes it (Transformer.forward with targets)
+            loss = model(batch.src, batch.tgt_in, batch.tgt_out, label_smoothing=r["ls"])
         (loss / batch.n_tokens).backward()
         if r["clip"] > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), r["clip"])
@@ -110,8 +110,7 @@ def evaluate(model, dev, prepared, device, bf16: bool, seen: int, step: int) -> 
         chunk = order[s:s + 128]
         batch = collate([dev[i] for i in chunk]).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            nll += label_smoothed_loss(model(batch.src, batch.tgt_in), batch.tgt_out, 0.0,
-                                       0).item()
+            nll += model(batch.src, batch.tgt_in, batch.tgt_out).item()
             ids = greedy_decode(model, batch.src)
         tokens += batch.n_tokens
         for i, text in zip(chunk, prepared.tokenizers.decode_tgt(ids), strict=True):
