@@ -75,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=8192, help="batch budget (x beam)")
     p.add_argument("--loads", default=",".join(LOADS),
-                   help=f"comma-separated, of: {', '.join(LOADS)}")
+                   help=f"comma-separated, of: {', '.join(LOADS)}".replace("%", "%%"))
     p.add_argument("--no-ct2", action="store_true", help="leave CTranslate2 out")
     p.add_argument("--no-decode", action="store_true", help="time training only")
     p.add_argument("--train-seconds", type=float, default=0.0,

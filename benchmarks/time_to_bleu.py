@@ -26,7 +26,8 @@ import sys
 from pathlib import Path
 
 from aiayn.config import load_config
-from aiayn.plots import read_metrics, save_figure
+from aiayn.plots import save_figure
+from aiayn.rundir import read_metrics
 from aiayn.train import train
 
 
@@ -58,20 +59,28 @@ def plot(args: argparse.Namespace) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (by_time, by_tokens) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    if args.tokens_only:  # runs whose minutes say nothing (another machine, side by side)
+        fig, by_tokens = plt.subplots(figsize=(6.5, 4.2))
+        by_time, axes = None, (by_tokens,)
+    else:
+        fig, (by_time, by_tokens) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+        axes = (by_time, by_tokens)
     for run_dir, label in zip(args.runs, args.labels or args.runs, strict=False):
         curve = dev_curve(run_dir)
         if not curve:
             sys.exit(f"{run_dir}: no dev records in metrics.jsonl")
-        by_time.plot([r["minutes"] for r in curve], [r["bleu"] for r in curve], "o-", label=label)
+        if by_time is not None:
+            by_time.plot([r["minutes"] for r in curve], [r["bleu"] for r in curve], "o-",
+                         label=label)
         by_tokens.plot([r["tokens"] / 1e6 for r in curve], [r["bleu"] for r in curve], "o-",
                        label=label)
-    by_time.set_xlabel("training minutes (validations included)")
+    if by_time is not None:
+        by_time.set_xlabel("training minutes (validations included)")
     by_tokens.set_xlabel("real target tokens trained (millions)")
-    by_time.set_ylabel("dev BLEU (sacreBLEU)")
-    for ax in (by_time, by_tokens):
+    axes[0].set_ylabel("dev BLEU (sacreBLEU)")
+    for ax in axes:
         ax.grid(alpha=0.3)
-    by_time.legend(fontsize=8)
+    axes[0].legend(fontsize=8)
     fig.suptitle(args.title)
     fig.tight_layout()
     print(f"wrote {save_figure(fig, args.output)}")
@@ -102,6 +111,8 @@ def main() -> None:
     p.add_argument("--labels", nargs="+")
     p.add_argument("--title", default="dev BLEU against training time and tokens")
     p.add_argument("-o", "--output", default="time_to_bleu.png")
+    p.add_argument("--tokens-only", action="store_true",
+                   help="draw BLEU against tokens alone (for runs timed on other machines)")
     p.add_argument("--save", metavar="DIR",
                    help="also write each run's curve to DIR/RUN.json (plot takes such files too)")
     args = parser.parse_args()

@@ -1,5 +1,5 @@
 """CPU threads on a busy machine (aiayn.threads): parallel streams of one thread each, and
-the thread tuner of training. Behaviour only; the speed is benchmarks/busy_decode.py's."""
+the thread tuner of training. Behaviour only; the speed is benchmarks/threads.py's."""
 
 from __future__ import annotations
 
