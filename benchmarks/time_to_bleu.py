@@ -59,27 +59,25 @@ def plot(args: argparse.Namespace) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if args.tokens_only:  # runs whose minutes say nothing (another machine, side by side)
-        fig, by_tokens = plt.subplots(figsize=(6.5, 4.2))
-        by_time, axes = None, (by_tokens,)
-    else:
-        fig, (by_time, by_tokens) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-        axes = (by_time, by_tokens)
+    # (x key, scale, label) of each panel; --tokens-only drops the minutes, which say nothing
+    # of runs timed on another machine or side by side
+    panels = [("tokens", 1e6, "real target tokens trained (millions)")]
+    if not args.tokens_only:
+        panels.insert(0, ("minutes", 1, "training minutes (validations included)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(1.5 + 5 * len(panels), 4.2), sharey=True,
+                             squeeze=False)
+    axes = axes[0]
     for run_dir, label in zip(args.runs, args.labels or args.runs, strict=False):
         curve = dev_curve(run_dir)
         if not curve:
             sys.exit(f"{run_dir}: no dev records in metrics.jsonl")
-        if by_time is not None:
-            by_time.plot([r["minutes"] for r in curve], [r["bleu"] for r in curve], "o-",
-                         label=label)
-        by_tokens.plot([r["tokens"] / 1e6 for r in curve], [r["bleu"] for r in curve], "o-",
-                       label=label)
-    if by_time is not None:
-        by_time.set_xlabel("training minutes (validations included)")
-    by_tokens.set_xlabel("real target tokens trained (millions)")
-    axes[0].set_ylabel("dev BLEU (sacreBLEU)")
-    for ax in axes:
+        for ax, (key, scale, _) in zip(axes, panels, strict=True):
+            ax.plot([r[key] / scale for r in curve], [r["bleu"] for r in curve], "o-",
+                    label=label)
+    for ax, (_, _, xlabel) in zip(axes, panels, strict=True):
+        ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
+    axes[0].set_ylabel("dev BLEU (sacreBLEU)")
     axes[0].legend(fontsize=8)
     fig.suptitle(args.title)
     fig.tight_layout()

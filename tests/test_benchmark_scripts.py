@@ -29,3 +29,25 @@ def test_help_runs(script, monkeypatch, capsys):
         runpy.run_path(str(script), run_name="__main__")
     assert exit_.value.code in (0, None)
     assert "usage:" in capsys.readouterr().out
+
+
+def test_time_to_bleu_plots_one_panel_with_tokens_only(tmp_path, monkeypatch, capsys):
+    """plot --tokens-only draws BLEU against tokens alone: one panel, half the width."""
+    from PIL import Image
+
+    curve = tmp_path / "run.json"
+    curve.write_text('{"label": "a", "curve": [{"step": 1, "minutes": 1.0, "tokens": 1000000, '
+                     '"bleu": 5.0, "chrf": 20.0, "n_sentences": 10}, {"step": 2, "minutes": '
+                     '2.0, "tokens": 2000000, "bleu": 9.0, "chrf": 30.0, "n_sentences": 10}]}',
+                     encoding="utf-8")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    widths = {}
+    for name, extra in (("both", []), ("tokens", ["--tokens-only"])):
+        out = tmp_path / f"{name}.png"
+        monkeypatch.setattr(sys, "argv", ["time_to_bleu.py", "plot", str(curve), "-o", str(out),
+                                          *extra])
+        runpy.run_path(str(BENCHMARKS / "time_to_bleu.py"), run_name="__main__")
+        with Image.open(out) as image:
+            widths[name] = image.width
+    assert widths["tokens"] < 0.7 * widths["both"]
+    assert '"bleu": 9.0' in capsys.readouterr().out
