@@ -8,7 +8,7 @@ BROWSER_PACKAGES := chromium chromium-driver fonts-liberation
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEMO_MINUTES ?= 12
 
-.PHONY: venv sword browser test lint notebook demo bench peers clean
+.PHONY: venv sword browser test lint docs notebook demo bench peers clean
 
 # torch first, pinned: an unpinned torch would pull a multi-GB CUDA build.
 $(VENV)/.installed: pyproject.toml
@@ -37,6 +37,11 @@ test: venv sword browser
 
 lint: venv
 	$(BIN)/ruff check src tests benchmarks docs
+
+# The pages made from the code and the results files: docs/configuration.md, docs/cli.md,
+# docs/results.md (tests/test_docs.py fails when they are not current).
+docs: venv
+	$(BIN)/python docs/generate.py
 
 # Execute docs/walkthrough.ipynb in place (about a minute on a CPU core) and record the
 # fingerprint of its code and of the aiayn modules it imports; tests/test_notebook.py fails

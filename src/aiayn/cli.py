@@ -111,7 +111,8 @@ def _add_prepare(sub) -> None:
                    help="replace the contents of a non-empty --out (refused while in use)")
     p.add_argument("--config", help="YAML config whose data section to use")
     p.add_argument("--vocab-size", type=int, help="tokenizer vocabulary size")
-    p.add_argument("--tokenizer", choices=["bpe", "wordlevel"])
+    p.add_argument("--tokenizer", choices=["bpe", "wordlevel"],
+                   help="tokenizer kind (data.tokenizer; default: the config's)")
     p.add_argument("--tokenizer-from", metavar="RUN_DIR", help="encode with this run's "
                    "tokenizers (and its data settings) instead of training new ones, to "
                    "fine-tune it with `aiayn train --init-from RUN_DIR`")
@@ -184,9 +185,10 @@ def _add_train(sub) -> None:
     p.add_argument("--init-from", metavar="RUN_DIR[:WEIGHTS]",
                    help="a new run (--data, --out) starting from this run's weights (best, "
                    "or :last, :FILE) with its model and tokenizers, a fresh optimizer and "
-                   "schedule; settings: its config.yaml (or --config's train section) and --set")
+                   "schedule; settings: its config.yaml (or --config's train, data and decode sections; "
+                   "its model section must be the run's, dropouts aside) and --set")
     p.add_argument("--max-minutes", type=float,
-                   help="stop when the run has trained this long, over all its sessions "
+                   help="stop when the run has trained this long, over all its training sessions "
                    "(train.max_minutes; validations count); the final dev evaluation comes on top")
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast (train.bf16)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (train.compile)")
@@ -314,8 +316,9 @@ def _add_evaluate(sub) -> None:
         "hypotheses (one per line) and print sacreBLEU BLEU with its signature, chrF, CER and "
         "WER, and the decoding speed. The scores also go to a .json file beside the "
         "hypotheses.")
-    p.add_argument("run_dir")
-    p.add_argument("--split", choices=["test", "dev"], default="test")
+    p.add_argument("run_dir", help="run directory (from `aiayn train`)")
+    p.add_argument("--split", choices=["test", "dev"], default="test",
+                   help="the prepared split to translate and score")
     _add_search(p)
     p.add_argument("--data", help="prepared data directory (default: the one the run used, "
                    "from RUN_DIR/data_dir.txt)")
@@ -394,12 +397,12 @@ def _run_export(args) -> int:
 # ---------------------------------------------------------------- trace
 def _add_trace(sub) -> None:
     p = sub.add_parser("trace", help="print every module's output shape for one batch")
-    p.add_argument("--config", default=None, help="YAML config (default: configs/tiny.yaml "
-                   "sizes if given, else the built-in defaults)")
+    p.add_argument("--config", default=None, help="YAML config (default: the built-in defaults, "
+                   "the paper's base sizes)")
     p.add_argument("--data", help="prepared data directory: trace a real batch from it")
-    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=2, help="sentences in the traced batch")
     p.add_argument("--depth", type=int, default=99, help="deepest nesting level to show")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and batch")
     p.add_argument("--png", metavar="FILE", help="also draw the shapes as a diagram (PNG)")
     _add_set(p)
 
@@ -424,8 +427,8 @@ def _run_trace(args) -> int:
 # ---------------------------------------------------------------- attention
 def _add_attention(sub) -> None:
     p = sub.add_parser("attention", help="attention heatmaps for one translated sentence")
-    p.add_argument("run_dir")
-    p.add_argument("sentence")
+    p.add_argument("run_dir", help="run directory (from `aiayn train`)")
+    p.add_argument("sentence", help="the source sentence to translate and draw")
     p.add_argument("-o", "--out", default="attention", help="output directory for the PNGs")
     _add_search(p, beam=1, max_tokens=False)
     _add_weights(p)
@@ -491,7 +494,7 @@ def _add_serve(sub) -> None:
     p.add_argument("run_dir", help="run directory (from `aiayn train`)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     _add_weights(p)
     _add_device(p)
 
@@ -517,7 +520,7 @@ def _add_doctor(sub) -> None:
         "tokenizers, a round-trip of dev sentences, a greedy translation of three dev "
         "sentences with BLEU, the train state resumable. One line per check, each failure "
         "with its fix; exit status 0 when all pass, 1 otherwise.")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", help="run directory (from `aiayn train`)")
     p.add_argument("--data", help="prepared data to check against (default: the run's "
                    "data_dir.txt)")
     _add_weights(p)
@@ -533,7 +536,7 @@ def _add_info(sub) -> None:
     p = sub.add_parser("info", help="what a run is: model, vocabulary, steps, best score",
                        description="Model size and parameters, vocabulary, steps, tokens "
                        "seen, the best dev score and its step, the weights files there are.")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", help="run directory (from `aiayn train`)")
     p.add_argument("--json", action="store_true", help="one JSON object, for scripts")
 
 

@@ -93,41 +93,50 @@ def _check_range(where: str, value: Any, low: float, high: float, open_low: bool
 
 @dataclass
 class ModelConfig:
-    """Sizes of the Transformer (paper, Table 3; "base" is 512/8/2048/6+6)."""
+    """Sizes of the Transformer (paper, Table 3; "base" is 512/8/2048/6+6).
+
+    Each field's docstring is its line on docs/configuration.md (docs/generate.py)."""
 
     src_vocab_size: int = 8000
+    """Source vocabulary size; aiayn train fills it in from the prepared tokenizer."""
     tgt_vocab_size: int = 8000
+    """Target vocabulary size; aiayn train fills it in from the prepared tokenizer."""
     d_model: int = 512
+    """Width of every sub-layer's output (paper, 3.1)."""
     n_heads: int = 8
+    """Attention heads h; d_model must be divisible by it (paper, 3.2.2)."""
     d_ff: int = 2048
+    """Inner width of the position-wise feed-forward network (paper, 3.3)."""
     n_encoder_layers: int = 6
+    """Encoder layers N (paper, 3.1)."""
     n_decoder_layers: int = 6
-    # P_drop (paper, 5.4): on each sub-layer output and on the embedding+position sums.
+    """Decoder layers N (paper, 3.1)."""
     dropout: float = 0.1
-    # Dropout on the attention weights (not in the paper; tensor2tensor and torch.nn use it).
+    """P_drop on each sub-layer output and on the embedding + position sums (paper, 5.4)."""
     attention_dropout: float = 0.0
-    # Longest sequence (in tokens, special tokens included) the model accepts.
+    """Dropout on the attention weights (not in the paper; tensor2tensor and torch.nn have it)."""
     max_len: int = 256
-    # False: post-norm, LayerNorm(x + Sublayer(x)) as in the paper. True: pre-norm.
+    """Longest sequence the model accepts, in tokens, BOS and EOS included."""
     norm_first: bool = False
-    # "decoder": target embedding = generator weight (paper, 3.4);
-    # "all": also the source embedding (needs one shared vocabulary); "none": untied.
+    """False: post-norm, LayerNorm(x + Sublayer(x)) as in the paper; true: pre-norm,
+    x + Sublayer(LayerNorm(x)), stable at higher peak rates."""
     tie_embeddings: str = "decoder"
-    # "normal": token embeddings ~ N(0, d_model^-0.5) as in tensor2tensor; "xavier": as the
-    # tutorials (see Transformer.reset_parameters).
+    """"decoder": the target embedding is the output layer's weight (paper, 3.4); "all": the
+    source embedding too (needs data.joint_vocab); "none": untied."""
     embedding_init: str = "normal"
-    # True: RMS-normalise each head's queries and keys (with a learnt gain per dimension)
-    # before Q K^T / sqrt(d_k) (QK-norm; Henry et al. 2020, Wortsman et al. 2023; not in
-    # the paper). It bounds the attention logits, the instability behind runs that stall
-    # at a high peak learning rate.
+    """"normal": token embeddings ~ N(0, d_model^-0.5) as in tensor2tensor, as large as the
+    positional encoding after the sqrt(d_model) scale; "xavier": as the tutorials."""
     qk_norm: bool = False
-    # Which pieces the output layer scores (not in the paper): "all" of the target
-    # vocabulary, or only the "targets": the pieces that occur in the training targets, found
-    # by aiayn train and saved with the weights. A joint vocabulary holds thousands of pieces
-    # of the other language that no reference contains; they can never be right, and scoring
-    # them was ~a third of the output layer's work (Generator).
+    """RMS-normalise each head's queries and keys (learnt gain per dimension) before
+    Q K^T / sqrt(d_k) (QK-norm; Henry et al. 2020, Wortsman et al. 2023; not in the paper):
+    bounded attention logits, so high peak rates do not stall."""
     output_vocab: str = "all"
+    """Which pieces the output layer scores (not in the paper): "all" of the target
+    vocabulary, or only the "targets": the pieces that occur in the training targets, found by
+    aiayn train and saved with the weights (a joint vocabulary's other-language pieces can
+    never be right)."""
     pad_id: int = 0
+    """Id of [PAD]; aiayn's tokenizers always put it at 0."""
 
 
 @dataclass
@@ -135,26 +144,37 @@ class DataConfig:
     """Where sentence pairs come from and how they become token ids."""
 
     corpus: str = "bible:eng-spa"
-    tokenizer: str = "bpe"  # "bpe" or "wordlevel"
+    """Corpus spec: bible:..., hf:NAME[:CONFIG], tsv:PATH, jsonl:PATH or parallel:SRC,TGT
+    (docs/data.md); aiayn prepare --corpus overrides it."""
+    tokenizer: str = "bpe"
+    """"bpe" or "wordlevel" (as the tutorials)."""
     vocab_size: int = 8000
-    joint_vocab: bool = True  # one vocabulary for both sides (lets all embeddings be tied)
+    """Vocabulary size the tokenizer is trained to (per side unless joint_vocab)."""
+    joint_vocab: bool = True
+    """One vocabulary for both sides (needed by model.tie_embeddings: all and by export --to hf)."""
     min_frequency: int = 2
-    # What to do with a pair longer than model.max_len: "drop" it or "truncate" it.
+    """Fewest occurrences a piece needs to enter the vocabulary."""
     long_policy: str = "drop"
-    # For corpora without a fixed split: fractions of pairs held out, and the seed.
+    """A pair longer than model.max_len is "drop"ped or "truncate"d, counted before training."""
     dev_fraction: float = 0.01
+    """Share of pairs held out as dev when the corpus has no dev split."""
     test_fraction: float = 0.01
-    held_out_max: int = 3000  # ... but at most this many pairs each (validation stays quick)
+    """Share of pairs held out as test when the corpus has no test split."""
+    held_out_max: int = 3000
+    """At most this many pairs held out for each of dev and test (validation stays quick)."""
     split_seed: int = 1234
-    # The tokenizer learns from at most this many train pairs, spread evenly over the split
-    # (its time grows with the text; the vocabulary hardly changes past a few 100k pairs).
+    """Seed of the random held-out split."""
     tokenizer_max_pairs: int = 200_000
-    # Bounds of the pair filter (in words): longer pairs and extreme length ratios are dropped.
+    """The tokenizer learns from at most this many train pairs, spread evenly over the split
+    (its time grows with the text; the vocabulary hardly changes past a few 100k pairs)."""
     max_words: int = 150
+    """Pairs with a side longer than this many words are dropped."""
     max_length_ratio: float = 3.0
-    # Field names for jsonl:PATH corpora.
+    """Pairs whose one side is this many times longer than the other (in words) are dropped."""
     src_field: str = "src"
+    """Source field of jsonl:PATH rows (and of hf: rows without a translation dict)."""
     tgt_field: str = "tgt"
+    """Target field of jsonl:PATH rows (and of hf: rows without a translation dict)."""
 
 
 @dataclass
@@ -162,43 +182,69 @@ class TrainConfig:
     """Optimisation (paper, 5.3-5.4), batching, evaluation and checkpointing."""
 
     seed: int = 1
-    max_tokens: int = 4096  # token budget of one batch (source or target side, whichever is larger)
+    """Seeds Python, NumPy and torch: the same command gives the same weights on a CPU with
+    a fixed cpu_threads."""
+    max_tokens: int = 4096
+    """Token budget of one batch: sentences x the longer side, padding included."""
     grad_accum: int = 1
-    # "eq3": lr = lr_scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)  (paper, eq. 3).
-    # "linear": warm up to peak_lr over warmup_steps, then fall linearly to 0 at the end of
-    # the budget (max_steps, or max_minutes of training when that comes first).
+    """Micro-batches accumulated into one optimizer update."""
     schedule: str = "eq3"
+    """"eq3": lr = lr_scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) (paper,
+    eq. 3); "linear": warm up to peak_lr, then fall linearly to 0 at the end of the budget
+    (max_steps, or max_minutes of training when that comes first)."""
     lr_scale: float = 1.0
-    peak_lr: float = 1e-3  # schedule "linear" only
+    """Factor on eq. 3's rate (schedule eq3 only)."""
+    peak_lr: float = 1e-3
+    """The rate reached at the end of the warm-up (schedule linear only)."""
     warmup_steps: int = 4000
+    """Steps of the warm-up (paper, 5.3: 4000)."""
     adam_beta1: float = 0.9
+    """Adam's beta1 (paper, 5.3)."""
     adam_beta2: float = 0.98
+    """Adam's beta2 (paper, 5.3)."""
     adam_eps: float = 1e-9
+    """Adam's epsilon (paper, 5.3)."""
     weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW style; not in the paper)."""
     label_smoothing: float = 0.1
-    clip_norm: float = 1.0  # 0 disables clipping
+    """epsilon_ls of the label-smoothed cross-entropy (paper, 5.4)."""
+    clip_norm: float = 1.0
+    """Gradient norm clipping threshold; 0 disables clipping."""
     max_steps: int = 100_000
+    """Stop after this many optimizer steps."""
     max_epochs: int = 1000
-    max_minutes: float = 0.0  # 0 = no time budget
-    eval_every: int = 1000  # optimizer steps between validations
-    eval_max_sentences: int = 0  # 0 = the whole dev split
+    """Stop after this many passes over the training batches."""
+    max_minutes: float = 0.0
+    """Stop when the run has trained this long over all its training sessions, validations
+    included (0: no time budget); the final validation and save follow."""
+    eval_every: int = 1000
+    """Optimizer steps between validations (dev loss, BLEU, chrF, samples)."""
+    eval_max_sentences: int = 0
+    """Dev sentences a validation decodes, a fixed subset spread over the split (0: all)."""
     eval_beam: int = 1
+    """Beam of the validation's decoding (1: greedy)."""
     save_every: int = 1000
-    keep_checkpoints: int = 5  # step checkpoints kept for averaging
-    # best.safetensors holds the weights with the best dev "bleu", "chrf" or "loss"; with
-    # patience P > 0 training stops after P validations without improving it (0: never).
+    """Optimizer steps between checkpoints."""
+    keep_checkpoints: int = 5
+    """Step checkpoints kept for aiayn average."""
     best_metric: str = "bleu"
+    """What best.safetensors is best by: dev "bleu" or "chrf" on the validation subset, or
+    the dev "loss" over the whole dev split."""
     patience: int = 0
+    """Stop after this many validations in a row without a better best_metric (0: never)."""
     log_every: int = 50
-    # bfloat16 autocast: "auto" uses it where this machine runs it fast (a GPU that supports
-    # it; a CPU whose bf16 matmul beats fp32 in a probe: AVX512-BF16/AMX, not AVX2 alone);
-    # true / false force it. YAML booleans are accepted.
+    """Optimizer steps between lines of metrics.jsonl and TensorBoard scalars."""
     bf16: str = "auto"
+    """bfloat16 autocast: "auto" takes it where this machine runs it faster (a GPU that
+    supports it; a CPU whose bf16 matrix product beats fp32 in a probe: AVX512-BF16 or AMX,
+    not AVX2 alone); true / false force it."""
     compile: bool = False
-    num_samples: int = 3  # sample translations shown at each validation
-    # CPU threads: 0 = adaptive (all cores, or 1 while another process makes that slower;
-    # see aiayn.distributed.ThreadTuner); N = exactly N (bit-for-bit repeatable runs).
+    """Wrap the model in torch.compile (on a CPU the first steps take minutes)."""
+    num_samples: int = 3
+    """Sample translations printed and logged at each validation."""
     cpu_threads: int = 0
+    """CPU threads: 0 adapts (all cores, or 1 while another process makes that slower);
+    N is exactly N (bit-for-bit repeatable runs)."""
 
     @property
     def use_bf16(self) -> bool:
@@ -220,7 +266,9 @@ class DecodeConfig:
     train.eval_beam > 1 read it (their alpha)."""
 
     beam: int = 4
+    """Beam size of the run's search (paper, 6.1: 4); 1 is greedy."""
     alpha: float = 0.6
+    """Length penalty alpha of the run's search, lp(Y) = ((5 + |Y|) / 6)^alpha (paper, 6.1: 0.6)."""
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,
