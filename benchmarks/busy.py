@@ -4,10 +4,10 @@
     make demo
     kill %1
 
-The README's "another process keeping core 1 50% busy" row of What to expect is measured
-with this. It loops until killed (or for --seconds); pin it to a core with taskset.
-``--on-ms 100 --off-ms 0`` keeps the core 100% busy; ``--torch`` runs another PyTorch job
-instead (benchmarks/threads.py uses all of these).
+The busy rows of docs/results.md run it as ``taskset -c 1 python benchmarks/busy.py
+--on-ms 100 --off-ms 0``. It loops until killed (or for --seconds); pin it to a core with
+taskset. ``--on-ms 100 --off-ms 0`` keeps the core 100% busy; ``--torch`` runs another
+PyTorch job instead (benchmarks/threads.py uses all of these).
 """
 
 from __future__ import annotations

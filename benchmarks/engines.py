@@ -1,6 +1,9 @@
 """What an export buys: the test split decoded by aiayn and by CTranslate2 (float32, int8).
 
-    python benchmarks/engines.py --run-dir runs/demo        # beam 4, alpha 0.6, 2 threads
+    python benchmarks/engines.py --run-dir RUN --repeats 3   # beam 4, alpha 0.6, 2 threads
+
+RUN must export: a model with QK-norm or ``model.output_vocab: targets`` (the demo's) does
+not, so train it with ``--set model.qk_norm=false --set model.output_vocab=all``.
 
 The run is exported twice with `aiayn.export.export_run` (CTranslate2 float32 and int8)
 into a temporary directory. Each engine then translates the same sentences through the same

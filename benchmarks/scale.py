@@ -2,8 +2,8 @@
 
 Builds a tab-separated corpus from the Bible's train verses (bible:eng-spa, 29,417 pairs)
 and lightly varied copies of them (copy k puts "k:" before both sides and swaps two
-neighbouring words in about half of the pairs; 34 copies = 1,000,178 pairs, ~250 MB, the
-file of issue 17; 136 copies = 4,000,712 pairs), then measures, each command in its own
+neighbouring words in about half of the pairs; 34 copies = 1,000,178 pairs, ~250 MB;
+136 copies = 4,000,712 pairs), then measures, each command in its own
 process:
 
 - `aiayn prepare --corpus tsv:FILE --out DIR` (default data settings): wall time, peak RSS;
@@ -118,8 +118,8 @@ def run_size(copies: int, args, env: dict[str, str], label: str) -> dict:
         result["prepare_set"] = args.prepare_set
     print(f"{label} {pairs} pairs: prepare {result['prepare']}", flush=True)
     if args.max_minutes > 0:
-        # The reference (the release before) decodes the whole dev split at the end, with
-        # no bound: its run is stopped after the first step.
+        # A reference source tree may decode the whole dev split at the end, with no
+        # bound: its run is stopped after the first step.
         result["train"] = measure(
             [*aiayn, "train", "--config", args.config, "--data", str(data), "--out", str(run),
              "--max-minutes", str(args.max_minutes), "--set", "train.log_every=1"],

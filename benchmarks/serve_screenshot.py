@@ -1,4 +1,4 @@
-"""A screenshot of `aiayn serve`'s page, taken by headless Chromium (README's docs/serve.png).
+"""A screenshot of `aiayn serve`'s page, taken by headless Chromium (docs/serve.png).
 
     .venv/bin/python benchmarks/serve_screenshot.py RUN_DIR -o docs/serve.png \\
         --sentence "The Lord is my shepherd." --kind cross --layer 3 --head 1

@@ -22,7 +22,7 @@ medians and the ratios aiayn / reference, which is what this benchmark claims (t
 machine is shared, absolute numbers move with its load). On a busy machine use
 ``--threads 1``: with two OpenMP threads, every small op waits for a descheduled thread.
 
-    python benchmarks/speed.py                 # small and base (benchmarks/README.md)
+    python benchmarks/speed.py                 # small and base (docs/results.md#training-speed)
     python benchmarks/speed.py --quick         # smoke test of every path, about a minute
     python benchmarks/speed.py --configs small --reps 7 --threads 1
 """

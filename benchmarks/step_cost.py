@@ -7,7 +7,7 @@ step of the config and of each variant, interleaved batch by batch on the same
 length-bucketed token-budget batches (``benchmarks/common.py``), so background load hits
 them alike. The ratios then turn a comparison at equal minutes into one at equal steps that
 does not depend on the machine's speed: a variant that costs 1.25x per step gets
-``max_steps / 1.25`` steps (benchmarks/README.md, "Time to BLEU").
+``max_steps / 1.25`` steps (docs/findings.md#the-price-of-a-step).
 
     python benchmarks/step_cost.py --config configs/demo.yaml --threads 1 \\
         --variant qk=model.qk_norm=true --variant 3+3=model.n_encoder_layers=3,model.n_decoder_layers=3

@@ -1,22 +1,24 @@
 """Speed on a machine that is doing something else: decoding (and training), quiet and
 beside a background load on one core, 1 vs 2 threads, aiayn vs CTranslate2, in one run.
 
-    python benchmarks/threads.py --run-dir runs/demo                 # decoding, 4 loads
-    python benchmarks/threads.py --run-dir runs/demo --train-seconds 60   # and training
+    python benchmarks/threads.py --run-dir RUN --repeats 2               # decoding, 5 loads
+    python benchmarks/threads.py --run-dir RUN --no-decode --train-seconds 45   # training
 
 Loads (started by this script, pinned with taskset to the last core, stopped after):
 quiet; benchmarks/busy.py at 50% (50 ms spinning, 50 ms asleep); at 100%; at 100% under
 `nice -n 19`; another PyTorch job (``busy.py --torch``: small ops on 2 OpenMP threads).
 In each, the decoding contenders take turns (order alternating) over the same sentences,
 and the table gives sentences/s (median of --repeats) and the ratio to *quiet one-thread*
-aiayn, the floor issue #23 sets (0.8x):
+aiayn, whose floor is 0.8x:
 
-- ``aiayn, 1 stream x 2 threads``: the decoding before issue #23 (every op split over two
-  OpenMP threads, batches one after another in the calling thread);
+- ``aiayn, 1 stream x 2 threads``: every op split over two OpenMP threads, batches one
+  after another in the calling thread;
 - ``aiayn, 1 thread``: one stream of one thread;
-- ``aiayn, 2 streams x 1 thread``: the default now (``aiayn.threads.parallel_map``);
+- ``aiayn, 2 streams x 1 thread``: aiayn's default (``aiayn.threads.parallel_map``);
 - ``CTranslate2 float32``: the run exported (``aiayn.export``), 2 intra-op threads, decoded
-  through the same Translator (only the search differs).
+  through the same Translator (only the search differs). The run must export: a model with
+  QK-norm or ``model.output_vocab: targets`` (the demo's) does not, so train one with
+  ``--set model.qk_norm=false --set model.output_vocab=all`` or pass --no-ct2.
 
 Every contender goes through ``aiayn.evaluate.translate_and_score``; the script checks that
 aiayn's three settings translate every sentence the same.

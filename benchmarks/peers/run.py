@@ -1,4 +1,4 @@
-"""aiayn side by side with its peers (issue #27): JoeyNMT 2.3.0 and OpenNMT-py 3.5.1 train on
+"""aiayn side by side with its peers, JoeyNMT 2.3.0 and OpenNMT-py 3.5.1: all three train on
 the same prepared split for the same minutes with the closest recipe to configs/demo.yaml,
 decode the test split with the same search, and are scored by the same function.
 
@@ -593,7 +593,7 @@ def load_rows(path: Path, meta: dict) -> list[dict]:
         old = json.loads(path.read_text())
     except (OSError, ValueError):
         return []
-    old.setdefault("config_sets", [])  # written before --set existed: no overrides
+    old.setdefault("config_sets", [])  # a results.json without the key has no overrides
     if any(old.get(key) != meta[key] for key in ("minutes", "data", "test_limit", "config_sets")):
         return []
     return old.get("rows", [])
