@@ -40,7 +40,7 @@ def test_genesis_1_1_reads_exactly(bible_stream):
 
 
 def test_bible_counts_and_split_sizes(bible_stream, bible_prepared):
-    """The figures stated in the README's Data section, as `aiayn prepare` reports them."""
+    """The figures stated in docs/data.md's table of the Bible, as `aiayn prepare` reports them."""
     stats = json.loads((bible_prepared / "stats.json").read_text(encoding="utf-8"))
     assert stats["pairs"]["read"] == bible_stream.stream.read == 31102
     assert stats["pairs"]["dropped"] == bible_stream.stream.dropped == {

@@ -5,7 +5,7 @@ The output layer (``model.Generator``) is the largest matmul of a small model: t
 step's matmul time. PyTorch runs fp32 matmuls through its BLAS (MKL in the x86 wheels); on
 an AVX2 AMD EPYC, MKL runs this one shape, a (d x V) right-hand side with V >> d, at half
 the FLOP rate of its other products, while oneDNN, which PyTorch also ships, runs it ~1.6x
-faster (benchmarks/README.md, "Session 12: the output layer through oneDNN"). The backward products
+faster (docs/findings.md#the-price-of-a-step). The backward products
 (g W and g^T h) are as fast in MKL, so only the forward changes.
 
 Which is faster depends on the CPU and its libraries, so it is measured, not assumed:

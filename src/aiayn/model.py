@@ -163,7 +163,7 @@ class MultiHeadAttention(nn.Module):
         p = self.dropout if self.training else 0.0
         # Training under bf16 autocast on a CPU, SDPA's fused kernel (its backward above all)
         # is slower than the explicit product for sentence-length sequences: 1.29x faster
-        # whole steps for the small config (benchmarks/README.md). It keeps (B, H, T, T)
+        # whole steps for the small config (docs/findings.md#bf16-on-a-cpu). It keeps (B, H, T, T)
         # weights for backward, which is why it is limited to sequences of max_len 256.
         explicit = (q.is_cpu and q.dtype == torch.bfloat16 and torch.is_grad_enabled()
                     and k.size(-2) <= 256)
@@ -447,7 +447,7 @@ class Transformer(nn.Module):
         variance 2 / (V + d): at V 8000 and d 256 the scaled vector is 4x smaller than the
         positional encoding, the model first sees positions more than words, and short runs
         learn far less (dev BLEU after 1M training tokens: 0.5-4.5 with Xavier, 8-10 with
-        this; see benchmarks/README.md). ``model.embedding_init: xavier`` restores the
+        this; docs/findings.md#initialisation). ``model.embedding_init: xavier`` restores the
         tutorials' way.
         """
         for name, p in self.named_parameters():

@@ -103,7 +103,7 @@ class SmoothedCrossEntropy(torch.autograd.Function):
     with zeros for the NLL's gradient and then exponentiates all N x V log-probabilities again.
     With the demo's 8,000-piece vocabulary those passes over ~1,000 x 8,000 numbers were ~10%
     of a training step on a CPU; this one exponentiates once and updates p in place
-    (benchmarks/README.md, "The loss and the output vocabulary").
+    (docs/findings.md#the-price-of-a-step).
     """
 
     @staticmethod
