@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from PIL import Image
 from aiayn import plots
 from aiayn.cli import main
 from aiayn.config import load_config
+from aiayn.errors import AiaynError
 from aiayn.model import Transformer, capture_attention, sinusoid_table
 from aiayn.rundir import read_metrics
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
@@ -340,8 +342,8 @@ def test_plot_command_overlays_runs(tmp_path, capsys):
 
 @pytest.mark.parametrize(("content", "message"), [
     (None, "metrics.jsonl: not found"),
-    ('{"kind": "train", "step": 1, "loss": 2.0}\n{"kind": "train", "step": 2, "lo',
-     "metrics.jsonl, line 2: not valid JSON"),
+    ('{"kind": "train", "step": 1, "lo\n{"kind": "train", "step": 2, "loss": 2.0}\n',
+     "metrics.jsonl, line 1: not valid JSON"),
     ('{"kind": "train", "step": 1}\n\n[1, 2]\n', "metrics.jsonl, line 3: expected a JSON object"),
     ('{"kind": "dev", "bleu": 3.0}\n', 'metrics.jsonl, line 1: the record has no "step"'),
     ('{"kind": "train", "step": 1, "loss": "nan?"}\n', 'line 1: "loss" is not a number'),
@@ -356,6 +358,56 @@ def test_plot_command_names_the_file_and_line_of_bad_metrics(tmp_path, capsys, c
     assert err.startswith("aiayn: error: ") and err.count("\n") == 1
     assert message in err and str(run) in err
     assert not (tmp_path / "x.png").exists()
+
+
+TORN = '{"kind": "train", "step": 10, "loss": 2.0}\n{"kind": "dev", "step": 10, "bleu": 7.5}\n' \
+       '{"kind": "train", "step": 20, "lo'  # the writer stopped mid-line
+
+
+def test_a_torn_last_metrics_line_is_left_out_with_a_note_by_every_reader(run_dir, tmp_path,
+                                                                          capsys):
+    """plot, info (and so serve's /info) and a resume read a run whose last line is cut
+    short as the run without it, and plot and info say so in one line."""
+    from aiayn.rundir import MetricsLog
+    from aiayn.runinfo import run_info
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    (run / "metrics.jsonl").write_text(TORN, encoding="utf-8")
+    assert main(["plot", str(run), "-o", str(tmp_path / "c.png")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("aiayn: warning: ")
+    assert f"{run / 'metrics.jsonl'}, line 3: left out, cut short" in err
+    assert main(["info", str(run), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["last_dev"]["step"] == 10 and "line 3: left out" in err
+    with pytest.warns(UserWarning, match="line 3: left out"):
+        assert [r["step"] for r in read_metrics(run)] == [10, 10]
+    with pytest.warns(UserWarning, match="line 3: left out"):
+        MetricsLog(run, enabled=True, resume_step=10).close()
+    assert (run / "metrics.jsonl").read_text(encoding="utf-8") == TORN.rsplit("\n", 1)[0] + "\n"
+    assert run_info(run)["last_dev"]["step"] == 10
+
+
+def test_a_damaged_metrics_line_before_the_last_is_an_error_for_every_reader(run_dir, tmp_path,
+                                                                              capsys):
+    from aiayn.rundir import MetricsLog
+    from aiayn.runinfo import run_info
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    damaged = TORN.replace('"step": 10, "bleu"', '"step": 10, "bl') + '"}\n'
+    (run / "metrics.jsonl").write_text(damaged, encoding="utf-8")
+    where = f"{run / 'metrics.jsonl'}, line 2: not valid JSON"
+    for argv in (["plot", str(run), "-o", str(tmp_path / "c.png")], ["info", str(run)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("aiayn: error: ") and err.count("\n") == 1 and where in err
+    for read in (lambda: run_info(run), lambda: MetricsLog(run, enabled=True, resume_step=10)):
+        with pytest.raises(AiaynError, match="line 2: not valid JSON"):
+            read()
+    assert (run / "metrics.jsonl").read_text(encoding="utf-8") == damaged  # nothing rewritten
+    assert not (tmp_path / "c.png").exists()
 
 
 def test_plot_command_needs_exactly_one_thing_to_draw(tmp_path, capsys):

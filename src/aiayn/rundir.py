@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -228,7 +229,7 @@ class MetricsLog:
             return
         if resume_step is not None and self.path.exists():
             # A line cut by the crash being resumed from is dropped with the later ones.
-            keep = [r for r in read_metrics(run_dir, strict=False) if r["step"] <= resume_step]
+            keep = [r for r in read_metrics(run_dir, missing_ok=True) if r["step"] <= resume_step]
             atomic_write_text(self.path, "".join(map(_metrics_line, keep)))
         from torch.utils.tensorboard import SummaryWriter
 
@@ -264,33 +265,38 @@ def _metrics_line(record: dict[str, Any]) -> str:
 METRIC_NUMBERS = {"train": ("loss", "lr"), "dev": ("dev_loss", "bleu", "chrf")}
 
 
-def read_metrics(run_dir: str | Path, strict: bool = True) -> list[dict[str, Any]]:
-    """The records of ``RUN_DIR/metrics.jsonl`` (see docs/interfaces.md), in file order.
+def read_metrics(run_dir: str | Path, missing_ok: bool = False) -> list[dict[str, Any]]:
+    """The records of ``RUN_DIR/metrics.jsonl`` (see docs/interfaces.md), in file order; the
+    one reader of `aiayn plot`, `aiayn info`, `aiayn serve`'s /info and a resume.
 
-    Each is a JSON object with a ``kind`` and a numeric ``step``, and the numbers of
-    ``METRIC_NUMBERS`` are numbers. ``strict`` (`aiayn plot`): anything else, or a missing
-    file, is an error naming the file and line. Not strict (`aiayn info`, `aiayn serve`'s
-    /info, a resume): such lines are left out (a run may be writing the last one right
-    now) and a missing file has no records."""
+    Each line is a JSON object with a ``kind`` and a numeric ``step``, and the numbers of
+    ``METRIC_NUMBERS`` are numbers. The writer appends whole lines, so a last line without
+    its newline that is not such a record was cut short (a run writing it right now, or one
+    stopped mid-line by a crash or a full disk): it is left out, with a warning that says so.
+    Any other bad line is damage, an error naming the file and line. A missing file is an
+    error too, unless ``missing_ok`` (a run that has logged nothing yet has no records)."""
     run_dir = Path(run_dir)
     path = run_dir / METRICS_FILE
     if not path.is_file():
-        if not strict:
+        if missing_ok:
             return []
         if not run_dir.is_dir():
             raise AiaynError(f"{run_dir}: not a directory (expected a run directory from "
                              "`aiayn train`)")
         raise AiaynError(f"{path}: not found; is {run_dir} a run directory from `aiayn train`?")
-    records = []
     with open(path, encoding="utf-8", errors="replace") as fh:
-        for number, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                records.append(_metrics_record(line))
-            except ValueError as exc:
-                if strict:
-                    raise AiaynError(f"{path}, line {number}: {exc}") from None
+        lines = fh.read().split("\n")  # the last item: what follows the last newline
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(_metrics_record(line))
+        except ValueError as exc:
+            if number < len(lines):
+                raise AiaynError(f"{path}, line {number}: {exc}") from None
+            warnings.warn(f"{path}, line {number}: left out, cut short: {exc} (the run is "
+                          "writing it, or stopped while it did)", stacklevel=2)
     return records
 
 

@@ -51,7 +51,7 @@ def run_info(run_dir: str | Path) -> dict[str, Any]:
         "last_dev": None,
         "weights": _weights(run_dir),
     }
-    devs = [r for r in read_metrics(run_dir, strict=False) if r["kind"] == "dev"]
+    devs = [r for r in read_metrics(run_dir, missing_ok=True) if r["kind"] == "dev"]
     if devs:
         last = devs[-1]
         info["last_dev"] = {k: last.get(k) for k in ("step", "dev_loss", "bleu", "chrf",
