@@ -298,6 +298,93 @@ def test_a_run_that_crashed_before_its_first_save_resumes_from_step_0(world, tmp
     assert steps == sorted(steps) and max(steps) == 4  # one run's log, not two
 
 
+def start_train(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "aiayn", "train", *map(str, args)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def test_a_start_killed_before_config_yaml_names_its_way_on(world, tmp_path):
+    """`aiayn train` killed in its first moments leaves a directory without config.yaml
+    (empty, or with the tokenizer copy): --resume names the command that starts it again,
+    changes no file, and that command works."""
+    for leftovers in ([], ["tokenizer", "data_dir.txt"]):
+        run = tmp_path / f"run{len(leftovers)}"
+        run.mkdir()
+        for name in leftovers:
+            shutil.copytree(world["run"] / name, run / name) if name == "tokenizer" else \
+                shutil.copy(world["run"] / name, run / name)
+        before = snapshot(run, folders=True)
+        line = one_error_line(aiayn("train", "--resume", run))
+        assert f"{run}: holds no run to resume (no config.yaml" in line
+        assert f"--out {run}" in line and ("--force" in line) == bool(leftovers)
+        assert snapshot(run, folders=True) == before
+        again = ["--config", TINY, "--data", world["data"], "--out", run,
+                 *(["--force"] if leftovers else []), "--set", "train.max_steps=2"]
+        result = aiayn("train", *again)
+        assert result.returncode == 0, result.stderr.decode()
+        assert load_train_state(run / "train_state.pt")["step"] == 2
+
+
+def test_a_real_kill_in_the_first_moments_leaves_a_way_on(world, tmp_path):
+    run = tmp_path / "run"
+    proc = start_train("--config", TINY, "--data", world["data"], "--out", run)
+    deadline = time.time() + 60
+    while not run.exists() and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    result = aiayn("train", "--resume", run, "--set", "train.max_steps=2")
+    if (run / "config.yaml").exists():  # killed after the run was created: it resumes
+        assert result.returncode == 0, result.stderr.decode()
+    else:
+        line = one_error_line(result)
+        command = line.split("`aiayn train ")[1].split("`")[0]
+        assert command.startswith("--config FILE --data DIR --out ")
+        force = ["--force"] if "--force" in command else []
+        result = aiayn("train", "--config", TINY, "--data", world["data"], "--out", run,
+                       *force, "--set", "train.max_steps=2")
+        assert result.returncode == 0, result.stderr.decode()
+    assert load_train_state(run / "train_state.pt")["step"] == 2
+
+
+def test_kills_at_random_moments_then_resumes_end_on_the_uninterrupted_weights(world, tmp_path):
+    """SIGKILL at three random moments of a one-thread run, each followed by --resume: the
+    final weights equal an uninterrupted run's bit for bit."""
+    import random
+
+    from helpers import assert_equal_weights, weights
+
+    settings = ["--set", "train.max_steps=40", "--set", "train.save_every=5",
+                "--set", "train.eval_every=20", "--set", "train.log_every=5"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    result = aiayn("train", "--config", TINY, "--data", world["data"], "--out", straight,
+                   *settings)
+    assert result.returncode == 0, result.stderr.decode()
+    rng = random.Random(7)
+    args = ["--config", TINY, "--data", world["data"], "--out", killed, *settings]
+    kills, saved = 0, []  # the step each killed process had saved beyond the one before
+    for _ in range(3):
+        before = saved[-1] if saved else 0
+        proc = start_train(*args)
+        deadline = time.time() + 60
+        while proc.poll() is None and time.time() < deadline and not (
+                (killed / "train_state.pt").exists()
+                and load_train_state(killed / "train_state.pt")["step"] > before):
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 0.3))  # a moment between saves, or during one
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            kills += 1
+        proc.wait()
+        saved.append(load_train_state(killed / "train_state.pt")["step"])
+        args = ["--resume", killed]
+    assert kills >= 2 and saved == sorted(saved) and saved[0] < 40  # really interrupted
+    result = aiayn("train", "--resume", killed)
+    assert result.returncode == 0, result.stderr.decode()
+    assert load_train_state(killed / "train_state.pt")["step"] == 40
+    assert_equal_weights(weights(killed), weights(straight))
+
+
 def test_train_force_replaces_the_run_files_and_nothing_else(world, tmp_path):
     run = copy_run(world, tmp_path)
     (run / "notes.txt").write_text("mine\n", encoding="utf-8")

@@ -5,8 +5,9 @@ waits at a barrier at the op's end. When another program takes one of the cores,
 thread on that core runs only when the scheduler hands it a time slice (milliseconds
 later), and every op waits for it. A decoding step is hundreds of ops of a few
 microseconds each, so it can become many times slower than *one* thread on the free core
-would be, by how much depends on the hypervisor and the scheduler (docs/threads.md). Waiting policies (OMP_WAIT_POLICY, GOMP_SPINCOUNT)
-only change how the waiting is done: the descheduled thread still holds everyone up.
+would be, by how much depends on the hypervisor and the scheduler (docs/threads.md).
+Waiting policies (OMP_WAIT_POLICY, GOMP_SPINCOUNT) only change how the waiting is done: the
+descheduled thread still holds everyone up.
 
 Two remedies, one per shape of work:
 

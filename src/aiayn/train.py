@@ -67,7 +67,7 @@ from aiayn.errors import AiaynError
 from aiayn.evaluate import validate
 from aiayn.io import as_disk_error, check_room, remove_temp_files
 from aiayn.kernels import choose_output_kernel
-from aiayn.lock import locked
+from aiayn.lock import PID_FILE, locked
 from aiayn.model import Transformer
 from aiayn.optim import build_optimizer, schedule_lr, set_learning_rate
 from aiayn.progress import log
@@ -360,6 +360,20 @@ def check_run_request(resume: bool, init_from: str | Path | None, config_given: 
                          "(or --resume RUN_DIR)")
 
 
+def check_holds_a_run(run_dir: Path) -> None:
+    """--resume needs the run's config.yaml, the file `aiayn train` writes last when it
+    creates a run: a directory without it was left by a start stopped before that (a kill in
+    its first seconds), and the way on is that start's own command again."""
+    if (run_dir / "config.yaml").is_file():
+        return
+    leftovers = [p.name for p in run_dir.iterdir() if p.name != PID_FILE]
+    raise AiaynError(
+        f"{run_dir}: holds no run to resume (no config.yaml: `aiayn train` stopped before it "
+        f"wrote one); start the run again with the command that began it, `aiayn train "
+        f"--config FILE --data DIR --out {run_dir}" + (" --force`, which replaces what the "
+        f"stopped start left ({', '.join(sorted(leftovers)[:4])})" if leftovers else "`"))
+
+
 @dataclass
 class RunStart:
     """Where a Trainer starts: the settings before the data is seen, the data, and whether
@@ -381,6 +395,7 @@ class RunStart:
                resume: bool, overrides: list[str], init_from: str | Path | None,
                log: Callable[[str], object]) -> RunStart:
         if resume:
+            check_holds_a_run(run_dir)
             # A run that crashed before its first save has nothing to resume from: it
             # starts again at step 0 with its own config (which is what it would have done).
             restart = resume_point(run_dir) is None
