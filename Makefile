@@ -8,14 +8,15 @@ BROWSER_PACKAGES := chromium chromium-driver fonts-liberation
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEMO_MINUTES ?= 12
 
-.PHONY: venv sword browser test lint docs notebook demo bench peers clean
+.PHONY: venv sword browser test lint docs notebook demo bench peers pins clean
 
-# torch first, pinned: an unpinned torch would pull a multi-GB CUDA build.
-$(VENV)/.installed: pyproject.toml
+# torch first, pinned: an unpinned torch would pull a multi-GB CUDA build. Then the project
+# at the versions of constraints.txt, the set the tests last passed with.
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[test,serve,export]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,serve,export]'
 	touch $@
 
 venv: $(VENV)/.installed
@@ -64,5 +65,21 @@ bench: venv
 peers:
 	PYTHON=$(PYTHON) benchmarks/peers/setup.sh
 
+# constraints.txt anew: the newest versions pyproject.toml's ranges allow, installed in a
+# fresh venv (.venv-pins), written only when the whole test suite passes with them.
+PINS_VENV := .venv-pins
+pins: sword browser
+	rm -rf $(PINS_VENV)
+	$(PYTHON) -m venv $(PINS_VENV)
+	$(PINS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(PINS_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(PINS_VENV)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -e '.[test,serve,export]'
+	$(PINS_VENV)/bin/python -m pytest
+	head -n 3 constraints.txt > constraints.txt.new
+	$(PINS_VENV)/bin/python -m pip freeze --exclude-editable | sed -E 's/\+[^ ]*$$//' >> constraints.txt.new
+	mv constraints.txt.new constraints.txt
+	rm -rf $(PINS_VENV)
+	@echo "constraints.txt rewritten; make venv installs it"
+
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(PINS_VENV) build src/*.egg-info .pytest_cache
