@@ -46,8 +46,8 @@ def _number(value: Any) -> str:
         return json.dumps(value)
     if isinstance(value, int):
         return f"{value:,}"
-    if isinstance(value, float):
-        return f"{value:g}" if abs(value) < 1e-3 or abs(value) >= 1e6 else f"{value:,.10g}"
+    if isinstance(value, float):  # as written in the results file: 49.0 stays 49.0
+        return f"{value:g}" if abs(value) < 1e-3 or abs(value) >= 1e6 else f"{value:,}"
     return str(value)
 
 
@@ -236,9 +236,8 @@ def results_page() -> str:
                 f"(../{table['_file']}).", "",
                 _table(header, rows, right), "",
                 *[_conditions_line(key, table["conditions"][key]) for key in used], ""]
-        notes = table.get("notes") or []
-        if notes:
-            out += [*notes, ""]
+        for note in table.get("notes") or []:  # a paragraph each
+            out += [note, ""]
     return "\n".join(out)
 
 
