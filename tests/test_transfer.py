@@ -211,6 +211,8 @@ def test_patience_stops_and_best_weights_follow_the_chosen_metric(
     assert result["stop_reason"].startswith("patience: 2 validations without a better")
     out = capsys.readouterr().out  # tqdm.write: the log lines go to stdout
     assert f"stopped at step {2 * stop_at}" in out and f"at step {2 * best_at} (best" in out
+    stop_line = next(line for line in out.splitlines() if line.startswith("stopped at step"))
+    assert stop_line.count("best ") == 1  # the best value is said once
     devs = records(run, "dev")
     assert [r["best_step"] for r in devs][-1] == 2 * best_at
     assert all(r["best_metric"] == metric for r in devs)

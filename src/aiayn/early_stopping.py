@@ -71,7 +71,7 @@ class BestTracker:
 
     def stop_reason(self) -> str:
         return (f"patience: {self.stale} validations without a better {LABELS[self.metric]} "
-                f"(train.patience={self.patience}); best {self.describe()}")
+                f"(train.patience={self.patience})")
 
     def describe(self) -> str:
         """``dev BLEU 12.34 at step 400`` (or ``none yet``)."""

@@ -720,7 +720,8 @@ class Trainer:
                                  tokens=int(state.get("tokens", 0)), saved_step=int(state["step"]))
         if best.should_stop:  # it had stopped for patience: refuse, before anything is written
             raise AiaynError(f"{run_dir} stopped early at step {self.progress.step} "
-                             f"({best.stop_reason()}); to train on, resume with a larger "
+                             f"({best.stop_reason()}; best {best.describe()}); to train on, "
+                             "resume with a larger "
                              "--set train.patience (or 0)")
         self.log(f"resumed {run_dir} at step {self.progress.step}, epoch {stream.epoch}")
         return rng
