@@ -161,7 +161,7 @@ def main() -> None:
     parser.add_argument("--max-minutes", type=float, default=0.5,
                         help="training budget of the train measurement (0: no training)")
     parser.add_argument("--reference", help="another aiayn source directory (its src/) to "
-                        "measure too, in the same run, e.g. the release before this one")
+                        "measure too, in the same run, e.g. an earlier checkout to compare with")
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "scale.jsonl"))
     parser.add_argument("--keep", action="store_true", help="keep the prepared data and runs")
     parser.add_argument("--build-only", action="store_true", help="only write the corpora")

@@ -61,8 +61,8 @@ LOADS = {
     "a PyTorch job": [*BUSY, "--torch"],
 }
 # name -> (streams, threads per stream) of aiayn's own search
-AIAYN = {"aiayn, 1 stream x 2 threads (before)": (1, 2), "aiayn, 1 thread": (1, 1),
-         "aiayn, 2 streams x 1 thread (now)": (2, 1)}
+AIAYN = {"aiayn, 1 stream x 2 threads (every op on both cores)": (1, 2), "aiayn, 1 thread": (1, 1),
+         "aiayn, 2 streams x 1 thread (the default)": (2, 1)}
 REFERENCE = "aiayn, 1 thread"
 
 
