@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -114,7 +115,7 @@ def test_configuration_page_covers_every_setting_with_its_meaning():
     page = generate.configuration_page()
     for section, klass in config.SECTIONS.items():
         docs = generate.field_docs(klass)
-        for name in (f.name for f in __import__("dataclasses").fields(klass)):
+        for name in (f.name for f in dataclasses.fields(klass)):
             assert docs.get(name), f"{klass.__name__}.{name} has no docstring"
             assert f"`{section}.{name}`" in page
     assert "[0, 0.999]" in page  # model.dropout's range, from config.RANGES
