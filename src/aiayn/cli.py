@@ -82,8 +82,9 @@ def _add_search(p: argparse.ArgumentParser, beam: int | None = None,
                    help="length penalty (default: the run's decode.alpha: 0.6 unless its "
                    "config says otherwise)")
     if max_tokens:
-        p.add_argument("--max-tokens", type=int, default=8192,
-                       help="batch budget: padded source tokens x beam (default 8192)")
+        p.add_argument("--max-tokens", type=int, default=None,
+                       help="batch budget: padded source tokens x beam (default 8192 on a CPU; "
+                       "on a GPU what a quarter of its free memory holds, up to 262144)")
 
 
 def _at_least(value: int, low: int, option: str) -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -114,26 +115,30 @@ def greedy_decode(
 
     With ``use_cache=False`` the whole prefix is re-run through the decoder at every step,
     as the tutorials do; it gives the same tokens and exists to measure the cache's gain.
+    The tokens chosen are copied to the host once a step, where the bookkeeping runs (see
+    :class:`_Rows`).
     """
     B = src.size(0)
     state = _DecoderState(model, src, 1, use_cache)
-    limits = output_limits(model, state.src_pad, max_len_b)
-    active = torch.arange(B, device=src.device)  # original sentence of each row
-    tokens = torch.full((B, 1), BOS_ID, dtype=torch.long, device=src.device)
+    rows = _Rows(output_limits(model, state.src_pad, max_len_b), copies=1)
     outputs: list[list[int]] = [[] for _ in range(B)]
-    for step in range(1, int(limits.max()) + 1 if B else 1):
-        next_token = state.next_logits(tokens).argmax(dim=-1)
-        tokens = torch.cat([tokens, next_token[:, None]], dim=1)
-        done = next_token.eq(EOS_ID) | limits[active].eq(step)
-        if not bool(done.any()):
+    next_token = torch.full((B,), BOS_ID, dtype=torch.long, device=src.device)
+    for step in range(1, rows.longest + 1 if B else 1):
+        next_token = state.next_logits(rows.decoder_input(next_token, use_cache)).argmax(dim=-1)
+        chosen = next_token.cpu().numpy()  # the one transfer to the host of this step
+        rows.grow(np.arange(len(chosen)), chosen)
+        done = (chosen == EOS_ID) | rows.at_limit(step)
+        if not done.any():
             continue
-        for row in done.nonzero().flatten().tolist():
-            outputs[int(active[row])] = strip_special(tokens[row, 1:].tolist())
-        keep = (~done).nonzero().flatten()
-        if keep.numel() == 0:
+        for row in np.flatnonzero(done):
+            outputs[rows.sentence[row]] = strip_special(rows.history[row].tolist())
+        keep = np.flatnonzero(~done)
+        if keep.size == 0:
             break
-        active, tokens = active[keep], tokens[keep]
-        state.select(keep, shrinks=True)
+        rows.keep(keep)
+        index = torch.from_numpy(keep).to(src.device)
+        next_token = next_token.index_select(0, index)
+        state.select(index, shrinks=True)
     return outputs
 
 
@@ -152,6 +157,12 @@ def beam_search(
     src: (B, S) padded source ids. Returns, per sentence, up to ``nbest`` hypotheses
     ``(token ids without BOS/EOS, score)``, best first; the score is the log-probability
     divided by the GNMT length penalty.
+
+    The scores and choices stay on the model's device; once a step the few numbers the
+    bookkeeping needs ((A, 2K) candidates, (A, K) survivors) are copied to the host in one
+    transfer, and the finished lists, limits and token histories are kept there
+    (:class:`_Rows`): on a GPU, a synchronisation per sentence and step cost more than the
+    model itself (docs/findings.md#decoding-on-a-gpu).
     """
     if beam < 1:
         raise ValueError(f"beam must be at least 1, got {beam}")
@@ -159,76 +170,110 @@ def beam_search(
         raise ValueError(f"nbest must be between 1 and the beam size {beam}, got {nbest}")
     B, K, device = src.size(0), beam, src.device
     state = _DecoderState(model, src, K, use_cache)
-    limits = output_limits(model, state.src_pad[::K], max_len_b)
-    active = torch.arange(B, device=device)  # original sentence of each live sentence
-    tokens = torch.full((B * K, 1), BOS_ID, dtype=torch.long, device=device)
+    rows = _Rows(output_limits(model, state.src_pad[::K], max_len_b), copies=K)
     # Log-probabilities of the live hypotheses; only the first beam is live at the start,
     # so the K copies of BOS do not become K copies of the same hypothesis.
     scores = torch.full((B, K), float("-inf"), device=device)
     scores[:, 0] = 0.0
+    token = torch.full((B, K), BOS_ID, dtype=torch.long, device=device)
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
 
-    for step in range(1, int(limits.max()) + 1 if B else 1):
-        A = active.numel()
-        log_probs = torch.log_softmax(state.next_logits(tokens), dim=-1)  # (A*K, V)
+    for step in range(1, rows.longest + 1 if B else 1):
+        A = scores.size(0)
+        logits = state.next_logits(rows.decoder_input(token.reshape(-1), use_cache))
+        log_probs = torch.log_softmax(logits, dim=-1)  # (A*K, V)
         V = log_probs.size(-1)
         candidates = (scores[:, :, None] + log_probs.view(A, K, V)).view(A, K * V)
         top_scores, top_index = candidates.topk(min(2 * K, K * V), dim=1)  # (A, 2K) best first
         top_beam, top_token = top_index // V, top_index % V
-        prefixes = tokens.view(A, K, -1)[:, :, 1:]  # drop BOS
-
-        ends = top_token.eq(EOS_ID) & torch.isfinite(top_scores)
-        ends[:, K:] = False  # only EOS candidates that rank among the first K are finished
-        _finish(finished, active, ends, top_scores, top_beam, prefixes, None, step, alpha)
-
         # The K best candidates that do not end in EOS stay alive (a stable sort keeps rank).
         alive = top_token.ne(EOS_ID).to(torch.int8).argsort(dim=1, descending=True, stable=True)
         alive = alive[:, :K]
         scores = top_scores.gather(1, alive)
         beam_of, token = top_beam.gather(1, alive), top_token.gather(1, alive)
+        # One transfer: float64 holds the float32 scores and the ids exactly.
+        host = torch.cat([t.double() for t in (top_scores, top_beam, top_token, scores,
+                                               beam_of, token)], dim=1).cpu().numpy()
+        c = top_scores.size(1)
+        h_top_scores, h_top_beam, h_top_token = (host[:, i * c:(i + 1) * c] for i in range(3))
+        h_scores, h_beam_of, h_token = (host[:, 3 * c + i * K:3 * c + (i + 1) * K]
+                                        for i in range(3))
+        h_top_beam, h_top_token = h_top_beam.astype(np.int64), h_top_token.astype(np.int64)
+        h_beam_of, h_token = h_beam_of.astype(np.int64), h_token.astype(np.int64)
 
-        at_limit = limits[active].eq(step)
-        if bool(at_limit.any()):  # live hypotheses that reached the limit end as they are
-            cut = at_limit[:, None] & torch.isfinite(scores)
-            _finish(finished, active, cut, scores, beam_of, prefixes, token, step, alpha)
-        done = at_limit | ~torch.isfinite(scores[:, 0])
-        done |= torch.tensor([len(finished[int(s)]) >= K for s in active], device=device)
+        ends = (h_top_token == EOS_ID) & np.isfinite(h_top_scores)
+        ends[:, K:] = False  # only EOS candidates that rank among the first K are finished
+        rows.finish(finished, ends, h_top_scores, h_top_beam, None, step, alpha)
+        at_limit = rows.at_limit(step)
+        if at_limit.any():  # live hypotheses that reached the limit end as they are
+            cut = at_limit[:, None] & np.isfinite(h_scores)
+            rows.finish(finished, cut, h_scores, h_beam_of, h_token, step, alpha)
+        done = at_limit | ~np.isfinite(h_scores[:, 0])
+        done |= np.array([len(finished[s]) >= K for s in rows.sentence], dtype=bool)
 
-        keep = (~done).nonzero().flatten()
-        if keep.numel() == 0:
+        keep = np.flatnonzero(~done)
+        if keep.size == 0:
             break
-        rows = (keep[:, None] * K + beam_of[keep]).flatten()  # sentence-major beam rows
-        tokens = torch.cat([tokens.index_select(0, rows), token[keep].reshape(-1, 1)], dim=1)
-        state.select(rows, shrinks=keep.numel() < A)
-        active, scores = active[keep], scores[keep]
+        beam_rows = (keep[:, None] * K + h_beam_of[keep]).reshape(-1)  # sentence-major
+        rows.keep(keep, beam_rows)
+        rows.grow(slice(None), h_token[keep].reshape(-1))
+        index = torch.from_numpy(keep).to(device)
+        state.select(torch.from_numpy(beam_rows).to(device), shrinks=keep.size < A)
+        scores, token = scores.index_select(0, index), token.index_select(0, index)
 
     return [sorted(hyps, key=lambda h: -h.score)[:nbest] for hyps in finished]
 
 
-def _finish(
-    finished: list[list[Hypothesis]],
-    active: Tensor,
-    chosen: Tensor,
-    scores: Tensor,
-    beam_of: Tensor,
-    prefixes: Tensor,
-    last_token: Tensor | None,
-    step: int,
-    alpha: float,
-) -> None:
-    """Move the chosen (A, C) candidates to their sentence's finished list.
-
-    A candidate is ``prefixes[a, beam_of[a, c]]`` followed by EOS (``last_token`` None) or
-    by ``last_token[a, c]``; either way it has ``step`` generated tokens.
+class _Rows:
+    """The host's side of a search: for each live sentence its original index and output
+    limit, and for each live row (sentence-major, ``copies`` rows a sentence) the tokens
+    generated so far. The model's device only ever needs the newest token of each row
+    (the KV cache holds the rest), or, without a cache, the whole prefix (copied over).
     """
-    if not bool(chosen.any()):
-        return
-    penalty = length_penalty(step, alpha)
-    for a, c in chosen.nonzero().tolist():
-        ids = prefixes[a, beam_of[a, c]].tolist()
-        if last_token is not None:
-            ids.append(int(last_token[a, c]))
-        finished[int(active[a])].append(Hypothesis(ids, float(scores[a, c]) / penalty))
+
+    def __init__(self, limits: Tensor, copies: int):
+        self.limits = limits.cpu().numpy()  # (A,) most new tokens of each live sentence
+        self.sentence = np.arange(len(self.limits))  # (A,) original index of each
+        self.history = np.zeros((len(self.limits) * copies, 0), dtype=np.int64)  # (A*K, t)
+        self.longest = int(self.limits.max()) if len(self.limits) else 0
+
+    def at_limit(self, step: int) -> np.ndarray:
+        return self.limits == step
+
+    def grow(self, rows, new_tokens: np.ndarray) -> None:
+        """Append one token to every row (``rows``: all of them, in order)."""
+        self.history = np.concatenate([self.history[rows], new_tokens[:, None]], axis=1)
+
+    def keep(self, sentences: np.ndarray, rows: np.ndarray | None = None) -> None:
+        """Keep the live ``sentences`` and (reordered) history ``rows`` (default: the same)."""
+        self.sentence, self.limits = self.sentence[sentences], self.limits[sentences]
+        self.history = self.history[sentences if rows is None else rows]
+
+    def decoder_input(self, newest: Tensor, use_cache: bool) -> Tensor:
+        """(N, 1) newest tokens with a cache; else (N, 1 + t) BOS and the whole prefix."""
+        if use_cache or self.history.shape[1] == 0:
+            return newest.reshape(-1, 1)
+        bos = np.full((self.history.shape[0], 1), BOS_ID, dtype=np.int64)
+        return torch.from_numpy(np.concatenate([bos, self.history], axis=1)).to(newest.device)
+
+    def finish(self, finished: list[list[Hypothesis]], chosen: np.ndarray, scores: np.ndarray,
+               beam_of: np.ndarray, last_token: np.ndarray | None, step: int,
+               alpha: float) -> None:
+        """Move the chosen (A, C) candidates to their sentence's finished list.
+
+        A candidate is row ``beam_of[a, c]`` of sentence ``a`` followed by EOS
+        (``last_token`` None) or by ``last_token[a, c]``; either way it has ``step``
+        generated tokens.
+        """
+        if not chosen.any():
+            return
+        penalty = length_penalty(step, alpha)
+        K = self.history.shape[0] // len(self.sentence)
+        for a, c in zip(*np.nonzero(chosen), strict=True):
+            ids = self.history[a * K + beam_of[a, c]].tolist()
+            if last_token is not None:
+                ids.append(int(last_token[a, c]))
+            finished[self.sentence[a]].append(Hypothesis(ids, float(scores[a, c]) / penalty))
 
 
 def strip_special(ids: list[int]) -> list[int]:

@@ -120,7 +120,7 @@ def search_name(beam: int, alpha: float) -> str:
 def evaluate_run(run_dir: str | Path, split: str = "test", beam: int | None = None,
                  alpha: float | None = None, data_dir: str | Path | None = None,
                  weights: str | Path = "best", output: str | Path | None = None,
-                 limit: int = 0, max_tokens: int = 8192, device: str | None = "auto",
+                 limit: int = 0, max_tokens: int | None = None, device: str | None = "auto",
                  bf16: bool = False, progress: bool = True, engine: str = "aiayn") -> dict[str, Any]:
     """Translate a split of the run's prepared data, write the hypotheses (one per line)
     and a .json of the scores beside them; returns that summary.

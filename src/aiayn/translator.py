@@ -82,9 +82,31 @@ def decode_bytes_per_token(cfg) -> int:
     return 4 * ((1 + 6 * layers) * d + cfg.tgt_vocab_size)
 
 
-def memory_bytes() -> int:
-    """This machine's physical memory."""
+def memory_bytes(device: torch.device | None = None) -> int:
+    """The memory a decoding pass on ``device`` can use: a GPU's free memory, else this
+    machine's physical memory."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+CPU_MAX_TOKENS = 8192  # a CPU's default batch budget: larger batches decode no faster there
+GPU_MAX_TOKENS = 1 << 18  # a GPU's largest default: the 690 test verses x beam 4 in one batch
+
+
+def default_max_tokens(cfg, device: torch.device) -> int:
+    """The batch budget ``max_tokens=None`` means on ``device``.
+
+    A CPU decodes no faster in larger batches than 8,192 padded source tokens x beam. A GPU
+    launches the same kernels for a batch of 10 sentences as for 1,000, and a step of the
+    demo's model is launch-bound far below that: its decoding speed grows with the batch
+    until the memory runs out (docs/findings.md#decoding-on-a-gpu). So there the budget is
+    what a quarter of the free GPU memory holds (``decode_bytes_per_token``), up to 2**18.
+    """
+    if device.type != "cuda":
+        return CPU_MAX_TOKENS
+    fits = memory_bytes(device) // 4 // decode_bytes_per_token(cfg)
+    return max(CPU_MAX_TOKENS, min(GPU_MAX_TOKENS, fits))
 
 
 def truncate_source(ids: list[int], max_len: int) -> list[int]:
@@ -116,11 +138,12 @@ class DecodeStats:
 class Translator:
     """A model and its tokenizers, translating lists of sentences in length-sorted batches."""
 
-    def __init__(self, model: Transformer | None, tokenizers, max_tokens: int = 8192,
+    def __init__(self, model: Transformer | None, tokenizers, max_tokens: int | None = None,
                  device: str | torch.device | None = None, bf16: bool = False, engine=None,
                  streams: int | None = None, threads_per_stream: int = 1,
                  decode: DecodeConfig | None = None):
-        """``max_tokens``: batch budget in padded source tokens x beam (``token_batches``);
+        """``max_tokens``: batch budget in padded source tokens x beam (``token_batches``;
+        None: ``default_max_tokens`` of the device, 8,192 on a CPU);
         ``bf16``: decode under bfloat16 autocast (as training validates under train.bf16).
         ``streams``: batches decoded at once, each on one CPU thread (``aiayn.threads``;
         None: ``default_streams``, as many as torch has threads when decoding starts);
@@ -134,13 +157,18 @@ class Translator:
         self.decode = decode or DecodeConfig()
         if engine is not None:
             self.device, self.model, self.max_len = torch.device(engine.device), None, engine.max_len
+            max_tokens = CPU_MAX_TOKENS if max_tokens is None else max_tokens
         else:
             self.device = torch.device(device) if device is not None else _parameter_device(model)
-            # The batch budget a decoding pass can hold in half of this machine's memory.
-            limit = memory_bytes() // 2 // decode_bytes_per_token(model.cfg)
+            if max_tokens is None:
+                max_tokens = default_max_tokens(model.cfg, self.device)
+            # The batch budget a decoding pass can hold in half of the device's memory.
+            limit = memory_bytes(self.device) // 2 // decode_bytes_per_token(model.cfg)
+            where = "the GPU's free memory" if self.device.type == "cuda" else \
+                "this machine's memory"
             if not 1 <= max_tokens <= limit:
                 raise AiaynError(f"--max-tokens must be between 1 and {limit} for this model "
-                                 f"(half of this machine's memory at "
+                                 f"(half of {where} at "
                                  f"{decode_bytes_per_token(model.cfg)} bytes per padded "
                                  f"token), got {max_tokens}")
             self.model = model.to(self.device).eval()
