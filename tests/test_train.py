@@ -172,6 +172,29 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(data_dir, tmp_path):
     assert all(r["loss"] == loss[r["step"]] for r in resumed)
 
 
+def test_collating_ahead_trains_and_resumes_exactly_as_without(data_dir, tmp_path, monkeypatch):
+    """The loop that collates the next batch during the step (on a GPU) trains on the same
+    batches, and a run saved with a batch drawn ahead resumes at that batch: weights equal to
+    an uninterrupted run that never collated ahead, epochs and sampler states alike."""
+    per_epoch = batches_per_epoch(data_dir)
+    n = max(2, (2 * per_epoch) // 3)
+    common = ["--config", TINY, "--data", str(data_dir),
+              *sets(eval_every=3, save_every=4, log_every=1, keep_checkpoints=2)]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run_train(*common, "--out", str(straight), *sets(max_steps=2 * n))
+    monkeypatch.setattr(train, "collates_ahead", lambda device: True)
+    run_train(*common, "--out", str(split), *sets(max_steps=n))
+    half = load_train_state(split / "train_state.pt")
+    assert half["step"] == n and half["epoch"] == 0
+    assert half["stream"][0]["sampler"]["batches_yielded"] == n  # not n + 1: one was ahead
+    run_train("--resume", str(split), *sets(max_steps=2 * n))
+    assert_equal_weights(weights(split), weights(straight))
+    a, b = (load_train_state(run / "train_state.pt") for run in (split, straight))
+    assert a["stream"] == b["stream"] and a["epoch"] == b["epoch"] >= 1
+    loss = {r["step"]: r["loss"] for r in records(straight, "train")}
+    assert all(r["loss"] == loss[r["step"]] for r in records(split, "train"))
+
+
 def test_output_vocab_targets_scores_the_pieces_of_the_training_targets(data_dir, tmp_path):
     """model.output_vocab=targets: the run's output layer allows exactly the pieces that the
     prepared training targets hold (and EOS), none of the source side's own words; the set
@@ -267,11 +290,12 @@ def test_the_advised_resume_after_a_non_finite_stop_lowers_the_rate_and_trains_o
     with half the rate, trains to the end at that rate and records the change."""
     real_step = train.train_step
 
-    def unstable(model, ddp, optimizer, micro, step, config, world, elapsed_s=0.0):
+    def unstable(model, ddp, optimizer, micro, step, config, world, elapsed_s=0.0,
+                 prefetch=None):
         if step >= 7 and config.train.lr_scale >= 1:
             return train.StepResult(float("nan"), sum(b.n_tokens for b in micro),
                                     float("nan"), 0.0)
-        return real_step(model, ddp, optimizer, micro, step, config, world, elapsed_s)
+        return real_step(model, ddp, optimizer, micro, step, config, world, elapsed_s, prefetch)
 
     monkeypatch.setattr(train, "train_step", unstable)
     run = tmp_path / "run"

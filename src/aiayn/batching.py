@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -258,9 +259,14 @@ def collate(examples: list[Example], pad_id: int = PAD_ID, multiple: int = 1) ->
 
 
 def pad(seqs: list[list[int]], pad_id: int = PAD_ID, multiple: int = 1) -> torch.Tensor:
-    """Right-pad id lists into a (B, L) LongTensor, L = the longest rounded up to ``multiple``."""
-    longest = max(len(s) for s in seqs)
-    out = torch.full((len(seqs), -(-longest // multiple) * multiple), pad_id, dtype=torch.long)
-    for row, seq in enumerate(seqs):
-        out[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-    return out
+    """Right-pad id lists into a (B, L) LongTensor, L = the longest rounded up to ``multiple``.
+
+    One copy of all ids into the positions a mask marks, not a tensor per row: 12x faster
+    for a 25,000-token batch, time a GPU's training loop otherwise waited for
+    (docs/findings.md#the-training-loop-on-a-gpu)."""
+    lengths = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
+    width = -(-int(lengths.max()) // multiple) * multiple
+    ids = np.fromiter(chain.from_iterable(seqs), dtype=np.int64, count=int(lengths.sum()))
+    out = np.full((len(seqs), width), pad_id, dtype=np.int64)
+    out[np.arange(width) < lengths[:, None]] = ids  # row by row, as chain reads them
+    return torch.from_numpy(out)

@@ -160,27 +160,50 @@ def _describe(stats: dict[str, int]) -> str:
 
 
 class BatchStream:
-    """Micro-batches epoch after epoch, until ``max_epochs`` are done (then None). Its
-    position is the sampler's (no prefetching, so a saved sampler state names exactly the
-    batches already trained on)."""
+    """Micro-batches epoch after epoch, until ``max_epochs`` are done (then None).
+
+    Its position is the sampler's. ``prefetch()`` draws and collates the next batch early
+    (on a GPU, while the device still computes the step before: the loop waited for it
+    otherwise, docs/findings.md#the-training-loop-on-a-gpu); that batch is not yet trained
+    on, so ``state_dict`` and ``epoch`` keep naming the position before it, and a resume
+    draws it again.
+    """
 
     def __init__(self, data: TrainData, pad_id: int, device: torch.device, max_epochs: int,
                  multiple: int = 1):
         self.data, self.pad_id, self.device = data, pad_id, device
         self.multiple = multiple  # lengths padded to it (aiayn.batching.length_multiple)
         self.max_epochs = max_epochs
-        self.epoch = 0
-        self.data.sampler.set_epoch(self.epoch)
+        self._epoch = 0
+        self._ahead: list = []  # [(the batch drawn early, the state before it)], or []
+        self.data.sampler.set_epoch(self._epoch)
         self._it = iter(self.data.sampler)
 
+    @property
+    def epoch(self) -> int:
+        """The epoch of the batches handed out so far."""
+        return self._ahead[0][1]["epoch"] if self._ahead else self._epoch
+
     def next(self):
-        positions = next(self._it, None) if self.epoch < self.max_epochs else None
+        if self._ahead:
+            batch, _ = self._ahead.pop()
+            return batch
+        return self._draw()
+
+    def prefetch(self) -> None:
+        """Draw the next batch now; ``next`` hands it out."""
+        if not self._ahead:
+            before = self.state_dict()
+            self._ahead.append((self._draw(), before))
+
+    def _draw(self):
+        positions = next(self._it, None) if self._epoch < self.max_epochs else None
         if positions is None:  # the epoch is over: reshuffle for the next one
-            self.epoch += 1
-            if self.epoch >= self.max_epochs:
-                self.epoch = self.max_epochs
+            self._epoch += 1
+            if self._epoch >= self.max_epochs:
+                self._epoch = self.max_epochs
                 return None
-            self.data.sampler.set_epoch(self.epoch)
+            self.data.sampler.set_epoch(self._epoch)
             self._it = iter(self.data.sampler)
             positions = next(self._it)
         batch = collate([self.data.train[i] for i in positions], self.pad_id, self.multiple)
@@ -188,18 +211,28 @@ class BatchStream:
 
     def restart_epoch(self, epoch: int) -> None:
         """Go to the start of ``epoch`` (a resume with another number of ranks)."""
-        self.epoch = epoch
+        self._ahead.clear()
+        self._epoch = epoch
         self.data.sampler.load_state_dict({**self.data.sampler.state_dict(), "epoch": epoch,
                                            "batches_yielded": 0})
         self._it = iter(self.data.sampler)
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "sampler": self.data.sampler.state_dict()}
+        if self._ahead:
+            return self._ahead[0][1]
+        return {"epoch": self._epoch, "sampler": self.data.sampler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch = int(state["epoch"])
+        self._ahead.clear()
+        self._epoch = int(state["epoch"])
         self.data.sampler.load_state_dict(state["sampler"])
         self._it = iter(self.data.sampler)
+
+
+def collates_ahead(device: torch.device) -> bool:
+    """Whether the loop collates the next batch while the step before still computes: where a
+    device computes beside the host; on a CPU that is the same cores, and nothing is gained."""
+    return device.type == "cuda"
 
 
 # ---------------------------------------------------------------- one optimizer update
@@ -220,13 +253,17 @@ def train_step(
     config: Config,
     world: Dist,
     elapsed_s: float = 0.0,
+    prefetch: Callable[[], object] | None = None,
 ) -> StepResult:
     """One Adam update over ``micro_batches`` (gradient accumulation), normalised by the
     global count of real target tokens. Does not update the weights when the loss or the
-    gradient is not finite (the caller stops the run)."""
+    gradient is not finite (the caller stops the run). ``prefetch`` is called once the
+    backward passes are queued, before the first wait for the device (the next batch is
+    collated while a GPU computes this one)."""
     t = config.train
     local_tokens = sum(b.n_tokens for b in micro_batches)
-    n_tokens = int(all_reduce_sum(torch.tensor([float(local_tokens)], device=world.device), world).item())
+    n_tokens = local_tokens if not world.enabled else int(all_reduce_sum(
+        torch.tensor([float(local_tokens)], device=world.device), world).item())
     # DDP averages gradients over ranks; * world_size turns that average into a sum.
     scale = world.world_size / n_tokens
     autocast = torch.autocast(world.device.type, dtype=torch.bfloat16, enabled=t.use_bf16)
@@ -239,6 +276,8 @@ def train_step(
                 loss = model(batch.src, batch.tgt_in, batch.tgt_out, t.label_smoothing)
             (loss * scale).backward()
         loss_sum += loss.detach()
+    if prefetch is not None:
+        prefetch()
     loss_per_token = all_reduce_sum(loss_sum, world).item() / n_tokens
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = t.clip_norm if t.clip_norm > 0 else float("inf")
@@ -484,6 +523,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, self.config)
         self.stream = BatchStream(self.data, self.config.model.pad_id, world.device,
                                   t.max_epochs, length_multiple(self.bf16))
+        self.prefetch = collates_ahead(world.device)
         self.progress = Progress(best=BestTracker(t.best_metric, t.patience))
         rng = self.restore() if start.continues else None
         why_output = choose_output_kernel(self.model.generator, t.max_tokens,
@@ -534,7 +574,8 @@ class Trainer:
                     break
                 step_start = time.perf_counter()
                 result = train_step(self.train_model, self.ddp, self.optimizer, micro,
-                                    progress.step + 1, self.config, self.world, progress.elapsed_s)
+                                    progress.step + 1, self.config, self.world, progress.elapsed_s,
+                                    prefetch=stream.prefetch if self.prefetch else None)
                 self.threads.observe(time.perf_counter() - step_start, result.n_tokens)
                 if not (math.isfinite(result.loss) and math.isfinite(result.grad_norm)):
                     raise AiaynError(non_finite_message(result, progress, self.run_dir, self.config))
