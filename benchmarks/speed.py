@@ -154,11 +154,12 @@ def training_steps(model: nn.Module, batches: list[Batch], bf16: bool,
     """
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
                                  fused=True)
+    device_type = next(model.parameters()).device.type
 
     def step(batch: Batch) -> float:
         model.train()
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
             loss = loss_fn(model, batch) / batch.n_tokens
         loss.backward()
         optimizer.step()
