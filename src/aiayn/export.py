@@ -1,6 +1,6 @@
 """Take a trained model elsewhere: Hugging Face Transformers (Marian) and CTranslate2.
 
-    aiayn export RUN_DIR --to hf OUT_DIR            # MarianMTModel + fast tokenizer
+    aiayn export RUN_DIR --to hf OUT_DIR            # MarianMTModel, or aiayn's model.py + fast tokenizer
     aiayn export RUN_DIR --to ctranslate2 OUT_DIR   # CTranslate2 model (+ --quantization)
 
 Both are exact: the exported model computes the same function as aiayn's (a test compares
@@ -23,7 +23,10 @@ logits and decoded tokens). What had to be mapped, and how:
   usually start with the pad token: ``decoder_start_token_id`` = 2 (and CTranslate2's
   ``decoder_start_token`` = "[BOS]").
 - **Final-logits bias.** aiayn's generator has no bias: Marian's ``final_logits_bias``
-  buffer is all zeros, CTranslate2's projection has no bias.
+  buffer is all zeros, CTranslate2's projection has no bias. A restricted generator
+  (``model.output_vocab: targets``) gives the pieces it never scores logit -inf; both
+  targets get a bias of -inf there and 0 elsewhere (``output_bias``), which leaves every
+  other log-probability as it is.
 - **Tied embeddings.** ``tie_embeddings: all`` is Marian's shared embedding
   (``share_encoder_decoder_embeddings`` + ``tie_word_embeddings``); ``decoder`` ties the
   target embedding to the output projection only; ``none`` ties nothing.
@@ -35,10 +38,15 @@ logits and decoded tokens). What had to be mapped, and how:
   with ``suppress_tokens`` and ``renormalize_logits`` (so beam scores are the same
   renormalized log-probabilities); for CTranslate2, ``aiayn.ct2_engine`` passes them as
   ``suppress_sequences``.
-- **Pre-norm.** Marian is post-norm only: Transformers' MarianConfig has no
+- **Pre-norm, QK-norm.** Marian is post-norm only: Transformers' MarianConfig has no
   ``normalize_before`` option (and the pre-norm relatives, MBart and M2M100, add an
-  embedding LayerNorm or use other sinusoid frequencies), so a pre-norm run is refused for
-  ``--to hf``. CTranslate2's TransformerSpec has ``pre_norm``: both kinds export there.
+  embedding LayerNorm or use other sinusoid frequencies) and no QK-norm, so ``--to hf``
+  writes such a model as aiayn's own: ``model.py`` copied verbatim, ``hf_model.py`` (the
+  Transformers interface) and ``auto_map`` in config.json (``trust_remote_code``).
+  CTranslate2's TransformerSpec has ``pre_norm``: both kinds export there. Its QK-norm
+  (4.8) normalises each head's queries and keys in self-attention and each head's keys in
+  encoder-decoder attention, but the encoder-decoder queries over all of d_model (a
+  per-head gain is read past its end): a QK-norm model is refused.
 - **Tokenizer.** Marian's own tokenizer is SentencePiece; the export writes a fast
   tokenizer instead: aiayn's `tokenizers` JSON with a post-processor that appends [EOS]
   (source ids are tokens + [EOS], labels are tokens + [EOS]; the decoder input is the
