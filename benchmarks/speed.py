@@ -138,7 +138,7 @@ def torch_loss(model: nn.Module, batch: Batch, smoothing: float = LABEL_SMOOTHIN
 
 def aiayn_loss(model: Transformer, batch: Batch, smoothing: float = LABEL_SMOOTHING) -> Tensor:
     """The same loss as aiayn trains with: ``Transformer.forward`` given the targets
-    (the softmax kept for backward, aiayn.optim.SmoothedCrossEntropy)."""
+    (the softmax kept for backward, aiayn.model.SmoothedCrossEntropy)."""
     return model(batch.src, batch.tgt_in, batch.tgt_out, smoothing)
 
 

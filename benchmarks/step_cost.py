@@ -14,7 +14,7 @@ does not depend on the machine's speed: a variant that costs 1.25x per step gets
 
 Each variant is a name and comma-separated ``--set`` overrides of the config. ``--torch-loss``
 adds each config whose ``model.output_vocab`` is ``all`` trained with ``F.cross_entropy`` in
-place of aiayn's loss (``aiayn.optim.SmoothedCrossEntropy``), to price the loss itself; each
+place of aiayn's loss (``aiayn.model.SmoothedCrossEntropy``), to price the loss itself; each
 config trains with its own ``train.label_smoothing``. A variant that changes
 ``train.max_tokens`` trains on batches of its own budget, cut from the same sentence lengths;
 a further column then compares the time of a target token, which is what equal compute
@@ -33,6 +33,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
@@ -51,7 +52,7 @@ from speed import aiayn_loss, torch_loss, training_steps  # noqa: E402
 
 from aiayn.config import load_config  # noqa: E402
 from aiayn.errors import AiaynError  # noqa: E402
-from aiayn.kernels import onednn_available  # noqa: E402
+from aiayn.kernels import onednn_available, onednn_linear  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
 
 
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         model = Transformer(cfg.model)
         if model.generator.restricted:  # which pieces does not change the time, how many does
             model.generator.set_outputs(torch.arange(args.output_pieces))
-        model.generator.onednn = name.endswith(", oneDNN output")
+        model.generator.kernel = (onednn_linear if name.endswith(", oneDNN output")
+                                  else F.linear)
         # each config's own label smoothing: with none, F.cross_entropy takes a cheaper path
         loss = partial(aiayn_loss, smoothing=cfg.train.label_smoothing)
         steps[name] = training_steps(model, batches[cfg.train.max_tokens], bf16=args.bf16,

@@ -14,6 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it
 
 import dataclasses
 import json
+import math
 import random
 import sys
 from importlib.util import find_spec
@@ -25,10 +26,10 @@ from helpers import random_sentence, run_cli
 
 from aiayn.batching import pad
 from aiayn.checkpoint import save_weights
-from aiayn.config import Config, DataConfig, DecodeConfig, ModelConfig, save_config
+from aiayn.config import Config, DataConfig, DecodeConfig, ModelConfig, load_config, save_config
 from aiayn.decode import beam_search, greedy_decode
 from aiayn.evaluate import evaluate_run
-from aiayn.export import TARGETS, export_run, residual_permutation
+from aiayn.export import HF_CODE, export_run, residual_permutation
 from aiayn.model import Transformer, sinusoid_table
 from aiayn.rundir import load_run
 from aiayn.tokenizer import train_tokenizers
@@ -60,6 +61,9 @@ def random_run(root: Path, name: str, tie: str = "all", norm_first: bool = False
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
+    if output_vocab == "targets":  # as aiayn train: the target side's pieces and [EOS]
+        seen = {i for ids in tokenizers.encode_tgt([t for _, t in pairs]) for i in ids[1:]}
+        model.generator.set_outputs(torch.tensor(sorted(seen)))
     run = root / name
     run.mkdir()
     save_config(Config(model=cfg, data=data).validate(), run / "config.yaml")
@@ -76,11 +80,28 @@ def teacher_forced(run: Path):
     return model, tokenizers, src, tgt
 
 
-def load_hf(out: Path):
+def load_hf(out: Path, remote_code: bool = False):
+    """The loading code a user writes; ``remote_code``: trust the folder's own model code."""
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-    model = AutoModelForSeq2SeqLM.from_pretrained(out, local_files_only=True).eval()
-    return model, AutoTokenizer.from_pretrained(out, local_files_only=True)
+    model = AutoModelForSeq2SeqLM.from_pretrained(out, local_files_only=True,
+                                                  trust_remote_code=remote_code).eval()
+    return model, AutoTokenizer.from_pretrained(out, local_files_only=True,
+                                                trust_remote_code=remote_code)
+
+
+def preset_switches(path: Path) -> dict:
+    """The architecture switches of a preset in configs/, for a tiny model built alike."""
+    cfg = load_config(path).model
+    return {"tie": cfg.tie_embeddings, "norm_first": cfg.norm_first, "qk_norm": cfg.qk_norm,
+            "output_vocab": cfg.output_vocab}
+
+
+PRESETS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+
+
+def strip_all(rows: list[list[int]]) -> list[list[int]]:
+    return [strip(row) for row in rows]
 
 
 # ---------------------------------------------------------------- the permutation
@@ -181,7 +202,117 @@ def strip(row: list[int]) -> list[int]:
     return ids[: ids.index(3)] if 3 in ids else [i for i in ids if i != 0]
 
 
+@needs_hf
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+def test_every_presets_architecture_leaves_for_transformers_exactly(tmp_path, preset):
+    """Marian where it computes the model (post-norm, no QK-norm: no remote code), else
+    aiayn's own model.py beside the weights: the same logits, -inf where aiayn has -inf."""
+    switches = preset_switches(preset)
+    run = random_run(tmp_path, "run", **switches)
+    export_run(run, "hf", tmp_path / "hf")
+    marian = not switches["norm_first"] and not switches["qk_norm"]
+    theirs_model, tokenizer = load_hf(tmp_path / "hf", remote_code=not marian)
+    assert (type(theirs_model).__name__ == "MarianMTModel") == marian
+    assert all((tmp_path / "hf" / name).is_file() != marian for name in HF_CODE)
+    model, tokenizers, src, tgt = teacher_forced(run)
+    with torch.no_grad():
+        ours = model(src, tgt[:, :-1])
+        theirs = theirs_model(input_ids=src, attention_mask=src.ne(0),
+                              decoder_input_ids=tgt[:, :-1]).logits
+    real = tgt[:, :-1].ne(0)[..., None].expand_as(ours)
+    finite = torch.isfinite(ours)
+    assert torch.equal(finite[real], torch.isfinite(theirs)[real])
+    assert (ours - theirs)[real & finite].abs().max() <= 1e-4
+    assert tokenizer(TEXTS).input_ids == tokenizers.encode_src(TEXTS)
+
+
+@needs_hf
+@pytest.mark.parametrize("switches", [
+    {"norm_first": True, "qk_norm": True, "output_vocab": "targets"},  # the demo's
+    {"norm_first": False, "output_vocab": "targets"},  # Marian with final_logits_bias
+    {"norm_first": True, "tie": "none"}])
+def test_generate_gives_aiayn_tokens_for_every_kind_of_model(tmp_path, switches):
+    """greedy and beam 4 (all hypotheses, their scores) through generate, on random models:
+    a restricted output layer never emits an excluded piece in either."""
+    run = random_run(tmp_path, "run", **switches)
+    export_run(run, "hf", tmp_path / "hf")
+    theirs, tokenizer = load_hf(tmp_path / "hf", remote_code=True)
+    _, model, _ = load_run(run)
+    batch = tokenizer(TEXTS, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        greedy = theirs.generate(**batch, num_beams=1, do_sample=False)
+        beams = theirs.generate(**batch, num_beams=4, num_return_sequences=4,
+                                length_penalty=0.0, early_stopping=True,
+                                output_scores=True, return_dict_in_generate=True)
+    assert strip_all(greedy.tolist()) == greedy_decode(model, batch.input_ids)
+    ours = beam_search(model, batch.input_ids, beam=4, alpha=0.0, nbest=4)
+    assert strip_all(beams.sequences.tolist()) == [h.ids for hyps in ours for h in hyps]
+    assert torch.allclose(beams.sequences_scores,
+                          torch.tensor([h.score for hyps in ours for h in hyps]), atol=1e-4)
+
+
+def test_model_py_depends_on_torch_alone():
+    """The exported folder ships model.py: it must import nothing of aiayn."""
+    import ast
+
+    import aiayn.model
+
+    tree = ast.parse(Path(aiayn.model.__file__).read_text(encoding="utf-8"))
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree)
+                if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module}
+    assert imported <= {"__future__", "math", "collections", "contextlib", "torch"}
+
+
 # ---------------------------------------------------------------- CTranslate2
+@needs_ct2
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+def test_every_presets_architecture_leaves_for_ctranslate2_exactly_or_is_refused(tmp_path,
+                                                                                 capsys, preset):
+    """The same log-probabilities (float32), or, for QK-norm, a one-line refusal."""
+    import ctranslate2
+
+    switches = preset_switches(preset)
+    run = random_run(tmp_path, "run", **switches)
+    code, _, err = run_cli(["export", str(run), "--to", "ctranslate2", str(tmp_path / "ct2")],
+                           capsys)
+    if switches["qk_norm"]:
+        assert one_line_error(code, err, "model.qk_norm: true")
+        return
+    assert code == 0
+    model, tokenizers, src, tgt = teacher_forced(run)
+    with torch.no_grad():
+        log_probs = torch.log_softmax(model(src, tgt[:, :-1]), dim=-1)
+    source = [tokenizers.src_tokens(t)[:-1] for t in TEXTS]
+    target = [tokenizers.tgt_tokens(t[::-1])[1:-1] for t in TEXTS]
+    results = ctranslate2.Translator(str(tmp_path / "ct2")).score_batch(source, target)
+    for b, result in enumerate(results):
+        expected = [log_probs[b, t, tgt[b, t + 1]].item() for t in range(len(target[b]) + 1)]
+        assert result.log_probs == pytest.approx(expected, abs=1e-4)
+
+
+@needs_ct2
+@pytest.mark.parametrize("quantization", [None, "int8", "float16", "bfloat16"])
+def test_a_restricted_output_layer_leaves_for_ctranslate2_as_a_bias(tmp_path, quantization):
+    """Excluded pieces get bias -inf: float32 gives aiayn's greedy and beam-4 tokens (its
+    log-probabilities: the preset test); no weight type ever emits an excluded piece or a
+    non-finite score."""
+    run = random_run(tmp_path, "run", norm_first=True, output_vocab="targets")
+    export_run(run, "ctranslate2", tmp_path / "ct2", quantization=quantization)
+    ours = Translator.from_pretrained(run)
+    theirs = Translator.from_pretrained(tmp_path / "ct2", engine="ctranslate2")
+    sources, _ = ours.encode(TEXTS)
+    allowed = ours.model.generator.output_mask
+    for beam in (1, 4):
+        got = theirs.decode_ids(sources, beam=beam, alpha=0.0, nbest=beam)
+        assert all(allowed[i] for hyps in got for h in hyps for i in h.ids)
+        assert all(math.isfinite(h.score) for hyps in got for h in hyps)
+        if quantization is None:
+            want = ours.decode_ids(sources, beam=beam, alpha=0.0, nbest=beam)
+            assert ids(got) == ids(want)
+
+
 @needs_ct2
 @pytest.mark.parametrize("tie, norm_first", [("all", False), ("decoder", False),
                                              ("none", False), ("all", True)])
@@ -284,35 +415,15 @@ def test_a_run_without_weights_is_one_line(run_dir, tmp_path, capsys, to):
     assert not (tmp_path / "out").exists()
 
 
-@needs_hf
-def test_a_pre_norm_run_is_refused_for_marian_in_one_line(tmp_path, capsys):
-    run = random_run(tmp_path, "run", norm_first=True)
-    code, _, err = run_cli(["export", str(run), "--to", "hf", str(tmp_path / "out")], capsys)
-    assert one_line_error(code, err, "pre-norm", "--to ctranslate2")
-    assert not (tmp_path / "out").exists()
-
-
-@pytest.mark.parametrize("to", TARGETS)
-def test_a_qk_norm_run_is_refused_for_both_targets_in_one_line(tmp_path, capsys, to):
-    """Neither target computes per-head QK-norm in encoder-decoder attention (CTranslate2 4.8
-    gave log-probabilities 1.2 off): refused before any weights are read, nothing written."""
-    pytest.importorskip("transformers" if to == "hf" else "ctranslate2")
+@needs_ct2
+def test_a_qk_norm_run_is_refused_for_ctranslate2_in_one_line(tmp_path, capsys):
+    """CTranslate2 4.8 RMS-normalises the query of encoder-decoder attention over all of
+    d_model, not per head: refused before any weights are read, nothing written."""
     run = random_run(tmp_path, "run", norm_first=True, qk_norm=True)
     (run / "best.safetensors").unlink()  # the refusal comes from config.yaml alone
-    code, _, err = run_cli(["export", str(run), "--to", to, str(tmp_path / "out")], capsys)
-    assert one_line_error(code, err, "model.qk_norm: true", f"--to {to}")
-    assert not (tmp_path / "out").exists()
-
-
-@pytest.mark.parametrize("to", TARGETS)
-def test_a_restricted_output_layer_is_refused_for_both_targets_in_one_line(tmp_path, capsys, to):
-    """model.output_vocab=targets scores some pieces only; neither target's output layer
-    can: refused from config.yaml before any weights are read, nothing written."""
-    pytest.importorskip("transformers" if to == "hf" else "ctranslate2")
-    run = random_run(tmp_path, "run", output_vocab="targets")
-    (run / "best.safetensors").unlink()
-    code, _, err = run_cli(["export", str(run), "--to", to, str(tmp_path / "out")], capsys)
-    assert one_line_error(code, err, "model.output_vocab: targets", f"--to {to}")
+    code, _, err = run_cli(["export", str(run), "--to", "ctranslate2", str(tmp_path / "out")],
+                           capsys)
+    assert one_line_error(code, err, "model.qk_norm: true", "--to ctranslate2", "each head")
     assert not (tmp_path / "out").exists()
 
 

@@ -79,7 +79,7 @@ def test_a_training_step_is_the_same_with_either_kernel(output_vocab):
     src, tgt_in, tgt_out = batch()
     results = []
     for onednn in (False, True):
-        model.generator.onednn = onednn
+        model.generator.kernel = kernels.onednn_linear if onednn else F.linear
         model.zero_grad()
         loss = model(src, tgt_in, tgt_out)
         assert ("_OneDNNLinearBackward" in graph_names(loss)) is onednn  # the path taken
@@ -91,10 +91,10 @@ def test_a_training_step_is_the_same_with_either_kernel(output_vocab):
     for name in grads_blas:
         torch.testing.assert_close(grads_dnn[name], grads_blas[name], msg=name)
     with torch.no_grad():  # decoding reads forward(): the same logits, -inf where not allowed
-        model.generator.onednn = True
+        model.generator.kernel = kernels.onednn_linear
         hidden = torch.randn(2, 3, CFG.d_model)
         dnn = model.generator(hidden)
-        model.generator.onednn = False
+        model.generator.kernel = F.linear
         torch.testing.assert_close(dnn, model.generator(hidden))
 
 
@@ -122,7 +122,7 @@ def test_the_choice_follows_the_probe(monkeypatch, blas, onednn, chosen):
     monkeypatch.setattr(kernels, "probe_seconds", lambda rows, d, vocab: (blas, onednn))
     generator = big_generator()
     why = kernels.choose_output_kernel(generator, rows=64)
-    assert generator.onednn is chosen
+    assert (generator.kernel is kernels.onednn_linear) is chosen
     assert ("oneDNN (a probe" if chosen else "F.linear (a probe") in why
     assert f"{blas * 1e3:.1f} ms in BLAS" in why
 
@@ -133,20 +133,20 @@ def test_no_probe_where_it_cannot_matter(monkeypatch):
     monkeypatch.setattr(kernels, "probe_seconds", probe)
     small = Transformer(CFG).generator
     assert "too small to probe" in kernels.choose_output_kernel(small, rows=64)
-    assert small.onednn is False
+    assert small.kernel is F.linear
     generator = big_generator()
     assert "not an fp32 CPU product" in kernels.choose_output_kernel(generator, 64, enabled=False)
-    assert generator.onednn is False
+    assert generator.kernel is F.linear
 
 
 def test_a_translator_keeps_the_choice_a_trainer_made():
     model = Transformer(CFG)
-    assert model.generator.onednn is None  # not chosen: F.linear
+    assert model.generator.kernel is None  # not chosen: F.linear
     Translator(model, tokenizers=None)
-    assert model.generator.onednn is False  # chosen at load (too small to probe)
-    model.generator.onednn = True  # as a trainer on a machine where oneDNN won
+    assert model.generator.kernel is F.linear  # chosen at load (too small to probe)
+    model.generator.kernel = kernels.onednn_linear  # as a trainer where oneDNN won
     Translator(model, tokenizers=None)
-    assert model.generator.onednn is True
+    assert model.generator.kernel is kernels.onednn_linear
 
 
 @needs_onednn

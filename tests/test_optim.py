@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from aiayn.optim import label_smoothed_loss, learning_rate
+from aiayn.model import label_smoothed_loss
+from aiayn.optim import learning_rate
 
 
 def test_learning_rate_is_eq3_and_peaks_at_warmup():

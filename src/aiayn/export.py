@@ -1,6 +1,6 @@
 """Take a trained model elsewhere: Hugging Face Transformers (Marian) and CTranslate2.
 
-    aiayn export RUN_DIR --to hf OUT_DIR            # MarianMTModel + fast tokenizer
+    aiayn export RUN_DIR --to hf OUT_DIR            # MarianMTModel, or aiayn's model.py + fast tokenizer
     aiayn export RUN_DIR --to ctranslate2 OUT_DIR   # CTranslate2 model (+ --quantization)
 
 Both are exact: the exported model computes the same function as aiayn's (a test compares
@@ -23,7 +23,10 @@ logits and decoded tokens). What had to be mapped, and how:
   usually start with the pad token: ``decoder_start_token_id`` = 2 (and CTranslate2's
   ``decoder_start_token`` = "[BOS]").
 - **Final-logits bias.** aiayn's generator has no bias: Marian's ``final_logits_bias``
-  buffer is all zeros, CTranslate2's projection has no bias.
+  buffer is all zeros, CTranslate2's projection has no bias. A restricted generator
+  (``model.output_vocab: targets``) gives the pieces it never scores logit -inf; both
+  targets get a bias of -inf there and 0 elsewhere (``output_bias``), which leaves every
+  other log-probability as it is.
 - **Tied embeddings.** ``tie_embeddings: all`` is Marian's shared embedding
   (``share_encoder_decoder_embeddings`` + ``tie_word_embeddings``); ``decoder`` ties the
   target embedding to the output projection only; ``none`` ties nothing.
@@ -35,10 +38,15 @@ logits and decoded tokens). What had to be mapped, and how:
   with ``suppress_tokens`` and ``renormalize_logits`` (so beam scores are the same
   renormalized log-probabilities); for CTranslate2, ``aiayn.ct2_engine`` passes them as
   ``suppress_sequences``.
-- **Pre-norm.** Marian is post-norm only: Transformers' MarianConfig has no
+- **Pre-norm, QK-norm.** Marian is post-norm only: Transformers' MarianConfig has no
   ``normalize_before`` option (and the pre-norm relatives, MBart and M2M100, add an
-  embedding LayerNorm or use other sinusoid frequencies), so a pre-norm run is refused for
-  ``--to hf``. CTranslate2's TransformerSpec has ``pre_norm``: both kinds export there.
+  embedding LayerNorm or use other sinusoid frequencies) and no QK-norm, so ``--to hf``
+  writes such a model as aiayn's own: ``model.py`` copied verbatim, ``hf_model.py`` (the
+  Transformers interface) and ``auto_map`` in config.json (``trust_remote_code``).
+  CTranslate2's TransformerSpec has ``pre_norm``: both kinds export there. Its QK-norm
+  (4.8) normalises each head's queries and keys in self-attention and each head's keys in
+  encoder-decoder attention, but the encoder-decoder queries over all of d_model (a
+  per-head gain is read past its end): a QK-norm model is refused.
 - **Tokenizer.** Marian's own tokenizer is SentencePiece; the export writes a fast
   tokenizer instead: aiayn's `tokenizers` JSON with a post-processor that appends [EOS]
   (source ids are tokens + [EOS], labels are tokens + [EOS]; the decoder input is the
@@ -53,6 +61,7 @@ limit is one number per call, not aiayn's "source length + 50" per sentence.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -151,27 +160,27 @@ def write_aiayn_side(config: Config, run_dir: Path, out: Path) -> None:
 
 
 def check_target_can_express(cfg: ModelConfig, to: str, where: str) -> None:
-    """Refuse what ``to`` cannot compute: Marian is the paper's post-norm Transformer, and
-    neither target has aiayn's per-head QK-norm in encoder-decoder attention or an output
-    layer restricted to some pieces."""
-    if cfg.output_vocab != "all":
+    """Refuse what ``to`` cannot compute exactly. Transformers takes every model (Marian, or
+    aiayn's own code); CTranslate2 (4.8) RMS-normalises the query of encoder-decoder
+    attention over all of d_model, not per head as aiayn's QK-norm does (its self-attention
+    and the keys it normalises per head, as aiayn)."""
+    if to == "ctranslate2" and cfg.qk_norm:
         raise AiaynError(
-            f"{where}: a model whose output layer scores only the training targets' pieces "
-            f"(model.output_vocab: {cfg.output_vocab}) cannot be exported --to {to} (the "
-            "target's output layer scores every piece); translate it with aiayn itself, or "
-            "train with --set model.output_vocab=all")
-    if cfg.qk_norm:
-        why = ("Transformers' Marian has no QK-norm" if to == "hf" else
-               "CTranslate2 (4.8) normalises the whole query of encoder-decoder attention, "
-               "not each head, so its translations would differ")
-        raise AiaynError(
-            f"{where}: a model with QK-norm (model.qk_norm: true) cannot be exported --to {to} "
-            f"({why}); translate it with aiayn itself, or train with --set model.qk_norm=false")
-    if to == "hf" and cfg.norm_first:
-        raise AiaynError(
-            f"{where}: a pre-norm model (model.norm_first: true) cannot be written as a Marian "
-            "model (Transformers' Marian is post-norm only, no normalize_before option); "
-            "export it with --to ctranslate2")
+            f"{where}: a model with QK-norm (model.qk_norm: true) cannot be exported --to "
+            "ctranslate2 (CTranslate2 4.8 normalises the whole query of encoder-decoder "
+            "attention, not each head, so its translations would differ); export it --to hf, "
+            "translate it with aiayn itself, or train with --set model.qk_norm=false")
+
+
+def output_bias(model: Transformer) -> Tensor | None:
+    """The output layer's bias that scores as a restricted generator does: 0 for the pieces
+    it may output, -inf for the rest (their probability is 0, so the softmax's normaliser
+    and every other log-probability stay as they are); None for a generator of every piece."""
+    generator = model.generator
+    if not generator.restricted:
+        return None
+    bias = torch.full((generator.proj.out_features,), float("-inf"))
+    return bias.masked_fill(generator.output_mask.cpu(), 0.0)
 
 
 # ---------------------------------------------------------------- Hugging Face (Marian)
@@ -220,7 +229,7 @@ def marian_config(cfg: ModelConfig) -> dict:
     }
 
 
-def marian_generation_config(cfg: ModelConfig, decode: DecodeConfig | None = None) -> dict:
+def generation_config(cfg: ModelConfig, decode: DecodeConfig | None = None) -> dict:
     """Generation defaults that decode as aiayn does (bar the length-penalty formula), with
     the run's search (its config's decode section; default the paper's beam 4, alpha 0.6)."""
     decode = decode or DecodeConfig()
@@ -298,7 +307,8 @@ def marian_state_dict(model: Transformer) -> dict[str, Tensor]:
     if cfg.tie_embeddings == "all":
         out["model.shared.weight"] = src
     out["lm_head.weight"] = reads(model.generator.proj.weight)
-    out["final_logits_bias"] = torch.zeros(1, cfg.tgt_vocab_size)  # no bias in aiayn (3.4)
+    bias = output_bias(model)  # the paper's layer has none (3.4)
+    out["final_logits_bias"] = (torch.zeros(cfg.tgt_vocab_size) if bias is None else bias)[None]
     return {name: t.detach().float().contiguous() for name, t in out.items()}
 
 
@@ -316,14 +326,24 @@ def hf_tokenizer(tokenizers: Tokenizers, max_len: int):
         model_max_length=max_len, padding_side="right", clean_up_tokenization_spaces=False)
 
 
+def is_marian(cfg: ModelConfig) -> bool:
+    """Whether Transformers' own Marian computes this model: post-norm, no QK-norm (the
+    others ship aiayn's model.py and load with trust_remote_code)."""
+    return not cfg.norm_first and not cfg.qk_norm
+
+
 def write_hf(model: Transformer, tokenizers: Tokenizers, out: Path,
              decode: DecodeConfig | None = None) -> None:
     """config.json, generation_config.json (searching with ``decode``), model.safetensors,
-    tokenizer.json (+ config)."""
+    tokenizer.json (+ config); beside them, for a model Marian cannot express, aiayn's
+    model.py and the wrapper hf_model.py that config.json's auto_map names."""
     transformers = require("transformers", "--to hf")
     cfg = model.cfg
     check_target_can_express(cfg, "hf", "this model")
     check_one_vocabulary(tokenizers, "this model")
+    if not is_marian(cfg):
+        write_hf_aiayn(model, tokenizers, out, decode)
+        return
     marian = transformers.MarianMTModel(transformers.MarianConfig(**marian_config(cfg)))
     missing, unexpected = marian.load_state_dict(marian_state_dict(model), strict=False)
     # The positional tables are computed by Marian itself, never stored.
@@ -331,10 +351,38 @@ def write_hf(model: Transformer, tokenizers: Tokenizers, out: Path,
     if missing or unexpected:  # a bug in the mapping, not a user error
         raise RuntimeError(f"Marian mapping incomplete: missing {missing}, unexpected {unexpected}")
     marian.generation_config = transformers.GenerationConfig(
-        **marian_generation_config(cfg, decode))
+        **generation_config(cfg, decode))
     with _quiet_transformers(transformers):
         marian.eval().save_pretrained(out)
         hf_tokenizer(tokenizers, cfg.max_len).save_pretrained(out)
+
+
+HF_CODE = ("model.py", "hf_model.py")  # aiayn's files an export ships, verbatim
+
+
+def write_hf_aiayn(model: Transformer, tokenizers: Tokenizers, out: Path,
+                   decode: DecodeConfig | None = None) -> None:
+    """aiayn's own Transformer as a Transformers model: its code (HF_CODE, copied from this
+    package) beside its weights, config.json naming the classes in ``auto_map``."""
+    transformers = require("transformers", "--to hf")
+    from aiayn import hf_model
+
+    cfg = model.cfg
+    config = hf_model.AiaynConfig(
+        aiayn=dataclasses.asdict(cfg), architectures=["AiaynForConditionalGeneration"],
+        auto_map={"AutoConfig": "hf_model.AiaynConfig",
+                  "AutoModelForSeq2SeqLM": "hf_model.AiaynForConditionalGeneration"},
+        pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+        decoder_start_token_id=BOS_ID, tie_word_embeddings=cfg.tie_embeddings != "none")
+    wrapper = hf_model.AiaynForConditionalGeneration(config)
+    wrapper.model.load_state_dict(model.state_dict())
+    wrapper.generation_config = transformers.GenerationConfig(**generation_config(cfg, decode))
+    with _quiet_transformers(transformers):
+        wrapper.eval().save_pretrained(out)
+        hf_tokenizer(tokenizers, cfg.max_len).save_pretrained(out)
+    here = Path(hf_model.__file__).parent
+    for name in HF_CODE:
+        atomic_write_text(out / name, (here / name).read_text(encoding="utf-8"))
 
 
 @contextmanager
@@ -404,7 +452,10 @@ def ctranslate2_spec(model: Transformer, tokenizers: Tokenizers):
     if cfg.norm_first:  # pre-norm ends each stack with a LayerNorm
         norm(encoder.layer_norm, model.encoder.norm)
         norm(decoder.layer_norm, model.decoder.norm)
-    decoder.projection.weight = array(model.generator.proj.weight)  # no bias (3.4)
+    decoder.projection.weight = array(model.generator.proj.weight)
+    bias = output_bias(model)
+    if bias is not None:  # the paper's layer has none (3.4); a restricted one excludes pieces
+        decoder.projection.bias = array(bias)
 
     spec.config.unk_token, spec.config.bos_token, spec.config.eos_token = UNK, BOS, EOS
     spec.config.decoder_start_token = BOS

@@ -78,6 +78,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, onednn: bool) -> Tens
     return F.linear(x, weight, bias)
 
 
+def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """The product a generator runs once oneDNN was chosen for it (``Generator.kernel``)."""
+    return linear(x, weight, bias, onednn=True)
+
+
 def probe_seconds(rows: int, d: int, vocab: int, repeats: int = 3) -> tuple[float, float]:
     """The fastest of ``repeats`` (rows x d) @ (vocab x d)^T products, BLAS and oneDNN, on
     one thread, alternating so that a change of the machine's speed hits both."""
@@ -100,12 +105,12 @@ def probe_seconds(rows: int, d: int, vocab: int, repeats: int = 3) -> tuple[floa
 
 
 def choose_output_kernel(generator, rows: int, enabled: bool = True) -> str:
-    """Set ``generator.onednn`` for products of ``rows`` decoder positions (the training
+    """Set ``generator.kernel`` for products of ``rows`` decoder positions (the training
     batch, or the rows a decoding step holds) and say why, for the log. ``enabled`` False
     (bf16 autocast, a GPU) keeps BLAS without probing."""
     weight = generator.proj.weight
     vocab, d = int(generator.output_ids.numel()), weight.size(1)
-    generator.onednn = False
+    generator.kernel = F.linear
     if not enabled or weight.device.type != "cpu" or weight.dtype != torch.float32:
         return "output layer: F.linear (not an fp32 CPU product)"
     if vocab * d < MIN_PROBED_WEIGHTS:
@@ -113,6 +118,7 @@ def choose_output_kernel(generator, rows: int, enabled: bool = True) -> str:
     if not onednn_available():
         return "output layer: F.linear (this PyTorch has no oneDNN linear)"
     blas, onednn = probe_seconds(rows, d, vocab)
-    generator.onednn = onednn * MARGIN < blas
-    return (f"output layer: {'oneDNN' if generator.onednn else 'F.linear'} (a probe took "
+    faster = onednn * MARGIN < blas
+    generator.kernel = onednn_linear if faster else F.linear
+    return (f"output layer: {'oneDNN' if faster else 'F.linear'} (a probe took "
             f"{blas * 1e3:.1f} ms in BLAS, {onednn * 1e3:.1f} ms in oneDNN)")

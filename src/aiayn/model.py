@@ -16,21 +16,21 @@ Masks are boolean; in attention, True means "this key may be attended to". Paddi
 passed by callers follow PyTorch's key_padding_mask convention: True marks a pad token.
 Targets are right-padded, so the causal mask alone keeps real target positions from
 seeing target padding.
+
+This file depends on torch alone: ``cfg`` is any object with the fields of
+``aiayn.config.ModelConfig``, and a model exported with ``aiayn export --to hf`` ships this
+very file beside its weights.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-from aiayn import kernels
-from aiayn.config import ModelConfig
-from aiayn.optim import label_smoothed_loss
 
 
 class TokenEmbedding(nn.Module):
@@ -239,7 +239,7 @@ class SublayerConnection(nn.Module):
 class EncoderLayer(nn.Module):
     """Self-attention, then feed-forward, each wrapped in a SublayerConnection (3.1)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg):
         super().__init__()
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout,
                                             qk_norm=cfg.qk_norm)
@@ -255,7 +255,7 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     """Masked self-attention, encoder-decoder attention, feed-forward (3.1)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg):
         super().__init__()
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout,
                                             qk_norm=cfg.qk_norm)
@@ -287,7 +287,7 @@ class DecoderLayer(nn.Module):
 class Encoder(nn.Module):
     """N identical layers; pre-norm adds a final LayerNorm (post-norm already ends in one)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg):
         super().__init__()
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
         self.norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else nn.Identity()
@@ -301,7 +301,7 @@ class Encoder(nn.Module):
 class Decoder(nn.Module):
     """N identical layers over the target prefix and the encoder memory."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg):
         super().__init__()
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_decoder_layers))
         self.norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else nn.Identity()
@@ -338,9 +338,9 @@ class Generator(nn.Module):
     over the whole vocabulary, as decoding reads them; the loss takes the cheaper
     ``output_logits`` (only the allowed pieces) with ``output_positions`` of the labels.
 
-    ``onednn``: compute the product in oneDNN rather than the BLAS, where
-    ``aiayn.kernels.choose_output_kernel`` found that faster on this machine (same values up
-    to rounding; not saved with the weights). None until chosen: the BLAS.
+    ``kernel``: the product x W^T + b, ``F.linear`` or the oneDNN one that
+    ``aiayn.kernels.choose_output_kernel`` found faster on this machine (same values up to
+    rounding; not saved with the weights). None until chosen: ``F.linear``.
     """
 
     IGNORE = -100  # output_positions of padding, and of labels the model cannot output
@@ -349,7 +349,7 @@ class Generator(nn.Module):
         super().__init__()
         self.proj = nn.Linear(d_model, vocab_size, bias=False)
         self.restricted = restricted
-        self.onednn: bool | None = None
+        self.kernel: Callable[[Tensor, Tensor, Tensor | None], Tensor] | None = None
         self.register_buffer("output_mask", torch.ones(vocab_size, dtype=torch.bool),
                              persistent=restricted)
         # Derived from output_mask (after set_outputs and after loading weights): the ids
@@ -381,13 +381,14 @@ class Generator(nn.Module):
 
     def output_logits(self, hidden: Tensor) -> Tensor:  # (B, T, d) -> (B, T, V_out)
         """The logits of the allowed pieces only, in the order of ``output_ids``."""
-        if not self.restricted and not self.onednn:
+        kernel = self.kernel or F.linear
+        if not self.restricted and kernel is F.linear:
             return self.proj(hidden)  # the module itself, so that hooks (aiayn trace) see it
         weight, bias = self.proj.weight, self.proj.bias  # the paper's layer has no bias
         if self.restricted:
             weight = weight.index_select(0, self.output_ids)
             bias = None if bias is None else bias.index_select(0, self.output_ids)
-        return kernels.linear(hidden, weight, bias, bool(self.onednn))
+        return kernel(hidden, weight, bias)
 
     def output_positions(self, labels: Tensor, pad_id: int) -> Tensor:
         """Token ids -> their positions in ``output_logits``; padding and pieces the model
@@ -423,7 +424,7 @@ class KVCache:
 class Transformer(nn.Module):
     """Encoder-decoder Transformer (Figure 1 of the paper)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
         self.src_embed = TokenEmbedding(cfg.src_vocab_size, cfg.d_model)
@@ -517,6 +518,63 @@ class Transformer(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+# ---------------------------------------------------------------- loss (paper, 5.4)
+def label_smoothed_loss(logits: Tensor, labels: Tensor, smoothing: float,
+                        ignore_index: int) -> Tensor:
+    """Summed cross-entropy with label smoothing eps_ls (paper, 5.4); positions whose label is
+    ``ignore_index`` (padding) are left out.
+
+    The smoothed target q puts 1 - eps on the reference token and spreads eps uniformly over
+    the vocabulary; the loss of a position is -sum_v q_v log p_v with p = softmax(logits).
+    Returns the sum over real tokens; the caller divides by their count. It equals
+    ``F.cross_entropy(..., label_smoothing=eps, reduction="sum")`` (a test), computed by
+    :class:`SmoothedCrossEntropy`.
+    """
+    return SmoothedCrossEntropy.apply(logits.float().reshape(-1, logits.size(-1)),
+                                      labels.reshape(-1), smoothing, ignore_index)
+
+
+class SmoothedCrossEntropy(torch.autograd.Function):
+    """-sum_i sum_v q_iv log softmax(x_i)_v over the rows i whose label is not ``ignore``,
+    with the softmax kept for the backward pass, which is then d loss / d x = p - q.
+
+    ``F.cross_entropy`` keeps log-probabilities instead: its backward fills an N x V tensor
+    with zeros for the NLL's gradient and then exponentiates all N x V log-probabilities again.
+    With the demo's 8,000-piece vocabulary those passes over ~1,000 x 8,000 numbers were ~10%
+    of a training step on a CPU; this one exponentiates once and updates p in place
+    (docs/findings.md#the-price-of-a-step).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, labels: Tensor, smoothing: float, ignore: int) -> Tensor:
+        keep = labels.ne(ignore)
+        labels = labels.masked_fill(~keep, 0)[:, None]  # (N, 1), any valid id where ignored
+        p = torch.softmax(logits, dim=-1)  # (N, V)
+        # log Z = log sum_v exp(x_v) = max_v x_v - log max_v p_v: the largest probability is
+        # >= 1/V, so this never underflows (log p_y taken from p directly would be -inf for
+        # p_y < 1e-38). amax finds no indices: 3x faster than max here.
+        log_z = logits.amax(dim=-1, keepdim=True) - torch.log(p.amax(dim=-1, keepdim=True))
+        loss = log_z - logits.gather(1, labels)  # -log p_y
+        if smoothing > 0:
+            uniform = log_z - logits.mean(dim=-1, keepdim=True)  # -(1/V) sum_v log p_v
+            loss = (1.0 - smoothing) * loss + smoothing * uniform
+        ctx.save_for_backward(p, labels, keep)
+        ctx.smoothing = smoothing
+        return (loss.squeeze(1) * keep).sum()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        p, labels, keep = ctx.saved_tensors
+        eps = ctx.smoothing
+        # p - q, in place: q = (1 - eps) one_hot(y) + eps / V.
+        p.scatter_add_(1, labels, torch.full_like(labels, eps - 1.0, dtype=p.dtype))
+        if eps > 0:
+            p.sub_(eps / p.size(-1))
+        p.mul_(grad * keep[:, None])
+        return p, None, None, None
 
 
 @contextmanager

@@ -172,7 +172,7 @@ class Translator:
                                  f"{decode_bytes_per_token(model.cfg)} bytes per padded "
                                  f"token), got {max_tokens}")
             self.model = model.to(self.device).eval()
-            if model.generator.onednn is None:  # not chosen yet (a Trainer chooses for its own)
+            if model.generator.kernel is None:  # not chosen yet (a Trainer chooses for its own)
                 choose_output_kernel(model.generator, DECODE_PROBE_ROWS, enabled=not bf16)
             self.max_len = model.cfg.max_len
         self.tokenizers = tokenizers
