@@ -45,7 +45,8 @@ TEXTS = ["¡Hola, señor! ¿Cómo estás?", "The Lord is my shepherd.", "red gre
 
 
 def random_run(root: Path, name: str, tie: str = "all", norm_first: bool = False,
-               joint: bool = True, qk_norm: bool = False, output_vocab: str = "all") -> Path:
+               joint: bool = True, qk_norm: bool = False, output_vocab: str = "all",
+               qk_norm_cross: bool = True) -> Path:
     """A run directory holding a random model (every parameter perturbed) and a BPE
     tokenizer over sentences with punctuation and accents."""
     pairs = [(s, s[::-1]) for s in TEXTS] * 4
@@ -55,7 +56,7 @@ def random_run(root: Path, name: str, tie: str = "all", norm_first: bool = False
                       tgt_vocab_size=tokenizers.tgt_vocab_size, d_model=32, n_heads=4,
                       d_ff=48, n_encoder_layers=2, n_decoder_layers=1, dropout=0.1,
                       max_len=64, tie_embeddings=tie, norm_first=norm_first, qk_norm=qk_norm,
-                      output_vocab=output_vocab)
+                      qk_norm_cross=qk_norm_cross, output_vocab=output_vocab)
     torch.manual_seed(0)
     model = Transformer(cfg)
     with torch.no_grad():
@@ -94,7 +95,7 @@ def preset_switches(path: Path) -> dict:
     """The architecture switches of a preset in configs/, for a tiny model built alike."""
     cfg = load_config(path).model
     return {"tie": cfg.tie_embeddings, "norm_first": cfg.norm_first, "qk_norm": cfg.qk_norm,
-            "output_vocab": cfg.output_vocab}
+            "qk_norm_cross": cfg.qk_norm_cross, "output_vocab": cfg.output_vocab}
 
 
 PRESETS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
@@ -277,8 +278,8 @@ def test_every_presets_architecture_leaves_for_ctranslate2_exactly_or_is_refused
     run = random_run(tmp_path, "run", **switches)
     code, _, err = run_cli(["export", str(run), "--to", "ctranslate2", str(tmp_path / "ct2")],
                            capsys)
-    if switches["qk_norm"]:
-        assert one_line_error(code, err, "model.qk_norm: true")
+    if switches["qk_norm"] and switches["qk_norm_cross"]:
+        assert one_line_error(code, err, "model.qk_norm_cross: true")
         return
     assert code == 0
     model, tokenizers, src, tgt = teacher_forced(run)
@@ -314,12 +315,15 @@ def test_a_restricted_output_layer_leaves_for_ctranslate2_as_a_bias(tmp_path, qu
 
 
 @needs_ct2
-@pytest.mark.parametrize("tie, norm_first", [("all", False), ("decoder", False),
-                                             ("none", False), ("all", True)])
-def test_the_ctranslate2_model_gives_aiayn_log_probabilities(tmp_path, tie, norm_first):
+@pytest.mark.parametrize("tie, norm_first, qk_norm", [
+    ("all", False, False), ("decoder", False, False), ("none", False, False),
+    ("all", True, False), ("all", True, True)])  # the last: QK-norm in self-attention only
+def test_the_ctranslate2_model_gives_aiayn_log_probabilities(tmp_path, tie, norm_first,
+                                                             qk_norm):
     import ctranslate2
 
-    run = random_run(tmp_path, "run", tie=tie, norm_first=norm_first)
+    run = random_run(tmp_path, "run", tie=tie, norm_first=norm_first, qk_norm=qk_norm,
+                     qk_norm_cross=False)
     export_run(run, "ctranslate2", tmp_path / "ct2")
     model, tokenizers, src, tgt = teacher_forced(run)
     with torch.no_grad():
@@ -423,7 +427,8 @@ def test_a_qk_norm_run_is_refused_for_ctranslate2_in_one_line(tmp_path, capsys):
     (run / "best.safetensors").unlink()  # the refusal comes from config.yaml alone
     code, _, err = run_cli(["export", str(run), "--to", "ctranslate2", str(tmp_path / "out")],
                            capsys)
-    assert one_line_error(code, err, "model.qk_norm: true", "--to ctranslate2", "each head")
+    assert one_line_error(code, err, "model.qk_norm_cross: true", "--to ctranslate2",
+                          "each head", "--set model.qk_norm_cross=false")
     assert not (tmp_path / "out").exists()
 
 

@@ -130,6 +130,9 @@ class ModelConfig:
     """RMS-normalise each head's queries and keys (learnt gain per dimension) before
     Q K^T / sqrt(d_k) (QK-norm; Henry et al. 2020, Wortsman et al. 2023; not in the paper):
     bounded attention logits, so high peak rates do not stall."""
+    qk_norm_cross: bool = True
+    """With qk_norm: also in encoder-decoder attention (true), or in self-attention only
+    (false), which CTranslate2 computes exactly and so can take (docs/export.md)."""
     output_vocab: str = "all"
     """Which pieces the output layer scores (not in the paper): "all" of the target
     vocabulary, or only the "targets": the pieces that occur in the training targets, found by

@@ -164,12 +164,13 @@ def check_target_can_express(cfg: ModelConfig, to: str, where: str) -> None:
     aiayn's own code); CTranslate2 (4.8) RMS-normalises the query of encoder-decoder
     attention over all of d_model, not per head as aiayn's QK-norm does (its self-attention
     and the keys it normalises per head, as aiayn)."""
-    if to == "ctranslate2" and cfg.qk_norm:
+    if to == "ctranslate2" and cfg.qk_norm and cfg.qk_norm_cross:
         raise AiaynError(
-            f"{where}: a model with QK-norm (model.qk_norm: true) cannot be exported --to "
-            "ctranslate2 (CTranslate2 4.8 normalises the whole query of encoder-decoder "
-            "attention, not each head, so its translations would differ); export it --to hf, "
-            "translate it with aiayn itself, or train with --set model.qk_norm=false")
+            f"{where}: a model with QK-norm in encoder-decoder attention (model.qk_norm: true, "
+            "model.qk_norm_cross: true) cannot be exported --to ctranslate2 (CTranslate2 4.8 "
+            "normalises the whole query of that attention, not each head, so its translations "
+            "would differ); export it --to hf, translate it with aiayn itself, or train with "
+            "--set model.qk_norm_cross=false (QK-norm in self-attention only)")
 
 
 def output_bias(model: Transformer) -> Tensor | None:
@@ -405,9 +406,11 @@ def ctranslate2_spec(model: Transformer, tokenizers: Tokenizers):
     from ctranslate2.specs import common_spec, transformer_spec
 
     cfg = model.cfg
-    spec = transformer_spec.TransformerSpec.from_config(
-        (cfg.n_encoder_layers, cfg.n_decoder_layers), cfg.n_heads,
-        pre_norm=cfg.norm_first, activation=common_spec.Activation.RELU)
+    shape = dict(pre_norm=cfg.norm_first, activation=common_spec.Activation.RELU,
+                 qk_norm=cfg.qk_norm)
+    spec = transformer_spec.TransformerSpec(
+        transformer_spec.TransformerEncoderSpec(cfg.n_encoder_layers, cfg.n_heads, **shape),
+        transformer_spec.TransformerDecoderSpec(cfg.n_decoder_layers, cfg.n_heads, **shape))
 
     def array(t: Tensor):
         return t.detach().float().cpu().numpy()
@@ -419,6 +422,12 @@ def ctranslate2_spec(model: Transformer, tokenizers: Tokenizers):
 
     def norm(spec_, ln) -> None:
         spec_.gamma, spec_.beta = array(ln.weight), array(ln.bias)
+
+    def head_norms(attention_spec, attention) -> None:
+        """QK-norm of self-attention: per head, RMS, a d_k gain, as aiayn's HeadNorm."""
+        if cfg.qk_norm:
+            attention_spec.q_norm.gamma = array(attention.q_norm.weight)
+            attention_spec.k_norm.gamma = array(attention.k_norm.weight)
 
     # CTranslate2 takes the positional table itself: aiayn's interleaved one, unpermuted.
     # Its translate_batch reads up to 1024 source and 256 target positions by default; the
@@ -435,6 +444,7 @@ def ctranslate2_spec(model: Transformer, tokenizers: Tokenizers):
         linear(layer_spec.self_attention.linear[0], layer.self_attn.qkv_proj)  # fused [Q; K; V]
         linear(layer_spec.self_attention.linear[1], layer.self_attn.out_proj)
         norm(layer_spec.self_attention.layer_norm, layer.sublayer1.norm)
+        head_norms(layer_spec.self_attention, layer.self_attn)
         linear(layer_spec.ffn.linear_0, layer.feed_forward.linear1)
         linear(layer_spec.ffn.linear_1, layer.feed_forward.linear2)
         norm(layer_spec.ffn.layer_norm, layer.sublayer2.norm)
@@ -442,6 +452,9 @@ def ctranslate2_spec(model: Transformer, tokenizers: Tokenizers):
         linear(layer_spec.self_attention.linear[0], layer.self_attn.qkv_proj)
         linear(layer_spec.self_attention.linear[1], layer.self_attn.out_proj)
         norm(layer_spec.self_attention.layer_norm, layer.sublayer1.norm)
+        head_norms(layer_spec.self_attention, layer.self_attn)
+        if cfg.qk_norm:  # none in encoder-decoder attention (check_target_can_express)
+            del layer_spec.attention.q_norm, layer_spec.attention.k_norm
         linear(layer_spec.attention.linear[0], layer.cross_attn.q_proj)
         linear(layer_spec.attention.linear[1], layer.cross_attn.kv_proj)  # fused [K; V]
         linear(layer_spec.attention.linear[2], layer.cross_attn.out_proj)

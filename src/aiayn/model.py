@@ -260,7 +260,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout,
                                             qk_norm=cfg.qk_norm)
         self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout,
-                                             cross=True, qk_norm=cfg.qk_norm)
+                                             cross=True,
+                                             qk_norm=cfg.qk_norm and cfg.qk_norm_cross)
         self.feed_forward = FeedForward(cfg.d_model, cfg.d_ff)
         self.sublayer1 = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm_first)
         self.sublayer2 = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm_first)
