@@ -178,7 +178,7 @@ def test_malformed_requests_get_422_with_one_line(client, path, body, words):
 
 def test_an_unexpected_failure_is_a_500_without_traceback(run_dir, monkeypatch):
     service = ModelService.from_run(run_dir)
-    monkeypatch.setattr(service.translator, "translate_nbest",
+    monkeypatch.setattr(service.translator, "decode_ids",
                         lambda *a, **k: (_ for _ in ()).throw(RuntimeError("secret detail")))
     client = TestClient(create_app(service), raise_server_exceptions=False)
     response = client.post("/translate", json={"text": ["red"]})
@@ -266,11 +266,11 @@ def test_figures_are_pngs(client):
     assert_clean_error(client.get("/translate"), 405, "Method Not Allowed")
 
 
-def test_the_model_never_runs_on_two_threads(service, monkeypatch):
+def test_the_model_never_runs_on_two_threads(service, translator, monkeypatch):
     """Eight clients at once: every request answered, the model entered by one at a time."""
     inside, most = [0], [0]
     counter = threading.Lock()
-    real = service.translator.translate_nbest
+    real = service.translator.decode_ids
 
     def probe(*args, **kwargs):
         with counter:
@@ -283,14 +283,14 @@ def test_the_model_never_runs_on_two_threads(service, monkeypatch):
             with counter:
                 inside[0] -= 1
 
-    monkeypatch.setattr(service.translator, "translate_nbest", probe)
+    monkeypatch.setattr(service.translator, "decode_ids", probe)
     client = TestClient(create_app(service))
     texts = [random_sentence(random.Random(i)) for i in range(32)]
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(
             lambda t: client.post("/translate", json={"text": [t], "beam": 1}).json(), texts))
     assert most[0] == 1
-    assert [a["translations"][0] for a in answers] == [h[0][0] for h in real(texts, 1, 0.6, 1)]
+    assert [a["translations"][0] for a in answers] == translator.translate(texts, 1, 0.6)
 
 
 def test_serve_without_the_extra_says_how_to_install_it(run_dir, monkeypatch, capsys):
