@@ -446,6 +446,44 @@ def test_attention_waits_for_no_pass_and_runs_alone(service, client, translator)
         gate.set()
 
 
+def test_a_client_that_hangs_up_while_waiting_is_never_decoded(run_dir, translator):
+    """A real server (uvicorn on a thread): a request whose client closes the connection
+    while it waits is dropped before any pass; the request behind it is answered alone."""
+    import uvicorn
+
+    from aiayn.serve import listening_socket
+
+    service = ModelService.from_run(run_dir)
+    sock = listening_socket("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    gate = threading.Event()
+    try:
+        until(lambda: server.started, "the server to start")
+        gate = held_model(service)
+        body = json.dumps({"text": ["red green blue"], "beam": 2}).encode()
+        with socket.create_connection(("127.0.0.1", sock.getsockname()[1])) as rude:
+            rude.sendall(b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            until(lambda: service.batcher.waiting == 1, "the request to queue")
+            job = service.batcher._queue[0]
+        until(job.future.cancelled, "the server to notice the client has gone")
+        with ThreadPoolExecutor(1) as pool:
+            polite = pool.submit(http_json, f"{url}/translate", {"text": ["black sun"]})
+            until(lambda: service.batcher.waiting == 2, "the second request to queue")
+            gate.set()
+            assert polite.result()["translations"] == translator.translate(["black sun"])
+        stats = service.stats()
+        assert (stats["dropped"], stats["requests"], stats["pass_requests"]) == (1, 1, {"1": 1})
+    finally:
+        gate.set()
+        server.should_exit = True
+        thread.join(timeout=30)
+        service.close()
+
+
 @pytest.mark.parametrize("args, words", [
     (["--max-wait-ms", "2000"], "--max-wait-ms must be between 0 and 1000, got 2000"),
     (["--max-wait-ms", "nan"], "--max-wait-ms must be between 0 and 1000, got nan"),

@@ -47,7 +47,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -89,6 +89,10 @@ class ServeLimits:
 
 class TooLarge(Exception):
     """A request over a ``ServeLimits`` limit: answered with 413 and this message."""
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer was ready (answered 499, to no one)."""
 
 
 def check_size(texts: list[str], limits: ServeLimits) -> None:
@@ -153,6 +157,7 @@ class BatchStats:
     max_wait_s: float = 0.0
     decode_s: float = 0.0
     pass_requests: dict[int, int] = field(default_factory=dict)  # requests in a pass -> passes
+    dropped: int = 0  # requests whose client hung up while they waited: never decoded
 
     def record(self, jobs: list[Job], started: float, seconds: float) -> None:
         waits = [started - job.arrived for job in jobs]
@@ -240,7 +245,9 @@ class Batcher:
             for job in jobs:
                 self._queue.remove(job)
             # A future cancelled while it waited (its client gone) is not decoded.
-            return [job for job in jobs if job.future.set_running_or_notify_cancel()]
+            taken = [job for job in jobs if job.future.set_running_or_notify_cancel()]
+            self.stats.dropped += len(jobs) - len(taken)
+            return taken
 
     def _gather(self) -> tuple[list[Job], bool]:
         """The oldest job and those that may share its pass; whether the pass is full."""
@@ -325,19 +332,18 @@ class ModelService:
         self.batcher.close()
 
     async def translate(self, texts: list[str], beam: int | None, alpha: float | None,
-                        nbest: int) -> dict:
+                        nbest: int, gone: Callable[[], Awaitable[bool]] | None = None) -> dict:
         """`aiayn translate`'s answer for ``texts``: translations in input order, the n-best
         lists (an empty sentence gives "" and an empty list), the truncation warning of
         these sentences, the search run (None: the run's, ``Translator.search``) and the
-        seconds of the decoding pass that answered them."""
+        seconds of the decoding pass that answered them. ``gone``: see ``answer``."""
         beam, alpha = self.translator.search(beam, alpha)
         if beam > MAX_BEAM:  # only the run's own can be: a request's is checked on arrival
             raise AiaynError(f"the run's decode.beam {beam} is over this server's limit of "
                              f"{MAX_BEAM}; give \"beam\" in the request")
         self.translator.check_limits(beam, nbest, alpha)
         sources = self.translator.prepare(texts)
-        hyps, seconds = await asyncio.wrap_future(
-            self.batcher.translate(sources, beam, alpha, nbest))
+        hyps, seconds = await answer(self.batcher.translate(sources, beam, alpha, nbest), gone)
         hyps = self.translator.finish(sources, hyps, nbest)
         self.requests += 1
         warnings = ([truncation_message(sources.truncated, self.translator.max_len)]
@@ -348,10 +354,11 @@ class ModelService:
             "warnings": warnings, "beam": beam, "alpha": alpha, "seconds": seconds,
         }
 
-    async def attention(self, text: str, beam: int, alpha: float | None) -> dict:
+    async def attention(self, text: str, beam: int, alpha: float | None,
+                        gone: Callable[[], Awaitable[bool]] | None = None) -> dict:
         """`aiayn attention`'s maps for one sentence, as nested lists (see ``attention_json``)."""
-        att = await asyncio.wrap_future(self.batcher.run_alone(
-            lambda: self.translator.attention(text, beam=beam, alpha=alpha)))
+        att = await answer(self.batcher.run_alone(
+            lambda: self.translator.attention(text, beam=beam, alpha=alpha)), gone)
         self.requests += 1
         return attention_json(att)
 
@@ -387,6 +394,22 @@ class ModelService:
             return (dataclasses.replace(self.config, train=shortened),
                     f"this run: its {train.max_minutes:g} minutes ended at step {steps:,}")
         return self.config, "this run"
+
+
+async def answer(future: Future, gone: Callable[[], Awaitable[bool]] | None = None,
+                 every: float = 0.1) -> Any:
+    """The result of a batcher's ``future``. ``gone()`` (the request's ``is_disconnected``)
+    is asked every ``every`` seconds meanwhile: once the client has hung up, the future is
+    cancelled, so a job still waiting is never decoded (one already in a pass finishes)."""
+    waiting = asyncio.wrap_future(future)
+    while gone is not None:
+        done, _ = await asyncio.wait({waiting}, timeout=every)
+        if done:
+            break
+        if await gone():
+            waiting.cancel()
+            raise ClientGone
+    return await waiting
 
 
 def attention_json(att: SentenceAttention, decimals: int = 5) -> dict:
@@ -436,13 +459,7 @@ def create_app(service: ModelService, limits: ServeLimits = ServeLimits()) -> Fa
                   version="0.1.0")
     static_files = {p.name: p for p in STATIC_DIR.iterdir() if p.suffix in CONTENT_TYPES}
 
-    @app.middleware("http")
-    async def refuse_large_bodies(request: Request, call_next):
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > limits.max_body_bytes:
-            return _error(413, f"request body of {length} bytes; the limit is "
-                               f"{limits.max_body_bytes}")
-        return await call_next(request)
+    app.add_middleware(RefuseLargeBodies, max_bytes=limits.max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError):
@@ -456,6 +473,10 @@ def create_app(service: ModelService, limits: ServeLimits = ServeLimits()) -> Fa
     async def too_large(request: Request, exc: TooLarge):
         return _error(413, str(exc))
 
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone):
+        return _error(499, "the client closed the connection before the answer")
+
     @app.exception_handler(AiaynError)
     async def bad_input(request: Request, exc: AiaynError):
         return _error(422, str(exc))
@@ -468,15 +489,17 @@ def create_app(service: ModelService, limits: ServeLimits = ServeLimits()) -> Fa
     # Async: a request waiting for the batcher holds no thread, and /health, /info and
     # /stats answer at once however long a pass runs.
     @app.post("/translate", summary="Translate sentences (beam search, n-best lists)")
-    async def translate(body: TranslateRequest) -> dict:
+    async def translate(body: TranslateRequest, request: Request) -> dict:
         texts = [body.text] if isinstance(body.text, str) else body.text
         check_size(texts, limits)
-        return await service.translate(texts, body.beam, body.alpha, body.nbest)
+        return await service.translate(texts, body.beam, body.alpha, body.nbest,
+                                       request.is_disconnected)
 
     @app.post("/attention", summary="Translate one sentence and return every attention map")
-    async def attention(body: AttentionRequest) -> dict:
+    async def attention(body: AttentionRequest, request: Request) -> dict:
         check_size([body.text], limits)
-        return await service.attention(body.text, body.beam, body.alpha)
+        return await service.attention(body.text, body.beam, body.alpha,
+                                       request.is_disconnected)
 
     @app.get("/health", summary="Is the model loaded?")
     async def health() -> dict:
@@ -507,6 +530,24 @@ def create_app(service: ModelService, limits: ServeLimits = ServeLimits()) -> Fa
         return _static(static_files, name)
 
     return app
+
+
+class RefuseLargeBodies:
+    """413 for a body whose Content-Length is over the limit, before it is read. Plain ASGI
+    (not FastAPI's @app.middleware, which hides a client's hanging up from the endpoint)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            length = dict(scope["headers"]).get(b"content-length", b"").decode("latin-1")
+            if length.isdigit() and int(length) > self.max_bytes:
+                response = _error(413, f"request body of {length} bytes; the limit is "
+                                       f"{self.max_bytes}")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _static(files: dict[str, Path], name: str) -> Response:
