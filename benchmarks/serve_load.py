@@ -1,25 +1,39 @@
-"""A bounded load test of `aiayn serve`: N requests from K concurrent clients, on localhost.
+"""A bounded load test of `aiayn serve`: 1, 8 and 32 concurrent clients, and a soak.
 
-    .venv/bin/python benchmarks/serve_load.py RUN_DIR                 # 200 requests, 8 clients
-    .venv/bin/python benchmarks/serve_load.py RUN_DIR --requests 40 --clients 4 --beam 1
+    .venv/bin/python benchmarks/serve_load.py RUN_DIR                   # 1, 8, 32 clients
+    .venv/bin/python benchmarks/serve_load.py RUN_DIR --clients 8 --requests 16 --beam 1
+    .venv/bin/python benchmarks/serve_load.py RUN_DIR --soak 300        # 5 minutes of load
+    .venv/bin/python benchmarks/serve_load.py RUN_DIR --save xeon207-quiet --load "quiet"
 
-Starts `aiayn serve RUN_DIR` on a free port of 127.0.0.1 (nothing else is ever contacted),
-sends each of N sentences of the run's test split as its own POST /translate, K at a time,
-and checks every answer against the same sentence translated in this process by the
-``Translator`` with the same settings: none lost, none wrong. The reference, timed in the
-same run: the same sentences translated one by one in this process (no HTTP, no queue),
-so the table shows what the server adds. The server runs one request at a time (its lock),
-so with K clients a request mostly waits: its latency is about K service times.
+Starts `aiayn serve RUN_DIR` on a free port of 127.0.0.1 (nothing else is ever contacted)
+and sends N sentences of the run's test split, each as its own POST /translate, from K
+concurrent clients (each sends its next request when its last is answered), for each K of
+--clients. Every answer is checked against the same sentences translated in this process:
+none lost, none wrong. The reference, timed in the same run on the same machine: those
+sentences decoded offline as one batch (``Translator.translate``), the best a server could
+approach. After each K the server's GET /stats says what passes it decoded (requests per
+pass, waits).
+
+``--soak SECONDS``: K clients (--soak-clients) keep the server busy for that long, while one
+more client, over and over, sends a request of 8 sentences and hangs up before the answer;
+reports the server's RSS at the start and end (and every 10 s), every polite request
+answered and correct, and their latency.
+
+``--save KEY``: the rows (and their conditions: command, commit, CPU, torch, date, --load)
+replace those of KEY in benchmarks/results/serve_load.json, which docs/results.md shows.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -29,10 +43,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_model  # noqa: E402
+from common import REPO, cpu_model  # noqa: E402
 
 from aiayn.rundir import read_data_dir  # noqa: E402
 from aiayn.translator import Translator  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results" / "serve_load.json"
 
 
 def free_port() -> int:
@@ -41,30 +57,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def post(url: str, body: dict, timeout: float = 300) -> dict:
-    request = urllib.request.Request(url, json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+def http_json(url: str, body: dict | None = None, timeout: float = 300) -> dict:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read())
 
 
-def start_server(run_dir: str, weights: str, threads: int) -> tuple[subprocess.Popen, str]:
+def start_server(args) -> tuple[subprocess.Popen, str]:
     """`aiayn serve` on 127.0.0.1 and a free port; returns once GET /health answers."""
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    process = subprocess.Popen([sys.executable, "-m", "aiayn", "serve", run_dir, "--port",
-                                str(port), "--weights", weights, "--device", "cpu"], env=env)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    command = [sys.executable, "-m", "aiayn", "serve", args.run_dir, "--port", str(port),
+               "--weights", args.weights, "--device", "cpu", "--engine", args.engine,
+               "--max-tokens", str(args.max_tokens), "--max-wait-ms", str(args.max_wait_ms)]
+    process = subprocess.Popen(command, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
         try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                return process, url
+            http_json(f"{url}/health", timeout=2)
+            return process, url
         except (urllib.error.URLError, ConnectionError):
             if process.poll() is not None or time.monotonic() > deadline:
                 process.kill()
                 raise SystemExit("aiayn serve did not start") from None
             time.sleep(0.2)
+
+
+def rss_mb(pid: int) -> float:
+    """The resident memory of process ``pid`` in MB (Linux /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -76,81 +102,238 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
+def ask(url: str, sentence: str, beam: int, alpha: float) -> tuple[str | None, float]:
+    """One POST /translate of one sentence: its translation (None: lost) and latency."""
+    start = time.perf_counter()
+    try:
+        text = http_json(f"{url}/translate", {"text": [sentence], "beam": beam,
+                                              "alpha": alpha})["translations"][0]
+    except (urllib.error.URLError, ConnectionError, KeyError, TimeoutError):
+        text = None
+    return text, time.perf_counter() - start
+
+
 def load(url: str, sentences: list[str], clients: int, beam: int, alpha: float
          ) -> tuple[list[str | None], list[float], float]:
     """Each sentence as its own request, ``clients`` at a time: answers, latencies, wall time."""
-
-    def one(sentence: str) -> tuple[str | None, float]:
-        start = time.perf_counter()
-        try:
-            answer = post(f"{url}/translate", {"text": [sentence], "beam": beam, "alpha": alpha})
-            text = answer["translations"][0]
-        except (urllib.error.URLError, ConnectionError, KeyError, TimeoutError):
-            text = None  # lost: counted below
-        return text, time.perf_counter() - start
-
     start = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
-        results = list(pool.map(one, sentences))
+        results = list(pool.map(lambda s: ask(url, s, beam, alpha), sentences))
     wall = time.perf_counter() - start
     return [text for text, _ in results], [seconds for _, seconds in results], wall
+
+
+def pass_summary(before: dict, after: dict) -> dict:
+    """What the server decoded between two GET /stats: passes, requests per pass, waits."""
+    passes = after["passes"] - before["passes"]
+    requests = after["requests"] - before["requests"]
+    sizes = [int(k) for k, v in after["pass_requests"].items()
+             if v > before["pass_requests"].get(k, 0)]
+    return {"passes": passes, "requests_per_pass": requests / passes if passes else 0.0,
+            "largest_pass": max(sizes, default=0),
+            "mean_wait_ms": 1000 * (after["wait_s"] - before["wait_s"]) / max(requests, 1)}
+
+
+def hang_up(url: str, sentences: list[str], beam: int, alpha: float) -> None:
+    """Send a POST /translate and close the connection without reading the answer."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"text": sentences, "beam": beam, "alpha": alpha}).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /translate HTTP/1.1\r\nHost: " + host.encode() +
+                     b"\r\nContent-Type: application/json\r\nContent-Length: " +
+                     str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+def soak(url: str, pid: int, sentences: list[str], expected: dict[str, str], args) -> dict:
+    """``args.soak_clients`` polite clients and one that hangs up, for ``args.soak`` seconds."""
+    stop = time.monotonic() + args.soak
+    results: list[tuple[bool, float]] = []  # (correct, seconds) of every polite request
+    hung_up = [0]
+    lock = threading.Lock()
+
+    def polite(seed: int) -> None:
+        rng = random.Random(seed)
+        while time.monotonic() < stop:
+            sentence = rng.choice(sentences)
+            text, seconds = ask(url, sentence, args.beam, args.alpha)
+            with lock:
+                results.append((text == expected[sentence], seconds))
+
+    def rude() -> None:
+        rng = random.Random(-1)
+        while time.monotonic() < stop:
+            hang_up(url, rng.sample(sentences, 8), args.beam, args.alpha)
+            hung_up[0] += 1
+            time.sleep(0.5)  # a request every half second: a steady trickle, not a flood
+
+    before = http_json(f"{url}/stats")
+    rss = [rss_mb(pid)]
+    threads = [threading.Thread(target=polite, args=(i,)) for i in range(args.soak_clients)]
+    threads.append(threading.Thread(target=rude))
+    for thread in threads:
+        thread.start()
+    while time.monotonic() < stop:
+        time.sleep(min(10.0, stop - time.monotonic()))
+        rss.append(rss_mb(pid))
+    for thread in threads:
+        thread.join()
+    rss.append(rss_mb(pid))
+    after = http_json(f"{url}/stats")
+    seconds = [s for _, s in results]
+    return {"requests": len(results), "correct": sum(ok for ok, _ in results),
+            "hung_up": hung_up[0], "dropped": after["dropped"] - before["dropped"],
+            "rps": len(results) / args.soak,
+            "p50": percentile(seconds, 50), "p95": percentile(seconds, 95),
+            "p99": percentile(seconds, 99), "rss_mb": rss,
+            "health": http_json(f"{url}/health")["status"]}
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
+                              capture_output=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+ABOUT = (
+    "`benchmarks/serve_load.py` starts `aiayn serve RUN_DIR` on a free port of 127.0.0.1 "
+    "(nothing else is contacted) and sends test-split sentences, each as its own `POST "
+    "/translate` (beam 4, α 0.6), from 1, 8 and 32 concurrent clients, checking every answer "
+    "against the same sentence translated in-process (none lost, none wrong). The server "
+    "decodes the requests that wait for it together (see [Serving](serving.md)); "
+    "*requests per pass* is what it formed (mean, and the largest). The reference, timed in "
+    "the same run: the same sentences decoded offline as one batch by the `Translator`, the "
+    "rate a server could approach: read the ratio. The soak row: steady load for minutes, "
+    "with one more client that hangs up before each answer; the server's memory at the "
+    "start and end. The model is the quiet `make demo` run of "
+    "[Training to BLEU](#training-to-bleu) (4.7M parameters).")
+COLUMNS = [
+    {"key": "who", "label": "translating"},
+    *({"key": key, "label": label, "align": "right"} for key, label in [
+        ("p50", "p50 ms"), ("p95", "p95 ms"), ("p99", "p99 ms"), ("rps", "requests/s"),
+        ("ratio", "/ offline batch"), ("correct", "answered correctly"),
+        ("batches", "requests per pass (largest)"), ("wait", "mean wait ms"),
+        ("memory", "server RSS start → end")]),
+]
+
+
+def save(key: str, rows: list[dict], args) -> None:
+    """Replace the rows of conditions ``key`` in RESULTS (the table docs/results.md shows),
+    whose description and columns this script's are."""
+    table = json.loads(RESULTS.read_text(encoding="utf-8"))
+    table["about"], table["columns"] = ABOUT, COLUMNS
+    table["rows"] = [r for r in table["rows"] if r["conditions"] != key] + \
+        [{**row, "conditions": key} for row in rows]
+    table["conditions"][key] = {
+        "command": "python benchmarks/serve_load.py " + " ".join(sys.argv[1:]),
+        "commit": git_commit(), "cpu": cpu_model(), "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+        "load": f"{args.load}, {args.threads} torch threads"}
+    RESULTS.write_text(json.dumps(table, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    print(f"saved {len(rows)} rows as {key!r} in {RESULTS}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir")
-    parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=120, help="requests per client count")
+    parser.add_argument("--clients", default="1,8,32", help="concurrent clients, comma-separated")
     parser.add_argument("--beam", type=int, default=4)
     parser.add_argument("--alpha", type=float, default=0.6)
     parser.add_argument("--weights", default="best")
+    parser.add_argument("--engine", default="aiayn", choices=["aiayn", "ctranslate2"])
+    parser.add_argument("--max-tokens", type=int, default=8192, help="the server's")
+    parser.add_argument("--max-wait-ms", type=float, default=5.0, help="the server's")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="torch threads of the server and of the reference")
+    parser.add_argument("--soak", type=float, default=0.0, metavar="SECONDS",
+                        help="instead: steady load for this long (see above)")
+    parser.add_argument("--soak-clients", type=int, default=8)
+    parser.add_argument("--save", metavar="KEY", help="write the rows to " + str(RESULTS))
+    parser.add_argument("--load", default="quiet", help="--save: the machine's load, in words")
     args = parser.parse_args()
-    if not 1 <= args.requests <= 10_000 or not 1 <= args.clients <= 64:
+    try:
+        clients = [int(c) for c in args.clients.split(",")]
+    except ValueError:
+        raise SystemExit(f"--clients: comma-separated numbers, got {args.clients!r}") from None
+    if not 1 <= args.requests <= 10_000 or not all(1 <= c <= 64 for c in clients):
         raise SystemExit("--requests must be in 1..10000 and --clients in 1..64 (a bounded test)")
+    if not 0 <= args.soak <= 3600 or not 1 <= args.soak_clients <= 64:
+        raise SystemExit("--soak must be in 0..3600 seconds and --soak-clients in 1..64")
 
     test = read_data_dir(args.run_dir) / "test.jsonl"
     pairs = [json.loads(line) for line in test.read_text(encoding="utf-8").splitlines() if line]
     sentences = [pairs[i % len(pairs)]["src"] for i in range(args.requests)]
 
     torch.set_num_threads(args.threads)
-    translator = Translator.from_pretrained(args.run_dir, args.weights, device="cpu")
+    translator = Translator.from_pretrained(args.run_dir, args.weights, device="cpu",
+                                            engine=args.engine, max_tokens=args.max_tokens)
+    translator.translate(sentences[:8], args.beam, args.alpha)  # warm-up
+    start = time.perf_counter()  # the reference: all of them as one batch, in-process
     expected = translator.translate(sentences, args.beam, args.alpha)
+    offline = len(sentences) / (time.perf_counter() - start)
 
-    process, url = start_server(args.run_dir, args.weights, args.threads)
+    print(f"aiayn serve load test: {args.run_dir} ({args.weights}, {args.engine}), beam "
+          f"{args.beam}, alpha {args.alpha}, {args.threads} torch thread(s), server "
+          f"--max-tokens {args.max_tokens} --max-wait-ms {args.max_wait_ms:g}; CPU: {cpu_model()}")
+    process, url = start_server(args)
+    rows, failed = [], False
     try:
-        post(f"{url}/translate", {"text": sentences[:2], "beam": args.beam})  # warm up
-        one_by_one = []
-        for sentence in sentences:  # the reference: no HTTP, no queue
-            start = time.perf_counter()
-            translator.translate([sentence], args.beam, args.alpha)
-            one_by_one.append(time.perf_counter() - start)
-        answers, latencies, wall = load(url, sentences, args.clients, args.beam, args.alpha)
+        http_json(f"{url}/translate", {"text": sentences[:2], "beam": args.beam})  # warm-up
+        if args.soak:
+            result = soak(url, process.pid, sentences, dict(zip(sentences, expected)), args)
+            rss = result["rss_mb"]
+            print(f"soak: {args.soak:g} s, {args.soak_clients} clients + one that hung up "
+                  f"{result['hung_up']} times ({result['dropped']} of those requests dropped "
+                  f"before decoding): {result['correct']}/{result['requests']} "
+                  f"answered correctly, {result['rps']:.1f} requests/s, p50 "
+                  f"{1000 * result['p50']:.0f} ms, p95 {1000 * result['p95']:.0f} ms, p99 "
+                  f"{1000 * result['p99']:.0f} ms; server RSS {rss[0]:.0f} MB at the start, "
+                  f"{rss[-1]:.0f} MB at the end (every 10 s: "
+                  f"{' '.join(f'{r:.0f}' for r in rss)}); /health {result['health']}")
+            failed = result["correct"] < result["requests"] or result["health"] != "ok"
+            rows.append({"who": f"soak, {args.soak:g} s: {args.soak_clients} clients and one "
+                                f"that hangs up ({result['hung_up']} times)",
+                         "p50": round(1000 * result["p50"]), "p95": round(1000 * result["p95"]),
+                         "p99": round(1000 * result["p99"]), "rps": round(result["rps"], 1),
+                         "correct": f"{result['correct']}/{result['requests']}",
+                         "memory": f"{rss[0]:.0f} → {rss[-1]:.0f} MB"})
+        else:
+            print("| | p50 ms | p95 ms | p99 ms | requests/s | / offline | correct | "
+                  "requests per pass (largest) | mean wait ms |")
+            print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
+            for k in clients:
+                before = http_json(f"{url}/stats")
+                answers, latencies, wall = load(url, sentences, k, args.beam, args.alpha)
+                passes = pass_summary(before, http_json(f"{url}/stats"))
+                correct = sum(a == e for a, e in zip(answers, expected))
+                failed |= correct < len(sentences)
+                row = {"who": f"the server, {k} concurrent client{'s' * (k > 1)}",
+                       "p50": round(1000 * percentile(latencies, 50)),
+                       "p95": round(1000 * percentile(latencies, 95)),
+                       "p99": round(1000 * percentile(latencies, 99)),
+                       "rps": round(len(sentences) / wall, 1),
+                       "ratio": f"{len(sentences) / wall / offline:.2f}",
+                       "correct": f"{correct}/{len(sentences)}",
+                       "batches": f"{passes['requests_per_pass']:.1f} "
+                                  f"({passes['largest_pass']})",
+                       "wait": round(passes["mean_wait_ms"])}
+                rows.append(row)
+                print(f"| {row['who']} | {row['p50']} | {row['p95']} | {row['p99']} | "
+                      f"{row['rps']} | {row['ratio']} | {row['correct']} | {row['batches']} | "
+                      f"{row['wait']} |")
+            rows.append({"who": "reference: the same sentences as one batch, in-process "
+                                "(`Translator.translate`)",
+                         "rps": round(offline, 1), "ratio": "1.00"})
+            print(f"| {rows[-1]['who']} | | | | {rows[-1]['rps']} | 1.00 | | | |")
     finally:
         process.terminate()
         process.wait(timeout=30)
-
-    lost = sum(a is None for a in answers)
-    wrong = sum(a is not None and a != e for a, e in zip(answers, expected))
-    service = sum(one_by_one) / len(one_by_one)
-    print(f"aiayn serve load test: {args.run_dir} ({args.weights}), beam {args.beam}, "
-          f"alpha {args.alpha}, {args.threads} torch thread(s); CPU: {cpu_model()}")
-    print(f"{args.requests} requests (one test-split sentence each) from {args.clients} "
-          f"concurrent clients on 127.0.0.1: {args.requests - lost - wrong} answered correctly, "
-          f"{wrong} wrong, {lost} lost")
-    print("| | p50 ms | p95 ms | max ms | requests/s |")
-    print("|---|--:|--:|--:|--:|")
-    print(f"| server, {args.clients} clients | {1000 * percentile(latencies, 50):.0f} | "
-          f"{1000 * percentile(latencies, 95):.0f} | {1000 * max(latencies):.0f} | "
-          f"{args.requests / wall:.1f} |")
-    print(f"| reference: Translator in-process, one by one | "
-          f"{1000 * percentile(one_by_one, 50):.0f} | {1000 * percentile(one_by_one, 95):.0f} | "
-          f"{1000 * max(one_by_one):.0f} | {1 / service:.1f} |")
-    print(f"throughput ratio server / reference: {(args.requests / wall) * service:.2f}; "
-          f"p50 latency ratio: {percentile(latencies, 50) / percentile(one_by_one, 50):.1f}")
-    if lost or wrong:
-        raise SystemExit(1)
+    if args.save:
+        save(args.save, rows, args)
+    if failed:
+        raise SystemExit("some requests were lost or answered wrongly")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ The run is test_translator's tiny trained copy model (a real run directory).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import pty
@@ -21,6 +22,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -178,7 +180,7 @@ def test_malformed_requests_get_422_with_one_line(client, path, body, words):
 
 def test_an_unexpected_failure_is_a_500_without_traceback(run_dir, monkeypatch):
     service = ModelService.from_run(run_dir)
-    monkeypatch.setattr(service.translator, "translate_nbest",
+    monkeypatch.setattr(service.translator, "decode_ids",
                         lambda *a, **k: (_ for _ in ()).throw(RuntimeError("secret detail")))
     client = TestClient(create_app(service), raise_server_exceptions=False)
     response = client.post("/translate", json={"text": ["red"]})
@@ -266,11 +268,11 @@ def test_figures_are_pngs(client):
     assert_clean_error(client.get("/translate"), 405, "Method Not Allowed")
 
 
-def test_the_model_never_runs_on_two_threads(service, monkeypatch):
+def test_the_model_never_runs_on_two_threads(service, translator, monkeypatch):
     """Eight clients at once: every request answered, the model entered by one at a time."""
     inside, most = [0], [0]
     counter = threading.Lock()
-    real = service.translator.translate_nbest
+    real = service.translator.decode_ids
 
     def probe(*args, **kwargs):
         with counter:
@@ -283,14 +285,247 @@ def test_the_model_never_runs_on_two_threads(service, monkeypatch):
             with counter:
                 inside[0] -= 1
 
-    monkeypatch.setattr(service.translator, "translate_nbest", probe)
+    monkeypatch.setattr(service.translator, "decode_ids", probe)
     client = TestClient(create_app(service))
     texts = [random_sentence(random.Random(i)) for i in range(32)]
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(
             lambda t: client.post("/translate", json={"text": [t], "beam": 1}).json(), texts))
     assert most[0] == 1
-    assert [a["translations"][0] for a in answers] == [h[0][0] for h in real(texts, 1, 0.6, 1)]
+    assert [a["translations"][0] for a in answers] == translator.translate(texts, 1, 0.6)
+
+
+# ---------------------------------------------------------------- batching
+def until(condition, what: str, seconds: float = 30) -> None:
+    """Poll ``condition()`` until true (a state the test waits for, not a guessed delay)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+def held_model(service):
+    """Occupy the model's thread until the returned event is set: requests sent meanwhile
+    wait in the queue and are decoded together once it is."""
+    gate = threading.Event()
+    holding = service.batcher.run_alone(gate.wait)
+    until(holding.running, "the batcher to take the holding job")
+    return gate
+
+
+MIXED = [  # (request body, the search it runs): one over-long sentence, empty lines, ...
+    ({"text": ["red green blue", "", LONG], "beam": 4, "alpha": 0.6, "nbest": 2}, (4, 0.6)),
+    ({"text": ["white"], "beam": 4, "alpha": 0.6}, (4, 0.6)),
+    ({"text": [random_sentence(random.Random(i)) for i in range(6)], "beam": 4,
+      "alpha": 0.6, "nbest": 4}, (4, 0.6)),
+    ({"text": ""}, (4, 0.6)),  # the run's search: its config's decode (4, 0.6)
+    ({"text": ["black sun", "sun moon star tree river"], "beam": 2, "nbest": 2}, (2, 0.6)),
+    ({"text": ["red", "tree river"], "beam": 4, "alpha": 1.5, "nbest": 3}, (4, 1.5)),
+    ({"text": [LONG, "blue"], "beam": 2, "alpha": 0.6}, (2, 0.6)),
+    ({"text": ["sun"] * 9, "beam": 4}, None),  # over the limit of 8 sentences: 413
+]
+
+
+def expected_answer(translator, body: dict, search) -> tuple[list, list[str]]:
+    """The n-best lists and warnings of translating this request alone, in-process."""
+    texts = [body["text"]] if isinstance(body["text"], str) else body["text"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", TruncationWarning)
+        hyps = translator.translate_nbest(texts, *search, nbest=body.get("nbest", 1))
+    return hyps, [str(w.message) for w in caught if w.category is TruncationWarning]
+
+
+def assert_same_answer(answer: dict, hyps: list, messages: list[str]) -> None:
+    got = [[(h["text"], h["score"]) for h in nbest] for nbest in answer["nbest"]]
+    assert [[t for t, _ in h] for h in got] == [[t for t, _ in h] for h in hyps]
+    assert np.allclose([s for h in got for _, s in h], [s for h in hyps for _, s in h],
+                       atol=1e-4)
+    assert answer["translations"] == [h[0][0] if h else "" for h in hyps]
+    assert answer["warnings"] == messages
+
+
+def test_requests_sent_together_are_decoded_together_each_as_alone(service, client,
+                                                                   translator):
+    """Mixed requests arrive while the model is busy: those with the same search share one
+    pass (three searches: three passes), and each answer - n-best, scores, warnings - is
+    the one it gets alone; the one over the limits is refused and costs the others nothing."""
+    before = service.stats()
+    gate = held_model(service)
+    try:
+        with ThreadPoolExecutor(len(MIXED)) as pool:
+            sent = [pool.submit(client.post, "/translate", json=body) for body, _ in MIXED]
+            until(lambda: service.batcher.waiting == len(MIXED) - 1, "the requests to queue")
+            gate.set()
+            responses = [f.result() for f in sent]
+    finally:
+        gate.set()
+    assert_clean_error(responses[-1], 413, "9 sentences in one request")
+    for (body, search), response in zip(MIXED[:-1], responses, strict=False):
+        assert response.status_code == 200, response.text
+        assert (response.json()["beam"], response.json()["alpha"]) == search
+        assert_same_answer(response.json(), *expected_answer(translator, body, search))
+    after = service.stats()
+    assert after["passes"] - before["passes"] == 3
+    assert after["requests"] - before["requests"] == len(MIXED) - 1
+    grown = {k: v - before["pass_requests"].get(k, 0) for k, v in after["pass_requests"].items()}
+    assert {k: v for k, v in grown.items() if v} == {"4": 1, "2": 1, "1": 1}
+
+
+def test_a_pass_takes_what_its_budget_holds(run_dir, translator):
+    """A budget of 8 tokens x beam: requests of 4 source tokens (3 words and EOS) at beam
+    2 that waited together are decoded one pass each, those of 2 tokens two by two, in
+    their order of arrival; each answered as alone."""
+    service = ModelService.from_run(run_dir, max_tokens=8)
+    client = TestClient(create_app(service))
+    texts = ["red green blue", "sun moon star", "white tree river", "black sun moon",
+             "red", "blue", "tree", "sun"]
+    try:
+        gate = held_model(service)
+        try:
+            with ThreadPoolExecutor(len(texts)) as pool:
+                sent = []
+                for i, text in enumerate(texts):  # one after the other: a known order
+                    sent.append(pool.submit(client.post, "/translate",
+                                            json={"text": [text], "beam": 2, "alpha": 0.6}))
+                    until(lambda n=i + 1: service.batcher.waiting == n, "the request to queue")
+                gate.set()
+                answers = [f.result().json() for f in sent]
+        finally:
+            gate.set()
+        assert [a["translations"][0] for a in answers] == translator.translate(texts, 2, 0.6)
+        assert service.stats()["pass_requests"] == {"1": 4, "2": 2}
+    finally:
+        service.close()
+
+
+def test_health_info_and_stats_answer_while_a_long_pass_runs(run_dir, translator,
+                                                             monkeypatch):
+    service = ModelService.from_run(run_dir)
+    client = TestClient(create_app(service))
+    inside, release = threading.Event(), threading.Event()
+    real = service.translator.decode_ids
+
+    def long_pass(*args, **kwargs):
+        inside.set()
+        release.wait()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(service.translator, "decode_ids", long_pass)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            answer = pool.submit(client.post, "/translate", json={"text": ["red sun"]})
+            until(inside.is_set, "the pass to start")
+            assert client.get("/health").json()["status"] == "ok"
+            assert client.get("/info").json()["batching"] == {"max_tokens": 8192,
+                                                             "max_wait_ms": 5.0}
+            queued = pool.submit(client.post, "/translate", json={"text": ["blue"]})
+            until(lambda: client.get("/stats").json()["waiting"] == 1, "the second request")
+            assert not answer.done()  # the pass is still running
+            release.set()
+            assert answer.result().json()["translations"] == translator.translate(["red sun"])
+            assert queued.result().json()["translations"] == translator.translate(["blue"])
+    finally:
+        release.set()
+        service.close()
+
+
+def test_attention_waits_for_no_pass_and_runs_alone(service, client, translator):
+    """An attention request sent while translations wait is answered, maps and all, and
+    the translations with it."""
+    gate = held_model(service)
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            first = pool.submit(client.post, "/translate", json={"text": ["red"], "beam": 2})
+            maps = pool.submit(client.post, "/attention", json={"text": "black sun"})
+            until(lambda: service.batcher.waiting == 2, "the requests to queue")
+            gate.set()
+            assert first.result().json()["translations"] == translator.translate(["red"], 2)
+            assert maps.result().json()["translation"] == translator.translate(["black sun"], 1)[0]
+    finally:
+        gate.set()
+
+
+def test_a_client_that_hangs_up_while_waiting_is_never_decoded(run_dir, translator):
+    """A real server (uvicorn on a thread): a request whose client closes the connection
+    while it waits is dropped before any pass; the request behind it is answered alone."""
+    import uvicorn
+
+    from aiayn.serve import listening_socket
+
+    service = ModelService.from_run(run_dir)
+    sock = listening_socket("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    gate = threading.Event()
+    try:
+        until(lambda: server.started, "the server to start")
+        gate = held_model(service)
+        body = json.dumps({"text": ["red green blue"], "beam": 2}).encode()
+        with socket.create_connection(("127.0.0.1", sock.getsockname()[1])) as rude:
+            rude.sendall(b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            until(lambda: service.batcher.waiting == 1, "the request to queue")
+            job = service.batcher._queue[0]
+        until(job.future.cancelled, "the server to notice the client has gone")
+        with ThreadPoolExecutor(1) as pool:
+            polite = pool.submit(http_json, f"{url}/translate", {"text": ["black sun"]})
+            until(lambda: service.batcher.waiting == 2, "the second request to queue")
+            gate.set()
+            assert polite.result()["translations"] == translator.translate(["black sun"])
+        stats = service.stats()
+        assert (stats["dropped"], stats["requests"], stats["pass_requests"]) == (1, 1, {"1": 1})
+    finally:
+        gate.set()
+        server.should_exit = True
+        thread.join(timeout=30)
+        service.close()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--max-wait-ms", "2000"], "--max-wait-ms must be between 0 and 1000, got 2000"),
+    (["--max-wait-ms", "nan"], "--max-wait-ms must be between 0 and 1000, got nan"),
+    (["--max-tokens", "0"], "--max-tokens must be at least 1, got 0"),
+])
+def test_batching_settings_out_of_range_are_one_line(run_dir, capsys, args, words):
+    from aiayn import cli
+
+    assert cli.main(["serve", str(run_dir), "--port", "0", *args]) == 2
+    assert capsys.readouterr().err == f"aiayn: error: {words}\n"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ctranslate2") is None,
+                    reason="pip install 'aiayn[export]'")
+def test_the_ctranslate2_engine_served(run_dir, tmp_path):
+    """An `aiayn export --to ctranslate2` directory served with engine ctranslate2: every
+    answer that of its Translator, requests sent together or alone; no attention maps."""
+    from aiayn.export import export_run
+
+    export_run(run_dir, "ctranslate2", tmp_path / "ct2")
+    service = ModelService.from_run(tmp_path / "ct2", engine="ctranslate2")
+    theirs = Translator.from_pretrained(tmp_path / "ct2", engine="ctranslate2")
+    client = TestClient(create_app(service, ServeLimits(max_sentences=8)))
+    try:
+        info = client.get("/info").json()
+        assert info["engine"] == "ctranslate2" and info["weights"].endswith("model.bin")
+        assert info["parameters"] == sum(p.numel() for p in load_run(run_dir)[1].parameters())
+        gate = held_model(service)
+        try:
+            with ThreadPoolExecutor(len(MIXED)) as pool:
+                sent = [pool.submit(client.post, "/translate", json=body) for body, _ in MIXED]
+                until(lambda: service.batcher.waiting == len(MIXED) - 1, "the requests")
+                gate.set()
+                responses = [f.result() for f in sent]
+        finally:
+            gate.set()
+        for (body, search), response in zip(MIXED[:-1], responses, strict=False):
+            assert_same_answer(response.json(), *expected_answer(theirs, body, search))
+        assert_clean_error(client.post("/attention", json={"text": "red"}), 422,
+                           "attention maps need aiayn's own model")
+    finally:
+        service.close()
 
 
 def test_serve_without_the_extra_says_how_to_install_it(run_dir, monkeypatch, capsys):

@@ -490,14 +490,24 @@ def _add_serve(sub) -> None:
     p = sub.add_parser(
         "serve", help="an HTTP API and a web page: translate, n-best lists, attention maps",
         description="Load the run's model once and serve POST /translate, POST /attention, "
-        "GET /info, GET /health, the page at / and the API's documentation at /docs "
-        "(needs the extra: pip install 'aiayn[serve]').")
-    p.add_argument("run_dir", help="run directory (from `aiayn train`)")
+        "GET /info, GET /health, GET /stats, the page at / and the API's documentation at "
+        "/docs (needs the extra: pip install 'aiayn[serve]'). Requests that wait while the "
+        "model is busy are decoded together, each answer the same as alone.")
+    p.add_argument("run_dir", help="run directory (from `aiayn train`; with --engine "
+                   "ctranslate2 a directory from `aiayn export --to ctranslate2`)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    p.add_argument("--max-tokens", type=int, default=8192,
+                   help="requests waiting with the same beam and alpha are decoded together "
+                   "up to this many source tokens x beam (also a decoding batch's budget; "
+                   "default 8192)")
+    p.add_argument("--max-wait-ms", type=float, default=5.0,
+                   help="when the model is free, wait up to this long after the oldest "
+                   "waiting request for others to decode with it (0-1000; default 5)")
     _add_weights(p)
     _add_device(p)
+    _add_engine(p)
 
 
 def _run_serve(args) -> int:
@@ -508,7 +518,9 @@ def _run_serve(args) -> int:
                          "pip install 'aiayn[serve]'") from None
     if not 0 <= args.port <= 65535:
         raise AiaynError(f"--port must be between 0 and 65535, got {args.port}")
-    serve(args.run_dir, args.host, args.port, args.weights, choose_device(args.device))
+    _at_least(args.max_tokens, 1, "--max-tokens")
+    serve(args.run_dir, args.host, args.port, args.weights, choose_device(args.device),
+          engine=args.engine, max_tokens=args.max_tokens, max_wait_ms=args.max_wait_ms)
     return 0
 
 

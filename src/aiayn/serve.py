@@ -13,15 +13,19 @@ One process loads the run's model once (``Translator.from_pretrained``) and serv
                          `aiayn attention` computes them (rows = queries, columns = keys)
     GET  /health, /info (model sizes, vocabulary, training steps, the best and last dev
                       scores as `aiayn info` gives them)
+    GET  /stats       the passes the batcher has decoded: requests per pass, waits
     GET  /            the page (static/index.html, app.js, style.css: no build step, no CDN)
     GET  /figures/positional_encoding.png, /figures/schedule.png   the plots.py pictures
     GET  /docs        the OpenAPI page (FastAPI's)
 
 Rules a client can rely on:
 
-- The model runs under one lock (``ModelService``): the web server answers requests on
-  several threads, but decoding and attention capture (which sets flags on the model's
-  attention modules) never run on two at once; requests wait their turn, in order.
+- One thread runs the model (``Batcher``): the translate requests waiting for it with the
+  same search (beam, alpha) are decoded together as one pass, within a token budget
+  (--max-tokens) and after a short wait for more (--max-wait-ms); each answer is the one
+  the request would get alone (beam search of a sentence does not depend on the others
+  in its batch). Attention capture (which sets flags on the model's attention modules)
+  runs on that thread alone. /health and /info never wait for the model.
 - Requests over the limits (``ServeLimits``: body bytes, sentences, characters) get 413
   with a message; malformed JSON or values out of range get 422; a problem with the input
   that the library finds (``AiaynError``) gets 422 with its one line; anything else a 500
@@ -35,14 +39,17 @@ line when they are missing.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import io
 import logging
 import socket
 import threading
 import time
-import warnings
-from dataclasses import asdict, dataclass
+from collections import deque
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,16 +63,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from aiayn import plots
-from aiayn.config import Config
+from aiayn.config import Config, load_config
 from aiayn.errors import AiaynError
-from aiayn.rundir import load_run, resolve_weights
+from aiayn.rundir import resolve_weights
 from aiayn.runinfo import run_info
-from aiayn.translator import SentenceAttention, Translator, TruncationWarning
+from aiayn.translator import SentenceAttention, Sources, Translator, truncation_message
 
 STATIC_DIR = Path(__file__).parent / "static"
 MAX_BEAM = 16  # a wider beam is refused (422): its cost grows with the beam
 CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
                  ".css": "text/css; charset=utf-8", ".png": "image/png"}
+MAX_WAIT_MS = 5.0  # the default wait for more requests: see Batcher
 log = logging.getLogger("aiayn.serve")
 
 
@@ -81,6 +89,10 @@ class ServeLimits:
 
 class TooLarge(Exception):
     """A request over a ``ServeLimits`` limit: answered with 413 and this message."""
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer was ready (answered 499, to no one)."""
 
 
 def check_size(texts: list[str], limits: ServeLimits) -> None:
@@ -115,60 +127,252 @@ class AttentionRequest(SearchSettings):
                       description="beam size (1, greedy, as `aiayn attention`)")
 
 
-# ---------------------------------------------------------------- the model, one at a time
-class ModelService:
-    """A Translator behind one lock, with what /info tells about its run."""
+# ---------------------------------------------------------------- the batcher
+@dataclass(eq=False)
+class Job:
+    """One request waiting for the model: sentences to translate with a search (``key``:
+    beam, alpha), or a function that needs the model to itself (``alone``)."""
 
-    def __init__(self, translator: Translator, config: Config, info: dict[str, Any]):
+    key: tuple[int, float] | None
+    sources: Sources | None = None
+    nbest: int = 1
+    alone: Callable[[], Any] | None = None
+    arrived: float = field(default_factory=time.monotonic)
+    future: Future = field(default_factory=Future)
+
+    @property
+    def cost(self) -> int:
+        """Source tokens x beam: what the job adds to a pass (as a decoding batch counts)."""
+        return self.sources.tokens * self.key[0] if self.sources is not None else 0
+
+
+@dataclass
+class BatchStats:
+    """What the batcher has done since it started (GET /stats)."""
+
+    passes: int = 0  # decoding passes of translate requests
+    requests: int = 0
+    sentences: int = 0
+    wait_s: float = 0.0  # summed over requests: from arrival to the start of their pass
+    max_wait_s: float = 0.0
+    decode_s: float = 0.0
+    pass_requests: dict[int, int] = field(default_factory=dict)  # requests in a pass -> passes
+    dropped: int = 0  # requests whose client hung up while they waited: never decoded
+
+    def record(self, jobs: list[Job], started: float, seconds: float) -> None:
+        waits = [started - job.arrived for job in jobs]
+        self.passes += 1
+        self.requests += len(jobs)
+        self.sentences += sum(len(job.sources.ids) for job in jobs)
+        self.wait_s += sum(waits)
+        self.max_wait_s = max(self.max_wait_s, *waits)
+        self.decode_s += seconds
+        self.pass_requests[len(jobs)] = self.pass_requests.get(len(jobs), 0) + 1
+
+
+class Batcher:
+    """The one thread that runs the model, and the queue of requests waiting for it.
+
+    When the thread is free it takes the oldest waiting job. A translate job takes with it
+    every later one with the same search (beam, alpha), in arrival order, while their
+    source tokens x beam fit ``budget`` (the first always goes, however large); they are
+    decoded as one Translator pass (``decode_ids``: length-sorted batches on every stream)
+    with the largest n-best asked, and each job gets back its own sentences' hypotheses
+    (``Translator.finish`` cuts them to its n-best). Jobs with another search wait for a
+    later pass, in their order. While the budget is not full, the thread first waits until
+    the oldest job has waited ``max_wait`` seconds: requests sent together (a page's
+    burst, many clients at once) then share a pass. Under load jobs have waited longer
+    than that already, so the wait costs nothing; alone, a request pays it once.
+    """
+
+    def __init__(self, translator: Translator, max_wait_ms: float = MAX_WAIT_MS):
+        check_max_wait(max_wait_ms)
+        self.translator = translator
+        self.budget = translator.max_tokens
+        self.max_wait = max_wait_ms / 1000
+        self.stats = BatchStats()
+        self._queue: deque[Job] = deque()
+        self._changed = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="aiayn-batcher", daemon=True)
+        self._thread.start()
+
+    def translate(self, sources: Sources, beam: int, alpha: float, nbest: int) -> Future:
+        """A future of ``sources``' hypotheses (``decode_ids``'s, up to ``nbest`` or more)
+        and the seconds their pass took."""
+        return self._submit(Job((beam, alpha), sources, nbest))
+
+    def run_alone(self, fn: Callable[[], Any]) -> Future:
+        """A future of ``fn()``, run on the model's thread with no decoding beside it."""
+        return self._submit(Job(None, alone=fn))
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    def close(self) -> None:
+        """Finish the jobs taken, refuse new ones, stop the thread."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+        self._thread.join()
+
+    def _submit(self, job: Job) -> Future:
+        with self._changed:
+            if self._closed:
+                raise AiaynError("the server is shutting down")
+            self._queue.append(job)
+            self._changed.notify_all()
+        return job.future
+
+    def _run(self) -> None:
+        while (jobs := self._next()) is not None:
+            self._decode(jobs)
+
+    def _next(self) -> list[Job] | None:
+        """The jobs of the next pass, taken off the queue (None: closed)."""
+        with self._changed:
+            while not self._queue and not self._closed:
+                self._changed.wait()
+            if not self._queue:
+                return None
+            while True:
+                jobs, full = self._gather()
+                left = self._queue[0].arrived + self.max_wait - time.monotonic()
+                if full or left <= 0 or self._closed:
+                    break
+                self._changed.wait(left)  # woken early by each new job
+            for job in jobs:
+                self._queue.remove(job)
+            # A future cancelled while it waited (its client gone) is not decoded.
+            taken = [job for job in jobs if job.future.set_running_or_notify_cancel()]
+            self.stats.dropped += len(jobs) - len(taken)
+            return taken
+
+    def _gather(self) -> tuple[list[Job], bool]:
+        """The oldest job and those that may share its pass; whether the pass is full."""
+        head = self._queue[0]
+        if head.alone is not None:
+            return [head], True
+        jobs, tokens = [], 0
+        for job in self._queue:
+            if job.key != head.key:
+                continue
+            if jobs and tokens + job.cost > self.budget:
+                return jobs, True
+            jobs.append(job)
+            tokens += job.cost
+        return jobs, False
+
+    def _decode(self, jobs: list[Job]) -> None:
+        if not jobs:
+            return
+        if jobs[0].alone is not None:
+            _settle(jobs[0].future, jobs[0].alone)
+            return
+        (beam, alpha), nbest = jobs[0].key, max(job.nbest for job in jobs)
+        started = time.monotonic()
+        try:
+            hyps = self.translator.decode_ids([ids for job in jobs for ids in job.sources.ids],
+                                              beam, alpha, nbest, greedy_ok=False)
+        except Exception as exc:  # every request of the pass gets the error
+            for job in jobs:
+                job.future.set_exception(exc)
+            return
+        seconds = time.monotonic() - started
+        self.stats.record(jobs, started, seconds)
+        at = 0
+        for job in jobs:
+            n = len(job.sources.ids)
+            job.future.set_result((hyps[at:at + n], seconds))
+            at += n
+
+
+def check_max_wait(max_wait_ms: float) -> None:
+    """--max-wait-ms: a short wait (a second at most: longer only delays every answer)."""
+    if not 0 <= max_wait_ms <= 1000:
+        raise AiaynError(f"--max-wait-ms must be between 0 and 1000, got {max_wait_ms:g}")
+
+
+def _settle(future: Future, fn: Callable[[], Any]) -> None:
+    try:
+        future.set_result(fn())
+    except Exception as exc:
+        future.set_exception(exc)
+
+
+# ---------------------------------------------------------------- the model behind the batcher
+class ModelService:
+    """A Translator behind a ``Batcher``, with what /info tells about its run."""
+
+    def __init__(self, translator: Translator, config: Config, info: dict[str, Any],
+                 max_wait_ms: float = MAX_WAIT_MS):
         self.translator = translator
         self.config = config
         self.info = info
-        self.lock = threading.Lock()
+        self.batcher = Batcher(translator, max_wait_ms)
         self.requests = 0
         self._figures: dict[str, bytes] = {}
+        self._figures_lock = threading.Lock()
 
     @classmethod
     def from_run(cls, run_dir: str | Path, weights: str = "best",
-                 device: str | torch.device = "cpu") -> ModelService:
-        """Load ``run_dir`` once (see ``load_run``) and gather what /info reports."""
-        config, model, tokenizers = load_run(run_dir, weights)
-        translator = Translator(model, tokenizers, device=device, decode=config.decode)
-        return cls(translator, config, serve_info(run_dir, weights, config, model,
-                                                  translator.device))
+                 device: str | torch.device = "cpu", engine: str = "aiayn",
+                 max_tokens: int = 8192, max_wait_ms: float = MAX_WAIT_MS) -> ModelService:
+        """Load ``run_dir`` once (``Translator.from_pretrained``: a run directory, or with
+        ``engine="ctranslate2"`` an `aiayn export --to ctranslate2` directory) and gather
+        what /info reports. ``max_tokens``: the budget of a decoding batch and of a pass."""
+        translator = Translator.from_pretrained(run_dir, weights, device=device, engine=engine,
+                                                max_tokens=max_tokens)
+        config = load_config(Path(run_dir) / "config.yaml")
+        info = serve_info(run_dir, weights, config, translator)
+        return cls(translator, config, info, max_wait_ms)
 
-    def translate(self, texts: list[str], beam: int | None, alpha: float | None, nbest: int
-                  ) -> dict:
+    def close(self) -> None:
+        self.batcher.close()
+
+    async def translate(self, texts: list[str], beam: int | None, alpha: float | None,
+                        nbest: int, gone: Callable[[], Awaitable[bool]] | None = None) -> dict:
         """`aiayn translate`'s answer for ``texts``: translations in input order, the n-best
-        lists (an empty sentence gives "" and an empty list), the warnings raised, and the
-        search run (None: the run's, ``Translator.search``)."""
+        lists (an empty sentence gives "" and an empty list), the truncation warning of
+        these sentences, the search run (None: the run's, ``Translator.search``) and the
+        seconds of the decoding pass that answered them. ``gone``: see ``answer``."""
         beam, alpha = self.translator.search(beam, alpha)
         if beam > MAX_BEAM:  # only the run's own can be: a request's is checked on arrival
             raise AiaynError(f"the run's decode.beam {beam} is over this server's limit of "
                              f"{MAX_BEAM}; give \"beam\" in the request")
-        # catch_warnings changes the process's warning filters: only under the lock.
-        with self.lock, warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", TruncationWarning)
-            start = time.perf_counter()
-            hyps = self.translator.translate_nbest(texts, beam, alpha, nbest)
-            seconds = time.perf_counter() - start
-            self.requests += 1
+        self.translator.check_limits(beam, nbest, alpha)
+        sources = self.translator.prepare(texts)
+        hyps, seconds = await answer(self.batcher.translate(sources, beam, alpha, nbest), gone)
+        hyps = self.translator.finish(sources, hyps, nbest)
+        self.requests += 1
+        warnings = ([truncation_message(sources.truncated, self.translator.max_len)]
+                    if sources.truncated else [])
         return {
             "translations": [h[0][0] if h else "" for h in hyps],
             "nbest": [[{"text": text, "score": score} for text, score in h] for h in hyps],
-            "warnings": [str(w.message) for w in caught if w.category is TruncationWarning],
-            "beam": beam, "alpha": alpha, "seconds": seconds,
+            "warnings": warnings, "beam": beam, "alpha": alpha, "seconds": seconds,
         }
 
-    def attention(self, text: str, beam: int, alpha: float | None) -> dict:
+    async def attention(self, text: str, beam: int, alpha: float | None,
+                        gone: Callable[[], Awaitable[bool]] | None = None) -> dict:
         """`aiayn attention`'s maps for one sentence, as nested lists (see ``attention_json``)."""
-        with self.lock:
-            att = self.translator.attention(text, beam=beam, alpha=alpha)
-            self.requests += 1
+        att = await answer(self.batcher.run_alone(
+            lambda: self.translator.attention(text, beam=beam, alpha=alpha)), gone)
+        self.requests += 1
         return attention_json(att)
+
+    def stats(self) -> dict:
+        """GET /stats: the batcher's counters (``BatchStats``) and its settings."""
+        stats = asdict(self.batcher.stats)
+        stats["pass_requests"] = {str(k): v for k, v in sorted(stats["pass_requests"].items())}
+        return {**stats, "max_tokens": self.batcher.budget,
+                "max_wait_ms": self.batcher.max_wait * 1000,
+                "waiting": self.batcher.waiting}
 
     def figure(self, name: str) -> bytes:
         """The PNG of a plots.py picture of this run (rendered once, then kept)."""
-        with self.lock:
+        with self._figures_lock:
             if name not in self._figures:
                 d_model = self.info["model"]["d_model"]
                 if name == "positional_encoding":
@@ -192,6 +396,22 @@ class ModelService:
         return self.config, "this run"
 
 
+async def answer(future: Future, gone: Callable[[], Awaitable[bool]] | None = None,
+                 every: float = 0.1) -> Any:
+    """The result of a batcher's ``future``. ``gone()`` (the request's ``is_disconnected``)
+    is asked every ``every`` seconds meanwhile: once the client has hung up, the future is
+    cancelled, so a job still waiting is never decoded (one already in a pass finishes)."""
+    waiting = asyncio.wrap_future(future)
+    while gone is not None:
+        done, _ = await asyncio.wait({waiting}, timeout=every)
+        if done:
+            break
+        if await gone():
+            waiting.cancel()
+            raise ClientGone
+    return await waiting
+
+
 def attention_json(att: SentenceAttention, decimals: int = 5) -> dict:
     """A SentenceAttention as JSON: ``maps[kind][layer][head][query][key]``, with the shape
     of each kind as (layers, heads, queries, keys)."""
@@ -206,18 +426,22 @@ def attention_json(att: SentenceAttention, decimals: int = 5) -> dict:
                      "cross": ["tgt_tokens", "src_tokens"]}}
 
 
-def serve_info(run_dir: str | Path, weights: str, config: Config, model, device: torch.device
+def serve_info(run_dir: str | Path, weights: str, config: Config, translator: Translator
                ) -> dict:
     """What GET /info reports: the served weights, sizes, vocabularies, and the run as
     `aiayn info` describes it (aiayn.runinfo.run_info): the steps trained, the best dev
-    score by the run's ``train.best_metric`` (what best.safetensors holds) and the last."""
+    score by the run's ``train.best_metric`` (what best.safetensors holds) and the last.
+    With CTranslate2 the weights are the export's model.bin."""
     run = run_info(run_dir)
+    served = (Path(run_dir) / "model.bin" if translator.engine is not None
+              else resolve_weights(run_dir, weights))
     return {
         "run_dir": str(run_dir),
-        "weights": str(resolve_weights(run_dir, weights)),
-        "device": str(device),
-        "model": asdict(model.cfg),
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "weights": str(served),
+        "engine": "aiayn" if translator.engine is None else "ctranslate2",
+        "device": str(translator.device),
+        "model": asdict(config.model),
+        "parameters": run["model"]["parameters"],
         "tokenizer": config.data.tokenizer,
         "joint_vocab": config.data.joint_vocab,
         "corpus": config.data.corpus,
@@ -235,13 +459,7 @@ def create_app(service: ModelService, limits: ServeLimits = ServeLimits()) -> Fa
                   version="0.1.0")
     static_files = {p.name: p for p in STATIC_DIR.iterdir() if p.suffix in CONTENT_TYPES}
 
-    @app.middleware("http")
-    async def refuse_large_bodies(request: Request, call_next):
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > limits.max_body_bytes:
-            return _error(413, f"request body of {length} bytes; the limit is "
-                               f"{limits.max_body_bytes}")
-        return await call_next(request)
+    app.add_middleware(RefuseLargeBodies, max_bytes=limits.max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError):
@@ -255,6 +473,10 @@ def create_app(service: ModelService, limits: ServeLimits = ServeLimits()) -> Fa
     async def too_large(request: Request, exc: TooLarge):
         return _error(413, str(exc))
 
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone):
+        return _error(499, "the client closed the connection before the answer")
+
     @app.exception_handler(AiaynError)
     async def bad_input(request: Request, exc: AiaynError):
         return _error(422, str(exc))
@@ -264,24 +486,34 @@ def create_app(service: ModelService, limits: ServeLimits = ServeLimits()) -> Fa
         log.exception("unexpected error on %s %s", request.method, request.url.path)
         return _error(500, f"internal error ({type(exc).__name__}); see the server's log")
 
+    # Async: a request waiting for the batcher holds no thread, and /health, /info and
+    # /stats answer at once however long a pass runs.
     @app.post("/translate", summary="Translate sentences (beam search, n-best lists)")
-    def translate(body: TranslateRequest) -> dict:
+    async def translate(body: TranslateRequest, request: Request) -> dict:
         texts = [body.text] if isinstance(body.text, str) else body.text
         check_size(texts, limits)
-        return service.translate(texts, body.beam, body.alpha, body.nbest)
+        return await service.translate(texts, body.beam, body.alpha, body.nbest,
+                                       request.is_disconnected)
 
     @app.post("/attention", summary="Translate one sentence and return every attention map")
-    def attention(body: AttentionRequest) -> dict:
+    async def attention(body: AttentionRequest, request: Request) -> dict:
         check_size([body.text], limits)
-        return service.attention(body.text, body.beam, body.alpha)
+        return await service.attention(body.text, body.beam, body.alpha,
+                                       request.is_disconnected)
 
     @app.get("/health", summary="Is the model loaded?")
-    def health() -> dict:
+    async def health() -> dict:
         return {"status": "ok", "requests": service.requests}
 
     @app.get("/info", summary="The model, its vocabulary and its training so far")
-    def info() -> dict:
-        return {**service.info, "limits": asdict(limits), "max_beam": MAX_BEAM}
+    async def info() -> dict:
+        return {**service.info, "limits": asdict(limits), "max_beam": MAX_BEAM,
+                "batching": {"max_tokens": service.batcher.budget,
+                             "max_wait_ms": service.batcher.max_wait * 1000}}
+
+    @app.get("/stats", summary="The decoding passes so far: requests per pass, waits")
+    async def stats() -> dict:
+        return service.stats()
 
     @app.get("/figures/{name}.png", summary="positional_encoding or schedule, as PNG")
     def figure(name: str) -> Response:
@@ -298,6 +530,24 @@ def create_app(service: ModelService, limits: ServeLimits = ServeLimits()) -> Fa
         return _static(static_files, name)
 
     return app
+
+
+class RefuseLargeBodies:
+    """413 for a body whose Content-Length is over the limit, before it is read. Plain ASGI
+    (not FastAPI's @app.middleware, which hides a client's hanging up from the endpoint)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            length = dict(scope["headers"]).get(b"content-length", b"").decode("latin-1")
+            if length.isdigit() and int(length) > self.max_bytes:
+                response = _error(413, f"request body of {length} bytes; the limit is "
+                                       f"{self.max_bytes}")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _static(files: dict[str, Path], name: str) -> Response:
@@ -325,16 +575,24 @@ def _validation_line(errors) -> str:
 # ---------------------------------------------------------------- the command
 def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
           weights: str = "best", device: str | torch.device = "cpu",
-          limits: ServeLimits = ServeLimits()) -> None:
-    """Load the run once and serve it until interrupted (`aiayn serve`; port 0: any free one)."""
+          limits: ServeLimits = ServeLimits(), engine: str = "aiayn", max_tokens: int = 8192,
+          max_wait_ms: float = MAX_WAIT_MS) -> None:
+    """Load the run once and serve it until interrupted (`aiayn serve`; port 0: any free
+    one). ``engine``, ``max_tokens``, ``max_wait_ms``: see ``ModelService.from_run``."""
+    check_max_wait(max_wait_ms)  # before loading, as the port below
     sock = listening_socket(host, port)  # before loading: a busy port is one line, at once
-    service = ModelService.from_run(run_dir, weights, device)
+    service = ModelService.from_run(run_dir, weights, device, engine, max_tokens, max_wait_ms)
     app = create_app(service, limits)
     info = service.info
     port = sock.getsockname()[1]
-    print(f"aiayn serve: {info['weights']} ({info['parameters']:,} parameters) on "
-          f"{info['device']}; open http://{_url_host(host)}:{port}/", flush=True)
-    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    print(f"aiayn serve: {info['weights']} ({info['parameters']:,} parameters, "
+          f"{info['engine']}) on {info['device']}; requests batched up to {max_tokens} "
+          f"tokens x beam after up to {max_wait_ms:g} ms; open "
+          f"http://{_url_host(host)}:{port}/", flush=True)
+    try:
+        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    finally:
+        service.close()
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

@@ -9,7 +9,8 @@ the validation during training (``aiayn.evaluate``) and attention pictures.
     ['El Señor es mi pastor.']
 
 Behind ``translate`` the sentences are tokenized, sorted by length, cut into batches of at
-most ``max_tokens`` padded source tokens x beam (``aiayn.batching.token_batches``), decoded
+most ``max_tokens`` padded source tokens x beam (``aiayn.batching.token_batches``; fewer
+sentences than fill a batch per stream are cut into about one batch per stream), decoded
 with the KV cache (``aiayn.decode``) on one CPU thread per batch, several batches at once
 (``aiayn.threads.parallel_map``: a busy core then slows one stream, not every op), and put
 back in their input order.
@@ -114,6 +115,28 @@ def truncate_source(ids: list[int], max_len: int) -> list[int]:
     if len(ids) <= max_len:
         return ids
     return ids[: max_len - 1] + [EOS_ID]
+
+
+def truncation_message(count: int, max_len: int) -> str:
+    """What a ``TruncationWarning`` says (and `aiayn serve` answers) about ``count`` cut."""
+    return (f"{count} sentence(s) longer than the model's max_len={max_len} tokens "
+            f"were truncated to their first {max_len - 1} tokens")
+
+
+@dataclass
+class Sources:
+    """Sentences made ready to decode (``Translator.prepare``): the positions of the
+    non-empty ones, their source ids (truncated by the module's rule) and how many were
+    cut; ``Translator.finish`` puts their hypotheses back in the input order."""
+
+    count: int  # sentences given, empty ones included
+    todo: list[int]  # positions of the non-empty sentences
+    ids: list[list[int]]  # their source ids, tokens + EOS
+    truncated: int
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(ids) for ids in self.ids)
 
 
 @dataclass
@@ -240,19 +263,36 @@ class Translator:
         """
         beam, alpha = self.search(beam, alpha)
         self.check_limits(beam, nbest, alpha)
-        sentences = [_one_line(s) for s in sentences]
-        todo = [i for i, s in enumerate(sentences) if s.strip()]
-        sources, truncated = self.encode([sentences[i] for i in todo])
+        sources = self.prepare(sentences)
+        if sources.truncated:
+            warnings.warn(truncation_message(sources.truncated, self.max_len),
+                          TruncationWarning, stacklevel=3)
         start = time.perf_counter()
-        hyps = self.decode_ids(sources, beam, alpha, nbest, max_len_b, progress,
+        hyps = self.decode_ids(sources.ids, beam, alpha, nbest, max_len_b, progress,
                                greedy_ok=not scored)
         seconds = time.perf_counter() - start
-        results: list[list[tuple[str, float]]] = [[] for _ in sentences]
-        for i, sentence_hyps in zip(todo, hyps, strict=True):
-            texts = self.tokenizers.decode_tgt([ids for ids, _ in sentence_hyps])
-            results[i] = [(text, score) for text, (_, score) in zip(texts, sentence_hyps)]
-        self.last_stats = DecodeStats(len(todo), sum(len(h[0][0]) for h in hyps if h),
-                                      seconds, truncated)
+        self.last_stats = DecodeStats(len(sources.todo), sum(len(h[0][0]) for h in hyps if h),
+                                      seconds, sources.truncated)
+        return self.finish(sources, hyps, nbest)
+
+    def prepare(self, sentences: Sequence[str]) -> Sources:
+        """Sentences as one line each, the empty ones set aside, the rest tokenized and
+        truncated by the module's rule (no warning: the caller says what was cut)."""
+        sentences = [_one_line(s) for s in sentences]
+        todo = [i for i, s in enumerate(sentences) if s.strip()]
+        ids, truncated = self.source_ids([sentences[i] for i in todo])
+        return Sources(len(sentences), todo, ids, truncated)
+
+    def finish(self, sources: Sources, hyps: Sequence[list[Hypothesis]], nbest: int
+               ) -> list[list[tuple[str, float]]]:
+        """The first ``nbest`` hypotheses of each prepared sentence as (text, score), in the
+        input order; an empty sentence gets an empty list. (Beam search does not depend on
+        nbest, only its list's length does: a search run for more gives the same first ones.)"""
+        results: list[list[tuple[str, float]]] = [[] for _ in range(sources.count)]
+        for i, sentence_hyps in zip(sources.todo, hyps, strict=True):
+            kept = sentence_hyps[:nbest]
+            texts = self.tokenizers.decode_tgt([ids for ids, _ in kept])
+            results[i] = [(text, score) for text, (_, score) in zip(texts, kept)]
         return results
 
     def translate_lines(self, lines: Iterable[str], beam: int | None = None,
@@ -279,15 +319,19 @@ class Translator:
             first += len(part)
 
     def encode(self, sentences: Sequence[str]) -> tuple[list[list[int]], int]:
-        """Source ids (tokens + EOS) truncated by the module's rule, and how many were cut."""
+        """Source ids (tokens + EOS) truncated by the module's rule, and how many were cut
+        (a ``TruncationWarning`` says so)."""
+        sources, truncated = self.source_ids(sentences)
+        if truncated:
+            warnings.warn(truncation_message(truncated, self.max_len), TruncationWarning,
+                          stacklevel=2)
+        return sources, truncated
+
+    def source_ids(self, sentences: Sequence[str]) -> tuple[list[list[int]], int]:
+        """``encode`` without the warning."""
         max_len = self.max_len
         sources = self.tokenizers.encode_src(list(sentences)) if sentences else []
         truncated = sum(len(ids) > max_len for ids in sources)
-        if truncated:
-            warnings.warn(
-                f"{truncated} sentence(s) longer than the model's max_len={max_len} tokens "
-                f"were truncated to their first {max_len - 1} tokens",
-                TruncationWarning, stacklevel=4)
         return [truncate_source(ids, max_len) for ids in sources], truncated
 
     @torch.no_grad()
@@ -304,15 +348,19 @@ class Translator:
         self.check_limits(beam, nbest, alpha)
         results: list[list[Hypothesis]] = [[] for _ in sources]
         greedy = greedy_ok and beam == 1 and nbest == 1
-        batches = token_batches([len(s) for s in sources], self.max_tokens, copies=beam)
+        widths = [len(s) for s in sources]
         if self.engine is not None:  # CTranslate2 runs its own threads
+            batches = token_batches(widths, self.max_tokens, copies=beam)
             decoded_batches = (self.engine.search([sources[i] for i in batch], beam, alpha,
                                                   nbest, max_len_b) for batch in batches)
         else:  # one intra-op thread per stream: see aiayn.threads
+            streams = self.streams or default_streams(self.device)
+            batches = token_batches(widths, stream_budget(widths, self.max_tokens, beam,
+                                                          streams), copies=beam)
             decoded_batches = parallel_map(
                 lambda batch: self._search([sources[i] for i in batch], beam, alpha, nbest,
                                            max_len_b, greedy), batches,
-                self.streams or default_streams(self.device), self.threads_per_stream)
+                streams, self.threads_per_stream)
         for batch, decoded in zip(batches, decoded_batches, strict=True):
             for i, hyps in zip(batch, decoded, strict=True):
                 results[i] = hyps
@@ -368,6 +416,17 @@ class Translator:
         hypothesis = self.decode_ids(sources, beam=beam, alpha=alpha)[0][0].ids
         return on_one_thread(lambda: sentence_attention(self.model, self.tokenizers, sentence,
                                                         hypothesis))
+
+
+def stream_budget(widths: Sequence[int], max_tokens: int, copies: int, streams: int) -> int:
+    """The batch budget for decoding sentences of these widths on ``streams`` streams:
+    ``max_tokens``, or less when they would not fill a batch per stream, so that a few
+    sentences (a short file, the requests a server gathered) are cut into about one batch
+    per stream and decode on every core rather than on one."""
+    if streams <= 1 or len(widths) < 2:
+        return max_tokens
+    per_stream = -(-len(widths) // streams)
+    return max(1, min(max_tokens, max(widths) * per_stream * copies))
 
 
 def _one_line(sentence: str) -> str:
