@@ -2,9 +2,10 @@
 
     python benchmarks/engines.py --run-dir RUN --repeats 3   # beam 4, alpha 0.6, 2 threads
 
-RUN must export to CTranslate2: a model with QK-norm (the demo's) does not (the engine
-normalises encoder-decoder queries over all of d_model, not per head), so train it with
-``--set model.qk_norm=false``; a restricted output layer exports as a bias.
+RUN must export to CTranslate2: a model with QK-norm in encoder-decoder attention (the
+demo's) does not (the engine normalises those queries over all of d_model, not per head),
+so train it with ``--set model.qk_norm_cross=false`` (QK-norm in self-attention only); a
+restricted output layer exports as a bias.
 
 The run is exported twice with `aiayn.export.export_run` (CTranslate2 float32 and int8)
 into a temporary directory. Each engine then translates the same sentences through the same

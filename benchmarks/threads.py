@@ -17,8 +17,8 @@ aiayn, whose floor is 0.8x:
 - ``aiayn, 2 streams x 1 thread``: aiayn's default (``aiayn.threads.parallel_map``);
 - ``CTranslate2 float32``: the run exported (``aiayn.export``), 2 intra-op threads, decoded
   through the same Translator (only the search differs). The run must export: a model with
-  QK-norm or ``model.output_vocab: targets`` (the demo's) does not, so train one with
-  ``--set model.qk_norm=false --set model.output_vocab=all`` or pass --no-ct2.
+  QK-norm in encoder-decoder attention (the demo's) does not, so train one with
+  ``--set model.qk_norm_cross=false`` or pass --no-ct2.
 
 Every contender goes through ``aiayn.evaluate.translate_and_score``; the script checks that
 aiayn's three settings translate every sentence the same.
