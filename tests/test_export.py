@@ -267,13 +267,26 @@ def test_model_py_depends_on_torch_alone():
 
 
 # ---------------------------------------------------------------- CTranslate2
+def assert_ct2_log_probs_are_aiayns(run: Path, ct2_dir: Path) -> None:
+    """CTranslate2's score_batch gives aiayn's teacher-forced log-probabilities (1e-4)."""
+    import ctranslate2
+
+    model, tokenizers, src, tgt = teacher_forced(run)
+    with torch.no_grad():
+        log_probs = torch.log_softmax(model(src, tgt[:, :-1]), dim=-1)
+    source = [tokenizers.src_tokens(t)[:-1] for t in TEXTS]  # CTranslate2 appends [EOS]
+    target = [tokenizers.tgt_tokens(t[::-1])[1:-1] for t in TEXTS]
+    results = ctranslate2.Translator(str(ct2_dir)).score_batch(source, target)
+    for b, result in enumerate(results):
+        expected = [log_probs[b, t, tgt[b, t + 1]].item() for t in range(len(target[b]) + 1)]
+        assert result.log_probs == pytest.approx(expected, abs=1e-4)
+
+
 @needs_ct2
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
 def test_every_presets_architecture_leaves_for_ctranslate2_exactly_or_is_refused(tmp_path,
                                                                                  capsys, preset):
     """The same log-probabilities (float32), or, for QK-norm, a one-line refusal."""
-    import ctranslate2
-
     switches = preset_switches(preset)
     run = random_run(tmp_path, "run", **switches)
     code, _, err = run_cli(["export", str(run), "--to", "ctranslate2", str(tmp_path / "ct2")],
@@ -282,15 +295,7 @@ def test_every_presets_architecture_leaves_for_ctranslate2_exactly_or_is_refused
         assert one_line_error(code, err, "model.qk_norm_cross: true")
         return
     assert code == 0
-    model, tokenizers, src, tgt = teacher_forced(run)
-    with torch.no_grad():
-        log_probs = torch.log_softmax(model(src, tgt[:, :-1]), dim=-1)
-    source = [tokenizers.src_tokens(t)[:-1] for t in TEXTS]
-    target = [tokenizers.tgt_tokens(t[::-1])[1:-1] for t in TEXTS]
-    results = ctranslate2.Translator(str(tmp_path / "ct2")).score_batch(source, target)
-    for b, result in enumerate(results):
-        expected = [log_probs[b, t, tgt[b, t + 1]].item() for t in range(len(target[b]) + 1)]
-        assert result.log_probs == pytest.approx(expected, abs=1e-4)
+    assert_ct2_log_probs_are_aiayns(run, tmp_path / "ct2")
 
 
 @needs_ct2
@@ -320,20 +325,10 @@ def test_a_restricted_output_layer_leaves_for_ctranslate2_as_a_bias(tmp_path, qu
     ("all", True, False), ("all", True, True)])  # the last: QK-norm in self-attention only
 def test_the_ctranslate2_model_gives_aiayn_log_probabilities(tmp_path, tie, norm_first,
                                                              qk_norm):
-    import ctranslate2
-
     run = random_run(tmp_path, "run", tie=tie, norm_first=norm_first, qk_norm=qk_norm,
                      qk_norm_cross=False)
     export_run(run, "ctranslate2", tmp_path / "ct2")
-    model, tokenizers, src, tgt = teacher_forced(run)
-    with torch.no_grad():
-        log_probs = torch.log_softmax(model(src, tgt[:, :-1]), dim=-1)
-    source = [tokenizers.src_tokens(t)[:-1] for t in TEXTS]  # CTranslate2 appends [EOS]
-    target = [tokenizers.tgt_tokens(t[::-1])[1:-1] for t in TEXTS]
-    results = ctranslate2.Translator(str(tmp_path / "ct2")).score_batch(source, target)
-    for b, result in enumerate(results):
-        expected = [log_probs[b, t, tgt[b, t + 1]].item() for t in range(len(target[b]) + 1)]
-        assert result.log_probs == pytest.approx(expected, abs=1e-4)
+    assert_ct2_log_probs_are_aiayns(run, tmp_path / "ct2")
 
 
 @needs_ct2

@@ -305,6 +305,20 @@ def until(condition, what: str, seconds: float = 30) -> None:
         time.sleep(0.005)
 
 
+def send_while_held(service, client, requests) -> list:
+    """POST every (body, _) of ``requests`` at once while the model is held, so they all
+    queue behind the first; release it and return the responses in order."""
+    gate = held_model(service)
+    try:
+        with ThreadPoolExecutor(len(requests)) as pool:
+            sent = [pool.submit(client.post, "/translate", json=body) for body, _ in requests]
+            until(lambda: service.batcher.waiting == len(requests) - 1, "the requests to queue")
+            gate.set()
+            return [f.result() for f in sent]
+    finally:
+        gate.set()
+
+
 def held_model(service):
     """Occupy the model's thread until the returned event is set: requests sent meanwhile
     wait in the queue and are decoded together once it is."""
@@ -351,15 +365,7 @@ def test_requests_sent_together_are_decoded_together_each_as_alone(service, clie
     pass (three searches: three passes), and each answer - n-best, scores, warnings - is
     the one it gets alone; the one over the limits is refused and costs the others nothing."""
     before = service.stats()
-    gate = held_model(service)
-    try:
-        with ThreadPoolExecutor(len(MIXED)) as pool:
-            sent = [pool.submit(client.post, "/translate", json=body) for body, _ in MIXED]
-            until(lambda: service.batcher.waiting == len(MIXED) - 1, "the requests to queue")
-            gate.set()
-            responses = [f.result() for f in sent]
-    finally:
-        gate.set()
+    responses = send_while_held(service, client, MIXED)
     assert_clean_error(responses[-1], 413, "9 sentences in one request")
     for (body, search), response in zip(MIXED[:-1], responses, strict=False):
         assert response.status_code == 200, response.text
@@ -511,15 +517,7 @@ def test_the_ctranslate2_engine_served(run_dir, tmp_path):
         info = client.get("/info").json()
         assert info["engine"] == "ctranslate2" and info["weights"].endswith("model.bin")
         assert info["parameters"] == sum(p.numel() for p in load_run(run_dir)[1].parameters())
-        gate = held_model(service)
-        try:
-            with ThreadPoolExecutor(len(MIXED)) as pool:
-                sent = [pool.submit(client.post, "/translate", json=body) for body, _ in MIXED]
-                until(lambda: service.batcher.waiting == len(MIXED) - 1, "the requests")
-                gate.set()
-                responses = [f.result() for f in sent]
-        finally:
-            gate.set()
+        responses = send_while_held(service, client, MIXED)
         for (body, search), response in zip(MIXED[:-1], responses, strict=False):
             assert_same_answer(response.json(), *expected_answer(theirs, body, search))
         assert_clean_error(client.post("/attention", json={"text": "red"}), 422,
