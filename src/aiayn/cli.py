@@ -498,10 +498,10 @@ def _add_serve(sub) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
-    p.add_argument("--max-tokens", type=int, default=8192,
+    p.add_argument("--max-tokens", type=int, default=None,
                    help="requests waiting with the same beam and alpha are decoded together "
                    "up to this many source tokens x beam (also a decoding batch's budget; "
-                   "default 8192)")
+                   "default as `aiayn translate`'s: 8192 on a CPU)")
     p.add_argument("--max-wait-ms", type=float, default=5.0,
                    help="when the model is free, wait up to this long after the oldest "
                    "waiting request for others to decode with it (0-1000; default 5)")
@@ -518,7 +518,8 @@ def _run_serve(args) -> int:
                          "pip install 'aiayn[serve]'") from None
     if not 0 <= args.port <= 65535:
         raise AiaynError(f"--port must be between 0 and 65535, got {args.port}")
-    _at_least(args.max_tokens, 1, "--max-tokens")
+    if args.max_tokens is not None:
+        _at_least(args.max_tokens, 1, "--max-tokens")
     serve(args.run_dir, args.host, args.port, args.weights, choose_device(args.device),
           engine=args.engine, max_tokens=args.max_tokens, max_wait_ms=args.max_wait_ms)
     return 0

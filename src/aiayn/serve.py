@@ -318,10 +318,12 @@ class ModelService:
     @classmethod
     def from_run(cls, run_dir: str | Path, weights: str = "best",
                  device: str | torch.device = "cpu", engine: str = "aiayn",
-                 max_tokens: int = 8192, max_wait_ms: float = MAX_WAIT_MS) -> ModelService:
+                 max_tokens: int | None = None, max_wait_ms: float = MAX_WAIT_MS
+                 ) -> ModelService:
         """Load ``run_dir`` once (``Translator.from_pretrained``: a run directory, or with
         ``engine="ctranslate2"`` an `aiayn export --to ctranslate2` directory) and gather
-        what /info reports. ``max_tokens``: the budget of a decoding batch and of a pass."""
+        what /info reports. ``max_tokens``: the budget of a decoding batch and of a pass (None:
+        the device's, ``aiayn.translator.default_max_tokens``)."""
         translator = Translator.from_pretrained(run_dir, weights, device=device, engine=engine,
                                                 max_tokens=max_tokens)
         config = load_config(Path(run_dir) / "config.yaml")
@@ -575,8 +577,8 @@ def _validation_line(errors) -> str:
 # ---------------------------------------------------------------- the command
 def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
           weights: str = "best", device: str | torch.device = "cpu",
-          limits: ServeLimits = ServeLimits(), engine: str = "aiayn", max_tokens: int = 8192,
-          max_wait_ms: float = MAX_WAIT_MS) -> None:
+          limits: ServeLimits = ServeLimits(), engine: str = "aiayn",
+          max_tokens: int | None = None, max_wait_ms: float = MAX_WAIT_MS) -> None:
     """Load the run once and serve it until interrupted (`aiayn serve`; port 0: any free
     one). ``engine``, ``max_tokens``, ``max_wait_ms``: see ``ModelService.from_run``."""
     check_max_wait(max_wait_ms)  # before loading, as the port below
@@ -586,7 +588,7 @@ def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
     info = service.info
     port = sock.getsockname()[1]
     print(f"aiayn serve: {info['weights']} ({info['parameters']:,} parameters, "
-          f"{info['engine']}) on {info['device']}; requests batched up to {max_tokens} "
+          f"{info['engine']}) on {info['device']}; requests batched up to {service.batcher.budget} "
           f"tokens x beam after up to {max_wait_ms:g} ms; open "
           f"http://{_url_host(host)}:{port}/", flush=True)
     try:
