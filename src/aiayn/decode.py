@@ -126,7 +126,7 @@ def greedy_decode(
     for step in range(1, rows.longest + 1 if B else 1):
         next_token = state.next_logits(rows.decoder_input(next_token, use_cache)).argmax(dim=-1)
         chosen = next_token.cpu().numpy()  # the one transfer to the host of this step
-        rows.grow(np.arange(len(chosen)), chosen)
+        rows.grow(chosen)
         done = (chosen == EOS_ID) | rows.at_limit(step)
         if not done.any():
             continue
@@ -216,7 +216,7 @@ def beam_search(
             break
         beam_rows = (keep[:, None] * K + h_beam_of[keep]).reshape(-1)  # sentence-major
         rows.keep(keep, beam_rows)
-        rows.grow(slice(None), h_token[keep].reshape(-1))
+        rows.grow(h_token[keep].reshape(-1))
         index = torch.from_numpy(keep).to(device)
         state.select(torch.from_numpy(beam_rows).to(device), shrinks=keep.size < A)
         scores, token = scores.index_select(0, index), token.index_select(0, index)
@@ -240,9 +240,9 @@ class _Rows:
     def at_limit(self, step: int) -> np.ndarray:
         return self.limits == step
 
-    def grow(self, rows, new_tokens: np.ndarray) -> None:
-        """Append one token to every row (``rows``: all of them, in order)."""
-        self.history = np.concatenate([self.history[rows], new_tokens[:, None]], axis=1)
+    def grow(self, new_tokens: np.ndarray) -> None:
+        """Append one token to every row."""
+        self.history = np.concatenate([self.history, new_tokens[:, None]], axis=1)
 
     def keep(self, sentences: np.ndarray, rows: np.ndarray | None = None) -> None:
         """Keep the live ``sentences`` and (reordered) history ``rows`` (default: the same)."""
