@@ -154,7 +154,8 @@ class TokenBatchSampler:
         return len(self.batches) // self.world_size
 
     def state_dict(self) -> dict[str, int]:
-        """Epoch and batches yielded in it (the stream does not prefetch: yielded = trained on)."""
+        """Epoch and batches yielded in it (``aiayn.train.BatchStream`` saves the state from
+        before a batch it drew ahead, so a saved state counts the batches trained on)."""
         return {"epoch": self.epoch, "batches_yielded": self._offset, "n_batches": len(self.batches),
                 "world_size": self.world_size, "seed": self.seed}
 
