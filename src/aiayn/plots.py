@@ -7,7 +7,9 @@ never through ``pyplot``, so no display is needed and no global figure state lea
 between calls (a figure is freed as soon as it is no longer referenced).
 
     attention_figure     layers x heads grid of attention maps (paper, 3.2), rows = queries
+    attention_strip_figure  one attention map at successive training steps, side by side
     curves_figure        training loss, dev loss, dev BLEU, learning rate against steps
+    comparison_figure    chosen metrics of several runs against steps (an ablation)
     positional_encoding_figure   the sinusoid table of section 3.5
     schedule_figure      the learning-rate schedule of section 5.3, eq. 3
     trace_figure         the shapes of a forward pass through the layers (``aiayn trace``)
@@ -254,6 +256,80 @@ def curves_figure(runs: dict[str, list[dict[str, Any]]]) -> Figure:
 
 
 # ---------------------------------------------------------------- positional encoding
+
+def comparison_figure(runs: dict[str, list[dict[str, Any]]],
+                      panels: Sequence[tuple[str, str]], title: str = "",
+                      log_scale: Sequence[str] = ()) -> Figure:
+    """One panel per ``(key, label)`` of ``panels``: the records of each run that hold
+    ``key``, against their "step", one colour per run (the same in every panel). Keys in
+    ``log_scale`` get a logarithmic y axis. Values that are not finite (a run that
+    diverged) are left out of the line and the run's label says where it stopped."""
+    fig = new_figure(figsize=(4.2 * len(panels) + 0.6, 3.6), layout="constrained")
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    colors = {label: f"C{i % 10}" for i, label in enumerate(runs)}
+    for ax, (key, ylabel) in zip(axes, panels, strict=True):
+        for label, records in runs.items():
+            points = [(r["step"], r[key]) for r in records if key in r]
+            finite = [(s, v) for s, v in points if math.isfinite(v)]
+            if not finite:
+                continue
+            steps, values = zip(*finite, strict=True)
+            few = len(finite) < 40  # evaluations: mark each one
+            ax.plot(steps, values, color=colors[label], marker="o" if few else None,
+                    markersize=3, linewidth=1.4, label=label)
+        if key in log_scale:
+            ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    handles = []
+    for label, records in runs.items():
+        bad = next((r["step"] for r in records
+                    if any(isinstance(v, float) and not math.isfinite(v) for v in r.values())),
+                   None)
+        text = label if bad is None else f"{label} (not finite at step {bad})"
+        handles.append(Line2D([], [], color=colors[label], linewidth=2, label=text))
+    fig.legend(handles=handles, loc="outside upper center", ncols=min(len(runs), 4),
+               fontsize=9, title=title or None)
+    return fig
+
+
+def attention_strip_figure(maps: Sequence[tuple[str, Any]], query_tokens: Sequence[str],
+                           key_tokens: Sequence[str], title: str = "",
+                           query_name: str = "decoder input", key_name: str = "source token"
+                           ) -> Figure:
+    """One (T_q, T_k) attention matrix per ``(panel title, matrix)`` of ``maps``, side by side
+    on one colour scale (0..1, square root as in :func:`attention_figure`): the same
+    sentence's attention as a model learns, say, one panel per step."""
+    mats = [_as_numpy(m) for _, m in maps]
+    shape = (len(query_tokens), len(key_tokens))
+    for (name, _), m in zip(maps, mats, strict=True):
+        if m.shape != shape:
+            raise ValueError(f"{name}: expected an attention matrix of shape {shape} "
+                             f"(queries, keys), got {m.shape}")
+    if not mats:
+        raise ValueError("attention_strip_figure needs at least one matrix")
+    cell = 0.22
+    panel_w, panel_h = max(1.3, cell * shape[1]), max(1.3, cell * shape[0])
+    fig = new_figure(figsize=(0.8 + len(mats) * (panel_w + 0.2) + 1.0, panel_h + 1.6),
+                     layout="constrained")
+    axes = fig.subplots(1, len(mats), squeeze=False, sharey=True)[0]
+    norm = PowerNorm(gamma=0.5, vmin=0.0, vmax=1.0)
+    image = None
+    for ax, (name, _), mat in zip(axes, maps, mats, strict=True):
+        image = ax.imshow(mat, cmap="viridis", norm=norm, origin="upper",
+                          interpolation="nearest", aspect="auto")
+        ax.set_xticks(range(shape[1]), labels=list(key_tokens), rotation=90, fontsize=7)
+        ax.set_yticks(range(shape[0]), labels=list(query_tokens), fontsize=7)
+        ax.tick_params(length=2, pad=1)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel(key_name, fontsize=8)
+    axes[0].set_ylabel(query_name, fontsize=8)
+    fig.colorbar(image, ax=axes, shrink=0.9, aspect=20, label="attention weight")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return fig
+
 
 def positional_encoding_figure(positions: int = 100, d_model: int = 128) -> Figure:
     """The sinusoid table of section 3.5 as a heatmap (position x dimension), and a few
