@@ -147,10 +147,12 @@ def weights(run_dir: Path, name: str = "last.safetensors") -> dict[str, torch.Te
     return read_weights(run_dir / name)
 
 
-def assert_equal_weights(a: dict, b: dict) -> None:
+def assert_equal_weights(a: dict, b: dict, context: str = "") -> None:
     assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    differ = [name for name in a if not torch.equal(a[name], b[name])]
+    assert not differ, (f"{len(differ)} of {len(a)} tensors differ, e.g. {differ[0]} by up to "
+                        f"{(a[differ[0]] - b[differ[0]]).abs().max():.2e}"
+                        + (f" ({context})" if context else ""))
 
 
 def records(run_dir: Path, kind: str) -> list[dict]:

@@ -363,6 +363,7 @@ def test_kills_at_random_moments_then_resumes_end_on_the_uninterrupted_weights(w
     rng = random.Random(7)
     args = ["--config", TINY, "--data", world["data"], "--out", killed, *settings]
     kills, saved = 0, []  # the step each killed process had saved beyond the one before
+    moments = []  # what happened, for the message of a failure
     for _ in range(3):
         before = saved[-1] if saved else 0
         proc = start_train(*args)
@@ -371,18 +372,21 @@ def test_kills_at_random_moments_then_resumes_end_on_the_uninterrupted_weights(w
                 (killed / "train_state.pt").exists()
                 and load_train_state(killed / "train_state.pt")["step"] > before):
             time.sleep(0.01)
-        time.sleep(rng.uniform(0.0, 0.3))  # a moment between saves, or during one
+        delay = rng.uniform(0.0, 0.3)
+        time.sleep(delay)  # a moment between saves, or during one
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
             kills += 1
         proc.wait()
         saved.append(load_train_state(killed / "train_state.pt")["step"])
+        moments.append(f"{'killed' if proc.returncode < 0 else 'ended'} {delay:.3f} s after "
+                       f"a save beyond step {before}, resumed at step {saved[-1]}")
         args = ["--resume", killed]
     assert kills >= 2 and saved == sorted(saved) and saved[0] < 40  # really interrupted
     result = aiayn("train", "--resume", killed)
     assert result.returncode == 0, result.stderr.decode()
     assert load_train_state(killed / "train_state.pt")["step"] == 40
-    assert_equal_weights(weights(killed), weights(straight))
+    assert_equal_weights(weights(killed), weights(straight), "; ".join(moments))
 
 
 def test_train_force_replaces_the_run_files_and_nothing_else(world, tmp_path):
