@@ -44,9 +44,9 @@ lint: venv
 docs: venv
 	$(BIN)/python docs/generate.py
 
-# Execute docs/walkthrough.ipynb in place (about a minute on a CPU core) and record the
-# fingerprint of its code and of the aiayn modules it imports; tests/test_notebook.py fails
-# when that fingerprint is no longer current.
+# Execute the notebooks of docs/ in place (the walkthrough about a minute on a CPU core, the
+# ablations three) and record the fingerprint of their code and of the aiayn modules they
+# import; tests/test_notebook.py fails when a fingerprint is no longer current.
 notebook: venv
 	$(BIN)/python docs/notebook.py
 

@@ -1,8 +1,9 @@
-"""docs/walkthrough.ipynb: run it, and know when its committed outputs are older than the code.
+"""The notebooks of docs/ (the walkthrough, the ablations): run them, and know when their
+committed outputs are older than the code.
 
-The notebook is committed with its outputs (figures as PNG), so it reads on GitHub without
+A notebook is committed with its outputs (figures as PNG), so it reads on GitHub without
 running. Those outputs are only as current as the code that made them, so
-``make notebook`` (``python docs/notebook.py``) executes it top to bottom in place and records
+``make notebook`` (``python docs/notebook.py``) executes each top to bottom in place and records
 a fingerprint in its metadata: the SHA-256 of its code cells and of the source files of
 every ``aiayn`` module they import. tests/test_notebook.py executes a copy (every check
 cell asserts), compares the recorded fingerprint with the current one, and compares the
@@ -10,8 +11,9 @@ text outputs of the cells tagged ``deterministic`` (shapes, parameter counts, ..
 the fresh ones. It also writes the figure of the cell tagged ``figure:NAME`` to
 ``docs/NAME.png`` (the README shows it).
 
-    python docs/notebook.py            # execute in place, record the fingerprint, save figures
-    python docs/notebook.py --check    # exit 1 (one line) when the outputs are stale
+    python docs/notebook.py                          # execute all in place, save figures
+    python docs/notebook.py docs/ablations.ipynb     # one of them
+    python docs/notebook.py --check                  # exit 1 (one line) when any is stale
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ import nbformat
 DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
 NOTEBOOK = DOCS / "walkthrough.ipynb"
+NOTEBOOKS = (NOTEBOOK, DOCS / "ablations.ipynb")
 PACKAGE = ROOT / "src" / "aiayn"
-STALE = "docs/walkthrough.ipynb is stale: run `make notebook`"
 DETERMINISTIC = "deterministic"  # the tag of cells whose text outputs are the same on every machine
 FIGURE = "figure:"  # a tag "figure:NAME": this cell's PNG output is docs/NAME.png
 TIMEOUT_S = 600  # per cell
@@ -38,6 +40,10 @@ STARTUP_S = 300  # for the kernel to start (nbclient's 60 s can pass on a machin
 
 def read(path: Path = NOTEBOOK) -> nbformat.NotebookNode:
     return nbformat.read(path, as_version=4)
+
+
+def stale_message(path: Path = NOTEBOOK) -> str:
+    return f"{path.relative_to(ROOT)} is stale: run `make notebook`"
 
 
 def code_sources(nb: nbformat.NotebookNode) -> list[str]:
@@ -154,15 +160,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true",
                         help="only say whether the committed outputs are stale (exit 1 if so)")
+    parser.add_argument("notebooks", nargs="*", type=Path, metavar="NOTEBOOK",
+                        help="the notebooks to run or check (default: all of docs/)")
     args = parser.parse_args(argv)
+    paths = [path.resolve() for path in args.notebooks] or list(NOTEBOOKS)
     if args.check:
-        nb = read()
-        if recorded_fingerprint(nb) != fingerprint(nb):
-            print(STALE, file=sys.stderr)
-            return 1
-        print("docs/walkthrough.ipynb is current")
-        return 0
-    update()
+        stale = [path for path in paths
+                 if recorded_fingerprint(nb := read(path)) != fingerprint(nb)]
+        for path in stale:
+            print(stale_message(path), file=sys.stderr)
+        if not stale:
+            print(", ".join(str(path.relative_to(ROOT)) for path in paths), "current")
+        return 1 if stale else 0
+    for path in paths:
+        update(path)
     return 0
 
 

@@ -1,11 +1,12 @@
-"""docs/walkthrough.ipynb runs top to bottom, and the outputs committed with it are current.
+"""The notebooks of docs/ run top to bottom, and the outputs committed with them are current.
 
-The notebook is committed with its outputs so that it reads on GitHub without running;
+A notebook is committed with its outputs so that it reads on GitHub without running;
 docs/notebook.py (`make notebook`) executes it in place and records a fingerprint of its code
-cells and of the aiayn modules they import. Here a copy runs in a fresh kernel (every check
-cell asserts), the recorded fingerprint must be the current one, and the cells tagged
+cells and of the aiayn modules they import. Here a copy of each runs in a fresh kernel (every
+check cell asserts), the recorded fingerprint must be the current one, and the cells tagged
 ``deterministic`` (shapes, parameter counts, the schedule's values, ...) must print what was
-committed. About a minute on one core, most of it the toy training of section 5.
+committed. About a minute on one core for the walkthrough (most of it the toy training of its
+section 5) and three for the ablations (eleven toy trainings).
 """
 
 from __future__ import annotations
@@ -22,9 +23,20 @@ tool = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tool)
 
 
+# Per notebook: the figures it writes to docs/, and how many cells at least are tagged
+# deterministic (a notebook that lost its tags would otherwise compare nothing).
+EXPECTED = {"walkthrough": ({"walkthrough_reversal"}, 8),
+            "ablations": ({"ablations_attention_forming"}, 2)}
+
+
+@pytest.fixture(scope="module", params=tool.NOTEBOOKS, ids=lambda path: path.stem)
+def notebook(request) -> Path:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def committed():
-    return tool.read()
+def committed(notebook):
+    return tool.read(notebook)
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +50,22 @@ def executed(committed, tmp_path_factory):
     return tool.execute(nb, cwd=tmp_path_factory.mktemp("notebook"))
 
 
-def test_committed_outputs_are_not_stale(committed):
-    assert tool.recorded_fingerprint(committed) == tool.fingerprint(committed), tool.STALE
+def test_every_notebook_is_run_and_checked():
+    assert {path.stem for path in tool.NOTEBOOKS} == set(EXPECTED)
+    assert {path.stem for path in (ROOT / "docs").glob("*.ipynb")} == set(EXPECTED)
 
 
-def test_fingerprint_covers_the_code_cells_and_the_imported_modules(committed):
+def test_committed_outputs_are_not_stale(notebook, committed):
+    assert tool.recorded_fingerprint(committed) == tool.fingerprint(committed), \
+        tool.stale_message(notebook)
+
+
+def test_fingerprint_covers_the_code_cells_and_the_imported_modules():
+    committed = tool.read(tool.NOTEBOOK)
     modules = tool.imported_modules(committed)
     for name in ("aiayn.model", "aiayn.trace", "aiayn.optim", "aiayn.decode", "aiayn.reference"):
         assert name in modules
+    assert "aiayn.toy" in tool.imported_modules(tool.read(tool.DOCS / "ablations.ipynb"))
     changed = copy.deepcopy(committed)
     cell = next(c for c in changed.cells if c.cell_type == "code")
     cell.source += "\n"
@@ -55,25 +75,27 @@ def test_fingerprint_covers_the_code_cells_and_the_imported_modules(committed):
     assert tool.fingerprint(changed) == tool.fingerprint(committed)  # prose changes no output
 
 
-def test_committed_figure_file_is_the_notebooks(committed):
+def test_committed_figure_files_are_the_notebooks(notebook, committed):
     pictures = tool.figures(committed)
-    assert set(pictures) == {"walkthrough_reversal"}
-    assert (ROOT / "docs" / "walkthrough_reversal.png").read_bytes() == pictures["walkthrough_reversal"], \
-        tool.STALE
+    assert set(pictures) == EXPECTED[notebook.stem][0]
+    for name, png in pictures.items():
+        assert (ROOT / "docs" / f"{name}.png").read_bytes() == png, tool.stale_message(notebook)
 
 
-def test_notebook_runs_top_to_bottom(executed):
+def test_notebook_runs_top_to_bottom(notebook, executed):
     # execute() raised at a failing cell (an assert); nothing printed to stderr either
     for cell in executed.cells:
         for output in cell.get("outputs", []):
             assert output.output_type != "error"
             assert not (output.output_type == "stream" and output.name == "stderr"), output.text
-    assert tool.figures(executed)["walkthrough_reversal"].startswith(b"\x89PNG")
+    for name in EXPECTED[notebook.stem][0]:
+        assert tool.figures(executed)[name].startswith(b"\x89PNG")
 
 
-def test_deterministic_outputs_match_the_committed_ones(committed, executed):
+def test_deterministic_outputs_match_the_committed_ones(notebook, committed, executed):
     fresh = tool.deterministic_texts(executed)
     stored = tool.deterministic_texts(committed)
-    assert len(fresh) == len(stored) >= 8
+    assert len(fresh) == len(stored) >= EXPECTED[notebook.stem][1]
     for i, (new, old) in enumerate(zip(fresh, stored)):
-        assert new == old, f"deterministic cell {i} prints something else now; {tool.STALE}"
+        assert new == old, (f"deterministic cell {i} prints something else now; "
+                            f"{tool.stale_message(notebook)}")
