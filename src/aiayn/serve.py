@@ -13,19 +13,19 @@ One process loads the run's model once (``Translator.from_pretrained``) and serv
                          `aiayn attention` computes them (rows = queries, columns = keys)
     GET  /health, /info (model sizes, vocabulary, training steps, the best and last dev
                       scores as `aiayn info` gives them)
-    GET  /stats       the passes the batcher has decoded: requests per pass, waits
+    GET  /stats       what the batcher has decoded: requests, joins, sentences per step, waits
     GET  /            the page (static/index.html, app.js, style.css: no build step, no CDN)
     GET  /figures/positional_encoding.png, /figures/schedule.png   the plots.py pictures
     GET  /docs        the OpenAPI page (FastAPI's)
 
 Rules a client can rely on:
 
-- One thread runs the model (``Batcher``): the translate requests waiting for it with the
-  same search (beam, alpha) are decoded together as one pass, within a token budget
-  (--max-tokens) and after a short wait for more (--max-wait-ms); each answer is the one
-  the request would get alone (beam search of a sentence does not depend on the others
-  in its batch). Attention capture (which sets flags on the model's attention modules)
-  runs on that thread alone. /health and /info never wait for the model.
+- Batching is continuous (``Batcher``): a translate request joins the running search of
+  its settings (beam, alpha) at its next step, within a token budget (--max-tokens; an idle
+  server first waits --max-wait-ms for more), and is answered as soon as its last sentence
+  is done; each answer is the one the request would get alone (``JoinableSearch``). With
+  --engine ctranslate2 it is per pass. Attention capture (which sets flags on the model's
+  attention modules) runs while no search steps. /health and /info never wait for the model.
 - Requests over the limits (``ServeLimits``: body bytes, sentences, characters) get 413
   with a message; malformed JSON or values out of range get 422; a problem with the input
   that the library finds (``AiaynError``) gets 422 with its one line; anything else a 500
