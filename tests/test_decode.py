@@ -11,6 +11,7 @@ from torch import nn
 from aiayn.config import ModelConfig
 from aiayn.decode import (
     NEVER_GENERATED,
+    JoinableSearch,
     beam_search,
     greedy_decode,
     length_penalty,
@@ -210,3 +211,90 @@ def test_bad_beam_arguments_are_refused():
         beam_search(model, src, beam=0)
     with pytest.raises(ValueError, match="nbest"):
         beam_search(model, src, beam=2, nbest=3)
+
+
+def run_joining(search: JoinableSearch, src: torch.Tensor, lengths: list[int],
+                plan: dict[int, list[int]]) -> tuple[dict, int]:
+    """Add sentence i (unpadded) at the step ``plan`` names and step until all are done;
+    their lists by index, and the most sentences that were decoded in one step."""
+    got, step, most = {}, 0, 0
+    while len(got) < len(lengths):
+        for i in plan.get(step, []):
+            search.add([i], src[i : i + 1, : lengths[i]])
+        most = max(most, len(search))
+        for key, hyps in search.step():
+            assert key not in got
+            got[key] = hyps
+        step += 1
+        assert step < 100, "the search never ended"
+    return got, most
+
+
+@pytest.mark.parametrize("beam, alpha, eos_bias", [(1, 0.6, 0.0), (4, 0.6, 0.0), (3, 0.0, 1.0),
+                                                   (5, 1.5, 0.0), (4, 0.6, 4.0)])
+def test_sentences_joining_a_running_search_get_what_beam_search_gives_them_alone(
+        beam, alpha, eos_bias):
+    """Sentences of other lengths join at other steps (several at once, one while the
+    others are half done, one after the search had emptied): each gets beam_search's
+    n-best list of it alone, and greedy search's tokens at beam 1."""
+    model = tiny_model(seed=2, eos_bias=eos_bias)
+    lengths = [9, 2, 6, 4, 7, 3, 11, 5, 8]
+    src = random_sources(lengths, vocab=24, seed=4)
+    plan = {0: [0, 1], 1: [2], 3: [3, 4, 5], 4: [6], 7: [7], 30: [8]}
+    got, most = run_joining(JoinableSearch(model, beam, alpha, max_len_b=8), src, lengths,
+                            plan)
+    assert most >= 4  # sentences did decode together
+    outputs = []
+    for i, n in enumerate(lengths):
+        alone = beam_search(model, src[i : i + 1, :n], beam=beam, alpha=alpha, max_len_b=8,
+                            nbest=beam)[0]
+        assert [ids for ids, _ in got[i]] == [ids for ids, _ in alone], i
+        assert [s for _, s in got[i]] == pytest.approx([s for _, s in alone], abs=1e-5)
+        outputs.extend(ids for ids, _ in got[i])
+        if beam == 1:
+            assert got[i][0].ids == greedy_decode(model, src[i : i + 1, :n], max_len_b=8)[0]
+    if eos_bias == 4.0:  # a sentence whose best ends at once: EOS at the first step
+        assert any(hyps[0].ids == [] for hyps in got.values())
+    else:
+        assert len({len(ids) for ids in outputs}) >= 4  # hypotheses of many lengths
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_joining_sentences_stop_at_their_own_length_limit(beam):
+    model = tiny_model(eos_bias=-1e4, max_len=12)  # never chooses EOS: always hits the limit
+    lengths = [2, 5, 11, 3]
+    src = random_sources(lengths, vocab=24)
+    got, _ = run_joining(JoinableSearch(model, beam, 0.6, max_len_b=3), src, lengths,
+                         {0: [0], 2: [1, 2], 6: [3]})
+    # 2 + 3, 5 + 3, 11 + 3 capped at max_len - 1 = 11, 3 + 3 new tokens.
+    assert [len(got[i][0].ids) for i in range(4)] == [5, 8, 11, 6]
+    for i, n in enumerate(lengths):
+        alone = beam_search(model, src[i : i + 1, :n], beam=beam, max_len_b=3, nbest=beam)[0]
+        assert [ids for ids, _ in got[i]] == [ids for ids, _ in alone]
+
+
+def test_a_search_that_sentences_keep_joining_stays_as_long_as_its_oldest():
+    """The cache drops the columns from before every live sentence joined: it never grows
+    past the longest output however long the search runs."""
+    model = tiny_model(seed=4, eos_bias=1.0, max_len=16)
+    lengths = [4, 6, 3, 5] * 10
+    src = random_sources(lengths, vocab=24, seed=9)
+    search = JoinableSearch(model, 2, 0.6, max_len_b=4)
+    steps, longest = 0, 0
+    for i, n in enumerate(lengths):  # one sentence joins every step
+        search.add([i], src[i : i + 1, :n])
+        search.step()
+        steps += 1
+        longest = max(longest, search.state.cache.length, search.rows.history.shape[1])
+    assert steps == 40 and longest <= max(lengths) + 4
+
+
+def test_a_joinable_search_refuses_a_key_twice():
+    model = tiny_model()
+    search = JoinableSearch(model, 2)
+    src = random_sources([3, 4], vocab=24)
+    search.add([0], src[:1])
+    with pytest.raises(ValueError, match="key"):
+        search.add([0], src[1:])
+    with pytest.raises(ValueError, match="beam"):
+        JoinableSearch(model, 0)

@@ -40,9 +40,10 @@ from aiayn.checkpoint import (  # noqa: E402
     save_train_state,
     save_weights,
 )
-from aiayn.config import DecodeConfig, save_config  # noqa: E402
+from aiayn.config import DecodeConfig, load_config, save_config  # noqa: E402
+from aiayn.decode import JoinableSearch  # noqa: E402
 from aiayn.rundir import load_run  # noqa: E402
-from aiayn.serve import MAX_BEAM, ModelService, ServeLimits, create_app  # noqa: E402
+from aiayn.serve import MAX_BEAM, ModelService, ServeLimits, create_app, serve_info  # noqa: E402
 from aiayn.translator import Translator, TruncationWarning  # noqa: E402
 
 SENTENCES = ["red green blue", "", "sun moon star tree river", "white", "black sun"]
@@ -180,12 +181,17 @@ def test_malformed_requests_get_422_with_one_line(client, path, body, words):
 
 def test_an_unexpected_failure_is_a_500_without_traceback(run_dir, monkeypatch):
     service = ModelService.from_run(run_dir)
-    monkeypatch.setattr(service.translator, "decode_ids",
+    monkeypatch.setattr(JoinableSearch, "step",
                         lambda *a, **k: (_ for _ in ()).throw(RuntimeError("secret detail")))
     client = TestClient(create_app(service), raise_server_exceptions=False)
-    response = client.post("/translate", json={"text": ["red"]})
-    assert_clean_error(response, 500, "internal error (RuntimeError)")
-    assert "secret detail" not in response.text
+    try:
+        response = client.post("/translate", json={"text": ["red"]})
+        assert_clean_error(response, 500, "internal error (RuntimeError)")
+        assert "secret detail" not in response.text
+        monkeypatch.undo()  # the search that failed is gone: the next request is answered
+        assert client.post("/translate", json={"text": ["red"]}).status_code == 200
+    finally:
+        service.close()
 
 
 # ---------------------------------------------------------------- the rest of the API
@@ -268,30 +274,37 @@ def test_figures_are_pngs(client):
     assert_clean_error(client.get("/translate"), 405, "Method Not Allowed")
 
 
-def test_the_model_never_runs_on_two_threads(service, translator, monkeypatch):
-    """Eight clients at once: every request answered, the model entered by one at a time."""
-    inside, most = [0], [0]
+def test_a_function_run_alone_never_overlaps_a_decoding_step(service, translator,
+                                                            monkeypatch):
+    """Eight clients at once, with functions run alone (as attention capture is) among
+    them: every request answered right, no alone function while a search steps."""
+    inside, seen = [0], []
     counter = threading.Lock()
-    real = service.translator.decode_ids
+    real = JoinableSearch.step
 
-    def probe(*args, **kwargs):
+    def probe(self):
         with counter:
             inside[0] += 1
-            most[0] = max(most[0], inside[0])
-        time.sleep(0.01)  # give the other threads a chance to come in
+        time.sleep(0.002)  # give the other threads a chance to come in
         try:
-            return real(*args, **kwargs)
+            return real(self)
         finally:
             with counter:
                 inside[0] -= 1
 
-    monkeypatch.setattr(service.translator, "decode_ids", probe)
+    monkeypatch.setattr(JoinableSearch, "step", probe)
     client = TestClient(create_app(service))
     texts = [random_sentence(random.Random(i)) for i in range(32)]
+
+    def send(i: int) -> dict:
+        alone = service.batcher.run_alone(lambda: seen.append(inside[0]))
+        answer = client.post("/translate", json={"text": [texts[i]], "beam": 1}).json()
+        alone.result()
+        return answer
+
     with ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(
-            lambda t: client.post("/translate", json={"text": [t], "beam": 1}).json(), texts))
-    assert most[0] == 1
+        answers = list(pool.map(send, range(len(texts))))
+    assert seen == [0] * len(texts)
     assert [a["translations"][0] for a in answers] == translator.translate(texts, 1, 0.6)
 
 
@@ -372,17 +385,36 @@ def test_requests_sent_together_are_decoded_together_each_as_alone(service, clie
         assert (response.json()["beam"], response.json()["alpha"]) == search
         assert_same_answer(response.json(), *expected_answer(translator, body, search))
     after = service.stats()
-    assert after["passes"] - before["passes"] == 3
+    # Three searches, each run in one lane or spread over the lanes; never mixed.
+    assert 3 <= after["passes"] - before["passes"] <= 3 * after["lanes"]
     assert after["requests"] - before["requests"] == len(MIXED) - 1
-    grown = {k: v - before["pass_requests"].get(k, 0) for k, v in after["pass_requests"].items()}
-    assert {k: v for k, v in grown.items() if v} == {"4": 1, "2": 1, "1": 1}
 
 
-def test_a_pass_takes_what_its_budget_holds(run_dir, translator):
+def one_lane_service(run_dir, max_tokens: int | None = None) -> ModelService:
+    """A service whose batcher has one lane: where each request goes is then known."""
+    translator = Translator.from_pretrained(run_dir, streams=1, max_tokens=max_tokens)
+    config = load_config(run_dir / "config.yaml")
+    return ModelService(translator, config, serve_info(run_dir, "best", config, translator))
+
+
+def held_steps(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Every decoding step waits for ``release``; ``inside`` is set once one has begun."""
+    inside, release = threading.Event(), threading.Event()
+    real = JoinableSearch.step
+
+    def held(self):
+        inside.set()
+        release.wait()
+        return real(self)
+
+    monkeypatch.setattr(JoinableSearch, "step", held)
+    return inside, release
+
+
+def test_the_budget_bounds_the_sentences_decoded_together(run_dir, translator):
     """A budget of 8 tokens x beam: requests of 4 source tokens (3 words and EOS) at beam
-    2 that waited together are decoded one pass each, those of 2 tokens two by two, in
-    their order of arrival; each answered as alone."""
-    service = ModelService.from_run(run_dir, max_tokens=8)
+    2 are decoded one at a time, those of 2 tokens two at a time; each answered as alone."""
+    service = one_lane_service(run_dir, max_tokens=8)
     client = TestClient(create_app(service))
     texts = ["red green blue", "sun moon star", "white tree river", "black sun moon",
              "red", "blue", "tree", "sun"]
@@ -400,35 +432,68 @@ def test_a_pass_takes_what_its_budget_holds(run_dir, translator):
         finally:
             gate.set()
         assert [a["translations"][0] for a in answers] == translator.translate(texts, 2, 0.6)
-        assert service.stats()["pass_requests"] == {"1": 4, "2": 2}
+        stats = service.stats()
+        assert stats["most_tokens"] == 8  # reached, never passed
+        assert stats["step_sentences"] > stats["steps"]  # some steps decoded two
     finally:
+        service.close()
+
+
+def test_requests_arriving_mid_decode_join_the_running_search(run_dir, translator,
+                                                              monkeypatch):
+    """Mixed requests sent while a search is at its first step: those with its settings
+    join it at its next step, the others start their own; every answer as alone."""
+    service = one_lane_service(run_dir)
+    client = TestClient(create_app(service, ServeLimits(max_sentences=8)))
+    inside, release = held_steps(monkeypatch)
+    first = {"text": ["sun moon star tree river"], "beam": 4, "alpha": 0.6, "nbest": 3}
+    try:
+        with ThreadPoolExecutor(len(MIXED) + 1) as pool:
+            try:
+                running = pool.submit(client.post, "/translate", json=first)
+                until(inside.is_set, "the first step")
+                sent = [pool.submit(client.post, "/translate", json=body) for body, _ in MIXED]
+                until(lambda: service.batcher.waiting == len(MIXED) - 1,
+                      "the requests to queue")
+            finally:
+                release.set()
+            responses = [f.result() for f in sent]
+            assert_same_answer(running.result().json(),
+                               *expected_answer(translator, first, (4, 0.6)))
+        assert_clean_error(responses[-1], 413, "9 sentences in one request")
+        for (body, search), response in zip(MIXED[:-1], responses, strict=False):
+            assert response.status_code == 200, response.text
+            assert_same_answer(response.json(), *expected_answer(translator, body, search))
+        stats = service.stats()
+        # MIXED's three beam 4, alpha 0.6 requests with sentences joined the first one's
+        # search; (2, 0.6) and (4, 1.5) started their own, decoded in turn with it.
+        assert stats["joins"] == 3
+        assert stats["pass_requests"] == {"4": 1, "2": 1, "1": 1}
+        assert stats["batching"] == "continuous" and stats["lanes"] == 1
+    finally:
+        release.set()
         service.close()
 
 
 def test_health_info_and_stats_answer_while_a_long_pass_runs(run_dir, translator,
                                                              monkeypatch):
-    service = ModelService.from_run(run_dir)
+    service = one_lane_service(run_dir)
     client = TestClient(create_app(service))
-    inside, release = threading.Event(), threading.Event()
-    real = service.translator.decode_ids
-
-    def long_pass(*args, **kwargs):
-        inside.set()
-        release.wait()
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(service.translator, "decode_ids", long_pass)
+    inside, release = held_steps(monkeypatch)
     try:
         with ThreadPoolExecutor(2) as pool:
-            answer = pool.submit(client.post, "/translate", json={"text": ["red sun"]})
-            until(inside.is_set, "the pass to start")
-            assert client.get("/health").json()["status"] == "ok"
-            assert client.get("/info").json()["batching"] == {"max_tokens": 8192,
-                                                             "max_wait_ms": 5.0}
-            queued = pool.submit(client.post, "/translate", json={"text": ["blue"]})
-            until(lambda: client.get("/stats").json()["waiting"] == 1, "the second request")
-            assert not answer.done()  # the pass is still running
-            release.set()
+            try:
+                answer = pool.submit(client.post, "/translate", json={"text": ["red sun"]})
+                until(inside.is_set, "the decoding to start")
+                assert client.get("/health").json()["status"] == "ok"
+                assert client.get("/info").json()["batching"] == {"max_tokens": 8192,
+                                                                 "max_wait_ms": 5.0}
+                queued = pool.submit(client.post, "/translate", json={"text": ["blue"]})
+                until(lambda: client.get("/stats").json()["waiting"] == 1,
+                      "the second request")
+                assert not answer.done()  # the step is still running
+            finally:
+                release.set()
             assert answer.result().json()["translations"] == translator.translate(["red sun"])
             assert queued.result().json()["translations"] == translator.translate(["blue"])
     finally:

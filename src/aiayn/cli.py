@@ -499,12 +499,12 @@ def _add_serve(sub) -> None:
                    help="address to listen on (default: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     p.add_argument("--max-tokens", type=int, default=None,
-                   help="requests waiting with the same beam and alpha are decoded together "
-                   "up to this many source tokens x beam (also a decoding batch's budget; "
-                   "default as `aiayn translate`'s: 8192 on a CPU)")
+                   help="the sentences decoded together, all requests and searches, hold at "
+                   "most this many source tokens x beam; a request that does not fit waits "
+                   "(default as `aiayn translate`'s batch budget: 8192 on a CPU)")
     p.add_argument("--max-wait-ms", type=float, default=5.0,
-                   help="when the model is free, wait up to this long after the oldest "
-                   "waiting request for others to decode with it (0-1000; default 5)")
+                   help="when nothing is being decoded, wait up to this long after the oldest "
+                   "waiting request for others to start with it (0-1000; default 5)")
     _add_weights(p)
     _add_device(p)
     _add_engine(p)

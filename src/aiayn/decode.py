@@ -36,6 +36,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from aiayn.model import Transformer
@@ -86,6 +87,28 @@ class _DecoderState:
         logits[:, NEVER_GENERATED] = float("-inf")
         return logits
 
+    @classmethod
+    def joinable(cls, model: Transformer) -> _DecoderState:
+        """No rows yet: sentences ``join`` it. The cross-attention K/V of every row are
+        computed when it joins, so the memory itself is not kept."""
+        state = cls.__new__(cls)
+        state.model, state.memory = model, None
+        state.src_pad = torch.zeros(0, 0, dtype=torch.bool, device=_device(model))
+        state.cache = model.new_cache()
+        return state
+
+    def join(self, src: Tensor, copies: int) -> Tensor:
+        """Encode ``src`` (n, S) and add its rows (``copies`` per sentence) at the next
+        step; returns their (n, S) source padding mask."""
+        src_pad = self.model.src_pad_mask(src)
+        memory = self.model.encode(src, src_pad).repeat_interleave(copies, dim=0)
+        self.cache.join(self.model.new_cache(memory))
+        width = max(self.src_pad.size(1), src.size(1))  # padded on the right, masked
+        self.src_pad = torch.cat([
+            F.pad(self.src_pad, (0, width - self.src_pad.size(1)), value=True),
+            F.pad(src_pad.repeat_interleave(copies, dim=0), (0, width - src.size(1)), value=True)])
+        return src_pad
+
     def select(self, rows: Tensor, shrinks: bool) -> None:
         """Keep (and reorder) rows ``rows``.
 
@@ -98,7 +121,8 @@ class _DecoderState:
         if shrinks:
             if self.cache is not None:
                 self.cache.reorder(rows)
-            self.memory = self.memory.index_select(0, rows)
+            if self.memory is not None:
+                self.memory = self.memory.index_select(0, rows)
             self.src_pad = self.src_pad.index_select(0, rows)
         elif self.cache is not None:
             self.cache.reorder(rows, kinds=("self",))
@@ -179,49 +203,163 @@ def beam_search(
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
 
     for step in range(1, rows.longest + 1 if B else 1):
-        A = scores.size(0)
         logits = state.next_logits(rows.decoder_input(token.reshape(-1), use_cache))
-        log_probs = torch.log_softmax(logits, dim=-1)  # (A*K, V)
-        V = log_probs.size(-1)
-        candidates = (scores[:, :, None] + log_probs.view(A, K, V)).view(A, K * V)
-        top_scores, top_index = candidates.topk(min(2 * K, K * V), dim=1)  # (A, 2K) best first
-        top_beam, top_token = top_index // V, top_index % V
-        # The K best candidates that do not end in EOS stay alive (a stable sort keeps rank).
-        alive = top_token.ne(EOS_ID).to(torch.int8).argsort(dim=1, descending=True, stable=True)
-        alive = alive[:, :K]
-        scores = top_scores.gather(1, alive)
-        beam_of, token = top_beam.gather(1, alive), top_token.gather(1, alive)
-        # One transfer: float64 holds the float32 scores and the ids exactly.
-        host = torch.cat([t.double() for t in (top_scores, top_beam, top_token, scores,
-                                               beam_of, token)], dim=1).cpu().numpy()
-        c = top_scores.size(1)
-        h_top_scores, h_top_beam, h_top_token = (host[:, i * c:(i + 1) * c] for i in range(3))
-        h_scores, h_beam_of, h_token = (host[:, 3 * c + i * K:3 * c + (i + 1) * K]
-                                        for i in range(3))
-        h_top_beam, h_top_token = h_top_beam.astype(np.int64), h_top_token.astype(np.int64)
-        h_beam_of, h_token = h_beam_of.astype(np.int64), h_token.astype(np.int64)
-
-        ends = (h_top_token == EOS_ID) & np.isfinite(h_top_scores)
-        ends[:, K:] = False  # only EOS candidates that rank among the first K are finished
-        rows.finish(finished, ends, h_top_scores, h_top_beam, None, step, alpha)
-        at_limit = rows.at_limit(step)
-        if at_limit.any():  # live hypotheses that reached the limit end as they are
-            cut = at_limit[:, None] & np.isfinite(h_scores)
-            rows.finish(finished, cut, h_scores, h_beam_of, h_token, step, alpha)
-        done = at_limit | ~np.isfinite(h_scores[:, 0])
-        done |= np.array([len(finished[s]) >= K for s in rows.sentence], dtype=bool)
-
+        scores, token, host = _expand(logits, scores, K)
+        done = _settle(rows, finished, host, step, alpha)
         keep = np.flatnonzero(~done)
         if keep.size == 0:
             break
-        beam_rows = (keep[:, None] * K + h_beam_of[keep]).reshape(-1)  # sentence-major
-        rows.keep(keep, beam_rows)
-        rows.grow(h_token[keep].reshape(-1))
-        index = torch.from_numpy(keep).to(device)
-        state.select(torch.from_numpy(beam_rows).to(device), shrinks=keep.size < A)
-        scores, token = scores.index_select(0, index), token.index_select(0, index)
+        scores, token = _advance(rows, state, host, keep, scores, token)
 
     return [sorted(hyps, key=lambda h: -h.score)[:nbest] for hyps in finished]
+
+
+class JoinableSearch:
+    """Beam search that sentences join at any step and leave as soon as they are done
+    (continuous batching: `aiayn serve` adds the requests that arrive while it decodes).
+
+    ``add(keys, src)`` encodes sentences and adds their rows at the next step; ``step()``
+    decodes one token for every live row and returns the sentences that are done, as
+    ``(key, hypotheses)`` with up to ``beam`` hypotheses best first. Every sentence gets
+    what ``beam_search`` gives it alone (same tokens, scores up to float rounding; a test):
+    the rules of the module docstring apply to each sentence from its own first step.
+    Rows that joined later start later in the self-attention cache: their earlier columns
+    are masked and their positions count from their own start (``KVCache.start``); sources
+    of other lengths are padded on the right and masked. Columns that every live row
+    started after are dropped, so a search that never empties stays as long as its oldest
+    sentence. ``beam=1`` is greedy search.
+    """
+
+    def __init__(self, model: Transformer, beam: int, alpha: float = 0.6, max_len_b: int = 50):
+        if beam < 1:
+            raise ValueError(f"beam must be at least 1, got {beam}")
+        self.model, self.beam, self.alpha, self.max_len_b = model, beam, alpha, max_len_b
+        self._start()
+
+    def _start(self) -> None:
+        K, device = self.beam, _device(self.model)
+        self.state = _DecoderState.joinable(self.model)
+        self.rows = _Rows(torch.zeros(0, dtype=torch.long), copies=K)
+        self.scores = torch.zeros(0, K, device=device)
+        self.token = torch.zeros(0, K, dtype=torch.long, device=device)
+        self.finished: dict[int, list[Hypothesis]] = {}
+
+    def __len__(self) -> int:
+        """Sentences being decoded."""
+        return len(self.rows.sentence)
+
+    @torch.no_grad()
+    def add(self, keys: list[int], src: Tensor) -> None:
+        """Sentences ``src`` ((n, S) padded source ids), known by ``keys``, join the search."""
+        if not keys:
+            return
+        if len(keys) != src.size(0) or set(keys) & set(self.finished):
+            raise ValueError("add needs one new key per source row")
+        K = self.beam
+        src_pad = self.state.join(src.to(self.scores.device), K)
+        limits = output_limits(self.model, src_pad, self.max_len_b).cpu().numpy()
+        self.rows.add(np.array(keys, dtype=np.int64), limits, K)
+        # Only the first beam is live at a sentence's first step, as in beam_search.
+        scores = torch.full((len(keys), K), float("-inf"), device=self.scores.device)
+        scores[:, 0] = 0.0
+        self.scores = torch.cat([self.scores, scores])
+        self.token = torch.cat([self.token, torch.full_like(scores, BOS_ID, dtype=torch.long)])
+        self.finished.update((key, []) for key in keys)
+
+    @torch.no_grad()
+    def step(self) -> list[tuple[int, list[Hypothesis]]]:
+        """Decode one token of every live sentence; the sentences done, with their lists."""
+        if not len(self):
+            return []
+        rows, K = self.rows, self.beam
+        step = rows.history.shape[1] + 1  # steps so far, counted from the oldest sentence
+        logits = self.state.next_logits(self.token.reshape(-1, 1))
+        self.scores, self.token, host = _expand(logits, self.scores, K)
+        done = _settle(rows, self.finished, host, step, self.alpha)
+        answers = [(int(key), sorted(self.finished.pop(key), key=lambda h: -h.score)[:K])
+                   for key in rows.sentence[done]]
+        keep = np.flatnonzero(~done)
+        if keep.size == 0:
+            self._start()
+            return answers
+        self.scores, self.token = _advance(rows, self.state, host, keep, self.scores, self.token)
+        unused = int(rows.offset.min())  # columns from before every live sentence joined
+        if unused:
+            rows.trim(unused)
+            self.state.cache.trim(unused)
+        return answers
+
+
+def _device(model: Transformer) -> torch.device:
+    return next(model.parameters()).device
+
+
+class _Candidates(NamedTuple):
+    """A beam step's choices on the host (A live sentences): the 2K best candidates by
+    log-probability (score, beam, token), and the K that stay alive (score, beam, token)."""
+
+    top_scores: np.ndarray  # (A, 2K) float
+    top_beam: np.ndarray  # (A, 2K) int
+    top_token: np.ndarray
+    scores: np.ndarray  # (A, K) float
+    beam_of: np.ndarray  # (A, K) int
+    token: np.ndarray
+
+
+def _expand(logits: Tensor, scores: Tensor, K: int) -> tuple[Tensor, Tensor, _Candidates]:
+    """One step of beam search on the device: (A*K, V) logits and (A, K) live scores ->
+    the survivors' (A, K) scores and tokens, and the step's choices copied to the host."""
+    A = scores.size(0)
+    log_probs = torch.log_softmax(logits, dim=-1)  # (A*K, V)
+    V = log_probs.size(-1)
+    candidates = (scores[:, :, None] + log_probs.view(A, K, V)).view(A, K * V)
+    top_scores, top_index = candidates.topk(min(2 * K, K * V), dim=1)  # (A, 2K) best first
+    top_beam, top_token = top_index // V, top_index % V
+    # The K best candidates that do not end in EOS stay alive (a stable sort keeps rank).
+    alive = top_token.ne(EOS_ID).to(torch.int8).argsort(dim=1, descending=True, stable=True)
+    alive = alive[:, :K]
+    scores = top_scores.gather(1, alive)
+    beam_of, token = top_beam.gather(1, alive), top_token.gather(1, alive)
+    # One transfer: float64 holds the float32 scores and the ids exactly.
+    host = torch.cat([t.double() for t in (top_scores, top_beam, top_token, scores,
+                                           beam_of, token)], dim=1).cpu().numpy()
+    c = top_scores.size(1)
+    h_top_scores, h_top_beam, h_top_token = (host[:, i * c:(i + 1) * c] for i in range(3))
+    h_scores, h_beam_of, h_token = (host[:, 3 * c + i * K:3 * c + (i + 1) * K]
+                                    for i in range(3))
+    return scores, token, _Candidates(h_top_scores, h_top_beam.astype(np.int64),
+                                      h_top_token.astype(np.int64), h_scores,
+                                      h_beam_of.astype(np.int64), h_token.astype(np.int64))
+
+
+def _settle(rows: _Rows, finished, c: _Candidates, step: int, alpha: float) -> np.ndarray:
+    """Move this step's finished hypotheses to ``finished[sentence]``; (A,) which sentences
+    are done: ``beam`` hypotheses finished, or at their length limit, or nothing alive."""
+    K = c.scores.shape[1]
+    ends = (c.top_token == EOS_ID) & np.isfinite(c.top_scores)
+    ends[:, K:] = False  # only EOS candidates that rank among the first K are finished
+    rows.finish(finished, ends, c.top_scores, c.top_beam, None, step, alpha)
+    at_limit = rows.at_limit(step)
+    if at_limit.any():  # live hypotheses that reached the limit end as they are
+        cut = at_limit[:, None] & np.isfinite(c.scores)
+        rows.finish(finished, cut, c.scores, c.beam_of, c.token, step, alpha)
+    done = at_limit | ~np.isfinite(c.scores[:, 0])
+    done |= np.array([len(finished[s]) >= K for s in rows.sentence], dtype=bool)
+    return done
+
+
+def _advance(rows: _Rows, state: _DecoderState, c: _Candidates, keep: np.ndarray,
+             scores: Tensor, token: Tensor) -> tuple[Tensor, Tensor]:
+    """Keep the sentences ``keep`` (host rows, device rows and cache follow their chosen
+    beams); their (A', K) scores and tokens."""
+    K = c.scores.shape[1]
+    beam_rows = (keep[:, None] * K + c.beam_of[keep]).reshape(-1)  # sentence-major
+    rows.keep(keep, beam_rows)
+    rows.grow(c.token[keep].reshape(-1))
+    device = scores.device
+    index = torch.from_numpy(keep).to(device)
+    state.select(torch.from_numpy(beam_rows).to(device), shrinks=keep.size < c.scores.shape[0])
+    return scores.index_select(0, index), token.index_select(0, index)
 
 
 class _Rows:
@@ -229,13 +367,32 @@ class _Rows:
     limit, and for each live row (sentence-major, ``copies`` rows a sentence) the tokens
     generated so far. The model's device only ever needs the newest token of each row
     (the KV cache holds the rest), or, without a cache, the whole prefix (copied over).
+
+    In a ``JoinableSearch`` a sentence joins after ``offset`` steps of the search: its
+    history's first ``offset`` columns are padding and its limit counts the search's steps
+    (its own limit + offset), so that one step number serves every sentence.
     """
 
     def __init__(self, limits: Tensor, copies: int):
         self.limits = limits.cpu().numpy()  # (A,) most new tokens of each live sentence
         self.sentence = np.arange(len(self.limits))  # (A,) original index of each
+        self.offset = np.zeros(len(self.limits), dtype=np.int64)  # (A,) steps before it joined
         self.history = np.zeros((len(self.limits) * copies, 0), dtype=np.int64)  # (A*K, t)
         self.longest = int(self.limits.max()) if len(self.limits) else 0
+
+    def add(self, sentences: np.ndarray, limits: np.ndarray, copies: int) -> None:
+        """Sentences joining after the ``t`` steps so far: offset t, history padded."""
+        t = self.history.shape[1]
+        self.sentence = np.concatenate([self.sentence, sentences])
+        self.limits = np.concatenate([self.limits, limits + t])
+        self.offset = np.concatenate([self.offset, np.full(len(sentences), t)])
+        padding = np.full((len(sentences) * copies, t), PAD_ID, dtype=np.int64)
+        self.history = np.concatenate([self.history, padding])
+
+    def trim(self, columns: int) -> None:
+        """Forget the first ``columns`` steps (before every live sentence joined)."""
+        self.history = self.history[:, columns:]
+        self.limits, self.offset = self.limits - columns, self.offset - columns
 
     def at_limit(self, step: int) -> np.ndarray:
         return self.limits == step
@@ -247,6 +404,7 @@ class _Rows:
     def keep(self, sentences: np.ndarray, rows: np.ndarray | None = None) -> None:
         """Keep the live ``sentences`` and (reordered) history ``rows`` (default: the same)."""
         self.sentence, self.limits = self.sentence[sentences], self.limits[sentences]
+        self.offset = self.offset[sentences]
         self.history = self.history[sentences if rows is None else rows]
 
     def decoder_input(self, newest: Tensor, use_cache: bool) -> Tensor:
@@ -262,17 +420,18 @@ class _Rows:
         """Move the chosen (A, C) candidates to their sentence's finished list.
 
         A candidate is row ``beam_of[a, c]`` of sentence ``a`` followed by EOS
-        (``last_token`` None) or by ``last_token[a, c]``; either way it has ``step``
-        generated tokens.
+        (``last_token`` None) or by ``last_token[a, c]``; either way it has ``step`` (minus
+        the sentence's offset) generated tokens.
         """
         if not chosen.any():
             return
-        penalty = length_penalty(step, alpha)
         K = self.history.shape[0] // len(self.sentence)
         for a, c in zip(*np.nonzero(chosen), strict=True):
-            ids = self.history[a * K + beam_of[a, c]].tolist()
+            start = int(self.offset[a])
+            ids = self.history[a * K + beam_of[a, c], start:].tolist()
             if last_token is not None:
                 ids.append(int(last_token[a, c]))
+            penalty = length_penalty(step - start, alpha)
             finished[self.sentence[a]].append(Hypothesis(ids, float(scores[a, c]) / penalty))
 
 

@@ -66,7 +66,13 @@ class PositionalEncoding(nn.Module):
         # Not persistent: it is a formula, not a weight, so checkpoints stay free of it.
         self.register_buffer("table", sinusoid_table(max_len, d_model), persistent=False)
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:  # (B, L, d) -> (B, L, d)
+    def forward(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:  # (B, L, d) -> (B, L, d)
+        """``offset``: the position of x's first column, or (B,) one per row (rows that
+        joined a running search later are at earlier positions; the search's output limits
+        keep them below max_len, so they are not checked here: that would wait for the device)."""
+        if isinstance(offset, Tensor):
+            positions = offset[:, None] + torch.arange(x.size(1), device=x.device)  # (B, L)
+            return self.dropout(x + self.table[positions])
         end = offset + x.size(1)
         if end > self.max_len:
             raise ValueError(
@@ -147,8 +153,7 @@ class MultiHeadAttention(nn.Module):
             else:
                 if memory is None:
                     raise ValueError("cross-attention needs the encoder memory")
-                k, v = (self._heads(t) for t in self.kv_proj(memory).chunk(2, dim=-1))
-                k = self.k_norm(k)
+                k, v = self.memory_kv(memory)
                 if cache is not None:
                     cache["k"], cache["v"] = k, v
         else:
@@ -178,6 +183,12 @@ class MultiHeadAttention(nn.Module):
         B, _, T, _ = out.shape
         out = self.out_proj(out.transpose(1, 2).reshape(B, T, self.d_model))  # Concat(...) W^O
         return (out, weights) if need_weights else out
+
+
+    def memory_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """Cross-attention's K and V of the encoder memory, (B, H, S, d_k) each."""
+        k, v = (self._heads(t) for t in self.kv_proj(memory).chunk(2, dim=-1))
+        return self.k_norm(k), v
 
 
 def explicit_attention(
@@ -316,7 +327,9 @@ class Decoder(nn.Module):
     ) -> Tensor:
         T = x.size(1)
         past = cache.length if cache is not None else 0
-        if past == 0:
+        if cache is not None and cache.start is not None:
+            self_mask, is_causal = cache.self_mask(T), False
+        elif past == 0:
             self_mask, is_causal = None, T > 1  # the fused causal kernel
         elif T == 1:
             self_mask, is_causal = None, False  # one new query sees every cached key
@@ -405,6 +418,10 @@ class KVCache:
     ``layers[i]["self"]`` holds the self-attention K/V of all positions decoded so far,
     (B, H, t, d_k), grown by one position per step; ``layers[i]["cross"]`` holds the K/V
     of the encoder memory, (B, H, S, d_k), computed at the first step and reused.
+
+    ``start`` (None unless rows joined, see ``join``): (B,) the column where each row's
+    target begins. The columns before it are padding that its self-attention never sees,
+    and its positions in the sinusoid table count from it.
     """
 
     def __init__(self, n_layers: int):
@@ -412,6 +429,17 @@ class KVCache:
             {"self": {}, "cross": {}} for _ in range(n_layers)
         ]
         self.length = 0  # positions already decoded (the next position's index)
+        self.start: Tensor | None = None
+
+    def positions(self) -> int | Tensor:
+        """The position of the next token: one for all rows, or (B,) with ``start``."""
+        return self.length if self.start is None else self.length - self.start
+
+    def self_mask(self, T: int) -> Tensor:
+        """(B, 1, T, t + T) True-may-attend for T new queries: a row's own keys, causally."""
+        keys = torch.arange(self.length + T, device=self.start.device)
+        mask = (keys >= self.start[:, None])[:, None, None, :]
+        return mask & causal_mask(T, self.length + T, mask.device) if T > 1 else mask
 
     def reorder(self, index: Tensor, kinds: tuple[str, ...] = ("self", "cross")) -> None:
         """Keep rows ``index`` of the cached tensors of ``kinds`` (beam search: follow the
@@ -420,6 +448,49 @@ class KVCache:
             for kind in kinds:
                 for name, tensor in layer[kind].items():
                     layer[kind][name] = tensor.index_select(0, index)
+        if self.start is not None:
+            self.start = self.start.index_select(0, index)
+
+    def join(self, other: KVCache) -> None:
+        """Append the rows of ``other``, whose cross-attention K/V are filled and which has
+        decoded nothing yet (sentences joining a running search at its next step). Their
+        self-attention columns so far are zeros and masked (``start``); cross-attention K/V
+        of other source lengths are zero-padded on the right (the caller's source padding
+        mask hides them)."""
+        if other.length:
+            raise ValueError("only a cache that has decoded nothing can join another")
+        joining = other.layers[0]["cross"]["k"]
+        n, device = joining.size(0), joining.device
+        if self.start is None:  # rows of its own so far all began at column 0
+            rows = self.layers[0]["cross"].get("k")
+            self.start = torch.zeros(0 if rows is None else rows.size(0), dtype=torch.long,
+                                     device=device)
+        self.start = torch.cat([self.start, torch.full((n,), self.length, dtype=torch.long,
+                                                       device=device)])
+        for mine, theirs in zip(self.layers, other.layers, strict=True):
+            for name, new in theirs["cross"].items():
+                old = mine["cross"].get(name)
+                if old is None:
+                    mine["cross"][name] = new
+                    continue
+                width = max(old.size(2), new.size(2))
+                mine["cross"][name] = torch.cat([F.pad(old, (0, 0, 0, width - old.size(2))),
+                                                 F.pad(new, (0, 0, 0, width - new.size(2)))])
+            if self.length:
+                for name, old in mine["self"].items():
+                    pad = old.new_zeros(n, *old.shape[1:])
+                    mine["self"][name] = torch.cat([old, pad])
+
+    def trim(self, columns: int) -> None:
+        """Drop the first ``columns`` positions, padding of every row (all rows started
+        later): what a search that sentences keep joining must do to stay bounded."""
+        if columns <= 0:
+            return
+        for layer in self.layers:
+            for name, tensor in layer["self"].items():
+                layer["self"][name] = tensor[:, :, columns:]
+        self.length -= columns
+        self.start = self.start - columns
 
 
 class Transformer(nn.Module):
@@ -493,12 +564,19 @@ class Transformer(nn.Module):
     ) -> Tensor:
         """(B, T) target ids (only the new ones when a cache holds the prefix) -> (B, T, d)."""
         self._check_ids(tgt, "tgt")
-        offset = cache.length if cache is not None else 0
+        offset = cache.positions() if cache is not None else 0
         x = self.tgt_pos(self.tgt_embed(tgt), offset=offset)
         return self.decoder(x, memory, padding_mask(src_pad), cache)
 
-    def new_cache(self) -> KVCache:
-        return KVCache(len(self.decoder.layers))
+    def new_cache(self, memory: Tensor | None = None) -> KVCache:
+        """An empty decoding cache; with ``memory`` its cross-attention K/V are computed now
+        rather than at the first step (so that it can ``join`` a running one)."""
+        cache = KVCache(len(self.decoder.layers))
+        if memory is not None:
+            for layer, layer_cache in zip(self.decoder.layers, cache.layers, strict=True):
+                k, v = layer.cross_attn.memory_kv(memory)
+                layer_cache["cross"].update(k=k, v=v)
+        return cache
 
     def forward(self, src: Tensor, tgt: Tensor, targets: Tensor | None = None,
                 label_smoothing: float = 0.0) -> Tensor:

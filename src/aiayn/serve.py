@@ -13,19 +13,19 @@ One process loads the run's model once (``Translator.from_pretrained``) and serv
                          `aiayn attention` computes them (rows = queries, columns = keys)
     GET  /health, /info (model sizes, vocabulary, training steps, the best and last dev
                       scores as `aiayn info` gives them)
-    GET  /stats       the passes the batcher has decoded: requests per pass, waits
+    GET  /stats       what the batcher has decoded: requests, joins, sentences per step, waits
     GET  /            the page (static/index.html, app.js, style.css: no build step, no CDN)
     GET  /figures/positional_encoding.png, /figures/schedule.png   the plots.py pictures
     GET  /docs        the OpenAPI page (FastAPI's)
 
 Rules a client can rely on:
 
-- One thread runs the model (``Batcher``): the translate requests waiting for it with the
-  same search (beam, alpha) are decoded together as one pass, within a token budget
-  (--max-tokens) and after a short wait for more (--max-wait-ms); each answer is the one
-  the request would get alone (beam search of a sentence does not depend on the others
-  in its batch). Attention capture (which sets flags on the model's attention modules)
-  runs on that thread alone. /health and /info never wait for the model.
+- Batching is continuous (``Batcher``): a translate request joins the running search of
+  its settings (beam, alpha) at its next step, within a token budget (--max-tokens; an idle
+  server first waits --max-wait-ms for more), and is answered as soon as its last sentence
+  is done; each answer is the one the request would get alone (``JoinableSearch``). With
+  --engine ctranslate2 it is per pass. Attention capture (which sets flags on the model's
+  attention modules) runs while no search steps. /health and /info never wait for the model.
 - Requests over the limits (``ServeLimits``: body bytes, sentences, characters) get 413
   with a message; malformed JSON or values out of range get 422; a problem with the input
   that the library finds (``AiaynError``) gets 422 with its one line; anything else a 500
@@ -40,8 +40,10 @@ line when they are missing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import io
+import itertools
 import logging
 import socket
 import threading
@@ -63,10 +65,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from aiayn import plots
+from aiayn.batching import pad
 from aiayn.config import Config, load_config
+from aiayn.decode import JoinableSearch
 from aiayn.errors import AiaynError
 from aiayn.rundir import resolve_weights
 from aiayn.runinfo import run_info
+from aiayn.threads import default_streams
 from aiayn.translator import SentenceAttention, Sources, Translator, truncation_message
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -139,50 +144,97 @@ class Job:
     alone: Callable[[], Any] | None = None
     arrived: float = field(default_factory=time.monotonic)
     future: Future = field(default_factory=Future)
+    # Continuous batching: each sentence's hypotheses as it finishes, and how many are left.
+    hyps: list = field(default_factory=list)
+    left: int = 0
+    started: float = 0.0
 
     @property
     def cost(self) -> int:
-        """Source tokens x beam: what the job adds to a pass (as a decoding batch counts)."""
+        """Source tokens x beam: what the job adds to the rows decoded together (as a
+        decoding batch counts them)."""
         return self.sources.tokens * self.key[0] if self.sources is not None else 0
 
 
 @dataclass
 class BatchStats:
-    """What the batcher has done since it started (GET /stats)."""
+    """What the batcher has done since it started (GET /stats).
 
-    passes: int = 0  # decoding passes of translate requests
+    A pass is, per pass, one decoding pass; with continuous batching, one run of a search
+    from its first request until its last sentence leaves (requests that join it while it
+    decodes count in it)."""
+
+    passes: int = 0
     requests: int = 0
     sentences: int = 0
-    wait_s: float = 0.0  # summed over requests: from arrival to the start of their pass
+    wait_s: float = 0.0  # summed over requests: from arrival to the start of their decoding
     max_wait_s: float = 0.0
     decode_s: float = 0.0
     pass_requests: dict[int, int] = field(default_factory=dict)  # requests in a pass -> passes
     dropped: int = 0  # requests whose client hung up while they waited: never decoded
+    joins: int = 0  # requests that joined a search already decoding others
+    steps: int = 0  # decoding steps (one token of every sentence of one search)
+    step_sentences: int = 0  # sentences decoded, summed over the steps
+    most_tokens: int = 0  # the most source tokens x beam decoded at once
 
-    def record(self, jobs: list[Job], started: float, seconds: float) -> None:
-        waits = [started - job.arrived for job in jobs]
-        self.passes += 1
+    def started(self, jobs: list[Job], now: float) -> None:
+        waits = [now - job.arrived for job in jobs]
         self.requests += len(jobs)
         self.sentences += sum(len(job.sources.ids) for job in jobs)
         self.wait_s += sum(waits)
         self.max_wait_s = max(self.max_wait_s, *waits)
+
+    def ended(self, requests: int) -> None:
+        self.passes += 1
+        self.pass_requests[requests] = self.pass_requests.get(requests, 0) + 1
+
+    def record(self, jobs: list[Job], started: float, seconds: float) -> None:
+        self.started(jobs, started)
+        self.ended(len(jobs))
         self.decode_s += seconds
-        self.pass_requests[len(jobs)] = self.pass_requests.get(len(jobs), 0) + 1
+
+
+@dataclass(eq=False)
+class _Lane:
+    """One stream of continuous batching: its searches (one per search settings) and the
+    sentences in them, stepped by one thread with one intra-op thread."""
+
+    searches: dict[tuple[int, float], JoinableSearch] = field(default_factory=dict)
+    requests: dict[tuple[int, float], int] = field(default_factory=dict)  # in each search's run
+    owners: dict[int, tuple[Job, int]] = field(default_factory=dict)  # sentence -> job, index
+    load: int = 0  # source tokens x beam of its sentences
 
 
 class Batcher:
-    """The one thread that runs the model, and the queue of requests waiting for it.
+    """The threads that run the model, and the queue of requests waiting for them.
 
-    When the thread is free it takes the oldest waiting job. A translate job takes with it
-    every later one with the same search (beam, alpha), in arrival order, while their
-    source tokens x beam fit ``budget`` (the first always goes, however large); they are
-    decoded as one Translator pass (``decode_ids``: length-sorted batches on every stream)
-    with the largest n-best asked, and each job gets back its own sentences' hypotheses
-    (``Translator.finish`` cuts them to its n-best). Jobs with another search wait for a
-    later pass, in their order. While the budget is not full, the thread first waits until
-    the oldest job has waited ``max_wait`` seconds: requests sent together (a page's
-    burst, many clients at once) then share a pass. Under load jobs have waited longer
-    than that already, so the wait costs nothing; alone, a request pays it once.
+    With aiayn's own model, batching is continuous (per step). ``streams`` lanes
+    (``Translator.streams``: one per core on a CPU, as `aiayn translate` decodes; one on a
+    GPU) each run a thread with one intra-op thread (``aiayn.threads``), holding one
+    ``JoinableSearch`` per search settings (beam, alpha) that has sentences, stepped in
+    turn. Before each round of steps a lane takes the waiting jobs, oldest first, while
+    they fit: every lane's sentences together stay within ``budget`` source tokens x beam
+    (a job comes whole; the first when nothing decodes always goes, however large), and a
+    lane takes a job only while no other lane holds fewer (so the cores share the work).
+    A job's sentences join the lane's search of its settings at its next step (or start
+    one), each sentence leaves it when it is done, and the job is answered when its last
+    sentence is, with each sentence's lists (``Translator.finish`` cuts them to its
+    n-best). Each answer equals the request decoded alone: a sentence's search does not
+    depend on the others decoded beside it or on when it joined (``JoinableSearch``).
+    Settings are never mixed in one search; a job whose settings have no search in the
+    lane starts one there, decoded in turn with the others. When nothing decodes, the
+    first job waits until it has waited ``max_wait`` seconds (or the budget is full):
+    requests sent together (a page's burst, many clients at once) then start together.
+    While something decodes, a new job joins at the next step.
+
+    With ``--engine ctranslate2`` (``Translator.engine``) batching stays per pass, on one
+    thread: CTranslate2's translate_batch decodes a batch to its end and cannot take
+    sentences in mid-search. The oldest job takes every later one with the same settings
+    while they fit ``budget`` and are decoded as one ``Translator.decode_ids`` pass after the
+    same wait; jobs with other settings wait for a later pass.
+
+    A function run ``alone`` (attention capture sets flags on the model's modules) waits its
+    turn in the queue, then runs while no lane steps.
     """
 
     def __init__(self, translator: Translator, max_wait_ms: float = MAX_WAIT_MS):
@@ -191,19 +243,37 @@ class Batcher:
         self.budget = translator.max_tokens
         self.max_wait = max_wait_ms / 1000
         self.stats = BatchStats()
+        self.continuous = translator.engine is None
         self._queue: deque[Job] = deque()
         self._changed = threading.Condition()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="aiayn-batcher", daemon=True)
-        self._thread.start()
+        self._threads = torch.get_num_threads()  # restored whenever the model is idle
+        self._load = 0  # source tokens x beam of the sentences in every lane
+        self._stepping = 0  # lanes between taking jobs and the end of their steps
+        self._exclusive = False  # a job runs alone: no lane steps
+        self._ids = itertools.count()
+        if self.continuous:
+            streams = translator.streams or default_streams(translator.device)
+            self._lanes = [_Lane() for _ in range(max(1, streams))]
+            targets = [lambda lane=lane: self._run_lane(lane) for lane in self._lanes]
+        else:
+            self._lanes, targets = [], [self._run]
+        self._workers = [threading.Thread(target=target, name=f"aiayn-batcher-{i}", daemon=True)
+                         for i, target in enumerate(targets)]
+        for worker in self._workers:
+            worker.start()
+
+    @property
+    def lanes(self) -> int:
+        return len(self._lanes)
 
     def translate(self, sources: Sources, beam: int, alpha: float, nbest: int) -> Future:
-        """A future of ``sources``' hypotheses (``decode_ids``'s, up to ``nbest`` or more)
-        and the seconds their pass took."""
+        """A future of ``sources``' hypotheses (up to ``nbest`` or more per sentence) and
+        the seconds from the start of their decoding to their answer."""
         return self._submit(Job((beam, alpha), sources, nbest))
 
     def run_alone(self, fn: Callable[[], Any]) -> Future:
-        """A future of ``fn()``, run on the model's thread with no decoding beside it."""
+        """A future of ``fn()``, run on a model thread with no decoding beside it."""
         return self._submit(Job(None, alone=fn))
 
     @property
@@ -211,11 +281,13 @@ class Batcher:
         return len(self._queue)
 
     def close(self) -> None:
-        """Finish the jobs taken, refuse new ones, stop the thread."""
+        """Finish the jobs taken and waiting, refuse new ones, stop the threads."""
         with self._changed:
             self._closed = True
             self._changed.notify_all()
-        self._thread.join()
+        for worker in self._workers:
+            worker.join()
+        torch.set_num_threads(self._threads)
 
     def _submit(self, job: Job) -> Future:
         with self._changed:
@@ -225,6 +297,167 @@ class Batcher:
             self._changed.notify_all()
         return job.future
 
+    # ------------------------------------------------ continuous batching (aiayn's model)
+    def _run_lane(self, lane: _Lane) -> None:
+        while True:
+            with self._changed:
+                taken = self._lane_next(lane)
+                if taken is None:
+                    return
+                self._stepping += 1
+            alone, jobs = taken
+            try:
+                if alone is not None:
+                    _settle(alone.future, alone.alone)
+                else:
+                    self._lane_round(lane, jobs)
+            finally:
+                with self._changed:
+                    self._stepping -= 1
+                    self._exclusive = self._exclusive and alone is None
+                    self._changed.notify_all()
+
+    def _lane_next(self, lane: _Lane) -> tuple[Job | None, list[Job]] | None:
+        """Under the lock: a job to run alone, or the jobs joining this lane before its next
+        round of steps (maybe none); None once closed with nothing left."""
+        while True:
+            if self._exclusive:
+                self._changed.wait()
+                continue
+            head = self._queue[0] if self._queue else None
+            if head is not None and head.alone is not None:
+                self._queue.popleft()
+                if not head.future.set_running_or_notify_cancel():
+                    self.stats.dropped += 1
+                    continue
+                self._exclusive = True
+                while self._stepping:
+                    self._changed.wait()
+                return head, []
+            if head is not None and self._load == 0 and not self._closed:
+                left = head.arrived + self.max_wait - time.monotonic()
+                if left > 0 and not self._queue_fills_budget():
+                    self._changed.wait(left)  # woken early by each new job
+                    continue
+            jobs = self._admit(lane)
+            if jobs or lane.load:
+                return None, jobs
+            if self._closed and not self._queue:
+                return None
+            if not self._stepping:
+                torch.set_num_threads(self._threads)  # idle: leave the process as it was
+            self._changed.wait()
+
+    def _queue_fills_budget(self) -> bool:
+        tokens = 0
+        for job in self._queue:
+            if job.alone is not None:
+                return True  # what comes before it is all that can start now
+            tokens += job.cost
+        return tokens >= self.budget
+
+    def _admit(self, lane: _Lane) -> list[Job]:
+        """Take the oldest jobs for this lane while they fit (see the class docstring)."""
+        jobs = []
+        while self._queue and self._queue[0].alone is None:
+            job = self._queue[0]
+            if any(other.load < lane.load for other in self._lanes):
+                break  # a lane with less to do takes it
+            if self._load and self._load + job.cost > self.budget:
+                break
+            self._queue.popleft()
+            if not job.future.set_running_or_notify_cancel():  # its client has gone
+                self.stats.dropped += 1
+                continue
+            jobs.append(job)
+            lane.load += job.cost
+            self._load += job.cost
+        if jobs:
+            self.stats.started(jobs, time.monotonic())
+            self.stats.most_tokens = max(self.stats.most_tokens, self._load)
+        return jobs
+
+    def _lane_round(self, lane: _Lane, jobs: list[Job]) -> None:
+        """Add ``jobs`` to the lane's searches, then step each search once; answer the jobs
+        whose last sentence is done."""
+        if torch.get_num_threads() != 1:
+            torch.set_num_threads(1)
+        started = time.monotonic()
+        freed, joins, steps, step_sentences, ended = 0, 0, 0, 0, []
+        for key, group in _by_key(jobs).items():
+            joins += len(group) if key in lane.searches else 0
+            search = lane.searches.get(key)
+            if search is None:
+                search = lane.searches[key] = JoinableSearch(self.translator.model, *key)
+                lane.requests[key] = 0
+            lane.requests[key] += len(group)
+            keys, ids = [], []
+            for job in group:
+                job.hyps, job.left, job.started = [None] * len(job.sources.ids), 0, started
+                for i, sentence in enumerate(job.sources.ids):
+                    keys.append(next(self._ids))
+                    lane.owners[keys[-1]] = (job, i)
+                    job.left += 1
+                    ids.append(sentence)
+            try:
+                with self._autocast():
+                    search.add(keys, pad(ids))
+            except Exception as exc:
+                freed += self._fail(lane, keys, exc)
+        for job in jobs:
+            if job.left == 0:  # nothing to decode: empty lines only
+                job.future.set_result(([], 0.0))
+        for key, search in list(lane.searches.items()):
+            if len(search):
+                steps += 1
+                step_sentences += len(search)
+                try:
+                    with self._autocast():
+                        done = search.step()
+                except Exception as exc:
+                    freed += self._fail(lane, list(lane.owners), exc, key)
+                    search = JoinableSearch(self.translator.model, *key)  # empty
+                    done = []
+                for sentence, hyps in done:
+                    job, i = lane.owners.pop(sentence)
+                    job.hyps[i], job.left = hyps, job.left - 1
+                    freed += len(job.sources.ids[i]) * key[0]
+                    if job.left == 0:
+                        job.future.set_result((job.hyps, time.monotonic() - job.started))
+            if not len(search):
+                ended.append(lane.requests.pop(key))
+                del lane.searches[key]
+        with self._changed:
+            lane.load -= freed
+            self._load -= freed
+            self.stats.joins += joins
+            self.stats.steps += steps
+            self.stats.step_sentences += step_sentences
+            self.stats.decode_s += time.monotonic() - started
+            for requests in ended:
+                self.stats.ended(requests)
+
+    def _fail(self, lane: _Lane, sentences: list[int], exc: Exception,
+              key: tuple[int, float] | None = None) -> int:
+        """Every job with a sentence among ``sentences`` (of search ``key`` if given) gets
+        ``exc``; their sentences are forgotten. Returns the load they freed."""
+        freed = 0
+        for sentence in sentences:
+            job, i = lane.owners[sentence]
+            if key is not None and job.key != key:
+                continue
+            del lane.owners[sentence]
+            freed += len(job.sources.ids[i]) * job.key[0]
+            if not job.future.done():
+                job.future.set_exception(exc)
+        return freed
+
+    def _autocast(self):
+        if not self.translator.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(self.translator.device.type, dtype=torch.bfloat16)
+
+    # ------------------------------------------------ per pass (CTranslate2)
     def _run(self) -> None:
         while (jobs := self._next()) is not None:
             self._decode(jobs)
@@ -286,6 +519,14 @@ class Batcher:
             n = len(job.sources.ids)
             job.future.set_result((hyps[at:at + n], seconds))
             at += n
+
+
+def _by_key(jobs: list[Job]) -> dict[tuple[int, float], list[Job]]:
+    groups: dict[tuple[int, float], list[Job]] = {}
+    for job in jobs:
+        if job.sources.ids:
+            groups.setdefault(job.key, []).append(job)
+    return groups
 
 
 def check_max_wait(max_wait_ms: float) -> None:
@@ -365,12 +606,15 @@ class ModelService:
         return attention_json(att)
 
     def stats(self) -> dict:
-        """GET /stats: the batcher's counters (``BatchStats``) and its settings."""
+        """GET /stats: the batcher's counters (``BatchStats``), the mean sentences decoded
+        in a step, its settings and how it batches."""
         stats = asdict(self.batcher.stats)
         stats["pass_requests"] = {str(k): v for k, v in sorted(stats["pass_requests"].items())}
-        return {**stats, "max_tokens": self.batcher.budget,
-                "max_wait_ms": self.batcher.max_wait * 1000,
-                "waiting": self.batcher.waiting}
+        steps = stats["steps"]
+        return {**stats, "sentences_per_step": stats["step_sentences"] / steps if steps else 0.0,
+                "batching": "continuous" if self.batcher.continuous else "per pass",
+                "lanes": self.batcher.lanes, "max_tokens": self.batcher.budget,
+                "max_wait_ms": self.batcher.max_wait * 1000, "waiting": self.batcher.waiting}
 
     def figure(self, name: str) -> bytes:
         """The PNG of a plots.py picture of this run (rendered once, then kept)."""
@@ -587,9 +831,11 @@ def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
     app = create_app(service, limits)
     info = service.info
     port = sock.getsockname()[1]
+    batching = ("requests join the running search at its next step"
+                if service.batcher.continuous else "requests batched per pass")
     print(f"aiayn serve: {info['weights']} ({info['parameters']:,} parameters, "
-          f"{info['engine']}) on {info['device']}; requests batched up to {service.batcher.budget} "
-          f"tokens x beam after up to {max_wait_ms:g} ms; open "
+          f"{info['engine']}) on {info['device']}; {batching}, up to {service.batcher.budget} "
+          f"tokens x beam, an idle server waiting up to {max_wait_ms:g} ms; open "
           f"http://{_url_host(host)}:{port}/", flush=True)
     try:
         uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
