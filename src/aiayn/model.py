@@ -184,7 +184,6 @@ class MultiHeadAttention(nn.Module):
         out = self.out_proj(out.transpose(1, 2).reshape(B, T, self.d_model))  # Concat(...) W^O
         return (out, weights) if need_weights else out
 
-
     def memory_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         """Cross-attention's K and V of the encoder memory, (B, H, S, d_k) each."""
         k, v = (self._heads(t) for t in self.kv_proj(memory).chunk(2, dim=-1))
