@@ -11,8 +11,9 @@ concurrent clients (each sends its next request when its last is answered), for 
 --clients. Every answer is checked against the same sentences translated in this process:
 none lost, none wrong. The reference, timed in the same run on the same machine: those
 sentences decoded offline as one batch (``Translator.translate``), the best a server could
-approach. After each K the server's GET /stats says what passes it decoded (requests per
-pass, waits).
+approach. After each K the server's GET /stats says what it decoded together (sentences
+per decoding step and requests that joined a running search; per pass for the CTranslate2
+engine) and how long requests waited.
 
 ``--soak SECONDS``: K clients (--soak-clients) keep the server busy for that long, while one
 more client, over and over, sends a request of 8 sentences and hangs up before the answer;
@@ -124,14 +125,24 @@ def load(url: str, sentences: list[str], clients: int, beam: int, alpha: float
 
 
 def pass_summary(before: dict, after: dict) -> dict:
-    """What the server decoded between two GET /stats: passes, requests per pass, waits."""
-    passes = after["passes"] - before["passes"]
+    """What the server decoded between two GET /stats, in words ("together"): sentences per
+    decoding step and requests that joined a running search (continuous batching), or
+    requests per pass and the largest (per pass: the CTranslate2 engine); and the mean wait
+    before decoding."""
     requests = after["requests"] - before["requests"]
+    wait_ms = 1000 * (after["wait_s"] - before["wait_s"]) / max(requests, 1)
+    if after.get("batching") == "continuous":
+        steps = after["steps"] - before["steps"]
+        per_step = (after["step_sentences"] - before["step_sentences"]) / max(steps, 1)
+        joins = after["joins"] - before["joins"]
+        return {"together": f"{per_step:.1f} sentences/step, {joins} joins",
+                "mean_wait_ms": wait_ms}
+    passes = after["passes"] - before["passes"]
     sizes = [int(k) for k, v in after["pass_requests"].items()
              if v > before["pass_requests"].get(k, 0)]
-    return {"passes": passes, "requests_per_pass": requests / passes if passes else 0.0,
-            "largest_pass": max(sizes, default=0),
-            "mean_wait_ms": 1000 * (after["wait_s"] - before["wait_s"]) / max(requests, 1)}
+    per_pass = requests / passes if passes else 0.0
+    return {"together": f"{per_pass:.1f} requests/pass ({max(sizes, default=0)})",
+            "mean_wait_ms": wait_ms}
 
 
 def hang_up(url: str, sentences: list[str], beam: int, alpha: float) -> None:
@@ -201,8 +212,9 @@ ABOUT = (
     "(nothing else is contacted) and sends test-split sentences, each as its own `POST "
     "/translate` (beam 4, α 0.6), from 1, 8 and 32 concurrent clients, checking every answer "
     "against the same sentence translated in-process (none lost, none wrong). The server "
-    "decodes the requests that wait for it together (see [Serving](serving.md)); "
-    "*requests per pass* is what it formed (mean, and the largest). The reference, timed in "
+    "decodes concurrent requests together, each joining the running search at its next step "
+    "(see [Serving](serving.md)); *decoded together* is what it formed: the mean sentences "
+    "per decoding step and the requests that joined a search under way. The reference, timed in "
     "the same run: the same sentences decoded offline as one batch by the `Translator`, the "
     "rate a server could approach: read the ratio. The soak row: steady load for minutes, "
     "with one more client that hangs up before each answer; the server's memory at the "
@@ -213,7 +225,7 @@ COLUMNS = [
     *({"key": key, "label": label, "align": "right"} for key, label in [
         ("p50", "p50 ms"), ("p95", "p95 ms"), ("p99", "p99 ms"), ("rps", "requests/s"),
         ("ratio", "/ offline batch"), ("correct", "answered correctly"),
-        ("batches", "requests per pass (largest)"), ("wait", "mean wait ms"),
+        ("batches", "decoded together"), ("wait", "mean wait ms"),
         ("memory", "server RSS start → end")]),
 ]
 
@@ -301,7 +313,7 @@ def main() -> None:
                          "memory": f"{rss[0]:.0f} → {rss[-1]:.0f} MB"})
         else:
             print("| | p50 ms | p95 ms | p99 ms | requests/s | / offline | correct | "
-                  "requests per pass (largest) | mean wait ms |")
+                  "decoded together | mean wait ms |")
             print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
             for k in clients:
                 before = http_json(f"{url}/stats")
@@ -316,8 +328,7 @@ def main() -> None:
                        "rps": round(len(sentences) / wall, 1),
                        "ratio": f"{len(sentences) / wall / offline:.2f}",
                        "correct": f"{correct}/{len(sentences)}",
-                       "batches": f"{passes['requests_per_pass']:.1f} "
-                                  f"({passes['largest_pass']})",
+                       "batches": passes["together"],
                        "wait": round(passes["mean_wait_ms"])}
                 rows.append(row)
                 print(f"| {row['who']} | {row['p50']} | {row['p95']} | {row['p99']} | "
