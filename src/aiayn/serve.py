@@ -382,19 +382,17 @@ class ModelService:
                         step: int | None = None) -> dict:
         """`aiayn attention`'s maps for one sentence, as nested lists (see ``attention_json``);
         with ``step``, those of that step checkpoint over the served model's translation."""
-        if step is None:
-            work = lambda: self.translator.attention(text, beam=beam, alpha=alpha)  # noqa: E731
-        else:
-            if step not in self.steps:
-                have = (f"this run has {', '.join(map(str, self.steps))}" if self.steps
-                        else "this run has no step checkpoints")
-                raise AiaynError(f"no step checkpoint {step}; {have}")
-            path = self.steps[step]
+        if step is not None and step not in self.steps:
+            have = (f"this run has {', '.join(map(str, self.steps))}" if self.steps
+                    else "this run has no step checkpoints")
+            raise AiaynError(f"no step checkpoint {step}; {have}")
 
-            def work():
-                target = self.translator.target_ids(text, beam=beam, alpha=alpha)
-                model = self.checkpoints.get(path)
-                return self.translator.attention_of(model, text, target)
+        def work() -> SentenceAttention:
+            if step is None:
+                return self.translator.attention(text, beam=beam, alpha=alpha)
+            target = self.translator.target_ids(text, beam=beam, alpha=alpha)
+            return self.translator.attention_of(self.checkpoints.get(self.steps[step]), text,
+                                                target)
 
         att = await answer(self.batcher.run_alone(work), gone)
         self.requests += 1
