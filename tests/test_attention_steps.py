@@ -120,3 +120,16 @@ def test_what_cannot_be_drawn_is_one_line(run_dir, tmp_path, capsys, args, words
     line = error_line(err)
     assert words in line and "Traceback" not in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_many_steps_are_rows_of_panels_in_reading_order(steps_att):
+    import dataclasses
+
+    eight = dataclasses.replace(steps_att, steps=list(range(100, 900, 100)),
+                                maps=[steps_att.maps[i % 5] for i in range(8)],
+                                bleu=[None] * 8)
+    fig = plots.attention_steps_figure(eight)
+    panels = [ax for ax in fig.axes if ax.images]
+    assert [(ax.get_subplotspec().rowspan.start, ax.get_subplotspec().colspan.start)
+            for ax in panels] == [(r, c) for r in range(2) for c in range(4)]
+    assert [t for t, _ in plots.drawn_panels(fig)] == [f"step {s}" for s in range(100, 900, 100)]

@@ -199,14 +199,14 @@ def step_label(step: int | None, bleu: float | None = None) -> str:
 def attention_steps_figure(att: StepAttention, head: int | None = None,
                            columns: int = 6, only: int | None = None) -> Figure:
     """One panel per saved step of ``att`` (in its order, left to right, then the next
-    row), each the cross-attention of one decoder layer: the mean of its heads, or
-    ``head`` (from 0). Every panel has the same rows (the one target) and columns, and one
-    colour scale. ``only``: draw that checkpoint alone (a frame of the GIF)."""
+    row; at most ``columns`` to a row), each the cross-attention of one decoder layer: the
+    mean of its heads, or ``head`` (from 0). Every panel has the same rows (the one target)
+    and columns, and one colour scale. ``only``: draw that checkpoint alone (a GIF frame)."""
     picked = range(len(att.maps)) if only is None else [only]
     mats = [att.maps[i].mean(axis=0) if head is None else att.maps[i][head] for i in picked]
     n_q, n_k = len(att.tgt_tokens), len(att.src_tokens)
-    n_cols = min(columns, len(mats))
-    n_rows = -(-len(mats) // n_cols)
+    n_rows = -(-len(mats) // columns)
+    n_cols = -(-len(mats) // n_rows)  # rows as even as they go: 8 panels are 2 rows of 4
     cell = 0.17
     panel_w, panel_h = max(1.4, cell * n_k), max(1.4, cell * n_q)
     ytick_w = 0.075 * max(len(t) for t in att.tgt_tokens) + 0.5
