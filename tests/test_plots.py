@@ -482,18 +482,3 @@ def test_comparison_figure_draws_each_runs_finite_values_and_names_where_one_div
     assert exact_ax.get_lines()[0].get_color() == lines["intact"].get_color()
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
     assert legend == ["intact", "broken (not finite at step 2)"]
-
-
-def test_attention_strip_draws_each_matrix_in_its_panel_on_one_scale():
-    queries, keys = ["[BOS]", "a", "b"], ["x", "y", "z", "[EOS]"]
-    maps, _ = one_hot_maps(1, 3, len(queries), len(keys))
-    mats = [(f"step {i * 100}", maps[0][i]) for i in range(3)]
-    fig = plots.attention_strip_figure(mats, queries, keys, title="learning")
-    panels = [ax for ax in fig.axes if ax.images]
-    assert [ax.get_title() for ax in panels] == ["step 0", "step 100", "step 200"]
-    for ax, (_, mat) in zip(panels, mats, strict=True):
-        np.testing.assert_array_equal(ax.images[0].get_array(), np.asarray(mat))
-        assert (ax.images[0].norm.vmin, ax.images[0].norm.vmax) == (0.0, 1.0)
-        assert tick_texts(ax.get_xticklabels()) == keys
-    with pytest.raises(ValueError, match=r"step 1: expected an attention matrix of shape \(3, 4\)"):
-        plots.attention_strip_figure([("step 1", np.zeros((3, 3)))], queries, keys)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed: pip install 'aiayn[serve]'")
 from fastapi.testclient import TestClient  # noqa: E402
@@ -36,15 +37,22 @@ from helpers import COPY_WORDS, random_sentence  # noqa: E402
 import aiayn  # noqa: E402
 from aiayn.checkpoint import (  # noqa: E402
     STATE_VERSION,
+    load_weights,
     read_metadata,
     save_train_state,
     save_weights,
 )
 from aiayn.config import DecodeConfig, load_config, save_config  # noqa: E402
 from aiayn.decode import JoinableSearch  # noqa: E402
+from aiayn.model import Transformer  # noqa: E402
 from aiayn.rundir import load_run  # noqa: E402
 from aiayn.serve import MAX_BEAM, ModelService, ServeLimits, create_app, serve_info  # noqa: E402
-from aiayn.translator import Translator, TruncationWarning  # noqa: E402
+from aiayn.translator import (  # noqa: E402
+    SentenceAttention,
+    Translator,
+    TruncationWarning,
+    sentence_attention,
+)
 
 SENTENCES = ["red green blue", "", "sun moon star tree river", "white", "black sun"]
 LONG = " ".join(COPY_WORDS * 3)  # 30 words: over the tiny model's max_len of 16 tokens
@@ -145,6 +153,75 @@ def test_attention_maps_are_those_of_aiayn_attention(client, translator, beam):
         assert np.allclose(maps, np.stack(expected.maps[kind]), atol=1e-5)
     causal = np.array(answer["maps"]["decoder_self"])
     assert np.all(np.triu(causal, k=1) == 0)  # a query never sees a later position
+
+
+# ---------------------------------------------------------------- /attention at a step
+def attention_by_hand(run_dir, translator, sentence: str, step: int, beam: int = 1
+                      ) -> SentenceAttention:
+    """The maps of step ``step``'s weights, loaded by hand, over the served translation."""
+    sources, _ = translator.encode([sentence])
+    target = translator.decode_ids(sources, beam=beam)[0][0].ids
+    model = Transformer(translator.model.cfg)
+    load_weights(model, run_dir / "checkpoints" / f"step_{step:07d}.safetensors")
+    return sentence_attention(model.eval(), translator.tokenizers, sentence, target)
+
+
+def test_attention_at_a_step_is_that_checkpoints_over_the_served_translation(
+        client, translator, run_dir):
+    assert client.get("/info").json()["steps"] == [100, 200, 300, 400]
+    sentence = "sun moon star tree"
+    served = client.post("/attention", json={"text": sentence}).json()
+    assert served["step"] is None
+    for step in (100, 300):
+        answer = client.post("/attention", json={"text": sentence, "step": step}).json()
+        expected = attention_by_hand(run_dir, translator, sentence, step)
+        assert answer["step"] == step
+        # The same rows at every step: the served model's translation, teacher-forced.
+        assert answer["translation"] == served["translation"] == expected.translation
+        assert answer["tgt_tokens"] == served["tgt_tokens"] == expected.tgt_tokens
+        for kind in ("encoder", "decoder_self", "cross"):
+            assert np.allclose(answer["maps"][kind], np.stack(expected.maps[kind]), atol=1e-5)
+    early = client.post("/attention", json={"text": sentence, "step": 100}).json()
+    assert not np.allclose(early["maps"]["cross"], served["maps"]["cross"], atol=1e-2)
+
+
+def test_steps_are_loaded_when_asked_a_few_kept_and_the_served_weights_never_change(run_dir):
+    service = ModelService.from_run(run_dir)
+    try:
+        client = TestClient(create_app(service))
+        served = {k: v.clone() for k, v in service.translator.model.state_dict().items()}
+        assert service.checkpoints._models == {}  # nothing loaded before it is asked for
+        for step in (100, 200, 300, 400, 100):
+            assert client.post("/attention", json={"text": "red sun", "step": step}).status_code == 200
+        kept = [path.name for path in service.checkpoints._models]
+        assert kept == ["step_0000300.safetensors", "step_0000400.safetensors",
+                        "step_0000100.safetensors"]  # the last 3 asked for
+        assert all(torch.equal(served[k], v)
+                   for k, v in service.translator.model.state_dict().items())
+    finally:
+        service.close()
+
+
+@pytest.mark.parametrize("step, status, words", [
+    (7, 422, "no step checkpoint 7; this run has 100, 200, 300, 400"),
+    ("late", 422, "body.step: Input should be a valid integer"),
+])
+def test_a_step_the_run_has_not_is_a_4xx_with_one_line(client, step, status, words):
+    response = client.post("/attention", json={"text": "red sun", "step": step})
+    assert_clean_error(response, status, words)
+
+
+def test_a_run_without_step_checkpoints_offers_none(run_dir, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, ignore=shutil.ignore_patterns("checkpoints"))
+    service = ModelService.from_run(run)
+    try:
+        client = TestClient(create_app(service))
+        assert client.get("/info").json()["steps"] == []
+        assert_clean_error(client.post("/attention", json={"text": "red", "step": 100}), 422,
+                           "no step checkpoint 100; this run has no step checkpoints")
+    finally:
+        service.close()
 
 
 # ---------------------------------------------------------------- bad requests
@@ -711,8 +788,9 @@ return {cells: out, kind: d.kind, width: canvas.width, height: canvas.height};
 """
 
 
-def test_the_page_translates_and_draws_the_attention_in_chromium(server, translator):
+def test_the_page_translates_and_draws_the_attention_in_chromium(server, translator, run_dir):
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.select import Select
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -751,6 +829,25 @@ def test_the_page_translates_and_draws_the_attention_in_chromium(server, transla
             assert np.abs(cells - want).max() <= 2
             assert len({tuple(c) for c in cells.reshape(-1, 3)}) > 2  # not a blank canvas
         assert np.all(cells[np.triu_indices(len(rows), 1)] == 255)  # causal: white above
+
+        # The step slider: at its left end, the first step checkpoint's cross-attention
+        # over the same translation, another picture than the served model's.
+        Select(driver.find_element(By.ID, "kind")).select_by_value("cross")
+        Select(driver.find_element(By.ID, "head")).select_by_value("1")
+        served = np.array(driver.execute_script(READ_CELLS)["cells"], dtype=float)
+        slider = driver.find_element(By.ID, "step")
+        assert slider.is_displayed() and slider.get_attribute("max") == "4"
+        slider.send_keys(Keys.HOME)
+        wait.until(lambda d: d.find_element(By.ID, "heatmap").get_attribute("data-step") == "100"
+                   or d.find_element(By.ID, "error").text)
+        assert driver.find_element(By.ID, "error").text == ""
+        assert driver.find_element(By.ID, "step-label").text == "step 100"
+        early = attention_by_hand(run_dir, translator, sentence, 100, beam=4)
+        assert early.tgt_tokens == att.tgt_tokens
+        drawn = np.array(driver.execute_script(READ_CELLS)["cells"], dtype=float)
+        want = np.stack([[expected_colour(v) for v in row] for row in early.maps["cross"][0][1]])
+        assert np.abs(drawn - want).max() <= 2
+        assert np.abs(drawn - served).max() > 20  # the picture changed
     finally:
         driver.quit()
 

@@ -457,3 +457,34 @@ def test_max_epochs_stops_after_exactly_that_many_passes(data_dir, tmp_path):
     state = load_train_state(run / "train_state.pt")
     assert state["step"] == 2 * batches_per_epoch(data_dir)
     assert [r["epoch"] for r in records(run, "train")].count(1) == batches_per_epoch(data_dir)
+
+
+# ---------------------------------------------------------------- train.keep_steps
+def test_kept_steps_survive_pruning_and_a_resume_and_change_nothing_else(data_dir, tmp_path):
+    """train.keep_steps: the weights of those steps are saved (between saves too) and never
+    pruned, a resumed run keeps them and writes those still ahead, and the run itself (its
+    weights, its resume) is the same as without them."""
+    from aiayn.rundir import checkpoint_step, list_step_checkpoints
+
+    common = ["--config", TINY, "--data", str(data_dir),
+              *sets(eval_every=100, save_every=4, log_every=1, keep_checkpoints=1)]
+    kept = sets(keep_steps="[1, 3, 4, 7]")
+    plain, straight, split = tmp_path / "plain", tmp_path / "straight", tmp_path / "split"
+    run_train(*common, "--out", str(plain), *sets(max_steps=10))
+    run_train(*common, "--out", str(straight), *kept, *sets(max_steps=10))
+    run_train(*common, "--out", str(split), *kept, *sets(max_steps=5))
+
+    def steps(run):
+        return [checkpoint_step(p) for p in list_step_checkpoints(run)]
+
+    assert steps(plain) == [10]  # keep_checkpoints=1 prunes the saves at 4 and 8
+    assert steps(split) == [1, 3, 4, 5]  # 5: the last save
+    run_train("--resume", str(split), *sets(max_steps=10))
+    assert steps(straight) == steps(split) == [1, 3, 4, 7, 10]
+    assert_equal_weights(weights(straight), weights(plain))
+    assert_equal_weights(weights(split), weights(plain))
+    for step in (1, 3, 4, 7):
+        name = f"checkpoints/step_{step:07d}.safetensors"
+        assert_equal_weights(weights(split, name), weights(straight, name))
+    early, later = (weights(split, f"checkpoints/step_{s:07d}.safetensors") for s in (1, 7))
+    assert any(not torch.equal(early[name], later[name]) for name in early)  # their own steps

@@ -427,10 +427,25 @@ def _run_trace(args) -> int:
 
 # ---------------------------------------------------------------- attention
 def _add_attention(sub) -> None:
-    p = sub.add_parser("attention", help="attention heatmaps for one translated sentence")
+    p = sub.add_parser(
+        "attention", help="attention heatmaps for one translated sentence",
+        description="Translate the sentence and draw every attention map of its translation "
+        "(encoder_self.png, decoder_self.png, cross.png). With --steps: draw its "
+        "cross-attention at each saved step of the run (checkpoints/step_*.safetensors and "
+        "the last weights), all over one target, to watch the attention learn to align "
+        "(cross_steps.png, and cross_steps.gif a frame per step).")
     p.add_argument("run_dir", help="run directory (from `aiayn train`)")
     p.add_argument("sentence", help="the source sentence to translate and draw")
     p.add_argument("-o", "--out", default="attention", help="output directory for the PNGs")
+    p.add_argument("--steps", action="store_true",
+                   help="the cross-attention at each of the run's step checkpoints (a run "
+                   "keeps them with train.keep_checkpoints and train.keep_steps)")
+    p.add_argument("--target", help="--steps: the translation every checkpoint is given "
+                   "(default: the translation by --weights)")
+    p.add_argument("--layer", type=int, help="--steps: the decoder layer, from 1 "
+                   "(default: the last)")
+    p.add_argument("--head", type=int, help="--steps: one head, from 1 (default: the mean "
+                   "of the layer's heads)")
     _add_search(p, beam=1, max_tokens=False)
     _add_weights(p)
 
@@ -438,10 +453,38 @@ def _add_attention(sub) -> None:
 def _run_attention(args) -> int:
     from aiayn.plots import save_attention_figures
 
+    if args.steps:
+        return _attention_steps(args)
+    for option in ("target", "layer", "head"):
+        if getattr(args, option) is not None:
+            raise AiaynError(f"--{option} goes with --steps")
     translator = Translator.from_pretrained(args.run_dir, weights=args.weights)
     att = translator.attention(args.sentence, beam=args.beam, alpha=args.alpha)
     print(f"translation: {att.translation}")
     for path in save_attention_figures(att, args.out):
+        print(f"wrote {path}")
+    return 0
+
+
+def _attention_steps(args) -> int:
+    from aiayn.plots import save_attention_steps
+    from aiayn.progress import bar
+    from aiayn.rundir import step_weights
+    from aiayn.translator import attention_over_steps
+
+    check_search(args.beam, alpha=args.alpha)
+    saved = step_weights(args.run_dir)
+    heads = load_config(Path(args.run_dir) / "config.yaml").model.n_heads
+    if args.head is not None and not 1 <= args.head <= heads:
+        raise AiaynError(f"--head must be between 1 and {heads} (the model's heads), "
+                         f"got {args.head}")
+    with bar(desc="checkpoints", total=len(saved), unit="") as progress:
+        att = attention_over_steps(args.run_dir, args.sentence, args.target, args.layer,
+                                   args.weights, args.beam, args.alpha, progress.update)
+    print(f"target: {att.translation}")
+    print(f"steps: {', '.join('last' if s is None else str(s) for s in att.steps)}")
+    head = None if args.head is None else args.head - 1
+    for path in save_attention_steps(att, args.out, head):
         print(f"wrote {path}")
     return 0
 

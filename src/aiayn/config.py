@@ -230,6 +230,10 @@ class TrainConfig:
     """Optimizer steps between checkpoints."""
     keep_checkpoints: int = 5
     """Step checkpoints kept for aiayn average."""
+    keep_steps: list[int] = field(default_factory=list)
+    """Steps whose weights are also saved (checkpoints/step_*.safetensors, weights only) and
+    never pruned, e.g. [100, 200, 400]: the early steps, where `aiayn attention --steps`
+    shows the attention learning to align, outlive keep_checkpoints."""
     best_metric: str = "bleu"
     """What best.safetensors is best by: dev "bleu" or "chrf" on the validation subset, or
     the dev "loss" over the whole dev split."""
@@ -315,6 +319,11 @@ class Config:
             raise AiaynError(f"{source}: data.dev_fraction + data.test_fraction must be below 1 "
                              f"(something must be left to train on), got "
                              f"{self.data.dev_fraction} + {self.data.test_fraction}")
+        if not (isinstance(t.keep_steps, list) and all(
+                isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in t.keep_steps)
+                and len(set(t.keep_steps)) == len(t.keep_steps)):
+            raise AiaynError(f"{source}: train.keep_steps must be a list of distinct steps, "
+                             f"each an integer >= 1 (e.g. [100, 200, 400]), got {t.keep_steps!r}")
         if t.max_tokens < m.max_len:
             raise AiaynError(
                 f"{source}: train.max_tokens ({t.max_tokens}) is smaller than model.max_len "

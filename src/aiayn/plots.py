@@ -7,7 +7,7 @@ never through ``pyplot``, so no display is needed and no global figure state lea
 between calls (a figure is freed as soon as it is no longer referenced).
 
     attention_figure     layers x heads grid of attention maps (paper, 3.2), rows = queries
-    attention_strip_figure  one attention map at successive training steps, side by side
+    attention_steps_figure   one sentence's cross-attention at each saved step of a run
     curves_figure        training loss, dev loss, dev BLEU, learning rate against steps
     comparison_figure    chosen metrics of several runs against steps (an ablation)
     positional_encoding_figure   the sinusoid table of section 3.5
@@ -45,8 +45,8 @@ from aiayn.io import atomic_path
 from aiayn.model import sinusoid_table
 from aiayn.optim import schedule_lr
 
-if TYPE_CHECKING:  # plots take arrays; this only names their container
-    from aiayn.translator import SentenceAttention
+if TYPE_CHECKING:  # plots take arrays; this only names their containers
+    from aiayn.translator import SentenceAttention, StepAttention
 
 DPI = 110
 
@@ -190,6 +190,88 @@ def save_attention_figures(att: SentenceAttention, out_dir: str | Path) -> list[
             for kind, fig in attention_figures(att).items()]
 
 
+# ---------------------------------------------------------------- attention over training
+def step_label(step: int | None, bleu: float | None = None) -> str:
+    """A panel's title: its step, and the dev BLEU logged there."""
+    label = "last weights" if step is None else f"step {step:,}"
+    return label + (f"\ndev BLEU {bleu:.1f}" if bleu is not None else "")
+
+
+def attention_steps_figure(att: StepAttention, head: int | None = None,
+                           columns: int = 6, only: int | None = None) -> Figure:
+    """One panel per saved step of ``att`` (in its order, left to right, then the next
+    row; at most ``columns`` to a row), each the cross-attention of one decoder layer: the
+    mean of its heads, or ``head`` (from 0). Every panel has the same rows (the one target)
+    and columns, and one colour scale. ``only``: draw that checkpoint alone (a GIF frame)."""
+    picked = range(len(att.maps)) if only is None else [only]
+    mats = [att.maps[i].mean(axis=0) if head is None else att.maps[i][head] for i in picked]
+    n_q, n_k = len(att.tgt_tokens), len(att.src_tokens)
+    n_rows = -(-len(mats) // columns)
+    n_cols = -(-len(mats) // n_rows)  # rows as even as they go: 8 panels are 2 rows of 4
+    cell = 0.17
+    panel_w, panel_h = max(1.4, cell * n_k), max(1.4, cell * n_q)
+    ytick_w = 0.075 * max(len(t) for t in att.tgt_tokens) + 0.5
+    xtick_h = 0.075 * max(len(t) for t in att.src_tokens) + 0.3
+    width = ytick_w + n_cols * (panel_w + 0.15) + 1.0
+    height = 1.2 + n_rows * (panel_h + xtick_h + 0.55)
+    fig = new_figure(figsize=(width, height), layout="constrained")
+    axes = fig.subplots(n_rows, n_cols, squeeze=False)
+    norm = PowerNorm(gamma=0.5, vmin=0.0, vmax=1.0)  # as attention_figure: comparable panels
+    image = None
+    for i, ax in enumerate(axes.ravel()):
+        if i >= len(mats):
+            ax.set_axis_off()
+            continue
+        k = picked[i]
+        image = ax.imshow(mats[i], cmap="viridis", norm=norm, origin="upper",
+                          interpolation="nearest", aspect="auto")
+        ax.set_title(step_label(att.steps[k], att.bleu[k]), fontsize=9)
+        ax.set_xticks(range(n_k), labels=att.src_tokens, rotation=90, fontsize=6.5)
+        ax.set_yticks(range(n_q), labels=att.tgt_tokens if i % n_cols == 0 else [],
+                      fontsize=6.5)
+        ax.tick_params(length=2, pad=1)
+    fig.colorbar(image, ax=axes, shrink=min(0.8, 3.5 / (n_rows * panel_h)), aspect=25,
+                 label="attention weight")
+    heads = (f"mean of its {att.maps[0].shape[0]} heads" if head is None
+             else f"head {head + 1} of {att.maps[0].shape[0]}")
+    chars = max(40, int(width * 12))
+    pair = textwrap.shorten(f"{att.source!r} -> {att.translation!r}", 2 * chars,
+                            placeholder=" …")
+    fig.suptitle(f"Cross-attention of decoder layer {att.layer + 1} of {att.n_layers} "
+                 f"({heads}) at each saved step\n{textwrap.fill(pair, chars)}\n"
+                 "rows: decoder inputs ([BOS] + the same target at every step), columns: "
+                 "source tokens", fontsize=9.5)
+    return fig
+
+
+def save_attention_steps(att: StepAttention, out_dir: str | Path, head: int | None = None
+                         ) -> list[Path]:
+    """Write ``cross_steps.png`` (every step in one figure) and ``cross_steps.gif`` (a
+    frame per step) into ``out_dir``."""
+    from PIL import Image
+
+    out_dir = Path(out_dir)
+    paths = [save_figure(attention_steps_figure(att, head), out_dir / "cross_steps.png")]
+    frames = []
+    for i in range(len(att.maps)):
+        fig = attention_steps_figure(att, head, only=i)
+        fig.canvas.draw()
+        frames.append(Image.fromarray(np.asarray(fig.canvas.buffer_rgba())).convert("RGB"))
+    gif = out_dir / "cross_steps.gif"
+    with atomic_path(gif, what="the picture") as tmp:
+        # A longer look at the last frame, the finished alignment, before the loop restarts.
+        durations = [700] * (len(frames) - 1) + [2000]
+        frames[0].save(tmp, format="GIF", save_all=True, append_images=frames[1:],
+                       duration=durations, loop=0)
+    return [*paths, gif]
+
+
+def drawn_panels(fig: Figure) -> list[tuple[str, np.ndarray]]:
+    """(title, matrix) of each panel of an attention_steps_figure, in reading order."""
+    return [(ax.get_title(), np.asarray(ax.images[0].get_array())) for ax in fig.axes
+            if ax.images]
+
+
 # ---------------------------------------------------------------- training curves
 
 # (panel title, record kind, field, y label)
@@ -291,43 +373,6 @@ def comparison_figure(runs: dict[str, list[dict[str, Any]]],
         handles.append(Line2D([], [], color=colors[label], linewidth=2, label=text))
     fig.legend(handles=handles, loc="outside upper center", ncols=min(len(runs), 4),
                fontsize=9, title=title or None)
-    return fig
-
-
-def attention_strip_figure(maps: Sequence[tuple[str, Any]], query_tokens: Sequence[str],
-                           key_tokens: Sequence[str], title: str = "",
-                           query_name: str = "decoder input", key_name: str = "source token"
-                           ) -> Figure:
-    """One (T_q, T_k) attention matrix per ``(panel title, matrix)`` of ``maps``, side by side
-    on one colour scale (0..1, square root as in :func:`attention_figure`): the same
-    sentence's attention as a model learns, say, one panel per step."""
-    mats = [_as_numpy(m) for _, m in maps]
-    shape = (len(query_tokens), len(key_tokens))
-    for (name, _), m in zip(maps, mats, strict=True):
-        if m.shape != shape:
-            raise ValueError(f"{name}: expected an attention matrix of shape {shape} "
-                             f"(queries, keys), got {m.shape}")
-    if not mats:
-        raise ValueError("attention_strip_figure needs at least one matrix")
-    cell = 0.22
-    panel_w, panel_h = max(1.3, cell * shape[1]), max(1.3, cell * shape[0])
-    fig = new_figure(figsize=(0.8 + len(mats) * (panel_w + 0.2) + 1.0, panel_h + 1.6),
-                     layout="constrained")
-    axes = fig.subplots(1, len(mats), squeeze=False, sharey=True)[0]
-    norm = PowerNorm(gamma=0.5, vmin=0.0, vmax=1.0)
-    image = None
-    for ax, (name, _), mat in zip(axes, maps, mats, strict=True):
-        image = ax.imshow(mat, cmap="viridis", norm=norm, origin="upper",
-                          interpolation="nearest", aspect="auto")
-        ax.set_xticks(range(shape[1]), labels=list(key_tokens), rotation=90, fontsize=7)
-        ax.set_yticks(range(shape[0]), labels=list(query_tokens), fontsize=7)
-        ax.tick_params(length=2, pad=1)
-        ax.set_title(name, fontsize=9)
-        ax.set_xlabel(key_name, fontsize=8)
-    axes[0].set_ylabel(query_name, fontsize=8)
-    fig.colorbar(image, ax=axes, shrink=0.9, aspect=20, label="attention weight")
-    if title:
-        fig.suptitle(title, fontsize=10)
     return fig
 
 

@@ -8,7 +8,8 @@
       data_dir.txt              absolute path of the prepared data it was trained on
       last.safetensors          weights after the latest save
       best.safetensors          weights with the best dev BLEU so far
-      checkpoints/step_0001000.safetensors ...   the last few saves, for averaging
+      checkpoints/step_0001000.safetensors ...   the last few saves, for averaging, and
+                                those of train.keep_steps (never pruned)
       train_state.pt            optimizer, schedule, step, RNG, sampler position
       metrics.jsonl, tb/        logs (MetricsLog)
 
@@ -27,7 +28,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from aiayn.checkpoint import load_weights
+from aiayn.checkpoint import load_weights, read_metadata
 from aiayn.config import Config, load_config, save_config
 from aiayn.errors import AiaynError
 from aiayn.io import atomic_write_text, check_writable_dir, disk_errors
@@ -336,17 +337,46 @@ def list_step_checkpoints(run_dir: str | Path) -> list[Path]:
     return [path for _, path in sorted(paths)]
 
 
-def prune_step_checkpoints(run_dir: str | Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` step checkpoints; returns the deleted paths.
+def checkpoint_step(path: str | Path) -> int:
+    """The step of a step checkpoint, from its name (step_0001000.safetensors: 1000)."""
+    return int(Path(path).stem.removeprefix("step_"))
+
+
+def prune_step_checkpoints(run_dir: str | Path, keep: int, kept_steps=()) -> list[Path]:
+    """Delete all but the newest ``keep`` step checkpoints, never those of ``kept_steps``
+    (train.keep_steps: they do not count in ``keep``); returns the deleted paths.
 
     Call it only after train_state.pt names the newest one, so the weights a saved train
     state refers to are never the ones removed.
     """
-    paths = list_step_checkpoints(run_dir)
+    kept = set(kept_steps)
+    paths = [p for p in list_step_checkpoints(run_dir) if checkpoint_step(p) not in kept]
     doomed = paths[: max(0, len(paths) - max(keep, 1))]
     for path in doomed:
         path.unlink(missing_ok=True)
     return doomed
+
+
+def step_weights(run_dir: str | Path) -> list[tuple[int | None, Path]]:
+    """(step, weights file) of every saved step of a run, oldest first: its step checkpoints,
+    then last.safetensors unless a step checkpoint already holds its step (None: a file
+    without the step in its metadata). A run without step checkpoints is one AiaynError that
+    says how a run keeps them."""
+    run_dir = Path(run_dir)
+    paths = list_step_checkpoints(run_dir)
+    if not paths:
+        raise AiaynError(
+            f"{run_dir}: no step checkpoints (checkpoints/step_*.safetensors) to compare; a run "
+            "keeps its last train.keep_checkpoints saves (one every train.save_every steps) and "
+            "those of train.keep_steps: train with e.g. --set 'train.keep_steps=[100, 200, 400]'")
+    found = [(checkpoint_step(path), path) for path in paths]
+    last = run_dir / "last.safetensors"
+    if last.is_file():
+        step = read_metadata(last).get("step")
+        step = int(step) if step is not None and step.isdigit() else None
+        if step is None or step not in {s for s, _ in found}:
+            found.append((step, last))
+    return found
 
 
 def checkpoints_to_average(paths: list[str | Path], last: int | None = None) -> list[Path]:

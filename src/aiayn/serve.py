@@ -7,10 +7,13 @@ One process loads the run's model once (``Translator.from_pretrained``) and serv
                          the warnings `aiayn translate` would print (truncation), and the
                          beam and alpha used (without them in the request: the run's, its
                          config's decode section)
-    POST /attention   {"text": "...", "beam": 1, "alpha": 0.6}
+    POST /attention   {"text": "...", "beam": 1, "alpha": 0.6, "step": null}
                       -> the translation, source and target tokens and every layer x head
                          map of encoder self-, decoder self- and cross-attention, as
-                         `aiayn attention` computes them (rows = queries, columns = keys)
+                         `aiayn attention` computes them (rows = queries, columns = keys);
+                         with a "step" (one of /info's "steps"), the maps of that step
+                         checkpoint's weights over the same translation (the served
+                         model's), to watch the attention learn to align
     GET  /health, /info (model sizes, vocabulary, training steps, the best and last dev
                       scores as `aiayn info` gives them)
     GET  /stats       what the batcher has decoded: requests, joins, sentences per step, waits
@@ -25,7 +28,9 @@ Rules a client can rely on:
   server first waits --max-wait-ms for more), and is answered as soon as its last sentence
   is done; each answer is the one the request would get alone (``JoinableSearch``). With
   --engine ctranslate2 it is per pass. Attention capture (which sets flags on the model's
-  attention modules) runs while no search steps. /health and /info never wait for the model.
+  attention modules) runs while no search steps. A step's maps come from a model of its own
+  (loaded when first asked for, the last few kept: ``CheckpointModels``): the served
+  weights never change. /health and /info never wait for the model.
 - Requests over the limits (``ServeLimits``: body bytes, sentences, characters) get 413
   with a message; malformed JSON or values out of range get 422; a problem with the input
   that the library finds (``AiaynError``) gets 422 with its one line; anything else a 500
@@ -69,16 +74,23 @@ from aiayn.batching import pad
 from aiayn.config import Config, load_config
 from aiayn.decode import JoinableSearch
 from aiayn.errors import AiaynError
-from aiayn.rundir import resolve_weights
+from aiayn.rundir import resolve_weights, step_weights
 from aiayn.runinfo import run_info
 from aiayn.threads import default_streams
-from aiayn.translator import SentenceAttention, Sources, Translator, truncation_message
+from aiayn.translator import (
+    CheckpointModels,
+    SentenceAttention,
+    Sources,
+    Translator,
+    truncation_message,
+)
 
 STATIC_DIR = Path(__file__).parent / "static"
 MAX_BEAM = 16  # a wider beam is refused (422): its cost grows with the beam
 CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
                  ".css": "text/css; charset=utf-8", ".png": "image/png"}
 MAX_WAIT_MS = 5.0  # the default wait for more requests: see Batcher
+CACHED_STEPS = 3  # step checkpoints' models kept loaded for POST /attention's "step"
 log = logging.getLogger("aiayn.serve")
 
 
@@ -130,6 +142,9 @@ class AttentionRequest(SearchSettings):
     text: str = Field(description="one sentence")
     beam: int = Field(1, ge=1, le=MAX_BEAM,
                       description="beam size (1, greedy, as `aiayn attention`)")
+    step: int | None = Field(None, description="the maps of this step checkpoint (one of "
+                             "/info's steps) over the served model's translation; default: "
+                             "the served model's own")
 
 
 # ---------------------------------------------------------------- the batcher
@@ -553,6 +568,12 @@ class ModelService:
         self.info = info
         self.batcher = Batcher(translator, max_wait_ms)
         self.requests = 0
+        # The run's saved steps (none for a CTranslate2 export): models of their own, used
+        # on the batcher's thread alone.
+        self.steps = run_steps(info["run_dir"]) if translator.engine is None else {}
+        self.checkpoints = (CheckpointModels(translator.model.cfg, CACHED_STEPS)
+                            if self.steps else None)
+        info["steps"] = list(self.steps)
         self._figures: dict[str, bytes] = {}
         self._figures_lock = threading.Lock()
 
@@ -598,12 +619,25 @@ class ModelService:
         }
 
     async def attention(self, text: str, beam: int, alpha: float | None,
-                        gone: Callable[[], Awaitable[bool]] | None = None) -> dict:
-        """`aiayn attention`'s maps for one sentence, as nested lists (see ``attention_json``)."""
-        att = await answer(self.batcher.run_alone(
-            lambda: self.translator.attention(text, beam=beam, alpha=alpha)), gone)
+                        gone: Callable[[], Awaitable[bool]] | None = None,
+                        step: int | None = None) -> dict:
+        """`aiayn attention`'s maps for one sentence, as nested lists (see ``attention_json``);
+        with ``step``, those of that step checkpoint over the served model's translation."""
+        if step is not None and step not in self.steps:
+            have = (f"this run has {', '.join(map(str, self.steps))}" if self.steps
+                    else "this run has no step checkpoints")
+            raise AiaynError(f"no step checkpoint {step}; {have}")
+
+        def work() -> SentenceAttention:
+            if step is None:
+                return self.translator.attention(text, beam=beam, alpha=alpha)
+            target = self.translator.target_ids(text, beam=beam, alpha=alpha)
+            return self.translator.attention_of(self.checkpoints.get(self.steps[step]), text,
+                                                target)
+
+        att = await answer(self.batcher.run_alone(work), gone)
         self.requests += 1
-        return attention_json(att)
+        return {**attention_json(att), "step": step}
 
     def stats(self) -> dict:
         """GET /stats: the batcher's counters (``BatchStats``), the mean sentences decoded
@@ -670,6 +704,15 @@ def attention_json(att: SentenceAttention, decimals: int = 5) -> dict:
             "axes": {"encoder": ["src_tokens", "src_tokens"],
                      "decoder_self": ["tgt_tokens", "tgt_tokens"],
                      "cross": ["tgt_tokens", "src_tokens"]}}
+
+
+def run_steps(run_dir: str | Path) -> dict[int, Path]:
+    """{step: weights file} of the run's saved steps that have a step (``step_weights``),
+    in step order; empty for a run without step checkpoints."""
+    try:
+        return {step: path for step, path in step_weights(run_dir) if step is not None}
+    except AiaynError:
+        return {}
 
 
 def serve_info(run_dir: str | Path, weights: str, config: Config, translator: Translator
@@ -745,7 +788,7 @@ def create_app(service: ModelService, limits: ServeLimits = ServeLimits()) -> Fa
     async def attention(body: AttentionRequest, request: Request) -> dict:
         check_size([body.text], limits)
         return await service.attention(body.text, body.beam, body.alpha,
-                                       request.is_disconnected)
+                                       request.is_disconnected, body.step)
 
     @app.get("/health", summary="Is the model loaded?")
     async def health() -> dict:

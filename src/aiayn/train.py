@@ -465,16 +465,17 @@ class RunStart:
             record_config(run_dir, stored, overrides, step)
 
 
-def run_size(model: nn.Module, keep_checkpoints: int, continues: bool) -> int:
+def run_size(model: nn.Module, keep_checkpoints: int, continues: bool, kept: int = 0) -> int:
     """About the bytes a run still writes at its fullest (aiayn.checkpoint.tensors_size):
     a new one its step checkpoints (one more before the oldest is pruned), last and best,
     and train_state.pt (the weights and Adam's two moments) with its temporary copy beside
-    the old one; a resumed one, whose files are there, one new step file and that copy."""
+    the old one; a resumed one, whose files are there, one new step file and that copy.
+    ``kept``: the train.keep_steps still ahead, a weights file each."""
     weights = tensors_size(unique_state_dict(model))
     state = 3 * weights
     if continues:
-        return weights + state
-    return (keep_checkpoints + 1 + 2) * weights + 2 * state
+        return (1 + kept) * weights + state
+    return (keep_checkpoints + 1 + 2 + kept) * weights + 2 * state
 
 
 def wrap_for_training(model: nn.Module, compile_: bool, world: Dist
@@ -528,8 +529,9 @@ class Trainer:
         rng = self.restore() if start.continues else None
         why_output = choose_output_kernel(self.model.generator, t.max_tokens,
                                           enabled=not self.bf16)
+        kept_ahead = sum(s > self.progress.step for s in t.keep_steps)
         on_main(lambda: check_room(run_dir, run_size(self.model, t.keep_checkpoints,
-                                                     start.continues),
+                                                     start.continues, kept_ahead),
                                    "the run"), world)
         # Everything is checked and loaded: only now is the run directory written.
         on_main(lambda: start.record(run_dir, stored, overrides, self.progress.step, force), world)
@@ -611,6 +613,9 @@ class Trainer:
                     window_start = time.perf_counter()  # evaluation time is not training time
                 if progress.step % t.save_every == 0 and not finishing:
                     self.save()
+                    window_start = time.perf_counter()
+                elif progress.step in t.keep_steps and not finishing:
+                    self.save_kept()
                     window_start = time.perf_counter()
                 if progress.best.should_stop:
                     stop_reason = progress.best.stop_reason()
@@ -694,8 +699,16 @@ class Trainer:
                 weights.unlink(missing_ok=True)
             raise
         save_weights(self.model, run_dir / "last.safetensors", metadata=meta)
-        prune_step_checkpoints(run_dir, config.train.keep_checkpoints)
+        prune_step_checkpoints(run_dir, config.train.keep_checkpoints, config.train.keep_steps)
         progress.saved_step = step
+
+    def save_kept(self) -> None:
+        """The weights of a step of train.keep_steps between saves: the step file alone (no
+        train state, nothing pruned), so the run's course and its resume are unchanged; a
+        resume that reaches the step again rewrites the same weights."""
+        if self.world.is_main:
+            save_weights(self.model, step_checkpoint_path(self.run_dir, self.progress.step),
+                         metadata={"step": str(self.progress.step)})
 
     def _save_state(self, weights: Path, rngs: list, streams: list) -> None:
         """train_state.pt naming ``weights`` (written just before by :meth:`save`), with

@@ -4,7 +4,9 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { attention: null };
+// attention: the maps drawn; steps: the run's saved steps (GET /info); asked: the sentence
+// and search of the last translation, which the step slider asks for again at each step.
+const state = { attention: null, steps: [], asked: null, stepRequest: 0 };
 
 // The tokens along a map's axes: [rows (queries), columns (keys)], as the server names them.
 function axes(kind) {
@@ -39,6 +41,7 @@ async function showInfo() {
     }
     parts.push(`weights ${info.weights.split("/").pop()} on ${info.device}`);
     $("info").textContent = parts.join(" · ");
+    state.steps = info.steps || [];
     // The run's own search (its config's decode section) is where the controls start.
     if (info.decode) {
       $("beam").value = Math.min(info.decode.beam, info.max_beam);
@@ -71,9 +74,11 @@ async function translate(event) {
     const result = await post("/translate", { text: lines, beam, alpha, nbest });
     showTranslation(result);
     $("status").textContent = "computing the attention…";
-    state.attention = await post("/attention", { text: first, beam, alpha });
+    state.asked = { text: first, beam, alpha };
+    state.attention = await post("/attention", state.asked);
     fillPickers();
     drawHeatmap();
+    showSteps();
     $("status").textContent = `done (${(result.seconds * 1000).toFixed(0)} ms to translate)`;
   } catch (err) {
     $("error").textContent = err.message;
@@ -148,7 +153,8 @@ function drawHeatmap() {
   const top = Math.ceil(widest(cols)) + 12;
   canvas.width = left + cols.length * cell + 4;
   canvas.height = top + rows.length * cell + 4;
-  Object.assign(canvas.dataset, { left, top, cell, rows: rows.length, cols: cols.length, kind });
+  const step = state.attention.step ?? "served";
+  Object.assign(canvas.dataset, { left, top, cell, rows: rows.length, cols: cols.length, kind, step });
   ctx.font = font;
   ctx.fillStyle = "#fff";
   ctx.fillRect(0, 0, canvas.width, canvas.height);
@@ -172,6 +178,35 @@ function drawHeatmap() {
     ctx.fillText(token, 0, 0);
     ctx.restore();
   });
+}
+
+// The slider over the run's saved steps; its right end is the served model itself.
+function showSteps() {
+  const slider = $("step");
+  $("steps").hidden = state.steps.length === 0;
+  slider.max = String(state.steps.length);
+  slider.value = slider.max;
+  $("step-label").textContent = "served weights";
+}
+
+async function changeStep() {
+  if (!state.asked) return;
+  const at = Number($("step").value);
+  const step = at < state.steps.length ? state.steps[at] : null;
+  const label = step === null ? "served weights" : `step ${step}`;
+  $("step-label").textContent = `${label}…`;
+  const request = ++state.stepRequest;  // a later move of the slider wins
+  try {
+    const result = await post("/attention", { ...state.asked, step });
+    if (request !== state.stepRequest) return;
+    state.attention = result;
+    fillPickers();
+    drawHeatmap();
+    $("step-label").textContent = label;
+    $("error").textContent = "";
+  } catch (err) {
+    if (request === state.stepRequest) $("error").textContent = err.message;
+  }
 }
 
 function hover(event) {
@@ -205,5 +240,6 @@ $("kind").addEventListener("change", () => { fillPickers(); drawHeatmap(); });
 $("layer").addEventListener("change", drawHeatmap);
 $("head").addEventListener("change", drawHeatmap);
 $("heatmap").addEventListener("mousemove", hover);
+$("step").addEventListener("input", changeStep);
 $("pictures").addEventListener("toggle", loadPictures);
 showInfo();
