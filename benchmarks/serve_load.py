@@ -72,6 +72,8 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "aiayn", "serve", args.run_dir, "--port", str(port),
                "--weights", args.weights, "--device", "cpu", "--engine", args.engine,
                "--max-tokens", str(args.max_tokens), "--max-wait-ms", str(args.max_wait_ms)]
+    if args.batching:
+        command += ["--batching", args.batching]
     process = subprocess.Popen(command, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -257,6 +259,8 @@ def main() -> None:
     parser.add_argument("--engine", default="aiayn", choices=["aiayn", "ctranslate2"])
     parser.add_argument("--max-tokens", type=int, default=8192, help="the server's")
     parser.add_argument("--max-wait-ms", type=float, default=5.0, help="the server's")
+    parser.add_argument("--batching", choices=["continuous", "pass"],
+                        help="the server's (default: its own)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="torch threads of the server and of the reference")
     parser.add_argument("--soak", type=float, default=0.0, metavar="SECONDS",
@@ -321,7 +325,8 @@ def main() -> None:
                 passes = pass_summary(before, http_json(f"{url}/stats"))
                 correct = sum(a == e for a, e in zip(answers, expected))
                 failed |= correct < len(sentences)
-                row = {"who": f"the server, {k} concurrent client{'s' * (k > 1)}",
+                how = f", batching {args.batching}" if args.batching else ""
+                row = {"who": f"the server, {k} concurrent client{'s' * (k > 1)}{how}",
                        "p50": round(1000 * percentile(latencies, 50)),
                        "p95": round(1000 * percentile(latencies, 95)),
                        "p99": round(1000 * percentile(latencies, 99)),

@@ -44,6 +44,7 @@ from aiayn.checkpoint import (  # noqa: E402
 )
 from aiayn.config import DecodeConfig, load_config, save_config  # noqa: E402
 from aiayn.decode import JoinableSearch  # noqa: E402
+from aiayn.errors import AiaynError  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
 from aiayn.rundir import load_run  # noqa: E402
 from aiayn.serve import MAX_BEAM, ModelService, ServeLimits, create_app, serve_info  # noqa: E402
@@ -636,6 +637,9 @@ def test_a_client_that_hangs_up_while_waiting_is_never_decoded(run_dir, translat
     (["--max-wait-ms", "2000"], "--max-wait-ms must be between 0 and 1000, got 2000"),
     (["--max-wait-ms", "nan"], "--max-wait-ms must be between 0 and 1000, got nan"),
     (["--max-tokens", "0"], "--max-tokens must be at least 1, got 0"),
+    (["--engine", "ctranslate2", "--batching", "continuous"],
+     "--batching continuous needs aiayn's own model: the ctranslate2 engine decodes a batch "
+     "to its end (use --batching pass)"),
 ])
 def test_batching_settings_out_of_range_are_one_line(run_dir, capsys, args, words):
     from aiayn import cli
@@ -917,3 +921,34 @@ def test_translate_interactive_refuses_an_input_file(run_dir, capsys):
     assert cli.main(["translate", str(run_dir), "--interactive", "-i", "file.txt"]) == 2
     assert capsys.readouterr().err.strip() == \
         "aiayn: error: --interactive reads stdin line by line; drop -i/--input"
+
+
+def test_per_pass_batching_of_aiayn_model_answers_each_request_as_alone(run_dir, translator):
+    """--batching pass with aiayn's own model: the waiting requests with the same search
+    are one pass (three searches: three passes, in one thread), each answer as alone."""
+    service = ModelService.from_run(run_dir, batching="pass")
+    try:
+        client = TestClient(create_app(service, ServeLimits(max_body_bytes=20_000,
+                                                            max_sentences=8, max_chars=400)))
+        responses = send_while_held(service, client, MIXED)
+        for (body, search), response in zip(MIXED[:-1], responses, strict=False):
+            assert response.status_code == 200, response.text
+            assert_same_answer(response.json(), *expected_answer(translator, body, search))
+        stats = service.stats()
+        assert stats["batching"] == "per pass" and stats["joins"] == 0
+        assert stats["passes"] == 3 and stats["requests"] == len(MIXED) - 1
+    finally:
+        service.close()
+
+
+def test_continuous_batching_is_refused_for_an_engine_that_decodes_whole_batches(run_dir,
+                                                                                 tmp_path):
+    pytest.importorskip("ctranslate2")
+    from aiayn.export import export_run
+
+    export_run(run_dir, "ctranslate2", tmp_path / "ct2")
+    with pytest.raises(AiaynError, match="--batching continuous needs aiayn's own model: the "
+                                         "ctranslate2 engine decodes a batch to its end"):
+        ModelService.from_run(tmp_path / "ct2", engine="ctranslate2", batching="continuous")
+    with pytest.raises(AiaynError, match="--batching must be one of continuous, pass"):
+        ModelService.from_run(run_dir, batching="steps")

@@ -548,6 +548,11 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-wait-ms", type=float, default=5.0,
                    help="when nothing is being decoded, wait up to this long after the oldest "
                    "waiting request for others to start with it (0-1000; default 5)")
+    p.add_argument("--batching", choices=["continuous", "pass"], default=None,
+                   help="continuous: a request joins the running search at its next step and "
+                   "leaves it when done (the default with aiayn's model: the shortest waits); "
+                   "pass: the waiting requests are decoded together to the end of the pass "
+                   "(CTranslate2's only way; on a CPU more requests/s under heavy load)")
     _add_weights(p)
     _add_device(p)
     _add_engine(p)
@@ -564,7 +569,8 @@ def _run_serve(args) -> int:
     if args.max_tokens is not None:
         _at_least(args.max_tokens, 1, "--max-tokens")
     serve(args.run_dir, args.host, args.port, args.weights, choose_device(args.device),
-          engine=args.engine, max_tokens=args.max_tokens, max_wait_ms=args.max_wait_ms)
+          engine=args.engine, max_tokens=args.max_tokens, max_wait_ms=args.max_wait_ms,
+          batching=args.batching)
     return 0
 
 

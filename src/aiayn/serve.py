@@ -244,7 +244,9 @@ class Batcher:
 
     With ``--engine ctranslate2`` (``Translator.engine``) batching stays per pass, on one
     thread: CTranslate2's translate_batch decodes a batch to its end and cannot take
-    sentences in mid-search. The oldest job takes every later one with the same settings
+    sentences in mid-search; ``batching="pass"`` chooses it for aiayn's model too (more
+    sentences per second under heavy load on a CPU, longer waits: docs/serving.md#batching).
+    The oldest job takes every later one with the same settings
     while they fit ``budget`` and are decoded as one ``Translator.decode_ids`` pass after the
     same wait; jobs with other settings wait for a later pass.
 
@@ -252,13 +254,15 @@ class Batcher:
     turn in the queue, then runs while no lane steps.
     """
 
-    def __init__(self, translator: Translator, max_wait_ms: float = MAX_WAIT_MS):
+    def __init__(self, translator: Translator, max_wait_ms: float = MAX_WAIT_MS,
+                 batching: str = "continuous"):
         check_max_wait(max_wait_ms)
+        check_batching(batching, "aiayn" if translator.engine is None else "ctranslate2")
         self.translator = translator
         self.budget = translator.max_tokens
         self.max_wait = max_wait_ms / 1000
         self.stats = BatchStats()
-        self.continuous = translator.engine is None
+        self.continuous = translator.engine is None and batching == "continuous"
         self._queue: deque[Job] = deque()
         self._changed = threading.Condition()
         self._closed = False
@@ -544,6 +548,18 @@ def _by_key(jobs: list[Job]) -> dict[tuple[int, float], list[Job]]:
     return groups
 
 
+BATCHINGS = ("continuous", "pass")
+
+
+def check_batching(batching: str, engine: str) -> None:
+    """--batching: continuous (aiayn's own model, engine "aiayn", only) or per pass."""
+    if batching not in BATCHINGS:
+        raise AiaynError(f"--batching must be one of {', '.join(BATCHINGS)}, got {batching!r}")
+    if batching == "continuous" and engine != "aiayn":
+        raise AiaynError(f"--batching continuous needs aiayn's own model: the {engine} engine "
+                         "decodes a batch to its end (use --batching pass)")
+
+
 def check_max_wait(max_wait_ms: float) -> None:
     """--max-wait-ms: a short wait (a second at most: longer only delays every answer)."""
     if not 0 <= max_wait_ms <= 1000:
@@ -557,16 +573,21 @@ def _settle(future: Future, fn: Callable[[], Any]) -> None:
         future.set_exception(exc)
 
 
+def default_batching(translator: Translator) -> str:
+    """Continuous for aiayn's own model, per pass for an engine that decodes whole batches."""
+    return "continuous" if translator.engine is None else "pass"
+
+
 # ---------------------------------------------------------------- the model behind the batcher
 class ModelService:
     """A Translator behind a ``Batcher``, with what /info tells about its run."""
 
     def __init__(self, translator: Translator, config: Config, info: dict[str, Any],
-                 max_wait_ms: float = MAX_WAIT_MS):
+                 max_wait_ms: float = MAX_WAIT_MS, batching: str | None = None):
         self.translator = translator
         self.config = config
         self.info = info
-        self.batcher = Batcher(translator, max_wait_ms)
+        self.batcher = Batcher(translator, max_wait_ms, batching or default_batching(translator))
         self.requests = 0
         # The run's saved steps (none for a CTranslate2 export): models of their own, used
         # on the batcher's thread alone.
@@ -580,17 +601,18 @@ class ModelService:
     @classmethod
     def from_run(cls, run_dir: str | Path, weights: str = "best",
                  device: str | torch.device = "cpu", engine: str = "aiayn",
-                 max_tokens: int | None = None, max_wait_ms: float = MAX_WAIT_MS
-                 ) -> ModelService:
+                 max_tokens: int | None = None, max_wait_ms: float = MAX_WAIT_MS,
+                 batching: str | None = None) -> ModelService:
         """Load ``run_dir`` once (``Translator.from_pretrained``: a run directory, or with
         ``engine="ctranslate2"`` an `aiayn export --to ctranslate2` directory) and gather
         what /info reports. ``max_tokens``: the budget of a decoding batch and of a pass (None:
-        the device's, ``aiayn.translator.default_max_tokens``)."""
+        the device's, ``aiayn.translator.default_max_tokens``). ``batching``: see ``Batcher``
+        (None: continuous where the engine allows it)."""
         translator = Translator.from_pretrained(run_dir, weights, device=device, engine=engine,
                                                 max_tokens=max_tokens)
         config = load_config(Path(run_dir) / "config.yaml")
         info = serve_info(run_dir, weights, config, translator)
-        return cls(translator, config, info, max_wait_ms)
+        return cls(translator, config, info, max_wait_ms, batching)
 
     def close(self) -> None:
         self.batcher.close()
@@ -865,12 +887,17 @@ def _validation_line(errors) -> str:
 def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
           weights: str = "best", device: str | torch.device = "cpu",
           limits: ServeLimits = ServeLimits(), engine: str = "aiayn",
-          max_tokens: int | None = None, max_wait_ms: float = MAX_WAIT_MS) -> None:
+          max_tokens: int | None = None, max_wait_ms: float = MAX_WAIT_MS,
+          batching: str | None = None) -> None:
     """Load the run once and serve it until interrupted (`aiayn serve`; port 0: any free
-    one). ``engine``, ``max_tokens``, ``max_wait_ms``: see ``ModelService.from_run``."""
+    one). ``engine``, ``max_tokens``, ``max_wait_ms``, ``batching``: see
+    ``ModelService.from_run``."""
     check_max_wait(max_wait_ms)  # before loading, as the port below
+    if batching is not None:
+        check_batching(batching, engine)
     sock = listening_socket(host, port)  # before loading: a busy port is one line, at once
-    service = ModelService.from_run(run_dir, weights, device, engine, max_tokens, max_wait_ms)
+    service = ModelService.from_run(run_dir, weights, device, engine, max_tokens, max_wait_ms,
+                                    batching)
     app = create_app(service, limits)
     info = service.info
     port = sock.getsockname()[1]
