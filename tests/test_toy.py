@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from aiayn.config import Config, ModelConfig, TrainConfig
-from aiayn.toy import TASKS, digit_pairs, token_confidence, train_toy
+from aiayn.toy import SURE, TASKS, digit_pairs, token_confidence, train_toy
 
 
 def tiny(**train) -> Config:
@@ -82,4 +82,14 @@ def test_token_confidence_of_a_model_is_its_own_top_probability():
     one = token_confidence(run.model, run.tokenizers, pairs[200:201])
     assert one.top == pytest.approx(float(probs.max(dim=-1).values.mean()), rel=1e-5)
     assert one.right == pytest.approx(float(probs.argmax(dim=-1).eq(tgt[0, 1:]).float().mean()))
-    assert 1 / 14 < confidence.top < 1 and 0 <= confidence.sure <= confidence.right + 1
+    top = probs.max(dim=-1).values
+    assert one.sure == pytest.approx(float(top.gt(SURE).float().mean()))
+    # over pairs of several lengths (padded together): the mean over every real position
+    # of every pair, padding left out
+    tops = []
+    for source, target in pairs[200:]:
+        src = torch.tensor(run.tokenizers.encode_src([source]))
+        tgt = torch.tensor(run.tokenizers.encode_tgt([target]))
+        with torch.no_grad():
+            tops += run.model(src, tgt[:, :-1]).softmax(dim=-1)[0].max(dim=-1).values.tolist()
+    assert confidence.top == pytest.approx(sum(tops) / len(tops), rel=1e-5)
