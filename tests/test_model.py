@@ -387,6 +387,39 @@ def test_the_loss_of_a_restricted_model_is_the_cross_entropy_over_its_pieces(eps
     assert float(full(src, tgt_in, labels, eps)) == pytest.approx(float(plain), rel=1e-5)
 
 
+def test_decoding_keeps_the_allowed_rows_only_while_the_weights_and_pieces_are_unchanged():
+    """Without gradients the restricted layer keeps its selected rows between calls; an
+    in-place change of the weight (an optimizer step, load_state_dict) or of the pieces
+    makes it select them again, and with gradients they reach the tied embedding."""
+    restricted, full = restricted_and_full()
+    hidden = torch.randn(3, 1, 32)
+
+    def expected():
+        return full.generator(hidden)[..., ALLOWED.sort().values]
+
+    generator = restricted.generator
+    with torch.no_grad():
+        torch.testing.assert_close(generator.output_logits(hidden), expected(), atol=0, rtol=0)
+        kept = generator._rows[1]
+        generator.output_logits(hidden)
+        assert generator._rows[1] is kept  # not selected again
+        for model in (restricted, full):  # tied: the embedding and output layer change
+            model.generator.proj.weight.mul_(-2.0)
+        torch.testing.assert_close(generator.output_logits(hidden), expected(), atol=0, rtol=0)
+        other = Transformer(restricted.cfg).state_dict()  # other weights, the same pieces
+        other["generator.output_mask"] = generator.output_mask.clone()
+        restricted.load_state_dict(other)
+        full.load_state_dict(restricted.state_dict(), strict=False)
+        torch.testing.assert_close(generator.output_logits(hidden), expected(), atol=0, rtol=0)
+        generator.set_outputs(ALLOWED[:3])
+        torch.testing.assert_close(generator.output_logits(hidden),
+                                   full.generator(hidden)[..., ALLOWED[:3].sort().values])
+    generator.output_logits(hidden).sum().backward()
+    grad = restricted.tgt_embed.embedding.weight.grad
+    assert grad is not None and grad[ALLOWED[:3]].abs().sum() > 0
+    assert grad[ALLOWED[3:]].abs().sum() == 0
+
+
 def test_the_output_pieces_travel_with_the_weights_and_bind_decoding():
     restricted, _ = restricted_and_full()
     fresh = Transformer(restricted.cfg).eval()

@@ -369,6 +369,7 @@ class Generator(nn.Module):
         # of the allowed pieces, and each id's position among them (IGNORE if not allowed).
         self.register_buffer("output_ids", torch.arange(vocab_size), persistent=False)
         self.register_buffer("positions", torch.arange(vocab_size), persistent=False)
+        self._rows: tuple | None = None
         self.register_load_state_dict_post_hook(lambda module, _: module._index())
 
     def set_outputs(self, ids: Tensor) -> None:
@@ -381,6 +382,7 @@ class Generator(nn.Module):
 
     def _index(self) -> None:
         self.output_ids = self.output_mask.nonzero().squeeze(1)
+        self._rows = None  # the rows kept for decoding (_allowed_rows), of other pieces
         positions = torch.full_like(self.positions, self.IGNORE)
         positions[self.output_ids] = torch.arange(len(self.output_ids), device=positions.device)
         self.positions = positions
@@ -399,9 +401,26 @@ class Generator(nn.Module):
             return self.proj(hidden)  # the module itself, so that hooks (aiayn trace) see it
         weight, bias = self.proj.weight, self.proj.bias  # the paper's layer has no bias
         if self.restricted:
-            weight = weight.index_select(0, self.output_ids)
-            bias = None if bias is None else bias.index_select(0, self.output_ids)
+            weight, bias = self._allowed_rows(weight, bias)
         return kernel(hidden, weight, bias)
+
+    def _allowed_rows(self, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """The weight (and bias) rows of the allowed pieces. While gradients flow they are
+        selected at every call (the weight is trained, tied to the embeddings); without
+        them (decoding) they are kept until the weight or the allowed pieces change: selecting
+        them at every step copied a (V_out, d) matrix per token, a fifth of a beam step."""
+        if torch.is_grad_enabled():
+            return (weight.index_select(0, self.output_ids),
+                    None if bias is None else bias.index_select(0, self.output_ids))
+        # The tensors themselves (kept alive, so never mistaken for a new one at the same
+        # address) and their in-place versions (an optimizer step, load_state_dict).
+        key = [(t, t._version) for t in (weight, bias, self.output_ids) if t is not None]
+        kept = self._rows
+        if kept is None or len(kept[0]) != len(key) or any(
+                a is not b or u != v for (a, u), (b, v) in zip(kept[0], key)):
+            kept = self._rows = (key, weight.index_select(0, self.output_ids),
+                                 None if bias is None else bias.index_select(0, self.output_ids))
+        return kept[1], kept[2]
 
     def output_positions(self, labels: Tensor, pad_id: int) -> Tensor:
         """Token ids -> their positions in ``output_logits``; padding and pieces the model
