@@ -27,6 +27,7 @@ replace those of KEY in benchmarks/results/serve_load.json, which docs/results.m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -74,6 +75,8 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
                "--max-tokens", str(args.max_tokens), "--max-wait-ms", str(args.max_wait_ms)]
     if args.batching:
         command += ["--batching", args.batching]
+    if args.lanes:
+        command += ["--lanes", args.lanes]
     process = subprocess.Popen(command, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -89,11 +92,28 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
 
 
 def rss_mb(pid: int) -> float:
-    """The resident memory of process ``pid`` in MB (Linux /proc)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    """The resident memory of process ``pid`` and of its children (the server's lane
+    processes) in MB (Linux /proc)."""
+    total = 0.0
+    for process in [pid, *children(pid)]:
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{process}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) / 1024
+    return total or float("nan")
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``, and theirs (Linux /proc)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for child, parent in parents.items() if parent in frontier]
+        found += frontier
+    return found
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -262,6 +282,8 @@ def main() -> None:
     parser.add_argument("--max-wait-ms", type=float, default=5.0, help="the server's")
     parser.add_argument("--batching", choices=["continuous", "pass"],
                         help="the server's (default: its own)")
+    parser.add_argument("--lanes", choices=["processes", "threads"],
+                        help="the server's (default: its own)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="torch threads of the server and of the reference")
     parser.add_argument("--soak", type=float, default=0.0, metavar="SECONDS",
@@ -326,7 +348,8 @@ def main() -> None:
                 passes = pass_summary(before, http_json(f"{url}/stats"))
                 correct = sum(a == e for a, e in zip(answers, expected))
                 failed |= correct < len(sentences)
-                how = f", batching {args.batching}" if args.batching else ""
+                how = "".join(f", {name} {value}" for name, value in
+                              [("batching", args.batching), ("lanes", args.lanes)] if value)
                 row = {"who": f"the server, {k} concurrent client{'s' * (k > 1)}{how}",
                        "p50": round(1000 * percentile(latencies, 50)),
                        "p95": round(1000 * percentile(latencies, 95)),

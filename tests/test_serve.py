@@ -7,14 +7,18 @@ The run is test_translator's tiny trained copy model (a real run directory).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
+import multiprocessing
 import os
 import pty
 import random
+import re
 import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -47,7 +51,7 @@ from aiayn.decode import JoinableSearch  # noqa: E402
 from aiayn.errors import AiaynError  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
 from aiayn.rundir import load_run  # noqa: E402
-from aiayn.serve import MAX_BEAM, ModelService, ServeLimits, create_app, serve_info  # noqa: E402
+from aiayn.serve import MAX_BEAM, Batcher, ModelService, ServeLimits, create_app, serve_info  # noqa: E402
 from aiayn.translator import (  # noqa: E402
     SentenceAttention,
     Translator,
@@ -473,6 +477,100 @@ def one_lane_service(run_dir, max_tokens: int | None = None) -> ModelService:
     translator = Translator.from_pretrained(run_dir, streams=1, max_tokens=max_tokens)
     config = load_config(run_dir / "config.yaml")
     return ModelService(translator, config, serve_info(run_dir, "best", config, translator))
+
+
+def lane_processes() -> list:
+    return [p for p in multiprocessing.active_children() if p.name == "aiayn-lane"]
+
+
+def process_lanes_service(run_dir) -> ModelService:
+    """Two lanes, each a process of its own (what `aiayn serve` runs on a CPU of two or
+    more cores; the tests' one torch thread would give one lane, a thread)."""
+    translator = Translator.from_pretrained(run_dir, streams=2)
+    config = load_config(run_dir / "config.yaml")
+    return ModelService(translator, config, serve_info(run_dir, "best", config, translator),
+                        lanes="processes")
+
+
+def test_lanes_in_processes_answer_each_request_as_alone(run_dir, translator):
+    """Mixed requests queued together, then many sent at once from eight clients (joining
+    searches under way in both processes): every answer is the one it gets alone. Closing
+    the service ends the processes."""
+    service = process_lanes_service(run_dir)
+    client = TestClient(create_app(service, ServeLimits(max_sentences=8)))
+    try:
+        assert len(lane_processes()) == 2 and service.stats()["lanes"] == 2
+        responses = send_while_held(service, client, MIXED)
+        assert_clean_error(responses[-1], 413, "9 sentences in one request")
+        for (body, search), response in zip(MIXED[:-1], responses, strict=False):
+            assert response.status_code == 200, response.text
+            assert_same_answer(response.json(), *expected_answer(translator, body, search))
+        rng = random.Random(5)
+        bodies = [{"text": [random_sentence(rng) for _ in range(rng.randint(1, 3))],
+                   "beam": rng.choice([1, 4]), "alpha": 0.6} for _ in range(24)]
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda b: client.post("/translate", json=b), bodies))
+        for body, response in zip(bodies, answers, strict=True):
+            assert response.status_code == 200, response.text
+            assert_same_answer(response.json(),
+                               *expected_answer(translator, body, (body["beam"], 0.6)))
+        stats = service.stats()
+        assert stats["joins"] > 0 and stats["requests"] == len(MIXED) - 1 + len(bodies)
+    finally:
+        service.close()
+    assert not lane_processes()
+
+
+def test_a_lane_process_that_dies_is_replaced_and_costs_only_its_requests_a_503(run_dir,
+                                                                              translator):
+    """A process that ended while it held nothing is replaced unnoticed; one that ends
+    while it decodes a request costs that request a 503 with one line, and is replaced."""
+    service = process_lanes_service(run_dir)
+    client = TestClient(create_app(service), raise_server_exceptions=False)
+    body, expected = {"text": ["red green"], "beam": 2}, translator.translate(["red green"], 2)
+    try:
+        lanes = [lane.searches for lane in service.batcher._lanes]
+        ended = [lane.process for lane in lanes]
+        for process in ended:
+            os.kill(process.pid, signal.SIGKILL)
+            process.join()
+        until(lambda: all(lane.process not in ended for lane in lanes), "new processes")
+        for _ in range(3):
+            assert client.post("/translate", json=body).json()["translations"] == expected
+        processes = [lane.process for lane in lanes]
+        for process in processes:  # frozen: the request is sent to one and waits there
+            os.kill(process.pid, signal.SIGSTOP)
+        with ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(client.post, "/translate", json=body)
+            until(lambda: any(lane.owners for lane in service.batcher._lanes),
+                  "a lane to take the request")
+            holder = next(lane for lane in service.batcher._lanes if lane.owners)
+            os.kill(holder.searches.process.pid, signal.SIGKILL)
+            response = sent.result()
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGCONT)
+        assert_clean_error(response, 503, "a decoding process of the server ended "
+                                          "(exit code -9) with this request's sentences")
+        assert [client.post("/translate", json=body).json()["translations"]
+                for _ in range(3)] == [expected] * 3
+        assert service.stats()["requests"] == 7
+    finally:
+        service.close()
+    assert not lane_processes()
+
+
+@pytest.mark.parametrize("lanes, device, batching, words", [
+    ("cores", "cpu", "continuous", "--lanes must be one of processes, threads, got 'cores'"),
+    ("processes", "cpu", "pass", "--lanes is for continuous batching"),
+    ("processes", "meta", "continuous", "--lanes processes is for a CPU"),
+])
+def test_bad_lanes_are_refused_in_one_line(run_dir, lanes, device, batching, words):
+    translator = Translator.from_pretrained(run_dir, streams=2)
+    translator.device = torch.device(device)  # only checked, never decoded on
+    with pytest.raises(AiaynError, match=re.escape(words)):
+        Batcher(translator, batching=batching, lanes=lanes)
+    assert not lane_processes()
 
 
 def held_steps(monkeypatch) -> tuple[threading.Event, threading.Event]:

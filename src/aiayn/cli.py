@@ -553,6 +553,10 @@ def _add_serve(sub) -> None:
                    "leaves it when done (the default with aiayn's model: the shortest waits); "
                    "pass: the waiting requests are decoded together to the end of the pass "
                    "(CTranslate2's only way; on a CPU more requests/s under heavy load)")
+    p.add_argument("--lanes", choices=["processes", "threads"], default=None,
+                   help="continuous batching decodes on one lane per core: processes (the "
+                   "default on a CPU with two or more cores: lanes as threads take turns on "
+                   "Python's lock) or threads (one process, less memory)")
     _add_weights(p)
     _add_device(p)
     _add_engine(p)
@@ -570,7 +574,7 @@ def _run_serve(args) -> int:
         _at_least(args.max_tokens, 1, "--max-tokens")
     serve(args.run_dir, args.host, args.port, args.weights, choose_device(args.device),
           engine=args.engine, max_tokens=args.max_tokens, max_wait_ms=args.max_wait_ms,
-          batching=args.batching)
+          batching=args.batching, lanes=args.lanes)
     return 0
 
 

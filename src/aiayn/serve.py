@@ -45,7 +45,6 @@ line when they are missing.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import io
 import itertools
@@ -70,10 +69,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from aiayn import plots
-from aiayn.batching import pad
 from aiayn.config import Config, load_config
-from aiayn.decode import JoinableSearch
 from aiayn.errors import AiaynError
+from aiayn.lanes import Adds, LaneLost, LaneProcess, LaneSearches, Round
 from aiayn.rundir import resolve_weights, step_weights
 from aiayn.runinfo import run_info
 from aiayn.threads import default_streams
@@ -211,10 +209,10 @@ class BatchStats:
 
 @dataclass(eq=False)
 class _Lane:
-    """One stream of continuous batching: its searches (one per search settings) and the
-    sentences in them, stepped by one thread with one intra-op thread."""
+    """One stream of continuous batching: its searches (``aiayn.lanes``: here, or in a
+    process of their own) and, here, whose their sentences are."""
 
-    searches: dict[tuple[int, float], JoinableSearch] = field(default_factory=dict)
+    searches: LaneSearches | LaneProcess | None = None
     requests: dict[tuple[int, float], int] = field(default_factory=dict)  # in each search's run
     owners: dict[int, tuple[Job, int]] = field(default_factory=dict)  # sentence -> job, index
     load: int = 0  # source tokens x beam of its sentences
@@ -255,9 +253,10 @@ class Batcher:
     """
 
     def __init__(self, translator: Translator, max_wait_ms: float = MAX_WAIT_MS,
-                 batching: str = "continuous"):
+                 batching: str = "continuous", lanes: str | None = None):
         check_max_wait(max_wait_ms)
         check_batching(batching, "aiayn" if translator.engine is None else "ctranslate2")
+        check_lanes(lanes, translator.device)
         self.translator = translator
         self.budget = translator.max_tokens
         self.max_wait = max_wait_ms / 1000
@@ -272,11 +271,23 @@ class Batcher:
         self._exclusive = False  # a job runs alone: no lane steps
         self._ids = itertools.count()
         if self.continuous:
-            streams = translator.streams or default_streams(translator.device)
-            self._lanes = [_Lane() for _ in range(max(1, streams))]
+            streams = max(1, translator.streams or default_streams(translator.device))
+            self.lane_kind = lanes or default_lanes(translator.device, streams)
+            self._lanes = [_Lane() for _ in range(streams)]
+            for lane in self._lanes:
+                if self.lane_kind == "processes":
+                    lane.searches = LaneProcess(
+                        translator.model, translator.bf16,
+                        on_result=lambda result, lane=lane: self._lane_result(lane, result),
+                        on_lost=lambda exc, lane=lane: self._lane_lost(lane, exc))
+                else:
+                    lane.searches = LaneSearches(translator.model, translator.bf16)
             targets = [lambda lane=lane: self._run_lane(lane) for lane in self._lanes]
         else:
-            self._lanes, targets = [], [self._run]
+            if lanes is not None:
+                raise AiaynError("--lanes is for continuous batching; per pass, one thread "
+                                 "decodes")
+            self._lanes, targets, self.lane_kind = [], [self._run], None
         self._workers = [threading.Thread(target=target, name=f"aiayn-batcher-{i}", daemon=True)
                          for i, target in enumerate(targets)]
         for worker in self._workers:
@@ -306,6 +317,8 @@ class Batcher:
             self._changed.notify_all()
         for worker in self._workers:
             worker.join()
+        for lane in self._lanes:
+            lane.searches.close()
         torch.set_num_threads(self._threads)
 
     def _submit(self, job: Job) -> Future:
@@ -318,18 +331,24 @@ class Batcher:
 
     # ------------------------------------------------ continuous batching (aiayn's model)
     def _run_lane(self, lane: _Lane) -> None:
+        """A lane's thread: take jobs and decode them here (a round of steps at a time),
+        or send them to the lane's process (``aiayn.lanes``), until closed."""
         while True:
             with self._changed:
                 taken = self._lane_next(lane)
                 if taken is None:
                     return
+                alone, jobs = taken
+                adds = self._lane_adds(lane, jobs)
                 self._stepping += 1
-            alone, jobs = taken
             try:
                 if alone is not None:
                     _settle(alone.future, alone.alone)
+                elif lane.searches.remote:
+                    if adds:
+                        lane.searches.send(adds)
                 else:
-                    self._lane_round(lane, jobs)
+                    self._lane_result(lane, lane.searches.round(adds))
             finally:
                 with self._changed:
                     self._stepping -= 1
@@ -359,9 +378,9 @@ class Batcher:
                     self._changed.wait(left)  # woken early by each new job
                     continue
             jobs = self._admit(lane)
-            if jobs or lane.load:
+            if jobs or (lane.load and not lane.searches.remote):  # a process steps itself
                 return None, jobs
-            if self._closed and not self._queue:
+            if self._closed and not self._queue and not lane.load:
                 return None
             if not self._stepping:
                 torch.set_num_threads(self._threads)  # idle: leave the process as it was
@@ -396,85 +415,72 @@ class Batcher:
             self.stats.most_tokens = max(self.stats.most_tokens, self._load)
         return jobs
 
-    def _lane_round(self, lane: _Lane, jobs: list[Job]) -> None:
-        """Add ``jobs`` to the lane's searches, then step each search once; answer the jobs
-        whose last sentence is done."""
-        if torch.get_num_threads() != 1:
-            torch.set_num_threads(1)
-        started = time.monotonic()
-        freed, joins, steps, step_sentences, ended = 0, 0, 0, 0, []
+    def _lane_adds(self, lane: _Lane, jobs: list[Job]) -> Adds:
+        """Under the lock: number the sentences of ``jobs`` (the lane's owners know whose
+        each is) and group them by search settings, as ``LaneSearches.round`` takes them;
+        jobs of empty lines only are answered at once."""
+        started, adds = time.monotonic(), []
         for key, group in _by_key(jobs).items():
-            joins += len(group) if key in lane.searches else 0
-            search = lane.searches.get(key)
-            if search is None:
-                search = lane.searches[key] = JoinableSearch(self.translator.model, *key)
-                lane.requests[key] = 0
-            lane.requests[key] += len(group)
-            keys, ids = [], []
+            self.stats.joins += len(group) if key in lane.requests else 0
+            lane.requests[key] = lane.requests.get(key, 0) + len(group)
+            sentences, sources = [], []
             for job in group:
                 job.hyps, job.left, job.started = [None] * len(job.sources.ids), 0, started
-                for i, sentence in enumerate(job.sources.ids):
-                    keys.append(next(self._ids))
-                    lane.owners[keys[-1]] = (job, i)
+                for i, ids in enumerate(job.sources.ids):
+                    sentences.append(next(self._ids))
+                    lane.owners[sentences[-1]] = (job, i)
                     job.left += 1
-                    ids.append(sentence)
-            try:
-                with self._autocast():
-                    search.add(keys, pad(ids))
-            except Exception as exc:
-                freed += self._fail(lane, keys, exc)
+                    sources.append(ids)
+            adds.append((key, sentences, sources))
         for job in jobs:
-            if job.left == 0:  # nothing to decode: empty lines only
+            if job.left == 0:
                 job.future.set_result(([], 0.0))
-        for key, search in list(lane.searches.items()):
-            if len(search):
-                steps += 1
-                step_sentences += len(search)
-                try:
-                    with self._autocast():
-                        done = search.step()
-                except Exception as exc:
-                    freed += self._fail(lane, list(lane.owners), exc, key)
-                    search = JoinableSearch(self.translator.model, *key)  # empty
-                    done = []
-                for sentence, hyps in done:
-                    job, i = lane.owners.pop(sentence)
-                    job.hyps[i], job.left = hyps, job.left - 1
-                    freed += len(job.sources.ids[i]) * key[0]
-                    if job.left == 0:
-                        job.future.set_result((job.hyps, time.monotonic() - job.started))
-            if not len(search):
-                ended.append(lane.requests.pop(key))
-                del lane.searches[key]
+        return adds
+
+    def _lane_result(self, lane: _Lane, result: Round) -> None:
+        """What a round of the lane did: answer the jobs whose last sentence is done, fail
+        those a failure touched, free their load."""
         with self._changed:
+            freed = 0
+            for sentences, exc in result.failed:
+                freed += self._fail(lane, sentences, exc)
+            for sentence, hyps in result.done:
+                owner = lane.owners.pop(sentence, None)
+                if owner is None:  # its request failed meanwhile (its lane's process ended)
+                    continue
+                job, i = owner
+                job.hyps[i], job.left = hyps, job.left - 1
+                freed += len(job.sources.ids[i]) * job.key[0]
+                if job.left == 0:
+                    job.future.set_result((job.hyps, time.monotonic() - job.started))
             lane.load -= freed
             self._load -= freed
-            self.stats.joins += joins
-            self.stats.steps += steps
-            self.stats.step_sentences += step_sentences
-            self.stats.decode_s += time.monotonic() - started
-            for requests in ended:
-                self.stats.ended(requests)
+            self.stats.steps += result.steps
+            self.stats.step_sentences += result.step_sentences
+            self.stats.decode_s += result.seconds
+            for key in result.ended:
+                if key in lane.requests:
+                    self.stats.ended(lane.requests.pop(key))
+            self._changed.notify_all()
 
-    def _fail(self, lane: _Lane, sentences: list[int], exc: Exception,
-              key: tuple[int, float] | None = None) -> int:
-        """Every job with a sentence among ``sentences`` (of search ``key`` if given) gets
-        ``exc``; their sentences are forgotten. Returns the load they freed."""
+    def _lane_lost(self, lane: _Lane, exc: LaneLost) -> None:
+        """The lane's process ended: every sentence it held fails with ``exc``."""
+        self._lane_result(lane, Round(failed=[(list(lane.owners), exc)],
+                                      ended=list(lane.requests)))
+
+    def _fail(self, lane: _Lane, sentences: list[int], exc: Exception) -> int:
+        """Every job with a sentence among ``sentences`` gets ``exc``; those sentences are
+        forgotten. Returns the load they freed."""
         freed = 0
         for sentence in sentences:
-            job, i = lane.owners[sentence]
-            if key is not None and job.key != key:
+            owner = lane.owners.pop(sentence, None)
+            if owner is None:
                 continue
-            del lane.owners[sentence]
+            job, i = owner
             freed += len(job.sources.ids[i]) * job.key[0]
             if not job.future.done():
                 job.future.set_exception(exc)
         return freed
-
-    def _autocast(self):
-        if not self.translator.bf16:
-            return contextlib.nullcontext()
-        return torch.autocast(self.translator.device.type, dtype=torch.bfloat16)
 
     # ------------------------------------------------ per pass (CTranslate2)
     def _run(self) -> None:
@@ -560,6 +566,24 @@ def check_batching(batching: str, engine: str) -> None:
                          "decodes a batch to its end (use --batching pass)")
 
 
+LANES = ("processes", "threads")
+
+
+def check_lanes(lanes: str | None, device: torch.device) -> None:
+    """--lanes: where the lanes of continuous batching decode (None: ``default_lanes``)."""
+    if lanes is not None and lanes not in LANES:
+        raise AiaynError(f"--lanes must be one of {', '.join(LANES)}, got {lanes!r}")
+    if lanes == "processes" and torch.device(device).type != "cpu":
+        raise AiaynError(f"--lanes processes is for a CPU; on {torch.device(device).type} the "
+                         "one lane is a thread (--lanes threads)")
+
+
+def default_lanes(device: torch.device, streams: int) -> str:
+    """Processes where two or more lanes share a CPU (they would take turns on Python's
+    lock as threads: ``aiayn.lanes``); one lane, or a GPU's, is a thread."""
+    return "processes" if torch.device(device).type == "cpu" and streams > 1 else "threads"
+
+
 def check_max_wait(max_wait_ms: float) -> None:
     """--max-wait-ms: a short wait (a second at most: longer only delays every answer)."""
     if not 0 <= max_wait_ms <= 1000:
@@ -583,11 +607,13 @@ class ModelService:
     """A Translator behind a ``Batcher``, with what /info tells about its run."""
 
     def __init__(self, translator: Translator, config: Config, info: dict[str, Any],
-                 max_wait_ms: float = MAX_WAIT_MS, batching: str | None = None):
+                 max_wait_ms: float = MAX_WAIT_MS, batching: str | None = None,
+                 lanes: str | None = None):
         self.translator = translator
         self.config = config
         self.info = info
-        self.batcher = Batcher(translator, max_wait_ms, batching or default_batching(translator))
+        self.batcher = Batcher(translator, max_wait_ms, batching or default_batching(translator),
+                               lanes)
         self.requests = 0
         # The run's saved steps (none for a CTranslate2 export): models of their own, used
         # on the batcher's thread alone.
@@ -602,17 +628,18 @@ class ModelService:
     def from_run(cls, run_dir: str | Path, weights: str = "best",
                  device: str | torch.device = "cpu", engine: str = "aiayn",
                  max_tokens: int | None = None, max_wait_ms: float = MAX_WAIT_MS,
-                 batching: str | None = None) -> ModelService:
+                 batching: str | None = None, lanes: str | None = None) -> ModelService:
         """Load ``run_dir`` once (``Translator.from_pretrained``: a run directory, or with
         ``engine="ctranslate2"`` an `aiayn export --to ctranslate2` directory) and gather
         what /info reports. ``max_tokens``: the budget of a decoding batch and of a pass (None:
         the device's, ``aiayn.translator.default_max_tokens``). ``batching``: see ``Batcher``
-        (None: continuous where the engine allows it)."""
+        (None: continuous where the engine allows it); ``lanes``: where continuous
+        batching decodes, "processes" or "threads" (None: ``default_lanes``)."""
         translator = Translator.from_pretrained(run_dir, weights, device=device, engine=engine,
                                                 max_tokens=max_tokens)
         config = load_config(Path(run_dir) / "config.yaml")
         info = serve_info(run_dir, weights, config, translator)
-        return cls(translator, config, info, max_wait_ms, batching)
+        return cls(translator, config, info, max_wait_ms, batching, lanes)
 
     def close(self) -> None:
         self.batcher.close()
@@ -788,6 +815,11 @@ def create_app(service: ModelService, limits: ServeLimits = ServeLimits()) -> Fa
     async def client_gone(request: Request, exc: ClientGone):
         return _error(499, "the client closed the connection before the answer")
 
+    @app.exception_handler(LaneLost)
+    async def lane_lost(request: Request, exc: LaneLost):  # worth sending again
+        log.error("%s", exc)
+        return _error(503, str(exc))
+
     @app.exception_handler(AiaynError)
     async def bad_input(request: Request, exc: AiaynError):
         return _error(422, str(exc))
@@ -888,21 +920,24 @@ def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
           weights: str = "best", device: str | torch.device = "cpu",
           limits: ServeLimits = ServeLimits(), engine: str = "aiayn",
           max_tokens: int | None = None, max_wait_ms: float = MAX_WAIT_MS,
-          batching: str | None = None) -> None:
+          batching: str | None = None, lanes: str | None = None) -> None:
     """Load the run once and serve it until interrupted (`aiayn serve`; port 0: any free
-    one). ``engine``, ``max_tokens``, ``max_wait_ms``, ``batching``: see
+    one). ``engine``, ``max_tokens``, ``max_wait_ms``, ``batching``, ``lanes``: see
     ``ModelService.from_run``."""
     check_max_wait(max_wait_ms)  # before loading, as the port below
     if batching is not None:
         check_batching(batching, engine)
+    check_lanes(lanes, torch.device(device))
     sock = listening_socket(host, port)  # before loading: a busy port is one line, at once
     service = ModelService.from_run(run_dir, weights, device, engine, max_tokens, max_wait_ms,
-                                    batching)
+                                    batching, lanes)
     app = create_app(service, limits)
     info = service.info
     port = sock.getsockname()[1]
-    batching = ("requests join the running search at its next step"
-                if service.batcher.continuous else "requests batched per pass")
+    batcher = service.batcher
+    batching = (f"requests join the running search at its next step ({batcher.lanes} "
+                f"lane{'s' * (batcher.lanes > 1)}, {batcher.lane_kind})"
+                if batcher.continuous else "requests batched per pass")
     print(f"aiayn serve: {info['weights']} ({info['parameters']:,} parameters, "
           f"{info['engine']}) on {info['device']}; {batching}, up to {service.batcher.budget} "
           f"tokens x beam, an idle server waiting up to {max_wait_ms:g} ms; open "
