@@ -289,6 +289,38 @@ def test_a_search_that_sentences_keep_joining_stays_as_long_as_its_oldest():
     assert steps == 40 and longest <= max(lengths) + 4
 
 
+@pytest.mark.parametrize("beam", [1, 4])
+def test_sentences_taken_out_mid_search_leave_the_others_as_they_were_alone(beam):
+    """Sentences removed at several steps (one just joined, one half done, unknown keys,
+    then all that were left): the others get what beam_search gives them alone, the removed
+    are never answered, and an emptied search takes new sentences."""
+    model = tiny_model(seed=3)
+    lengths = [7, 3, 9, 5, 6, 4]
+    src = random_sources(lengths, vocab=24, seed=6)
+    search = JoinableSearch(model, beam, 0.6, max_len_b=8)
+    got, removes = {}, {1: [4], 2: [1, 99], 5: [3]}
+    for step in range(60):
+        if step in (0, 1):
+            for i in ([0, 1, 2] if step == 0 else [3, 4]):
+                search.add([i], src[i : i + 1, : lengths[i]])
+        search.remove(removes.get(step, []))
+        got.update(search.step())
+    assert set(got) == {0, 2} and not len(search)
+    for i in got:
+        alone = beam_search(model, src[i : i + 1, : lengths[i]], beam=beam, alpha=0.6,
+                            max_len_b=8, nbest=beam)[0]
+        assert [ids for ids, _ in got[i]] == [ids for ids, _ in alone]
+        assert [s for _, s in got[i]] == pytest.approx([s for _, s in alone], abs=1e-5)
+    search.add([5], src[5:6, : lengths[5]])
+    search.remove([5])
+    assert not len(search) and not search.finished and search.step() == []
+    search.add([5], src[5:6, : lengths[5]])  # the same key again, once it has left
+    while not (done := search.step()):
+        pass
+    assert [ids for ids, _ in done[0][1]] == [ids for ids, _ in beam_search(
+        model, src[5:6, : lengths[5]], beam=beam, alpha=0.6, max_len_b=8, nbest=beam)[0]]
+
+
 def test_a_joinable_search_refuses_a_key_twice():
     model = tiny_model()
     search = JoinableSearch(model, 2)

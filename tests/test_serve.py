@@ -51,7 +51,7 @@ from aiayn.decode import JoinableSearch  # noqa: E402
 from aiayn.errors import AiaynError  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
 from aiayn.rundir import load_run  # noqa: E402
-from aiayn.serve import MAX_BEAM, Batcher, ModelService, ServeLimits, create_app, serve_info  # noqa: E402
+from aiayn.serve import MAX_BEAM, Batcher, ClientGone, ModelService, ServeLimits, create_app, serve_info  # noqa: E402
 from aiayn.translator import (  # noqa: E402
     SentenceAttention,
     Translator,
@@ -558,6 +558,71 @@ def test_a_lane_process_that_dies_is_replaced_and_costs_only_its_requests_a_503(
     finally:
         service.close()
     assert not lane_processes()
+
+
+def test_a_request_whose_client_hangs_up_mid_search_is_taken_out_of_it(run_dir, translator,
+                                                                      monkeypatch):
+    """Forgotten while its first step runs, a request's two sentences are gone from the
+    next step on (the request sent meanwhile is decoded alone, as alone), its load is
+    freed and it counts as abandoned."""
+    service = one_lane_service(run_dir)
+    batcher = service.batcher
+    inside, release, sizes = threading.Event(), threading.Event(), []
+    real = JoinableSearch.step
+
+    def held(self):
+        sizes.append(len(self))
+        inside.set()
+        release.wait()
+        return real(self)
+
+    monkeypatch.setattr(JoinableSearch, "step", held)
+    other = translator.prepare(["white tree river"])
+    try:
+        gone = batcher.translate(translator.prepare(["sun moon star tree river", "red green"]),
+                                 4, 0.6, 1)
+        until(inside.is_set, "the first step")
+        kept = batcher.translate(other, 4, 0.6, 1)
+        batcher.forget(gone)
+        assert isinstance(gone.exception(timeout=0), ClientGone)
+        release.set()
+        hyps, _ = kept.result(timeout=60)
+        assert translator.finish(other, hyps, 1)[0][0][0] == \
+            translator.translate(["white tree river"], 4, 0.6)[0]
+        assert sizes[0] == 2 and set(sizes[1:]) == {1}
+        assert service.stats()["abandoned"] == 1 and batcher._load == 0
+    finally:
+        release.set()
+        service.close()
+
+
+def test_a_lane_process_takes_out_the_sentences_of_a_request_whose_client_hung_up(
+        run_dir, translator):
+    """Sent to a lane's process while it is frozen and forgotten before it wakes, a request
+    is never stepped there (its sentences leave before the next step); the lane goes on."""
+    service = process_lanes_service(run_dir)
+    batcher = service.batcher
+    processes = [lane.searches.process for lane in batcher._lanes]
+    try:
+        for process in processes:
+            os.kill(process.pid, signal.SIGSTOP)
+        gone = batcher.translate(translator.prepare(["sun moon star tree river"]), 4, 0.6, 1)
+        until(lambda: any(lane.owners for lane in batcher._lanes), "a lane to take it")
+        batcher.forget(gone)
+        for process in processes:
+            os.kill(process.pid, signal.SIGCONT)
+        until(lambda: service.stats()["passes"] == 1, "the lane to report its search ended")
+        stats = service.stats()
+        assert stats["abandoned"] == 1 and stats["steps"] == 0 and batcher._load == 0
+        sources = translator.prepare(["red green"])
+        hyps, _ = batcher.translate(sources, 2, 0.6, 1).result(timeout=60)
+        assert translator.finish(sources, hyps, 1)[0][0][0] == \
+            translator.translate(["red green"], 2, 0.6)[0]
+    finally:
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGCONT)
+        service.close()
 
 
 @pytest.mark.parametrize("lanes, device, batching, words", [

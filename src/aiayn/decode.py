@@ -32,6 +32,7 @@ exhaustive search (both are tests).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import numpy as np
@@ -267,6 +268,28 @@ class JoinableSearch:
         self.finished.update((key, []) for key in keys)
 
     @torch.no_grad()
+    def remove(self, keys: Iterable[int]) -> None:
+        """Take the sentences ``keys`` out of the search before they are done (their
+        requester has gone); the others go on as if they had never been there. Keys not
+        in the search are ignored."""
+        gone = np.isin(self.rows.sentence, np.fromiter(keys, dtype=np.int64))
+        if not gone.any():
+            return
+        for key in self.rows.sentence[gone]:
+            del self.finished[int(key)]
+        keep = np.flatnonzero(~gone)
+        if keep.size == 0:
+            self._start()
+            return
+        K, device = self.beam, self.scores.device
+        beam_rows = (keep[:, None] * K + np.arange(K)).reshape(-1)  # every beam, in place
+        self.rows.keep(keep, beam_rows)
+        self.state.select(torch.from_numpy(beam_rows).to(device), shrinks=True)
+        index = torch.from_numpy(keep).to(device)
+        self.scores, self.token = self.scores.index_select(0, index), self.token.index_select(0, index)
+        self._trim()
+
+    @torch.no_grad()
     def step(self) -> list[tuple[int, list[Hypothesis]]]:
         """Decode one token of every live sentence; the sentences done, with their lists."""
         if not len(self):
@@ -283,11 +306,14 @@ class JoinableSearch:
             self._start()
             return answers
         self.scores, self.token = _advance(rows, self.state, host, keep, self.scores, self.token)
-        unused = int(rows.offset.min())  # columns from before every live sentence joined
-        if unused:
-            rows.trim(unused)
-            self.state.cache.trim(unused)
+        self._trim()
         return answers
+
+    def _trim(self) -> None:
+        unused = int(self.rows.offset.min())  # columns from before every live sentence joined
+        if unused:
+            self.rows.trim(unused)
+            self.state.cache.trim(unused)
 
 
 def _device(model: Transformer) -> torch.device:

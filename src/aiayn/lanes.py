@@ -20,7 +20,7 @@ import pickle
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -56,10 +56,11 @@ class LaneSearches:
         self.searches: dict[Key, JoinableSearch] = {}
         self.members: dict[Key, set[int]] = {}  # the sentences in each search
 
-    def round(self, adds: Adds) -> Round:
-        """Add the sentences of ``adds`` to their searches, then step every search once.
-        A failure fails only the sentences it touched: those added, or, in a step, every
-        sentence of that search (which then starts empty)."""
+    def round(self, adds: Adds, removes: Sequence[int] = ()) -> Round:
+        """Add the sentences of ``adds`` to their searches, take the sentences ``removes``
+        out (their requests are gone), then step every search once. A failure fails only the
+        sentences it touched: those added, or, in a step, every sentence of that search
+        (which then starts empty)."""
         if torch.get_num_threads() != 1:
             torch.set_num_threads(1)
         started = time.monotonic()
@@ -75,6 +76,10 @@ class LaneSearches:
                 self.members[key].update(sentences)
             except Exception as exc:
                 result.failed.append((sentences, exc))
+        for key, search in self.searches.items():  # after the adds: those sent before
+            if gone := self.members[key].intersection(removes):
+                search.remove(gone)
+                self.members[key] -= gone
         for key, search in list(self.searches.items()):
             if len(search):
                 result.steps += 1
@@ -140,11 +145,12 @@ class LaneProcess:
         self.process.start()
         child.close()
 
-    def send(self, adds: Adds) -> None:
+    def send(self, adds: Adds, removes: Sequence[int] = ()) -> None:
+        """What ``LaneSearches.round`` takes, for the child's next step."""
         with self._lock:
             # A child that has ended is the receiver's to report (its end closes the pipe).
             with contextlib.suppress(OSError):
-                self._conn.send(adds)
+                self._conn.send((adds, list(removes)))
 
     def _receive(self) -> None:
         while True:
@@ -191,15 +197,17 @@ def _lane_main(conn, cfg, state: dict, kernel, bf16: bool) -> None:
     lane, steps, sentences, seconds = LaneSearches(model, bf16), 0, 0, 0.0
     while True:
         adds: Adds = []
+        removes: list[int] = []
         try:
             while not adds and not lane.searches or conn.poll():  # wait only when idle
                 message = conn.recv()
                 if message is None:
                     return
-                adds.extend(message)
+                adds.extend(message[0])
+                removes.extend(message[1])
         except (EOFError, OSError):
             return
-        result = lane.round(adds)
+        result = lane.round(adds, removes)
         steps, sentences = steps + result.steps, sentences + result.step_sentences
         seconds += result.seconds
         if result.done or result.failed or result.ended:

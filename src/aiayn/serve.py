@@ -161,6 +161,7 @@ class Job:
     hyps: list = field(default_factory=list)
     left: int = 0
     started: float = 0.0
+    lane: Any = None  # the _Lane decoding it
 
     @property
     def cost(self) -> int:
@@ -185,6 +186,7 @@ class BatchStats:
     decode_s: float = 0.0
     pass_requests: dict[int, int] = field(default_factory=dict)  # requests in a pass -> passes
     dropped: int = 0  # requests whose client hung up while they waited: never decoded
+    abandoned: int = 0  # requests whose client hung up mid-search: taken out of it
     joins: int = 0  # requests that joined a search already decoding others
     steps: int = 0  # decoding steps (one token of every sentence of one search)
     step_sentences: int = 0  # sentences decoded, summed over the steps
@@ -216,6 +218,7 @@ class _Lane:
     requests: dict[tuple[int, float], int] = field(default_factory=dict)  # in each search's run
     owners: dict[int, tuple[Job, int]] = field(default_factory=dict)  # sentence -> job, index
     load: int = 0  # source tokens x beam of its sentences
+    removes: list[int] = field(default_factory=list)  # sentences to take out (Batcher.forget)
 
 
 class Batcher:
@@ -270,6 +273,7 @@ class Batcher:
         self._stepping = 0  # lanes between taking jobs and the end of their steps
         self._exclusive = False  # a job runs alone: no lane steps
         self._ids = itertools.count()
+        self._jobs: dict[Future, Job] = {}  # the jobs not answered yet, by their futures
         if self.continuous:
             streams = max(1, translator.streams or default_streams(translator.device))
             self.lane_kind = lanes or default_lanes(translator.device, streams)
@@ -302,6 +306,28 @@ class Batcher:
         the seconds from the start of their decoding to their answer."""
         return self._submit(Job((beam, alpha), sources, nbest))
 
+    def forget(self, future: Future) -> None:
+        """The client of ``future``'s request has hung up: a request still waiting is never
+        decoded (``dropped``); one being decoded by continuous batching has its sentences
+        taken out of their searches at the next step (``abandoned``), so that it costs the
+        others nothing more. Per pass, a pass that has started runs to its end."""
+        job = self._jobs.get(future)
+        if job is None or future.cancel():
+            return
+        with self._changed:
+            lane = job.lane
+            if lane is None or future.done():
+                return
+            sentences = [s for s, (owner, _) in lane.owners.items() if owner is job]
+            freed = sum(len(job.sources.ids[lane.owners.pop(s)[1]]) * job.key[0]
+                        for s in sentences)
+            lane.load -= freed
+            self._load -= freed
+            lane.removes += sentences
+            self.stats.abandoned += 1
+            future.set_exception(ClientGone())
+            self._changed.notify_all()
+
     def run_alone(self, fn: Callable[[], Any]) -> Future:
         """A future of ``fn()``, run on a model thread with no decoding beside it."""
         return self._submit(Job(None, alone=fn))
@@ -326,6 +352,8 @@ class Batcher:
             if self._closed:
                 raise AiaynError("the server is shutting down")
             self._queue.append(job)
+            self._jobs[job.future] = job
+            job.future.add_done_callback(lambda future: self._jobs.pop(future, None))
             self._changed.notify_all()
         return job.future
 
@@ -340,15 +368,16 @@ class Batcher:
                     return
                 alone, jobs = taken
                 adds = self._lane_adds(lane, jobs)
+                removes, lane.removes = lane.removes, []
                 self._stepping += 1
             try:
                 if alone is not None:
                     _settle(alone.future, alone.alone)
                 elif lane.searches.remote:
-                    if adds:
-                        lane.searches.send(adds)
+                    if adds or removes:
+                        lane.searches.send(adds, removes)
                 else:
-                    self._lane_result(lane, lane.searches.round(adds))
+                    self._lane_result(lane, lane.searches.round(adds, removes))
             finally:
                 with self._changed:
                     self._stepping -= 1
@@ -378,8 +407,8 @@ class Batcher:
                     self._changed.wait(left)  # woken early by each new job
                     continue
             jobs = self._admit(lane)
-            if jobs or (lane.load and not lane.searches.remote):  # a process steps itself
-                return None, jobs
+            if jobs or lane.removes or (lane.load and not lane.searches.remote):  # a lane's
+                return None, jobs  # process steps on its own: its thread only sends it work
             if self._closed and not self._queue and not lane.load:
                 return None
             if not self._stepping:
@@ -426,6 +455,7 @@ class Batcher:
             sentences, sources = [], []
             for job in group:
                 job.hyps, job.left, job.started = [None] * len(job.sources.ids), 0, started
+                job.lane = lane
                 for i, ids in enumerate(job.sources.ids):
                     sentences.append(next(self._ids))
                     lane.owners[sentences[-1]] = (job, i)
@@ -656,7 +686,12 @@ class ModelService:
                              f"{MAX_BEAM}; give \"beam\" in the request")
         self.translator.check_limits(beam, nbest, alpha)
         sources = self.translator.prepare(texts)
-        hyps, seconds = await answer(self.batcher.translate(sources, beam, alpha, nbest), gone)
+        future = self.batcher.translate(sources, beam, alpha, nbest)
+        try:
+            hyps, seconds = await answer(future, gone)
+        except ClientGone:
+            self.batcher.forget(future)
+            raise
         hyps = self.translator.finish(sources, hyps, nbest)
         self.requests += 1
         warnings = ([truncation_message(sources.truncated, self.translator.max_len)]
@@ -729,7 +764,8 @@ async def answer(future: Future, gone: Callable[[], Awaitable[bool]] | None = No
                  every: float = 0.1) -> Any:
     """The result of a batcher's ``future``. ``gone()`` (the request's ``is_disconnected``)
     is asked every ``every`` seconds meanwhile: once the client has hung up, the future is
-    cancelled, so a job still waiting is never decoded (one already in a pass finishes)."""
+    cancelled (a job still waiting is never decoded) and ClientGone raised (the caller
+    tells the batcher: ``Batcher.forget``)."""
     waiting = asyncio.wrap_future(future)
     while gone is not None:
         done, _ = await asyncio.wait({waiting}, timeout=every)
