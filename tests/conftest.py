@@ -6,6 +6,14 @@ import torch
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Each test starts on one torch thread, whatever the one before left (a command run
+    in-process may choose its own count; `aiayn serve`'s lanes follow it)."""
+    torch.set_num_threads(1)
+    yield
+
+
 # The Bible corpus from the real SWORD modules (Debian's sword-text-web/-sparv/-kjv):
 # reading it takes a few seconds, so each test session reads and prepares it once.
 

@@ -70,7 +70,8 @@ def translator(run_dir) -> Translator:
 
 @pytest.fixture(scope="module")
 def service(run_dir) -> ModelService:
-    return ModelService.from_run(run_dir)
+    # Lanes as threads, whatever torch's thread count: tests patch the search in-process.
+    return ModelService.from_run(run_dir, lanes="threads")
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +263,7 @@ def test_malformed_requests_get_422_with_one_line(client, path, body, words):
 
 
 def test_an_unexpected_failure_is_a_500_without_traceback(run_dir, monkeypatch):
-    service = ModelService.from_run(run_dir)
+    service = ModelService.from_run(run_dir, lanes="threads")
     monkeypatch.setattr(JoinableSearch, "step",
                         lambda *a, **k: (_ for _ in ()).throw(RuntimeError("secret detail")))
     client = TestClient(create_app(service), raise_server_exceptions=False)
@@ -479,8 +480,10 @@ def one_lane_service(run_dir, max_tokens: int | None = None) -> ModelService:
     return ModelService(translator, config, serve_info(run_dir, "best", config, translator))
 
 
-def lane_processes() -> list:
-    return [p for p in multiprocessing.active_children() if p.name == "aiayn-lane"]
+def lane_processes(service: ModelService) -> list:
+    """The lane processes of ``service`` that are alive."""
+    return [lane.searches.process for lane in service.batcher._lanes
+            if lane.searches.remote and lane.searches.process.is_alive()]
 
 
 def process_lanes_service(run_dir) -> ModelService:
@@ -499,7 +502,7 @@ def test_lanes_in_processes_answer_each_request_as_alone(run_dir, translator):
     service = process_lanes_service(run_dir)
     client = TestClient(create_app(service, ServeLimits(max_sentences=8)))
     try:
-        assert len(lane_processes()) == 2 and service.stats()["lanes"] == 2
+        assert len(lane_processes(service)) == 2 and service.stats()["lanes"] == 2
         responses = send_while_held(service, client, MIXED)
         assert_clean_error(responses[-1], 413, "9 sentences in one request")
         for (body, search), response in zip(MIXED[:-1], responses, strict=False):
@@ -518,7 +521,7 @@ def test_lanes_in_processes_answer_each_request_as_alone(run_dir, translator):
         assert stats["joins"] > 0 and stats["requests"] == len(MIXED) - 1 + len(bodies)
     finally:
         service.close()
-    assert not lane_processes()
+    assert not lane_processes(service)
 
 
 def test_a_lane_process_that_dies_is_replaced_and_costs_only_its_requests_a_503(run_dir,
@@ -557,7 +560,7 @@ def test_a_lane_process_that_dies_is_replaced_and_costs_only_its_requests_a_503(
         assert service.stats()["requests"] == 7
     finally:
         service.close()
-    assert not lane_processes()
+    assert not lane_processes(service)
 
 
 def test_a_request_whose_client_hangs_up_mid_search_is_taken_out_of_it(run_dir, translator,
@@ -633,9 +636,10 @@ def test_a_lane_process_takes_out_the_sentences_of_a_request_whose_client_hung_u
 def test_bad_lanes_are_refused_in_one_line(run_dir, lanes, device, batching, words):
     translator = Translator.from_pretrained(run_dir, streams=2)
     translator.device = torch.device(device)  # only checked, never decoded on
+    before = {p.pid for p in multiprocessing.active_children()}
     with pytest.raises(AiaynError, match=re.escape(words)):
         Batcher(translator, batching=batching, lanes=lanes)
-    assert not lane_processes()
+    assert {p.pid for p in multiprocessing.active_children()} == before  # none started
 
 
 def held_steps(monkeypatch) -> tuple[threading.Event, threading.Event]:

@@ -79,14 +79,22 @@ class _DecoderState:
             src_pad = src_pad.repeat_interleave(copies, dim=0)
         self.memory, self.src_pad = memory, src_pad
         self.cache = model.new_cache() if use_cache else None
+        self.ids, self._never = _columns(model)
 
     def next_logits(self, tokens: Tensor) -> Tensor:
-        """(N, t) prefixes starting with BOS -> (N, V) float logits of the next token."""
+        """(N, t) prefixes starting with BOS -> (N, V') float logits of the next token over
+        the pieces the output layer can score: the vocabulary, or with a restricted layer
+        only its pieces (column j is token ``ids[j]``; see ``token_ids``). Searching those
+        alone skips spreading every row over the whole vocabulary at each step."""
         step_input = tokens[:, -1:] if self.cache is not None else tokens
         hidden = self.model.decode(step_input, self.memory, self.src_pad, self.cache)
-        logits = self.model.generator(hidden[:, -1]).float()
-        logits[:, NEVER_GENERATED] = float("-inf")
+        logits = self.model.generator.output_logits(hidden[:, -1]).float()
+        logits[:, self._never] = float("-inf")
         return logits
+
+    def token_ids(self, columns: Tensor) -> Tensor:
+        """The token ids of columns of ``next_logits``."""
+        return columns if self.ids is None else self.ids[columns]
 
     @classmethod
     def joinable(cls, model: Transformer) -> _DecoderState:
@@ -94,6 +102,7 @@ class _DecoderState:
         computed when it joins, so the memory itself is not kept."""
         state = cls.__new__(cls)
         state.model, state.memory = model, None
+        state.ids, state._never = _columns(model)
         state.src_pad = torch.zeros(0, 0, dtype=torch.bool, device=_device(model))
         state.cache = model.new_cache()
         return state
@@ -149,7 +158,8 @@ def greedy_decode(
     outputs: list[list[int]] = [[] for _ in range(B)]
     next_token = torch.full((B,), BOS_ID, dtype=torch.long, device=src.device)
     for step in range(1, rows.longest + 1 if B else 1):
-        next_token = state.next_logits(rows.decoder_input(next_token, use_cache)).argmax(dim=-1)
+        logits = state.next_logits(rows.decoder_input(next_token, use_cache))
+        next_token = state.token_ids(logits.argmax(dim=-1))
         chosen = next_token.cpu().numpy()  # the one transfer to the host of this step
         rows.grow(chosen)
         done = (chosen == EOS_ID) | rows.at_limit(step)
@@ -205,7 +215,7 @@ def beam_search(
 
     for step in range(1, rows.longest + 1 if B else 1):
         logits = state.next_logits(rows.decoder_input(token.reshape(-1), use_cache))
-        scores, token, host = _expand(logits, scores, K)
+        scores, token, host = _expand(logits, scores, K, state)
         done = _settle(rows, finished, host, step, alpha)
         keep = np.flatnonzero(~done)
         if keep.size == 0:
@@ -297,7 +307,7 @@ class JoinableSearch:
         rows, K = self.rows, self.beam
         step = rows.history.shape[1] + 1  # steps so far, counted from the oldest sentence
         logits = self.state.next_logits(self.token.reshape(-1, 1))
-        self.scores, self.token, host = _expand(logits, self.scores, K)
+        self.scores, self.token, host = _expand(logits, self.scores, K, self.state)
         done = _settle(rows, self.finished, host, step, self.alpha)
         answers = [(int(key), sorted(self.finished.pop(key), key=lambda h: -h.score)[:K])
                    for key in rows.sentence[done]]
@@ -316,6 +326,16 @@ class JoinableSearch:
             self.state.cache.trim(unused)
 
 
+def _columns(model: Transformer) -> tuple[Tensor | None, list[int]]:
+    """The token id of each column of the model's logits (None: column = id), and the
+    columns of the pieces never generated (PAD, BOS) among them."""
+    generator = model.generator
+    if not generator.restricted:
+        return None, list(NEVER_GENERATED)
+    positions = generator.positions[list(NEVER_GENERATED)].tolist()
+    return generator.output_ids, [p for p in positions if p != generator.IGNORE]
+
+
 def _device(model: Transformer) -> torch.device:
     return next(model.parameters()).device
 
@@ -332,15 +352,17 @@ class _Candidates(NamedTuple):
     token: np.ndarray
 
 
-def _expand(logits: Tensor, scores: Tensor, K: int) -> tuple[Tensor, Tensor, _Candidates]:
-    """One step of beam search on the device: (A*K, V) logits and (A, K) live scores ->
-    the survivors' (A, K) scores and tokens, and the step's choices copied to the host."""
+def _expand(logits: Tensor, scores: Tensor, K: int, state: _DecoderState
+            ) -> tuple[Tensor, Tensor, _Candidates]:
+    """One step of beam search on the device: (A*K, V') logits (``next_logits``) and (A, K)
+    live scores -> the survivors' (A, K) scores and tokens, and the step's choices copied
+    to the host."""
     A = scores.size(0)
-    log_probs = torch.log_softmax(logits, dim=-1)  # (A*K, V)
+    log_probs = torch.log_softmax(logits, dim=-1)  # (A*K, V')
     V = log_probs.size(-1)
     candidates = (scores[:, :, None] + log_probs.view(A, K, V)).view(A, K * V)
     top_scores, top_index = candidates.topk(min(2 * K, K * V), dim=1)  # (A, 2K) best first
-    top_beam, top_token = top_index // V, top_index % V
+    top_beam, top_token = top_index // V, state.token_ids(top_index % V)
     # The K best candidates that do not end in EOS stay alive (a stable sort keeps rank).
     alive = top_token.ne(EOS_ID).to(torch.int8).argsort(dim=1, descending=True, stable=True)
     alive = alive[:, :K]
