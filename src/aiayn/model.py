@@ -492,8 +492,7 @@ class KVCache:
                     mine["cross"][name] = new
                     continue
                 width = max(old.size(2), new.size(2))
-                mine["cross"][name] = torch.cat([F.pad(old, (0, 0, 0, width - old.size(2))),
-                                                 F.pad(new, (0, 0, 0, width - new.size(2)))])
+                mine["cross"][name] = torch.cat([_pad_keys(old, width), _pad_keys(new, width)])
             if self.length:
                 for name, old in mine["self"].items():
                     pad = old.new_zeros(n, *old.shape[1:])
@@ -509,6 +508,12 @@ class KVCache:
                 layer["self"][name] = tensor[:, :, columns:]
         self.length -= columns
         self.start = self.start - columns
+
+
+def _pad_keys(kv: Tensor, width: int) -> Tensor:
+    """(B, H, S, d_k) zero-padded to ``width`` keys; itself when it has them (F.pad would
+    copy it all the same, and a join copies every row's keys once already)."""
+    return kv if kv.size(2) == width else F.pad(kv, (0, 0, 0, width - kv.size(2)))
 
 
 class Transformer(nn.Module):
