@@ -28,9 +28,11 @@ Rules a client can rely on:
   server first waits --max-wait-ms for more), and is answered as soon as its last sentence
   is done; each answer is the one the request would get alone (``JoinableSearch``). With
   --engine ctranslate2 it is per pass. Attention capture (which sets flags on the model's
-  attention modules) runs while no search steps. A step's maps come from a model of its own
-  (loaded when first asked for, the last few kept: ``CheckpointModels``): the served
-  weights never change. /health and /info never wait for the model.
+  attention modules) runs while no search steps on this process's model (on a CPU of two
+  or more cores the searches run in lane processes, on copies of their own:
+  ``aiayn.lanes``). A step's maps come from a model of its own (loaded when first asked
+  for, the last few kept: ``CheckpointModels``): the served weights never change.
+  /health and /info never wait for the model.
 - Requests over the limits (``ServeLimits``: body bytes, sentences, characters) get 413
   with a message; malformed JSON or values out of range get 422; a problem with the input
   that the library finds (``AiaynError``) gets 422 with its one line; anything else a 500
@@ -226,12 +228,16 @@ class Batcher:
 
     With aiayn's own model, batching is continuous (per step). ``streams`` lanes
     (``Translator.streams``: one per core on a CPU, as `aiayn translate` decodes; one on a
-    GPU) each run a thread with one intra-op thread (``aiayn.threads``), holding one
-    ``JoinableSearch`` per search settings (beam, alpha) that has sentences, stepped in
-    turn. Before each round of steps a lane takes the waiting jobs, oldest first, while
-    they fit: every lane's sentences together stay within ``budget`` source tokens x beam
-    (a job comes whole; the first when nothing decodes always goes, however large), and a
-    lane takes a job only while no other lane holds fewer (so the cores share the work).
+    GPU) each hold one ``JoinableSearch`` per search settings (beam, alpha) that has
+    sentences, stepped in turn on one intra-op thread (``aiayn.lanes``): in the lane's
+    thread here (``lanes="threads"``), or in a process of the lane's own that steps on its
+    own while its thread here sends it jobs and a receiver answers them (``"processes"``,
+    the default on a CPU of two or more cores: threads would take turns on Python's lock).
+    Before each round of steps (a process: whenever jobs wait) a lane takes the waiting
+    jobs, oldest first, while they fit: every lane's sentences together stay within
+    ``budget`` source tokens x beam (a job comes whole; the first when nothing decodes
+    always goes, however large), and a lane takes a job only while no other lane holds
+    fewer (so the cores share the work).
     A job's sentences join the lane's search of its settings at its next step (or start
     one), each sentence leaves it when it is done, and the job is answered when its last
     sentence is, with each sentence's lists (``Translator.finish`` cuts them to its
@@ -241,7 +247,8 @@ class Batcher:
     lane starts one there, decoded in turn with the others. When nothing decodes, the
     first job waits until it has waited ``max_wait`` seconds (or the budget is full):
     requests sent together (a page's burst, many clients at once) then start together.
-    While something decodes, a new job joins at the next step.
+    While something decodes, a new job joins at the next step. A job whose client has gone
+    (``forget``) has its sentences taken out at the lane's next step.
 
     With ``--engine ctranslate2`` (``Translator.engine``) batching stays per pass, on one
     thread: CTranslate2's translate_batch decodes a batch to its end and cannot take
@@ -252,7 +259,8 @@ class Batcher:
     same wait; jobs with other settings wait for a later pass.
 
     A function run ``alone`` (attention capture sets flags on the model's modules) waits its
-    turn in the queue, then runs while no lane steps.
+    turn in the queue, then runs while no lane steps this process's model (lane processes
+    have models of their own and go on).
     """
 
     def __init__(self, translator: Translator, max_wait_ms: float = MAX_WAIT_MS,
