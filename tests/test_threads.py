@@ -104,7 +104,7 @@ def test_streams_decode_without_autograd_and_leave_the_caller_alone(random_trans
     """Grad mode is per thread: each stream must switch it off itself (a graph per step
     would cost memory and time), and the caller's own mode and thread count stay."""
     seen: list[tuple[bool, int]] = []
-    hook = random_translator.model.generator.register_forward_hook(
+    hook = random_translator.model.decoder.register_forward_hook(
         lambda *_: seen.append((torch.is_grad_enabled(), torch.get_num_threads())))
     torch.set_num_threads(2)
     random_translator.streams = 2
