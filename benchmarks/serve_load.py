@@ -12,7 +12,8 @@ concurrent clients (each sends its next request when its last is answered), for 
 none lost, none wrong. The reference, timed in the same run on the same machine: those
 sentences decoded offline as one batch (``Translator.translate``), the best a server could
 approach, timed before the server starts and again after its last K (the mean is the one
-compared: a shared machine's speed drifts within minutes). After each K the server's GET
+compared: a shared machine's speed drifts within minutes); ``--repeats N`` runs every K
+N times, the reference after each repeat, and reports medians. After each K the server's GET
 /stats says what it decoded together (sentences per decoding step and requests that joined
 a running search; per pass for the CTranslate2 engine) and how long requests waited.
 
@@ -34,6 +35,7 @@ import json
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -248,8 +250,9 @@ ABOUT = (
     "per decoding step and the requests that joined a search under way, or, for rows of "
     "`--batching pass`, the requests per pass (and the largest). The reference, timed in "
     "the same run: the same sentences decoded offline as one batch by the `Translator`, the "
-    "rate a server could approach, timed before and after the server's runs (the mean is "
-    "compared): read the ratio. The soak row: steady load for minutes, "
+    "rate a server could approach, timed before and after each repeat of the server's runs "
+    "(each repeat compares with the mean of its two; rows give the medians over the "
+    "repeats): read the ratio. The soak row: steady load for minutes, "
     "with one more client that hangs up before each answer; the server's memory at the "
     "start and end. The model is the quiet `make demo` run of "
     "[Training to BLEU](#training-to-bleu) (4.7M parameters).")
@@ -283,6 +286,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir")
     parser.add_argument("--requests", type=int, default=120, help="requests per client count")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run every client count this many times; medians are reported")
     parser.add_argument("--clients", default="1,8,32", help="concurrent clients, comma-separated")
     parser.add_argument("--beam", type=int, default=4)
     parser.add_argument("--alpha", type=float, default=0.6)
@@ -306,6 +311,8 @@ def main() -> None:
         clients = [int(c) for c in args.clients.split(",")]
     except ValueError:
         raise SystemExit(f"--clients: comma-separated numbers, got {args.clients!r}") from None
+    if not 1 <= args.repeats <= 10:
+        raise SystemExit("--repeats must be in 1..10")
     if not 1 <= args.requests <= 10_000 or not all(1 <= c <= 64 for c in clients):
         raise SystemExit("--requests must be in 1..10000 and --clients in 1..64 (a bounded test)")
     if not 0 <= args.soak <= 3600 or not 1 <= args.soak_clients <= 64:
@@ -351,32 +358,44 @@ def main() -> None:
                          "correct": f"{result['correct']}/{result['requests']}",
                          "memory": f"{rss[0]:.0f} → {rss[-1]:.0f} MB"})
         else:
+            # Each repeat runs every client count in turn, then times the reference again
+            # with the server idle; a repeat compares with the mean of the references
+            # before and after it (a shared machine's speed drifts within minutes), and a
+            # row gives the medians over the repeats.
+            runs: dict[int, list[dict]] = {k: [] for k in clients}
+            references = [offline]
+            for _ in range(args.repeats):
+                for k in clients:
+                    before = http_json(f"{url}/stats")
+                    answers, latencies, wall = load(url, sentences, k, args.beam, args.alpha)
+                    passes = pass_summary(before, http_json(f"{url}/stats"))
+                    correct = sum(a == e for a, e in zip(answers, expected))
+                    failed |= correct < len(sentences)
+                    runs[k].append({"latencies": latencies, "rps": len(sentences) / wall,
+                                    "correct": correct, **passes})
+                references.append(offline_rate(translator, sentences, args))
+            reference_of = [(a + b) / 2 for a, b in zip(references, references[1:])]
+            how = "".join(f", {name} {value}" for name, value in
+                          [("batching", args.batching), ("lanes", args.lanes)] if value)
+            of = f", median of {args.repeats}" if args.repeats > 1 else ""
             for k in clients:
-                before = http_json(f"{url}/stats")
-                answers, latencies, wall = load(url, sentences, k, args.beam, args.alpha)
-                passes = pass_summary(before, http_json(f"{url}/stats"))
-                correct = sum(a == e for a, e in zip(answers, expected))
-                failed |= correct < len(sentences)
-                how = "".join(f", {name} {value}" for name, value in
-                              [("batching", args.batching), ("lanes", args.lanes)] if value)
-                rows.append({"who": f"the server, {k} concurrent client{'s' * (k > 1)}{how}",
-                             "p50": round(1000 * percentile(latencies, 50)),
-                             "p95": round(1000 * percentile(latencies, 95)),
-                             "p99": round(1000 * percentile(latencies, 99)),
-                             "rps": round(len(sentences) / wall, 1),
-                             "correct": f"{correct}/{len(sentences)}",
-                             "batches": passes["together"],
-                             "wait": round(passes["mean_wait_ms"])})
-            # The reference again, the server idle: the mean of both is the one compared
-            # (a shared machine's speed drifts within minutes).
-            after = offline_rate(translator, sentences, args)
-            reference = (offline + after) / 2
-            for row in rows:
-                row["ratio"] = f"{row['rps'] / reference:.2f}"
+                done = runs[k]
+                ratio = statistics.median(r["rps"] / ref for r, ref in zip(done, reference_of))
+                rows.append({"who": f"the server, {k} concurrent client{'s' * (k > 1)}{how}{of}",
+                             **{f"p{q}": round(1000 * statistics.median(
+                                 percentile(r["latencies"], q) for r in done))
+                                for q in (50, 95, 99)},
+                             "rps": round(statistics.median(r["rps"] for r in done), 1),
+                             "ratio": f"{ratio:.2f}",
+                             "correct": f"{sum(r['correct'] for r in done)}/"
+                                        f"{len(sentences) * len(done)}",
+                             "batches": done[len(done) // 2]["together"],
+                             "wait": round(statistics.median(r["mean_wait_ms"] for r in done))})
+            timed = ", ".join(f"{r:.1f}" for r in references)
             rows.append({"who": f"reference: the same sentences as one batch, in-process "
-                                f"(`Translator.translate`; {offline:.1f} before the server's "
-                                f"runs, {after:.1f} after)",
-                         "rps": round(reference, 1), "ratio": "1.00"})
+                                f"(`Translator.translate`; timed before and after each repeat: "
+                                f"{timed})",
+                         "rps": round(statistics.median(reference_of), 1), "ratio": "1.00"})
             print("| | p50 ms | p95 ms | p99 ms | requests/s | / offline | correct | "
                   "decoded together | mean wait ms |")
             print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
