@@ -121,22 +121,31 @@ def test_a_request_without_a_search_gets_the_runs_own(run_dir, tmp_path):
     save_config(dataclasses.replace(config, decode=DecodeConfig(beam=3, alpha=1.5)),
                 run / "config.yaml")
     ours = Translator.from_pretrained(run)
-    client = TestClient(create_app(ModelService.from_run(run)))
-    assert client.get("/info").json()["decode"] == {"beam": 3, "alpha": 1.5}
-    answer = client.post("/translate", json={"text": SENTENCES, "nbest": 3}).json()
-    assert (answer["beam"], answer["alpha"]) == (3, 1.5)
-    want = ours.translate_nbest(SENTENCES, 3, 1.5, nbest=3)
-    assert [[(h["text"], h["score"]) for h in hyps] for hyps in answer["nbest"]] == \
-        [[(text, score) for text, score in hyps] for hyps in want]
-    told = client.post("/translate", json={"text": SENTENCES, "nbest": 3, "alpha": 0.6}).json()
-    assert (told["beam"], told["alpha"]) == (3, 0.6) and told["nbest"] != answer["nbest"]
+    service = ModelService.from_run(run)
+    client = TestClient(create_app(service))
+    try:
+        assert client.get("/info").json()["decode"] == {"beam": 3, "alpha": 1.5}
+        answer = client.post("/translate", json={"text": SENTENCES, "nbest": 3}).json()
+        assert (answer["beam"], answer["alpha"]) == (3, 1.5)
+        want = ours.translate_nbest(SENTENCES, 3, 1.5, nbest=3)
+        assert [[(h["text"], h["score"]) for h in hyps] for hyps in answer["nbest"]] == \
+            [[(text, score) for text, score in hyps] for hyps in want]
+        told = client.post("/translate",
+                           json={"text": SENTENCES, "nbest": 3, "alpha": 0.6}).json()
+        assert (told["beam"], told["alpha"]) == (3, 0.6) and told["nbest"] != answer["nbest"]
+    finally:
+        service.close()
     # A run's beam over the server's limit: a request that names none is refused in one line
     save_config(dataclasses.replace(config, decode=DecodeConfig(beam=MAX_BEAM + 1)),
                 run / "config.yaml")
-    client = TestClient(create_app(ModelService.from_run(run)))
-    assert_clean_error(client.post("/translate", json={"text": ["red"]}), 422,
-                       f"decode.beam {MAX_BEAM + 1} is over this server's limit")
-    assert client.post("/translate", json={"text": ["red"], "beam": 2}).json()["beam"] == 2
+    service = ModelService.from_run(run)
+    client = TestClient(create_app(service))
+    try:
+        assert_clean_error(client.post("/translate", json={"text": ["red"]}), 422,
+                           f"decode.beam {MAX_BEAM + 1} is over this server's limit")
+        assert client.post("/translate", json={"text": ["red"], "beam": 2}).json()["beam"] == 2
+    finally:
+        service.close()
 
 
 # ---------------------------------------------------------------- /attention
@@ -309,6 +318,7 @@ def test_info_names_the_best_weights_as_aiayn_info_does(run_dir, tmp_path):
     save_train_state({"version": STATE_VERSION, "step": 200, "epoch": 3, "tokens": 9000,
                       "elapsed_s": 60.0, "world_size": 1}, run / "train_state.pt")
     service = ModelService.from_run(run)
+    service.close()  # only what it read is looked at
     info = service.info
     assert info["best"] == aiayn.run_info(run)["best"]
     assert (info["best"]["metric"], info["best"]["step"], info["best"]["bleu"]) == ("chrf", 200, 6.0)
@@ -328,7 +338,9 @@ def test_info_of_a_run_whose_metrics_are_being_written(run_dir, tmp_path):
     (run / "metrics.jsonl").write_text('{"kind": "dev", "step": 100, "bleu": 7.5}\n'
                                        '{"kind": "dev", "step": 200, "bl')  # half a line
     with pytest.warns(UserWarning, match="line 2: left out, cut short"):
-        info = ModelService.from_run(run).info
+        service = ModelService.from_run(run)
+    service.close()
+    info = service.info
     assert info["last_dev"]["step"] == 100 and info["best"] == {
         "metric": "bleu", "step": None, "dev_loss": None, "bleu": None, "chrf": None,
         "n_sentences": None}  # best.safetensors without a step: not guessed from the log
