@@ -819,6 +819,10 @@ def test_a_client_that_hangs_up_while_waiting_is_never_decoded(run_dir, translat
     (["--engine", "ctranslate2", "--batching", "continuous"],
      "--batching continuous needs aiayn's own model: the ctranslate2 engine decodes a batch "
      "to its end (use --batching pass)"),
+    (["--lanes", "threads", "--batching", "pass"],
+     "--lanes is for continuous batching; per pass, one thread decodes"),
+    (["--engine", "ctranslate2", "--lanes", "processes"],  # per pass: the engine's only way
+     "--lanes is for continuous batching; per pass, one thread decodes"),
 ])
 def test_batching_settings_out_of_range_are_one_line(run_dir, capsys, args, words):
     from aiayn import cli

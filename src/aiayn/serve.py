@@ -267,7 +267,7 @@ class Batcher:
                  batching: str = "continuous", lanes: str | None = None):
         check_max_wait(max_wait_ms)
         check_batching(batching, "aiayn" if translator.engine is None else "ctranslate2")
-        check_lanes(lanes, translator.device)
+        check_lanes(lanes, translator.device, batching)
         self.translator = translator
         self.budget = translator.max_tokens
         self.max_wait = max_wait_ms / 1000
@@ -296,9 +296,6 @@ class Batcher:
                     lane.searches = LaneSearches(translator.model, translator.bf16)
             targets = [lambda lane=lane: self._run_lane(lane) for lane in self._lanes]
         else:
-            if lanes is not None:
-                raise AiaynError("--lanes is for continuous batching; per pass, one thread "
-                                 "decodes")
             self._lanes, targets, self.lane_kind = [], [self._run], None
         self._workers = [threading.Thread(target=target, name=f"aiayn-batcher-{i}", daemon=True)
                          for i, target in enumerate(targets)]
@@ -415,8 +412,9 @@ class Batcher:
                     self._changed.wait(left)  # woken early by each new job
                     continue
             jobs = self._admit(lane)
-            if jobs or lane.removes or (lane.load and not lane.searches.remote):  # a lane's
-                return None, jobs  # process steps on its own: its thread only sends it work
+            # A lane's process steps on its own: its thread here only sends it work.
+            if jobs or lane.removes or (lane.load and not lane.searches.remote):
+                return None, jobs
             if self._closed and not self._queue and not lane.load:
                 return None
             if not self._stepping:
@@ -607,10 +605,12 @@ def check_batching(batching: str, engine: str) -> None:
 LANES = ("processes", "threads")
 
 
-def check_lanes(lanes: str | None, device: torch.device) -> None:
+def check_lanes(lanes: str | None, device: torch.device, batching: str) -> None:
     """--lanes: where the lanes of continuous batching decode (None: ``default_lanes``)."""
     if lanes is not None and lanes not in LANES:
         raise AiaynError(f"--lanes must be one of {', '.join(LANES)}, got {lanes!r}")
+    if lanes is not None and batching != "continuous":
+        raise AiaynError("--lanes is for continuous batching; per pass, one thread decodes")
     if lanes == "processes" and torch.device(device).type != "cpu":
         raise AiaynError(f"--lanes processes is for a CPU; on {torch.device(device).type} the "
                          "one lane is a thread (--lanes threads)")
@@ -971,7 +971,8 @@ def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
     check_max_wait(max_wait_ms)  # before loading, as the port below
     if batching is not None:
         check_batching(batching, engine)
-    check_lanes(lanes, torch.device(device))
+    check_lanes(lanes, torch.device(device),
+                batching or ("continuous" if engine == "aiayn" else "pass"))
     sock = listening_socket(host, port)  # before loading: a busy port is one line, at once
     service = ModelService.from_run(run_dir, weights, device, engine, max_tokens, max_wait_ms,
                                     batching, lanes)
