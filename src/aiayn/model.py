@@ -348,8 +348,10 @@ class Generator(nn.Module):
     With ``restricted`` (ModelConfig.output_vocab: "targets") it scores only the pieces of
     ``output_mask`` (set by ``set_outputs`` from the training targets, saved with the
     weights); every other piece gets logit -inf, probability 0. ``forward`` returns logits
-    over the whole vocabulary, as decoding reads them; the loss takes the cheaper
-    ``output_logits`` (only the allowed pieces) with ``output_positions`` of the labels.
+    over the whole vocabulary (the model's output, as exports and `aiayn trace` see it);
+    the loss and the searches of ``aiayn.decode`` take the cheaper ``output_logits`` (only
+    the allowed pieces, column j being piece ``output_ids[j]``), the loss with
+    ``output_positions`` of the labels.
 
     ``kernel``: the product x W^T + b, ``F.linear`` or the oneDNN one that
     ``aiayn.kernels.choose_output_kernel`` found faster on this machine (same values up to
