@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/serve_load.py RUN_DIR --clients 8 --requests 16 --beam 1
     .venv/bin/python benchmarks/serve_load.py RUN_DIR --soak 300        # 5 minutes of load
     .venv/bin/python benchmarks/serve_load.py RUN_DIR --save xeon207-quiet --load "quiet"
+    python benchmarks/serve_load.py RUN_DIR --device cuda            # the server on a GPU
 
 Starts `aiayn serve RUN_DIR` on a free port of 127.0.0.1 (nothing else is ever contacted)
 and sends N sentences of the run's test split, each as its own POST /translate, from K
@@ -74,7 +75,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     command = [sys.executable, "-m", "aiayn", "serve", args.run_dir, "--port", str(port),
-               "--weights", args.weights, "--device", "cpu", "--engine", args.engine,
+               "--weights", args.weights, "--device", args.device, "--engine", args.engine,
                "--max-tokens", str(args.max_tokens), "--max-wait-ms", str(args.max_wait_ms)]
     if args.batching:
         command += ["--batching", args.batching]
@@ -232,6 +233,14 @@ def offline_rate(translator: Translator, sentences: list[str], args) -> float:
     return len(sentences) / (time.perf_counter() - start)
 
 
+def device_name(device: str) -> str:
+    """The CPU's model, and on a GPU the GPU's name beside it (the server's Python runs on
+    the CPU either way)."""
+    if torch.device(device).type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (CPU: {cpu_model()})"
+    return cpu_model()
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
@@ -275,7 +284,7 @@ def save(key: str, rows: list[dict], args) -> None:
         [{**row, "conditions": key} for row in rows]
     table["conditions"][key] = {
         "command": "python benchmarks/serve_load.py " + " ".join(sys.argv[1:]),
-        "commit": git_commit(), "cpu": cpu_model(), "torch": torch.__version__,
+        "commit": git_commit(), "cpu": device_name(args.device), "torch": torch.__version__,
         "date": datetime.date.today().isoformat(),
         "load": f"{args.load}, {args.threads} torch threads"}
     RESULTS.write_text(json.dumps(table, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -293,6 +302,7 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, default=0.6)
     parser.add_argument("--weights", default="best")
     parser.add_argument("--engine", default="aiayn", choices=["aiayn", "ctranslate2"])
+    parser.add_argument("--device", default="cpu", help="the server's and the reference's")
     parser.add_argument("--max-tokens", type=int, default=8192, help="the server's")
     parser.add_argument("--max-wait-ms", type=float, default=5.0, help="the server's")
     parser.add_argument("--batching", choices=["continuous", "pass"],
@@ -323,7 +333,7 @@ def main() -> None:
     sentences = [pairs[i % len(pairs)]["src"] for i in range(args.requests)]
 
     torch.set_num_threads(args.threads)
-    translator = Translator.from_pretrained(args.run_dir, args.weights, device="cpu",
+    translator = Translator.from_pretrained(args.run_dir, args.weights, device=args.device,
                                             engine=args.engine, max_tokens=args.max_tokens)
     translator.translate(sentences[:8], args.beam, args.alpha)  # warm-up
     expected = translator.translate(sentences, args.beam, args.alpha)
@@ -331,7 +341,8 @@ def main() -> None:
 
     print(f"aiayn serve load test: {args.run_dir} ({args.weights}, {args.engine}), beam "
           f"{args.beam}, alpha {args.alpha}, {args.threads} torch thread(s), server "
-          f"--max-tokens {args.max_tokens} --max-wait-ms {args.max_wait_ms:g}; CPU: {cpu_model()}")
+          f"--max-tokens {args.max_tokens} --max-wait-ms {args.max_wait_ms:g}; "
+          f"{device_name(args.device)}")
     process, url = start_server(args)
     rows, failed = [], False
     try:
