@@ -275,18 +275,24 @@ def test_joining_sentences_stop_at_their_own_length_limit(beam):
 
 def test_a_search_that_sentences_keep_joining_stays_as_long_as_its_oldest():
     """The cache drops the columns from before every live sentence joined: it never grows
-    past the longest output however long the search runs."""
+    past the longest output however long the search runs; and its cross-attention spans
+    the longest source still live, not the longest it ever held."""
     model = tiny_model(seed=4, eos_bias=1.0, max_len=16)
-    lengths = [4, 6, 3, 5] * 10
+    lengths = [4, 6, 3, 5, 9] * 8
     src = random_sources(lengths, vocab=24, seed=9)
     search = JoinableSearch(model, 2, 0.6, max_len_b=4)
-    steps, longest = 0, 0
+    steps, longest, live, narrower = 0, 0, set(), 0
     for i, n in enumerate(lengths):  # one sentence joins every step
         search.add([i], src[i : i + 1, :n])
-        search.step()
+        live.add(i)
+        live -= {key for key, _ in search.step()}
         steps += 1
         longest = max(longest, search.state.cache.length, search.rows.history.shape[1])
-    assert steps == 40 and longest <= max(lengths) + 4
+        width = max(lengths[key] for key in live) if live else 0
+        cross = search.state.cache.layers[0]["cross"]["k"]
+        assert search.state.src_pad.size(1) == width and cross.size(2) == width, i
+        narrower += width < max(lengths)
+    assert steps == 40 and longest <= max(lengths) + 4 and narrower > 10
 
 
 @pytest.mark.parametrize("beam", [1, 4])

@@ -7,13 +7,15 @@ from dataclasses import replace
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from aiayn.config import Config, ModelConfig, load_config
 from aiayn.errors import AiaynError
 from aiayn.model import (
+    KVCache,
     MultiHeadAttention,
     Transformer,
+    append_positions,
     capture_attention,
     causal_mask,
     padding_mask,
@@ -241,6 +243,74 @@ def test_cache_reorder_follows_beams():
         stepped = model.generator(model.decode(next_tokens, memory, src_pad, cache))[:, -1]
         full = model(src, torch.cat([prefixes[order], next_tokens], dim=1))[:, -1]
     torch.testing.assert_close(stepped, full, atol=1e-5, rtol=1e-5)
+
+
+def test_cache_buffers_hold_exactly_what_concatenation_and_index_select_would():
+    """Random beam reorders, sentences leaving, sentences joining (longer and shorter
+    sources), trims and steps: every layer's cached K/V equal a plain reference built with
+    cat / index_select / zero padding; a join that fits writes only the joining rows; and a
+    tensor handed out earlier is never changed afterwards (the spare rows and column that
+    later steps write into are outside every view)."""
+    rng = torch.Generator().manual_seed(12)
+    H, d = 2, 3
+    cache = KVCache(1)
+    ref = {"self": None, "cross": None}
+    handed_out = []
+    width = 5
+    cross = torch.randn(4, H, width, d, generator=rng)
+    cache.join(_cross_only(cross))
+    ref["cross"] = cross
+    for step in range(40):
+        B = ref["cross"].size(0)
+        new = torch.randn(B, H, 1, d, generator=rng)
+        k, _ = append_positions(cache.layers[0]["self"], new, new)
+        cache.length += 1
+        ref["self"] = new if ref["self"] is None else torch.cat([ref["self"], new], dim=2)
+        torch.testing.assert_close(k, ref["self"], rtol=0, atol=0)
+        handed_out.append((k, k.clone()))
+        action = step % 4
+        if action == 0:  # beams change parents
+            index = torch.randint(0, B, (B,), generator=rng)
+        elif action == 1 and B > 2:  # a sentence leaves
+            index = torch.tensor([i for i in range(B) if i != step % B])
+        else:
+            index = None
+        if index is not None:
+            cache.reorder(index, kinds=("self", "cross") if action == 1 else ("self",))
+            ref["self"] = ref["self"].index_select(0, index)
+            if action == 1:
+                ref["cross"] = ref["cross"].index_select(0, index)
+        if action in (2, 3):  # sentences join, their sources shorter or longer
+            n, S = 1 + step % 3, width + (step % 5) - 2
+            joining = torch.randn(n, H, S, d, generator=rng)
+            before = cache.layers[0]["cross"]["k"].data_ptr()
+            cache.join(_cross_only(joining))
+            w = max(ref["cross"].size(2), S)
+            pad = lambda x, w=w: torch.nn.functional.pad(x, (0, 0, 0, w - x.size(2)))  # noqa: E731
+            fits = S <= ref["cross"].size(2) and cache_buffer_rows(cache) >= B + n
+            ref["cross"] = torch.cat([pad(ref["cross"]), pad(joining)])
+            ref["self"] = torch.cat([ref["self"], ref["self"].new_zeros(n, H, cache.length, d)])
+            if fits:
+                assert cache.layers[0]["cross"]["k"].data_ptr() == before
+        if step % 7 == 6:
+            unused = int(cache.start.min()) if cache.start is not None else 0
+            cache.trim(unused)
+            ref["self"] = ref["self"][:, :, unused:]
+        for kind in ("self", "cross"):
+            torch.testing.assert_close(cache.layers[0][kind]["k"], ref[kind], rtol=0, atol=0)
+    for tensor, copy in handed_out:
+        assert torch.equal(tensor, copy)
+
+
+def _cross_only(kv: Tensor) -> KVCache:
+    joining = KVCache(1)
+    joining.layers[0]["cross"].update(k=kv, v=kv)
+    return joining
+
+
+def cache_buffer_rows(cache: KVCache) -> int:
+    buffers = cache.layers[0]["cross"].get("buffers")
+    return 0 if buffers is None else buffers[0].size(0)
 
 
 # ----------------------------------------------------------------- formulas and plumbing

@@ -134,8 +134,22 @@ class _DecoderState:
             if self.memory is not None:
                 self.memory = self.memory.index_select(0, rows)
             self.src_pad = self.src_pad.index_select(0, rows)
+            self._narrow()
         elif self.cache is not None:
             self.cache.reorder(rows, kinds=("self",))
+
+    def _narrow(self) -> None:
+        """Drop the source positions that are padding in every row left (sources are
+        padded on the right). Sentences leave and join a running search (``JoinableSearch``)
+        at will: without this, its cross-attention would span the longest source it has
+        ever held, where a batch of ``beam_search`` spans the longest of its own."""
+        width = int((~self.src_pad).sum(1).max()) if self.src_pad.size(0) else 0
+        if width < self.src_pad.size(1):
+            self.src_pad = self.src_pad[:, :width]
+            if self.memory is not None:
+                self.memory = self.memory[:, :width]
+            if self.cache is not None:
+                self.cache.narrow_memory(width)
 
 
 @torch.no_grad()

@@ -159,11 +159,8 @@ class MultiHeadAttention(nn.Module):
         else:
             q, k, v = (self._heads(t) for t in self.qkv_proj(x).chunk(3, dim=-1))
             q, k = self.q_norm(q), self.k_norm(k)  # per position: the cache keeps normed K
-            if cache is not None:
-                if "k" in cache:  # K/V of earlier positions, grown one step at a time
-                    k = torch.cat([cache["k"], k], dim=2)
-                    v = torch.cat([cache["v"], v], dim=2)
-                cache["k"], cache["v"] = k, v
+            if cache is not None:  # K/V of earlier positions, grown one step at a time
+                k, v = append_positions(cache, k, v)
 
         p = self.dropout if self.training else 0.0
         # Training under bf16 autocast on a CPU, SDPA's fused kernel (its backward above all)
@@ -442,6 +439,14 @@ class KVCache:
     ``start`` (None unless rows joined, see ``join``): (B,) the column where each row's
     target begins. The columns before it are padding that its self-attention never sees,
     and its positions in the sinusoid table count from it.
+
+    Each step of a beam search copies the self-attention K/V (the beams change parents),
+    and a search that sentences join and leave copies the cross-attention K/V too. Those
+    copies go into buffers with spare rows and, for self-attention, a spare column (the
+    dicts' ``"buffers"``; ``"k"``, ``"v"`` are views of them): the next position is then
+    written into its column, not concatenated (a second copy of everything per step), and
+    joining sentences into spare rows (a join copies only its own rows).
+    docs/translating.md#how-decoding-works has the figures.
     """
 
     def __init__(self, n_layers: int):
@@ -466,8 +471,8 @@ class KVCache:
         chosen beams; a reorder within sentences leaves the cross-attention K/V as they are)."""
         for layer in self.layers:
             for kind in kinds:
-                for name, tensor in layer[kind].items():
-                    layer[kind][name] = tensor.index_select(0, index)
+                if "k" in layer[kind]:
+                    _select_rows(layer[kind], index, room=int(kind == "self"))
         if self.start is not None:
             self.start = self.start.index_select(0, index)
 
@@ -488,17 +493,22 @@ class KVCache:
         self.start = torch.cat([self.start, torch.full((n,), self.length, dtype=torch.long,
                                                        device=device)])
         for mine, theirs in zip(self.layers, other.layers, strict=True):
-            for name, new in theirs["cross"].items():
-                old = mine["cross"].get(name)
-                if old is None:
-                    mine["cross"][name] = new
-                    continue
-                width = max(old.size(2), new.size(2))
-                mine["cross"][name] = torch.cat([_pad_keys(old, width), _pad_keys(new, width)])
+            if "k" in mine["cross"]:
+                _join_rows(mine["cross"], theirs["cross"]["k"], theirs["cross"]["v"])
+            else:
+                mine["cross"].update(k=theirs["cross"]["k"], v=theirs["cross"]["v"])
             if self.length:
-                for name, old in mine["self"].items():
-                    pad = old.new_zeros(n, *old.shape[1:])
-                    mine["self"][name] = torch.cat([old, pad])
+                zeros = joining.new_zeros(n, *mine["self"]["k"].shape[1:])
+                _join_rows(mine["self"], zeros, zeros, room=1)
+
+    def narrow_memory(self, width: int) -> None:
+        """Keep the first ``width`` source positions of the cross-attention K/V (the others
+        are padding in every row)."""
+        for layer in self.layers:
+            cross = layer["cross"]
+            for name in ("k", "v"):
+                if name in cross:
+                    cross[name] = cross[name][:, :, :width]
 
     def trim(self, columns: int) -> None:
         """Drop the first ``columns`` positions, padding of every row (all rows started
@@ -506,16 +516,73 @@ class KVCache:
         if columns <= 0:
             return
         for layer in self.layers:
-            for name, tensor in layer["self"].items():
-                layer["self"][name] = tensor[:, :, columns:]
+            cache = layer["self"]
+            for name in ("k", "v"):
+                cache[name] = cache[name][:, :, columns:]
+            if "buffers" in cache:
+                cache["buffers"] = tuple(b[:, :, columns:] for b in cache["buffers"])
         self.length -= columns
         self.start = self.start - columns
 
 
-def _pad_keys(kv: Tensor, width: int) -> Tensor:
-    """(B, H, S, d_k) zero-padded to ``width`` keys; itself when it has them (F.pad would
-    copy it all the same, and a join copies every row's keys once already)."""
-    return kv if kv.size(2) == width else F.pad(kv, (0, 0, 0, width - kv.size(2)))
+def append_positions(cache: dict, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """A decoder layer's self-attention cache with the new positions' K/V (B, H, T, d_k)
+    appended: the K/V of every position so far. Written into the buffers' spare column
+    when they have one for exactly these (``_select_rows``), else concatenated."""
+    if "k" not in cache:
+        cache["k"], cache["v"] = k, v
+        return k, v
+    (B, _, t, _), T = cache["k"].shape, k.size(2)
+    buffers = cache.pop("buffers", None)
+    if buffers is not None and buffers[0].size(2) == t + T and k.size(0) == B:
+        for name, buffer, new in (("k", buffers[0], k), ("v", buffers[1], v)):
+            buffer[:B, :, t:] = new
+            cache[name] = buffer[:B]
+        cache["buffers"] = buffers
+    else:
+        cache["k"] = torch.cat([cache["k"], k], dim=2)
+        cache["v"] = torch.cat([cache["v"], v], dim=2)
+    return cache["k"], cache["v"]
+
+
+def _spare_rows(rows: int) -> int:
+    """Rows to allocate for ``rows`` cached ones: half as many again, at least 8, for the
+    sentences that join a search (untouched memory costs nothing on most systems)."""
+    return rows + max(8, rows // 2)
+
+
+def _select_rows(cache: dict, index: Tensor, room: int) -> None:
+    """Keep rows ``index`` of a layer's cached K/V, copied into new buffers with spare rows
+    and ``room`` spare columns."""
+    B = index.numel()
+    buffers = []
+    for name in ("k", "v"):
+        old = cache[name]
+        _, H, t, d = old.shape
+        buffer = old.new_empty(_spare_rows(B), H, t + room, d)
+        cache[name] = torch.index_select(old, 0, index, out=buffer[:B, :, :t])
+        buffers.append(buffer)
+    cache["buffers"] = tuple(buffers)
+
+
+def _join_rows(cache: dict, k: Tensor, v: Tensor, room: int = 0) -> None:
+    """Append rows ``k``, ``v`` (n, H, S, d_k) to a layer's cached K/V, the narrower of the
+    two zero-padded on the right: in the buffers' spare rows when they fit, else in new
+    buffers (with spare rows and ``room`` spare columns)."""
+    (B, H, width, d), n = cache["k"].shape, k.size(0)
+    buffers = cache.get("buffers")
+    if (buffers is None or buffers[0].size(0) < B + n or k.size(2) > width
+            or buffers[0].size(2) < width + room):
+        old, width = (cache["k"], cache["v"]), max(width, k.size(2))
+        buffers = tuple(o.new_empty(_spare_rows(B + n), H, width + room, d) for o in old)
+        for buffer, rows in zip(buffers, old, strict=True):
+            buffer[:B, :, :rows.size(2)] = rows
+            buffer[:B, :, rows.size(2):width] = 0
+    for name, buffer, new in (("k", buffers[0], k), ("v", buffers[1], v)):
+        buffer[B:B + n, :, :new.size(2)] = new
+        buffer[B:B + n, :, new.size(2):width] = 0
+        cache[name] = buffer[:B + n, :, :width]
+    cache["buffers"] = buffers
 
 
 class Transformer(nn.Module):
