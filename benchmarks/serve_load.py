@@ -302,7 +302,8 @@ def main() -> None:
     parser.add_argument("--alpha", type=float, default=0.6)
     parser.add_argument("--weights", default="best")
     parser.add_argument("--engine", default="aiayn", choices=["aiayn", "ctranslate2"])
-    parser.add_argument("--device", default="cpu", help="the server's and the reference's")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="the server's and the reference's")
     parser.add_argument("--max-tokens", type=int, default=8192, help="the server's")
     parser.add_argument("--max-wait-ms", type=float, default=5.0, help="the server's")
     parser.add_argument("--batching", choices=["continuous", "pass"],
@@ -327,6 +328,8 @@ def main() -> None:
         raise SystemExit("--requests must be in 1..10000 and --clients in 1..64 (a bounded test)")
     if not 0 <= args.soak <= 3600 or not 1 <= args.soak_clients <= 64:
         raise SystemExit("--soak must be in 0..3600 seconds and --soak-clients in 1..64")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device cuda: this torch ({torch.__version__}) sees no CUDA GPU")
 
     test = read_data_dir(args.run_dir) / "test.jsonl"
     pairs = [json.loads(line) for line in test.read_text(encoding="utf-8").splitlines() if line]
