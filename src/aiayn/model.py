@@ -443,10 +443,10 @@ class KVCache:
     Each step of a beam search copies the self-attention K/V (the beams change parents),
     and a search that sentences join and leave copies the cross-attention K/V too. Those
     copies go into buffers with spare rows and, for self-attention, a spare column (the
-    dicts' ``"buffers"``; ``"k"``, ``"v"`` are views of them): the next position is then
-    written into its column, not concatenated (a second copy of everything per step), and
-    joining sentences into spare rows (a join copies only its own rows).
-    docs/translating.md#how-decoding-works has the figures.
+    dicts' ``"buffers"``; ``"k"``, ``"v"`` are views of them). The next position is then
+    written into the spare column instead of concatenated (which copied everything a
+    second time per step), and sentences that join are written into the spare rows (a
+    join copies only its own rows). The figures: docs/translating.md#how-decoding-works.
     """
 
     def __init__(self, n_layers: int):
@@ -547,7 +547,7 @@ def append_positions(cache: dict, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]
 
 def _spare_rows(rows: int) -> int:
     """Rows to allocate for ``rows`` cached ones: half as many again, at least 8, for the
-    sentences that join a search (untouched memory costs nothing on most systems)."""
+    sentences that join a search (pages never written take no memory on Linux)."""
     return rows + max(8, rows // 2)
 
 
