@@ -18,13 +18,16 @@ produce the same tokens; the script checks that and says so under the table.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import cpu_model  # noqa: E402  (benchmarks/ is not a package)
 
 from aiayn.batching import pad
 from aiayn.config import load_config
@@ -137,7 +140,7 @@ def compare_outputs(outputs: dict[str, list[list[int]]], names: list[str]) -> st
 
 def format_table(times, tokens, n_sentences, names, what, args) -> str:
     half = len(names) // 2
-    cpu = cpu_name()
+    cpu = cpu_model()
     lines = [
         f"{n_sentences} sentences, {what}; {cpu}, {torch.get_num_threads()} torch threads, "
         f"torch {torch.__version__}; median of {args.repeats} interleaved repetitions.",
@@ -154,17 +157,6 @@ def format_table(times, tokens, n_sentences, names, what, args) -> str:
     lines.append("Speed-up: against the same search at batch 1 recomputing the prefix. "
                  "Tokens: generated tokens, EOS included.")
     return "\n".join(lines)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":

@@ -149,6 +149,19 @@ def test_beam_one_translates_like_greedy_search(translator):
     assert [h[0][0] for h in translator.translate_nbest(sentences, beam=1)] == greedy
 
 
+def test_a_translator_without_tokenizers_decodes_ids_as_one_with_them(translator):
+    """decode_ids takes token ids, so it needs no tokenizers: the same hypotheses, and a
+    beam wider than the target vocabulary refused all the same (the model says its size)."""
+    sources = translator.tokenizers.encode_src(["red sun", "moon tree river blue", "star"])
+    bare = Translator(translator.model, tokenizers=None)
+    assert bare.decode_ids(sources, beam=3, nbest=2) == translator.decode_ids(sources, beam=3,
+                                                                              nbest=2)
+    vocab = translator.model.cfg.tgt_vocab_size
+    for t in (bare, translator):
+        with pytest.raises(AiaynError, match=f"at most {min(vocab, t.max_tokens // 2)}"):
+            t.decode_ids(sources, beam=vocab + 1)
+
+
 def test_empty_sentences_give_empty_translations_without_decoding(translator):
     out = translator.translate(["", "red sun", "   ", "moon"], beam=2)
     assert out[0] == "" and out[2] == ""

@@ -399,7 +399,9 @@ class Translator:
         EOS, times the beam, must fit)."""
         beam, alpha = self.search(beam, alpha)
         check_search(beam, nbest, alpha)
-        limit = min(self.tokenizers.tgt_vocab_size, self.max_tokens // 2)
+        vocab = (self.model.cfg.tgt_vocab_size if self.model is not None
+                 else self.tokenizers.tgt_vocab_size)  # decode_ids needs no tokenizers
+        limit = min(vocab, self.max_tokens // 2)
         if beam > limit:
             raise AiaynError(f"--beam must be at most {limit} for this model and --max-tokens "
                              f"{self.max_tokens} (the target vocabulary, and half the batch "
