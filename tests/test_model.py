@@ -255,7 +255,7 @@ def test_cache_buffers_hold_exactly_what_concatenation_and_index_select_would():
     H, d = 2, 3
     cache = KVCache(1)
     ref = {"self": None, "cross": None}
-    handed_out = []
+    handed_out, in_place = [], 0
     width = 5
     cross = torch.randn(4, H, width, d, generator=rng)
     cache.join(_cross_only(cross))
@@ -284,14 +284,14 @@ def test_cache_buffers_hold_exactly_what_concatenation_and_index_select_would():
             n, S = 1 + step % 3, width + (step % 5) - 2
             joining = torch.randn(n, H, S, d, generator=rng)
             before = cache.layers[0]["cross"]["k"].data_ptr()
+            fits = S <= ref["cross"].size(2) and cache_buffer_rows(cache) >= B + n
             cache.join(_cross_only(joining))
             w = max(ref["cross"].size(2), S)
-            pad = lambda x, w=w: torch.nn.functional.pad(x, (0, 0, 0, w - x.size(2)))  # noqa: E731
-            fits = S <= ref["cross"].size(2) and cache_buffer_rows(cache) >= B + n
-            ref["cross"] = torch.cat([pad(ref["cross"]), pad(joining)])
+            ref["cross"] = torch.cat([_pad_keys(ref["cross"], w), _pad_keys(joining, w)])
             ref["self"] = torch.cat([ref["self"], ref["self"].new_zeros(n, H, cache.length, d)])
             if fits:
                 assert cache.layers[0]["cross"]["k"].data_ptr() == before
+                in_place += 1
         if step % 7 == 6:
             unused = int(cache.start.min()) if cache.start is not None else 0
             cache.trim(unused)
@@ -300,6 +300,11 @@ def test_cache_buffers_hold_exactly_what_concatenation_and_index_select_would():
             torch.testing.assert_close(cache.layers[0][kind]["k"], ref[kind], rtol=0, atol=0)
     for tensor, copy in handed_out:
         assert torch.equal(tensor, copy)
+    assert in_place >= 5  # joins that fitted the spare rows did happen
+
+
+def _pad_keys(kv: Tensor, width: int) -> Tensor:
+    return torch.nn.functional.pad(kv, (0, 0, 0, width - kv.size(2)))
 
 
 def _cross_only(kv: Tensor) -> KVCache:
