@@ -80,6 +80,7 @@ class _DecoderState:
         self.memory, self.src_pad = memory, src_pad
         self.cache = model.new_cache() if use_cache else None
         self.ids, self._never = _columns(model)
+        self.rows = model.generator.allowed_rows()  # once per search: the weights are fixed
 
     def next_logits(self, tokens: Tensor) -> Tensor:
         """(N, t) prefixes starting with BOS -> (N, V') float logits of the next token over
@@ -88,7 +89,7 @@ class _DecoderState:
         alone skips spreading every row over the whole vocabulary at each step."""
         step_input = tokens[:, -1:] if self.cache is not None else tokens
         hidden = self.model.decode(step_input, self.memory, self.src_pad, self.cache)
-        logits = self.model.generator.output_logits(hidden[:, -1]).float()
+        logits = self.model.generator.output_logits(hidden[:, -1], self.rows).float()
         logits[:, self._never] = float("-inf")
         return logits
 
@@ -103,6 +104,8 @@ class _DecoderState:
         state = cls.__new__(cls)
         state.model, state.memory = model, None
         state.ids, state._never = _columns(model)
+        with torch.no_grad():  # a search's rows are constants, not part of a graph
+            state.rows = model.generator.allowed_rows()
         state.src_pad = torch.zeros(0, 0, dtype=torch.bool, device=_device(model))
         state.cache = model.new_cache()
         return state
@@ -252,7 +255,9 @@ class JoinableSearch:
     are masked and their positions count from their own start (``KVCache.start``); sources
     of other lengths are padded on the right and masked. Columns that every live row
     started after are dropped, so a search that never empties stays as long as its oldest
-    sentence. ``beam=1`` is greedy search.
+    sentence. ``beam=1`` is greedy search. It scores with the output layer's rows as they
+    were when it started (the weights of a model being served do not change): a model
+    trained further needs a new search.
     """
 
     def __init__(self, model: Transformer, beam: int, alpha: float = 0.6, max_len_b: int = 50):

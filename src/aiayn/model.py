@@ -368,7 +368,6 @@ class Generator(nn.Module):
         # of the allowed pieces, and each id's position among them (IGNORE if not allowed).
         self.register_buffer("output_ids", torch.arange(vocab_size), persistent=False)
         self.register_buffer("positions", torch.arange(vocab_size), persistent=False)
-        self._rows: tuple | None = None
         self.register_load_state_dict_post_hook(lambda module, _: module._index())
 
     def set_outputs(self, ids: Tensor) -> None:
@@ -381,7 +380,6 @@ class Generator(nn.Module):
 
     def _index(self) -> None:
         self.output_ids = self.output_mask.nonzero().squeeze(1)
-        self._rows = None  # the rows kept for decoding (_allowed_rows), of other pieces
         positions = torch.full_like(self.positions, self.IGNORE)
         positions[self.output_ids] = torch.arange(len(self.output_ids), device=positions.device)
         self.positions = positions
@@ -393,33 +391,29 @@ class Generator(nn.Module):
         full = logits.new_full((*logits.shape[:-1], self.proj.out_features), float("-inf"))
         return full.index_copy_(-1, self.output_ids, logits)
 
-    def output_logits(self, hidden: Tensor) -> Tensor:  # (B, T, d) -> (B, T, V_out)
-        """The logits of the allowed pieces only, in the order of ``output_ids``."""
+    def output_logits(self, hidden: Tensor,
+                      rows: tuple[Tensor, Tensor | None] | None = None) -> Tensor:
+        """(B, T, d) -> (B, T, V_out): the logits of the allowed pieces only, in the order of
+        ``output_ids``. ``rows``: what ``allowed_rows`` returned, for a caller that computes
+        many products with unchanged weights (a search's steps); None selects them now."""
         kernel = self.kernel or F.linear
-        if not self.restricted and kernel is F.linear:
+        if rows is None and not self.restricted and kernel is F.linear:
             return self.proj(hidden)  # the module itself, so that hooks (aiayn trace) see it
-        weight, bias = self.proj.weight, self.proj.bias  # the paper's layer has no bias
-        if self.restricted:
-            weight, bias = self._allowed_rows(weight, bias)
+        weight, bias = self.allowed_rows() if rows is None else rows
         return kernel(hidden, weight, bias)
 
-    def _allowed_rows(self, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """The weight (and bias) rows of the allowed pieces. While gradients flow they are
-        selected at every call (the weight is trained, tied to the embeddings); without
-        them (decoding) they are kept until the weight or the allowed pieces change: selecting
-        them at every step copied a (V_out, d) matrix per token, a fifth of a beam step."""
-        if torch.is_grad_enabled():
-            return (weight.index_select(0, self.output_ids),
-                    None if bias is None else bias.index_select(0, self.output_ids))
-        # The tensors themselves (kept alive, so never mistaken for a new one at the same
-        # address) and their in-place versions (an optimizer step, load_state_dict).
-        key = [(t, t._version) for t in (weight, bias, self.output_ids) if t is not None]
-        kept = self._rows
-        if kept is None or len(kept[0]) != len(key) or any(
-                a is not b or u != v for (a, u), (b, v) in zip(kept[0], key)):
-            kept = self._rows = (key, weight.index_select(0, self.output_ids),
-                                 None if bias is None else bias.index_select(0, self.output_ids))
-        return kept[1], kept[2]
+    def allowed_rows(self) -> tuple[Tensor, Tensor | None]:
+        """The weight (and bias) rows of the allowed pieces, selected from the weight as it
+        is now (the weight itself when every piece is allowed; the paper's layer has no
+        bias). Selecting them copies a (V_out, d) matrix: a search does it once per call and
+        passes the rows to every step. The model keeps no copy between calls: an optimizer
+        may update the weight in place without a trace (fused Adam bumps no version
+        counter), and a kept copy would then score with the weights of an earlier step."""
+        weight, bias = self.proj.weight, self.proj.bias
+        if not self.restricted:
+            return weight, bias
+        return (weight.index_select(0, self.output_ids),
+                None if bias is None else bias.index_select(0, self.output_ids))
 
     def output_positions(self, labels: Tensor, pad_id: int) -> Tensor:
         """Token ids -> their positions in ``output_logits``; padding and pieces the model
