@@ -339,6 +339,8 @@ def _run_evaluate(args) -> int:
     print("\n".join([
         f"{r['split']}: {r['sentences']} sentences from {r['data_dir']}, weights "
         f"{r['weights']}, {search}",
+        *([] if r["loss"] is None else
+          [f"loss  {r['loss']:.4f}   NLL {r['nll']:.4f} per target token (teacher forcing)"]),
         f"BLEU  {r['bleu']:.2f}   {r['bleu_signature']}",
         f"chrF  {r['chrf']:.2f}   {r['chrf_signature']}",
         f"CER   {100 * r['cer']:.2f}%   WER {100 * r['wer']:.2f}%",

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import replace
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ from aiayn.errors import AiaynError
 from aiayn.io import atomic_write_text, check_output_file
 from aiayn.metrics import Scores, score
 from aiayn.model import Transformer
-from aiayn.rundir import read_data_dir
+from aiayn.rundir import load_run_config, read_data_dir
 from aiayn.threads import default_streams, parallel_map
 from aiayn.translator import Translator, TruncationWarning, check_search
 
@@ -112,6 +114,17 @@ def validate(model: Transformer, tokenizers, dev: list[Example], dev_pairs: list
 
 
 # ---------------------------------------------------------------- `aiayn evaluate`
+def split_loss(model: Transformer, prepared, split: str, limit: int, config: Config,
+               device: torch.device, bf16: bool) -> tuple[float, float]:
+    """The loss the run's validation logs as "dev_loss" (and its "dev_nll"), for the first
+    ``limit`` pairs of ``split``: the same examples (long ones truncated), batches and
+    label smoothing, in bf16 only when ``bf16``; so `aiayn evaluate --split dev` of the
+    weights a validation saw gives the figure it logged."""
+    examples = list(islice(prepared.encoded(split, model.cfg.max_len, "truncate"), limit))
+    config = replace(config, train=replace(config.train, bf16="true" if bf16 else "false"))
+    return dev_loss(model, examples, config, device)
+
+
 def search_name(beam: int, alpha: float) -> str:
     """The search in a file name: "beam1" (greedy: no length penalty), else "beam6.alpha1"."""
     return "beam1" if beam == 1 else f"beam{beam}.alpha{alpha:g}"
@@ -143,11 +156,16 @@ def evaluate_run(run_dir: str | Path, split: str = "test", beam: int | None = No
     beam, alpha = translator.search(beam, alpha)
     translator.check_limits(beam, 1, alpha)
     data_dir = Path(data_dir) if data_dir else read_data_dir(run_dir)
-    pairs = load_prepared(data_dir).split(split)
+    prepared = load_prepared(data_dir)
+    pairs = prepared.split(split)
     if limit > 0:
         pairs = pairs[:limit]
     if not pairs:
         raise AiaynError(f"{data_dir}: the {split} split is empty")
+    loss = nll = None
+    if translator.engine is None:  # CTranslate2 scores no given targets
+        loss, nll = split_loss(translator.model, prepared, split, len(pairs),
+                               load_run_config(Path(run_dir), []), translator.device, bf16)
     with tqdm(total=len(pairs), unit="sent", dynamic_ncols=True, disable=not progress,
               desc=f"{split} beam {beam}") as bar:
         hypotheses, scores = translate_and_score(translator, pairs, beam, alpha, bar.update)
@@ -161,6 +179,7 @@ def evaluate_run(run_dir: str | Path, split: str = "test", beam: int | None = No
         "run_dir": str(run_dir), "data_dir": str(data_dir),
         "weights": weights_name if translator.engine is not None else str(weights),
         "split": split, "sentences": len(pairs), "beam": beam, "alpha": alpha,
+        "loss": loss, "nll": nll,
         "bleu": scores.bleu, "bleu_signature": scores.bleu_signature,
         "chrf": scores.chrf, "chrf_signature": scores.chrf_signature,
         "cer": scores.cer, "wer": scores.wer,
