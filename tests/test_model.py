@@ -84,6 +84,7 @@ def test_causal_mask_hides_the_future():
     assert not torch.equal(changed, tgt)
     with torch.no_grad():
         a, b = model(src, tgt), model(src, changed)
+    # Exact: the same shapes and weights, so the same kernels compute both sides.
     torch.testing.assert_close(a[:, : t + 1], b[:, : t + 1], atol=0, rtol=0)
     assert not torch.allclose(a[:, t + 1:], b[:, t + 1:])  # the future did change something
 
@@ -268,7 +269,7 @@ def test_cache_buffers_hold_exactly_what_concatenation_and_index_select_would():
         k, _ = append_positions(cache.layers[0]["self"], new, new)
         cache.length += 1
         ref["self"] = new if ref["self"] is None else torch.cat([ref["self"], new], dim=2)
-        torch.testing.assert_close(k, ref["self"], rtol=0, atol=0)
+        torch.testing.assert_close(k, ref["self"], rtol=0, atol=0)  # copies: no arithmetic
         handed_out.append((k, k.clone()))
         action = step % 4
         if action == 0:  # beams change parents
@@ -409,6 +410,7 @@ def test_state_dict_round_trip():
     src, tgt = random_batch(cfg, [5], [4])
     assert not torch.allclose(a(src, tgt), b(src, tgt))
     b.load_state_dict(a.state_dict())
+    # Exact: the same shapes and weights, so the same kernels compute both sides.
     torch.testing.assert_close(a(src, tgt), b(src, tgt), atol=0, rtol=0)
     assert b.generator.proj.weight is b.tgt_embed.embedding.weight  # still tied
 
