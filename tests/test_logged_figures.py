@@ -27,9 +27,9 @@ STEPS, EVERY = 120, 40  # three validations: two on the way and the final one
 
 @pytest.fixture(scope="module")
 def demo_run(bible_stream, tmp_path_factory):
-    """A run of the demo's config on 2,000 training verses (dev: 40 verses)."""
+    """A run of the demo's config on 2,000 training verses (dev: 20 verses)."""
     root = tmp_path_factory.mktemp("demo-recipe")
-    splits = {"train": bible_stream.texts("train")[:2000], "dev": bible_stream.texts("dev")[:40],
+    splits = {"train": bible_stream.texts("train")[:2000], "dev": bible_stream.texts("dev")[:20],
               "test": bible_stream.texts("test")[:10]}
     data = prepare_splits(root / "data", splits,
                           replace(load_config(DEMO).data, vocab_size=2000),
@@ -41,7 +41,7 @@ def demo_run(bible_stream, tmp_path_factory):
     settings = {"max_steps": STEPS, "max_minutes": 0, "warmup_steps": EVERY, "bf16": "false",
                 "eval_every": EVERY, "save_every": EVERY, "eval_max_sentences": 0,
                 "max_tokens": 512, "keep_steps": "[]", "log_every": 20, "cpu_threads": 1,
-                "num_samples": 40}  # every dev verse's translation logged as a sample
+                "num_samples": 20}  # every dev verse's translation logged as a sample
     sets = [arg for key, value in settings.items() for arg in ("--set", f"train.{key}={value}")]
     aiayn("train", "--config", str(DEMO), "--data", str(data), "--out", str(run), *sets)
     return run
