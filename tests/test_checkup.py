@@ -112,6 +112,11 @@ def dev_text_the_tokenizer_cannot_spell(run: Path) -> None:
     (run / "data_dir.txt").write_text(str(copy) + "\n")
 
 
+def metrics_line_damaged(run: Path) -> None:
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (run / "metrics.jsonl").write_text("".join([lines[0], "{not json\n", *lines[1:]]))
+
+
 def train_state_corrupt(run: Path) -> None:
     (run / "train_state.pt").write_bytes(b"not a checkpoint")
 
@@ -141,6 +146,7 @@ BREAKAGES: list[tuple[Callable[[Path], None], set[str]]] = [
     (data_dir_gone, {"data"}),
     (data_with_its_own_tokenizer, {"data"}),
     (dev_text_the_tokenizer_cannot_spell, {"round-trip"}),
+    (metrics_line_damaged, {"validation"}),
     (train_state_corrupt, {"resume"}),
     (train_state_names_missing_weights, {"resume"}),
     (optimizer_state_of_another_model, {"resume"}),
@@ -352,9 +358,12 @@ def test_a_run_whose_bf16_was_auto_is_compared_in_either_precision(validated, tm
     assert checks(run)["validation"].ok is False
 
 
-def test_the_validation_check_skips_what_it_cannot_compare(validated, run_dir, tmp_path):
-    # No metrics.jsonl: nothing was logged (the conftest run was trained outside aiayn train).
-    check = checks(run_dir)["validation"]
+def test_the_validation_check_skips_what_it_cannot_compare(validated, tmp_path):
+    # No metrics.jsonl (a run trained outside aiayn train): nothing was logged.
+    run = tmp_path / "run"
+    shutil.copytree(validated, run)
+    (run / "metrics.jsonl").unlink()
+    check = checks(run)["validation"]
     assert check.ok is None and "logs no validation" in check.detail
     # Data with the run's tokenizer but another dev split: not what the log was scored on.
     other = prepare_splits(tmp_path / "other", {"train": synthetic_pairs(40, 5),
