@@ -243,7 +243,7 @@ def rewrite_logged(run: Path, step: int, **changes) -> None:
 
 def figures(detail: str, name: str) -> dict[str, float]:
     """The figures the validation line gives for one weights file."""
-    part = detail.split(f"{name} (step ")[1].split(";")[0].split(" — ")[0]
+    part = detail.split(f"{name} (step ")[1].split(";")[0].split(", so ")[0]
     return {key: float(value) for key, value in
             re.findall(r"(dev loss|BLEU|its weights give) (-?[\d.]+)", part)}
 

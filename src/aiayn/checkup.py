@@ -417,8 +417,8 @@ class _Doctor:
         t = self.config.train
         search = "greedy" if t.eval_beam == 1 else f"beam {t.eval_beam}"
         if disagree:
-            return Check("validation", False, "; ".join(disagree) + " — metrics.jsonl does "
-                         "not describe these weights",
+            return Check("validation", False, "; ".join(disagree) + ", so metrics.jsonl "
+                         "does not describe these weights",
                          "trust neither the logged dev figures nor the best step chosen from "
                          f"them: score the weights with `aiayn evaluate {self.run_dir} --split "
                          "dev --weights best` (last, or a step checkpoint, to compare them); "
