@@ -18,7 +18,11 @@ The checks, in order (a check that needs what an earlier one found missing is sk
    the run's tokenizers (the same files, by SHA-256; see aiayn.transfer).
 6. ``round-trip``: a few dev sentences come back unchanged from encode + decode.
 7. ``translate``: three dev sentences translated greedily with the weights, and their BLEU.
-8. ``resume``: train_state.pt loads, names weights that exist, and its optimizer state fits
+8. ``validation``: the validation metrics.jsonl logged for the step best.safetensors holds
+   (and for last.safetensors' step, when one was logged there) run again on those weights
+   (aiayn.evaluate.validate: the same dev pairs and search) gives the logged dev loss and
+   BLEU, so the log and the choice of best describe the weights the run kept.
+9. ``resume``: train_state.pt loads, names weights that exist, and its optimizer state fits
    the model, so ``aiayn train --resume RUN_DIR`` can continue.
 
 From Python::
@@ -30,8 +34,11 @@ From Python::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+import warnings
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,22 +47,35 @@ from aiayn.checkpoint import (
     check_architecture,
     load_state,
     load_train_state,
+    read_metadata,
     read_weights,
 )
 from aiayn.config import Config, load_config
-from aiayn.data import TOKENIZER_DIR, read_split
+from aiayn.data import TOKENIZER_DIR, load_prepared, read_split
 from aiayn.errors import AiaynError
-from aiayn.evaluate import eval_subset
+from aiayn.evaluate import dev_loss, eval_subset, validate
 from aiayn.metrics import score
 from aiayn.model import Transformer
-from aiayn.rundir import list_step_checkpoints, read_data_dir, resolve_weights
+from aiayn.rundir import list_step_checkpoints, read_data_dir, read_metrics, resolve_weights
 from aiayn.tokenizer import SPECIAL_TOKENS, UNK_ID, Tokenizers, tokenizer_fingerprint
 from aiayn.transfer import describe_tokenizer
 from aiayn.translator import Translator
 
 CHECK_NAMES = ("config", "weights", "shapes", "tokenizer", "data", "round-trip", "translate",
-               "resume")
+               "validation", "resume")
 ROUND_TRIP_SENTENCES = 5
+# How far a fresh validation of the same weights may land from the logged one. The dev loss
+# is a mean over every dev token, and another process may compute it with other kernels than
+# the run did: another thread count, the oneDNN output product (aiayn.kernels), a GPU, bf16
+# autocast on another CPU. Measured on an AVX2 CPU: 3e-9 relative between those kernels and
+# thread counts in fp32, 6e-5 between bf16 autocast and fp32 (a tiny model); weights other
+# than the logged ones move it by percents (1-4% where a run logged a stale output layer's
+# figures). So 0.1% relative or 0.002 absolute, whichever is larger.
+LOSS_TOLERANCE = {"rel_tol": 1e-3, "abs_tol": 2e-3}
+# BLEU: the same search (aiayn.evaluate.validate decodes in fp32) on the same weights gives
+# the same hypotheses, but where two candidates tie within rounding; one hypothesis that
+# changes among a validation's 100 sentences moves corpus BLEU by a few tenths at most.
+BLEU_TOLERANCE = 0.5
 # The tensors whose first dimension is a vocabulary size, by side.
 EMBEDDINGS = {"src": ("src_embed.embedding.weight",),
               "tgt": ("tgt_embed.embedding.weight", "generator.proj.weight")}
@@ -109,6 +129,13 @@ def _clip(text: str, width: int = 100) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
+def _same_samples(logged: dict[str, Any], fresh: dict[str, Any]) -> bool:
+    """Whether a validation again decoded the dev pairs a logged one did, as far as its
+    logged samples (their source and reference; not the hypothesis) show."""
+    pairs = [[(s.get("src"), s.get("ref")) for s in r.get("samples", [])] for r in (logged, fresh)]
+    return len(pairs[0]) != len(pairs[1]) or pairs[0] == pairs[1]  # train.num_samples changed
+
+
 class _Skip(Exception):
     """A check that cannot run because an earlier one found its input missing."""
 
@@ -131,8 +158,10 @@ class _Doctor:
         self.sentences = sentences
         self.config: Config | None = None
         self.tensors: dict[Path, dict[str, torch.Tensor]] = {}  # readable weights files
+        self.non_finite: set[Path] = set()  # readable, but holding NaN or infinities
         self.fitting: list[Path] = []  # those whose shapes fit the config
         self.tokenizers: Tokenizers | None = None
+        self.data_dir: Path | None = None  # the prepared data, once it proved the run's
         self.dev: list[tuple[str, str]] | None = None
 
     def run(self) -> DoctorReport:
@@ -142,7 +171,7 @@ class _Doctor:
                 Check(name, None, "needs the run directory") for name in CHECK_NAMES[1:]])
         methods = (self.check_weights, self.check_shapes, self.check_tokenizer,
                    self.check_data, self.check_round_trip, self.check_translation,
-                   self.check_train_state)
+                   self.check_validation, self.check_train_state)
         for name, method in zip(CHECK_NAMES[1:], methods, strict=True):
             try:
                 checks.append(method())
@@ -194,6 +223,7 @@ class _Doctor:
             bad = {name: int((~torch.isfinite(t)).sum()) for name, t in tensors.items()
                    if t.is_floating_point() and not torch.isfinite(t).all()}
             if bad:
+                self.non_finite.add(path)
                 first = next(iter(bad))
                 problems.append(f"{self._name(path)}: {sum(bad.values())} non-finite values "
                                 f"in {len(bad)} tensors (first: {first})")
@@ -286,6 +316,7 @@ class _Doctor:
                          "point --data at the data this run was trained on, or prepare the "
                          f"corpus with the run's tokenizer: `aiayn prepare --tokenizer-from "
                          f"{self.run_dir} --corpus SPEC --out DIR`")
+        self.data_dir = data_dir
         return Check("data", True, f"{data_dir}: {len(self.dev)} dev pairs, the same "
                      f"tokenizer (sha256 {tokenizer_fingerprint(run_tok)[:12]})")
 
@@ -339,7 +370,108 @@ class _Doctor:
         return Check("translate", True, f"{self._name(path)}, greedy, {len(chosen)} dev "
                      f"sentences: BLEU {scores.bleu:.2f}, chrF {scores.chrf:.2f}", notes=notes)
 
-    # ------------------------------------------------------------ 8. resume
+    # ------------------------------------------------------------ 8. validation
+    def check_validation(self) -> Check:
+        if (self.config is None or self.tokenizers is None or not self.dev
+                or self.data_dir is None or not self.fitting):
+            raise _Skip("needs fitting weights, the tokenizer and the run's prepared data")
+        try:
+            with warnings.catch_warnings():  # a last line cut short is left out: nothing to say
+                warnings.simplefilter("ignore")
+                records = [r for r in read_metrics(self.run_dir, missing_ok=True)
+                           if r["kind"] == "dev"]
+        except AiaynError as exc:
+            return Check("validation", False, str(exc),
+                         "repair or delete the line named (aiayn plot, info and --resume "
+                         "refuse it too)")
+        if not records:
+            raise _Skip("metrics.jsonl logs no validation")
+        targets = self._validated_weights(records)
+        if not targets:
+            raise _Skip("neither best.safetensors nor last.safetensors holds the weights of "
+                        "a step metrics.jsonl logs a validation of")
+        try:
+            dev, dev_pairs = load_prepared(self.data_dir, log=lambda *_: None) \
+                .validation_split(self.config.model.max_len)
+        except AiaynError as exc:  # not the dev split a validation reads: nothing to compare
+            raise _Skip(str(exc)) from None
+        agree, disagree = [], []
+        for path, step, logged in targets:
+            fresh = self._validate_again(path, logged, dev, dev_pairs)
+            if not _same_samples(logged, fresh):  # --data, or data prepared again since
+                raise _Skip(f"the dev split of {self.data_dir} is not the one the run "
+                            f"validated on (the sample sentences metrics.jsonl logged at step "
+                            f"{step} differ); give the run's data with --data")
+            name = f"{self._name(path)} (step {step})"
+            wrong = [f"logged {what} {logged[key]:{form}}, its weights give {fresh[key]:{form}}"
+                     for key, what, form, close in (
+                         ("dev_loss", "dev loss", ".3f",
+                          lambda a, b: math.isclose(a, b, **LOSS_TOLERANCE)),
+                         ("bleu", "BLEU", ".2f", lambda a, b: abs(a - b) <= BLEU_TOLERANCE))
+                     if key in logged and not close(logged[key], fresh[key])]
+            if wrong:
+                disagree.append(f"{name}: {', '.join(wrong)}")
+            else:
+                agree.append(f"{name}: dev loss {fresh['dev_loss']:.3f}, BLEU "
+                             f"{fresh['bleu']:.2f}")
+        t = self.config.train
+        search = "greedy" if t.eval_beam == 1 else f"beam {t.eval_beam}"
+        if disagree:
+            return Check("validation", False, "; ".join(disagree) + ", so metrics.jsonl "
+                         "does not describe these weights",
+                         "trust neither the logged dev figures nor the best step chosen from "
+                         f"them: score the weights with `aiayn evaluate {self.run_dir} --split "
+                         "dev --weights best` (last, or a step checkpoint, to compare them); "
+                         "runs with model.output_vocab: targets validated by an aiayn before "
+                         "the fix of its stale output layer show this")
+        return Check("validation", True, "; ".join(agree) + f": as metrics.jsonl logged them "
+                     f"(validated again: the loss over {len(dev)} dev pairs, BLEU over "
+                     f"{targets[0][2].get('n_sentences', len(dev))} of them, {search})")
+
+    def _validated_weights(self, records: list[dict[str, Any]]
+                           ) -> list[tuple[Path, int, dict[str, Any]]]:
+        """(file, step, that step's dev record) of best and last, each step once, where the
+        file fits and is finite and metrics.jsonl logs a validation at its step."""
+        # The last record of a step: a resumed run logs the steps after its checkpoint again.
+        by_step = {r["step"]: r for r in records}
+        targets = []
+        for name in ("best", "last"):
+            path = self.run_dir / f"{name}.safetensors"
+            if path not in self.fitting or path in self.non_finite:
+                continue
+            step = read_metadata(path).get("step", "")
+            if not step.isdigit() or int(step) not in by_step:
+                continue
+            if all(int(step) != done for _, done, _ in targets):
+                targets.append((path, int(step), by_step[int(step)]))
+        return targets
+
+    def _validate_again(self, path: Path, logged: dict[str, Any], dev: list,
+                        dev_pairs: list[tuple[str, str]]) -> dict[str, Any]:
+        """aiayn.evaluate.validate of these weights on CPU, over the dev pairs the logged
+        validation decoded (its n_sentences, spread over the split as eval_max_sentences
+        spreads them), with the run's train.eval_beam and decode.alpha."""
+        model = Transformer(self.config.model)
+        load_state(model, self.tensors[path], str(path))
+        t = self.config.train
+        # The dev loss runs under the run's bf16 autocast. "auto" chose per machine, and the
+        # run may have trained on another: fp32 first, then bf16 when fp32 does not match.
+        precisions = {"true": ["true"], "false": ["false"]}.get(t.bf16, ["false", "true"])
+        config = replace(self.config, train=replace(
+            t, bf16=precisions[0],
+            eval_max_sentences=int(logged.get("n_sentences", t.eval_max_sentences))))
+        cpu = torch.device("cpu")
+        fresh = validate(model, self.tokenizers, dev, dev_pairs, config, cpu, full=False)
+        if "dev_loss" in logged and not math.isclose(logged["dev_loss"], fresh["dev_loss"],
+                                                     **LOSS_TOLERANCE):
+            for bf16 in precisions[1:]:
+                other = replace(config, train=replace(config.train, bf16=bf16))
+                loss = dev_loss(model.eval(), dev, other, cpu)[0]
+                if math.isclose(logged["dev_loss"], loss, **LOSS_TOLERANCE):
+                    fresh["dev_loss"] = loss
+        return fresh
+
+    # ------------------------------------------------------------ 9. resume
     def check_train_state(self) -> Check:
         path = self.run_dir / "train_state.pt"
         fix = ("this run cannot be resumed; start a new one from its weights: `aiayn train "

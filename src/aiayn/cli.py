@@ -587,8 +587,9 @@ def _add_doctor(sub) -> None:
         description="Check a run: weights present and finite, shapes = config, tokenizers "
         "(special ids, vocabulary sizes = embeddings), the data encoded with the same "
         "tokenizers, a round-trip of dev sentences, a greedy translation of three dev "
-        "sentences with BLEU, the train state resumable. One line per check, each failure "
-        "with its fix; exit status 0 when all pass, 1 otherwise.")
+        "sentences with BLEU, the logged dev loss and BLEU of the best and last weights "
+        "reproduced by validating them again, the train state resumable. One line per "
+        "check, each failure with its fix; exit status 0 when all pass, 1 otherwise.")
     p.add_argument("run_dir", help="run directory (from `aiayn train`)")
     p.add_argument("--data", help="prepared data to check against (default: the run's "
                    "data_dir.txt)")

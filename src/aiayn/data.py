@@ -114,6 +114,17 @@ class Prepared:
         """The examples of a split that ``max_len`` and ``policy`` keep (see EncodedSplit)."""
         return EncodedSplit(self.split_ids(name), max_len, policy)
 
+    def validation_split(self, max_len: int) -> tuple[list[Example], list[tuple[str, str]]]:
+        """The dev split as a validation reads it (aiayn.evaluate.validate): every pair's
+        ids, long ones truncated (the dev score covers every dev pair), and the text its
+        references come from (``Example.index`` is a position in it). `aiayn train` and
+        `aiayn doctor`'s re-validation both read it here, so both score the same pairs."""
+        examples = list(self.encoded("dev", max_len, "truncate"))
+        if len(examples) != len(self.dev):
+            raise AiaynError(f"{self.data_dir}: dev.jsonl holds {len(self.dev)} pairs but its "
+                             f"token ids {len(examples)}; run `aiayn prepare` again")
+        return examples, list(self.dev)
+
 
 def load_prepared(data_dir: str | Path, log: Callable[[str], object] = print) -> Prepared:
     """Open what ``prepare`` wrote; a clear error when something is missing. The text of

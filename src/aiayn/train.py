@@ -142,7 +142,7 @@ def load_data(data_dir: Path, config: Config, world: Dist, log=print) -> TrainDa
     prepared = load_prepared(data_dir, log=log)
     m, t = config.model, config.train
     train = prepared.encoded("train", m.max_len, config.data.long_policy)
-    dev = list(prepared.encoded("dev", m.max_len, "truncate"))
+    dev, dev_pairs = prepared.validation_split(m.max_len)
     if not len(train):
         raise AiaynError(f"{data_dir}: no training pairs fit model.max_len={m.max_len}")
     if not dev:
@@ -152,7 +152,7 @@ def load_data(data_dir: Path, config: Config, world: Dist, log=print) -> TrainDa
                                 rank=world.rank, world_size=world.world_size)
     log(f"data: {len(train)} training pairs ({_describe(train.counts)}), {len(dev)} dev pairs, "
         f"{len(sampler)} batches per epoch per rank")
-    return TrainData(train, sampler, dev, list(prepared.dev), prepared.tokenizers)
+    return TrainData(train, sampler, dev, dev_pairs, prepared.tokenizers)
 
 
 def _describe(stats: dict[str, int]) -> str:
