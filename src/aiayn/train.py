@@ -43,6 +43,7 @@ from aiayn.checkpoint import (
     STATE_VERSION,
     load_train_state,
     load_weights,
+    read_metadata,
     save_train_state,
     save_weights,
     tensors_size,
@@ -535,6 +536,8 @@ class Trainer:
                                    "the run"), world)
         # Everything is checked and loaded: only now is the run directory written.
         on_main(lambda: start.record(run_dir, stored, overrides, self.progress.step, force), world)
+        if start.continues:
+            on_main(self.finish_saved_step, world)
         if world.rank > 0 and rng is None:
             torch.manual_seed(t.seed + 7919 * world.rank)  # own dropout masks on each rank
         self.ddp, self.train_model = wrap_for_training(self.model, t.compile, world)
@@ -678,9 +681,11 @@ class Trainer:
 
         Order: the step's own weights file, then train_state.pt naming it, then last.safetensors,
         then pruning of old step files. A kill between any two writes leaves a train state whose
-        weights file exists and matches it. A failed write (a full disk: aiayn.io.DiskError)
-        removes the step's weights file again unless train_state.pt already names it, so the
-        last good save stays what a resume continues from, and nothing half-made stays.
+        weights file exists and matches it, and the resume writes last.safetensors when the
+        kill came before it (:meth:`finish_saved_step`). A failed write (a full disk:
+        aiayn.io.DiskError) removes the step's weights file again unless train_state.pt
+        already names it, so the last good save stays what a resume continues from, and
+        nothing half-made stays.
         """
         world, run_dir, config, progress = self.world, self.run_dir, self.config, self.progress
         rngs = gather_objects(rng_state(), world)
@@ -701,6 +706,23 @@ class Trainer:
         save_weights(self.model, run_dir / "last.safetensors", metadata=meta)
         prune_step_checkpoints(run_dir, config.train.keep_checkpoints, config.train.keep_steps)
         progress.saved_step = step
+
+    def finish_saved_step(self) -> None:
+        """On resume, write what :meth:`save` writes after train_state.pt when a kill cut the
+        save short there: last.safetensors holds the saved step (the weights just loaded, which
+        the train state names). Otherwise a run killed in its final save would keep the step
+        before in last.safetensors for good: its resume has no step left to save. (Pruning
+        waits for the next save, which writes the newest step file first.)"""
+        step, last = self.progress.step, self.run_dir / "last.safetensors"
+        try:
+            saved = read_metadata(last).get("step") if last.is_file() else None
+        except AiaynError:  # unreadable: written again below
+            saved = None
+        if saved != str(step):
+            save_weights(self.model, last, metadata={"step": str(step)})
+            self.log(f"resume: last.safetensors held {f'step {saved}' if saved else 'no step'}; "
+                     f"rewritten with step {step}, which the save before the interruption had "
+                     "not finished")
 
     def save_kept(self) -> None:
         """The weights of a step of train.keep_steps between saves: the step file alone (no
