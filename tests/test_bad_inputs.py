@@ -443,6 +443,25 @@ def test_a_kill_in_the_final_save_before_last_safetensors_is_finished_by_the_res
     assert_equal_weights(weights(run), weights(world["run"]))
 
 
+def test_a_kill_in_the_first_save_before_its_train_state_starts_the_run_over(world, tmp_path):
+    """Killed in the first save after its step checkpoint (and a validation's best weights)
+    but before train_state.pt: nothing was saved to resume from, so --resume starts the run
+    again, as for a kill before the first save, and ends on the uninterrupted run's weights."""
+    from helpers import assert_equal_weights, weights
+
+    run = tmp_path / "run"
+    status = killed_in_a_save("save_train_state", 4, "train_state.pt", "--config", TINY,
+                              "--data", world["data"], "--out", run, *WORLD_RUN)
+    assert status == -signal.SIGKILL
+    assert not (run / "train_state.pt").exists() and not (run / "last.safetensors").exists()
+    assert (run / "checkpoints" / "step_0000004.safetensors").exists()
+    assert (run / "best.safetensors").exists()
+    result = aiayn("train", "--resume", run)
+    assert result.returncode == 0, result.stderr.decode()
+    assert load_train_state(run / "train_state.pt")["step"] == 8
+    assert_equal_weights(weights(run), weights(world["run"]))
+
+
 def test_train_force_replaces_the_run_files_and_nothing_else(world, tmp_path):
     run = copy_run(world, tmp_path)
     (run / "notes.txt").write_text("mine\n", encoding="utf-8")

@@ -436,9 +436,11 @@ class RunStart:
                log: Callable[[str], object]) -> RunStart:
         if resume:
             check_holds_a_run(run_dir)
-            # A run that crashed before its first save has nothing to resume from: it
-            # starts again at step 0 with its own config (which is what it would have done).
-            restart = resume_point(run_dir) is None
+            # A run that crashed before its first save (or in it, before train_state.pt)
+            # has nothing to resume from: it starts again at step 0 with its own config
+            # (which is what it would have done).
+            first_save = load_run_config(run_dir, []).train.save_every
+            restart = resume_point(run_dir, first_save) is None
             if restart:
                 log(f"{run_dir}: no checkpoint was saved yet; starting it at step 0 with its "
                     "config.yaml")
@@ -681,8 +683,9 @@ class Trainer:
 
         Order: the step's own weights file, then train_state.pt naming it, then last.safetensors,
         then pruning of old step files. A kill between any two writes leaves a train state whose
-        weights file exists and matches it, and the resume writes last.safetensors when the
-        kill came before it (:meth:`finish_saved_step`). A failed write (a full disk:
+        weights file exists and matches it (or, in the first save, no train state: the run
+        starts over, aiayn.rundir.resume_point), and the resume writes last.safetensors when
+        the kill came before it (:meth:`finish_saved_step`). A failed write (a full disk:
         aiayn.io.DiskError) removes the step's weights file again unless train_state.pt
         already names it, so the last good save stays what a resume continues from, and
         nothing half-made stays.
