@@ -195,6 +195,37 @@ def test_collating_ahead_trains_and_resumes_exactly_as_without(data_dir, tmp_pat
     assert all(r["loss"] == loss[r["step"]] for r in records(split, "train"))
 
 
+def test_a_resume_keeps_the_choices_of_its_runs_probes(data_dir, tmp_path, monkeypatch):
+    """bf16 "auto" and the output layer's kernel are chosen by timing probes, which can come
+    out otherwise in another process (a busy core, two close timings). A resume on the same
+    kind of machine keeps what its run chose, so it ends on the uninterrupted run's weights
+    bit for bit though its own probes would choose bf16 and the other kernel."""
+    import aiayn.distributed
+    import aiayn.kernels
+
+    probes = {"bf16": False, "onednn": True}  # what the probes say now
+    monkeypatch.setattr(aiayn.distributed, "prefer_bf16", lambda fp32, bf16: probes["bf16"])
+    monkeypatch.setattr(aiayn.kernels, "MIN_PROBED_WEIGHTS", 0)  # probe the tiny layer too
+    monkeypatch.setattr(aiayn.kernels, "probe_seconds",
+                        lambda *shape: (1.0, 0.5) if probes["onednn"] else (0.5, 1.0))
+    n = 4
+    common = ["--config", TINY, "--data", str(data_dir), "--set", "train.bf16=auto",
+              *sets(eval_every=100, save_every=n, log_every=1)]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run_train(*common, "--out", str(straight), *sets(max_steps=2 * n))
+    run_train(*common, "--out", str(split), *sets(max_steps=n))
+    probes.update(bf16=True, onednn=False)
+    run_train("--resume", str(split), *sets(max_steps=2 * n))
+    assert_equal_weights(weights(split), weights(straight))
+    choices = load_train_state(split / "train_state.pt")["choices"]
+    assert (choices["bf16"], choices["output_kernel"]) == (False, "oneDNN")
+    # Another kind of machine chooses again.
+    monkeypatch.setattr(train, "machine_kind", lambda device: "another machine")
+    run_train("--resume", str(split), *sets(max_steps=2 * n + 1))
+    choices = load_train_state(split / "train_state.pt")["choices"]
+    assert (choices["bf16"], choices["output_kernel"]) == (True, "F.linear")
+
+
 def test_output_vocab_targets_scores_the_pieces_of_the_training_targets(data_dir, tmp_path):
     """model.output_vocab=targets: the run's output layer allows exactly the pieces that the
     prepared training targets hold (and EOS), none of the source side's own words; the set

@@ -55,6 +55,7 @@ from aiayn.distributed import (
     Dist,
     all_reduce_sum,
     gather_objects,
+    machine_kind,
     max_over_ranks,
     on_main,
     resolve_bf16,
@@ -67,7 +68,7 @@ from aiayn.early_stopping import BestTracker
 from aiayn.errors import AiaynError
 from aiayn.evaluate import validate
 from aiayn.io import as_disk_error, check_room, remove_temp_files
-from aiayn.kernels import choose_output_kernel
+from aiayn.kernels import choose_output_kernel, output_kernel_name, use_output_kernel
 from aiayn.lock import PID_FILE, locked
 from aiayn.model import Transformer
 from aiayn.optim import build_optimizer, schedule_lr, set_learning_rate
@@ -512,7 +513,16 @@ class Trainer:
         # What config.yaml holds: the vocabulary sizes of the data, train.bf16 as set ("auto"
         # stays "auto", so a resume on another machine chooses again).
         stored = resolve_config(start.config, self.data.tokenizers, start.data_dir)
-        self.bf16, why_bf16 = resolve_bf16(stored.train.bf16, world.device)
+        saved = load_train_state(run_dir / "train_state.pt") if start.continues else None
+        # Timing probes choose bf16 ("auto") and the output layer's kernel; a resume on the
+        # same kind of machine keeps the run's choices (a probe can come out otherwise in
+        # another process: a busy machine, two close timings), and every rank takes rank 0's.
+        kept = kept_choices(saved, world.device)
+        if stored.train.bf16 == "auto" and "bf16" in kept:
+            self.bf16, why_bf16 = kept["bf16"], "auto: kept from the run's start on this machine"
+        else:
+            self.bf16, why_bf16 = resolve_bf16(stored.train.bf16, world.device)
+        self.bf16, why_bf16 = gather_objects((self.bf16, why_bf16), world)[0]
         # What runs: the same with bf16 chosen for this device (TrainConfig.use_bf16).
         self.config = replace(stored, train=replace(stored.train, bf16=str(self.bf16).lower()))
         t = self.config.train
@@ -529,9 +539,17 @@ class Trainer:
                                   t.max_epochs, length_multiple(self.bf16))
         self.prefetch = collates_ahead(world.device)
         self.progress = Progress(best=BestTracker(t.best_metric, t.patience))
-        rng = self.restore() if start.continues else None
-        why_output = choose_output_kernel(self.model.generator, t.max_tokens,
-                                          enabled=not self.bf16)
+        rng = self.restore(saved) if saved is not None else None
+        if "output_kernel" in kept and kept.get("bf16") == self.bf16:
+            use_output_kernel(self.model.generator, kept["output_kernel"])
+            why_output = (f"output layer: {output_kernel_name(self.model.generator)} (kept from "
+                          "the run's start on this machine)")
+        else:
+            why_output = choose_output_kernel(self.model.generator, t.max_tokens,
+                                              enabled=not self.bf16)
+        chosen, why_output = gather_objects(
+            (output_kernel_name(self.model.generator), why_output), world)[0]
+        use_output_kernel(self.model.generator, chosen)
         kept_ahead = sum(s > self.progress.step for s in t.keep_steps)
         on_main(lambda: check_room(run_dir, run_size(self.model, t.keep_checkpoints,
                                                      start.continues, kept_ahead),
@@ -755,14 +773,15 @@ class Trainer:
             "best": progress.best.state_dict(),
             "elapsed_s": progress.elapsed_s,
             "tokens": progress.tokens,
+            "choices": {"machine": machine_kind(world.device), "bf16": self.bf16,
+                        "output_kernel": output_kernel_name(self.model.generator)},
         }
         save_train_state(state, run_dir / "train_state.pt")
 
-    def restore(self) -> dict:
-        """Load what :meth:`save` wrote; returns this rank's RNG state (set it last, after
-        everything else that draws random numbers)."""
+    def restore(self, state: dict) -> dict:
+        """Load what :meth:`save` wrote (``state``: its train_state.pt); returns this rank's
+        RNG state (set it last, after everything else that draws random numbers)."""
         world, run_dir, stream = self.world, self.run_dir, self.stream
-        state = load_train_state(run_dir / "train_state.pt")
         if state.get("version") != STATE_VERSION:
             raise AiaynError(f"{run_dir}/train_state.pt: unknown version {state.get('version')!r}")
         weights = run_dir / state["weights"]
@@ -804,6 +823,15 @@ class Trainer:
                              "--set train.patience (or 0)")
         self.log(f"resumed {run_dir} at step {self.progress.step}, epoch {stream.epoch}")
         return rng
+
+
+def kept_choices(state: dict | None, device: torch.device) -> dict[str, Any]:
+    """The probes' choices a train state recorded ("bf16", "output_kernel"), when it was
+    written on this kind of machine (aiayn.distributed.machine_kind); otherwise none."""
+    choices = (state or {}).get("choices") or {}
+    if choices.get("machine") != machine_kind(device):
+        return {}
+    return {key: choices[key] for key in ("bf16", "output_kernel") if key in choices}
 
 
 def non_finite_message(result: StepResult, progress: Progress, run_dir: Path,
