@@ -481,6 +481,38 @@ def test_an_error_on_rank_0_stops_every_rank_at_once(data_dir, tmp_path):
         assert "already holds a run" in error_line(err)
 
 
+def test_a_rank_killed_mid_run_stops_the_other_with_one_line_naming_the_resume(
+        data_dir, tmp_path):
+    """SIGKILL of rank 1 while the ranks train: rank 0's next collective finds its peer gone,
+    and it stops with one line that says so and names the resume command, not a traceback.
+    The ranks are started by hand; torchrun would end rank 0 itself at once."""
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "aiayn", "train", "--config", TINY, "--data", str(data_dir),
+           "--out", str(run), "--device", "cpu",
+           *sets(max_steps=100_000, save_every=2, eval_every=100_000)]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": "2"}
+    ranks = [subprocess.Popen(cmd, cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    try:
+        deadline = time.time() + 120
+        while not (run / "train_state.pt").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        ranks[1].send_signal(signal.SIGKILL)
+        err = ranks[0].communicate(timeout=120)[1]
+    finally:
+        for p in ranks:
+            p.kill()
+    assert ranks[0].returncode == 2 and "Traceback" not in err, err
+    line = error_line(err)
+    assert "rank 0 of 2: another process of the run stopped" in line
+    assert f"-m aiayn train --resume {run}`" in line
+
+
 def test_max_epochs_stops_after_exactly_that_many_passes(data_dir, tmp_path):
     run = tmp_path / "run"
     run_train("--config", TINY, "--data", str(data_dir), "--out", str(run),

@@ -345,9 +345,27 @@ def train(
                 return trainer.run()
             finally:
                 trainer.metrics.close()
+    except RuntimeError as exc:
+        if not (world.enabled and lost_a_rank(exc)):
+            raise
+        raise AiaynError(
+            f"rank {world.rank} of {world.world_size}: another process of the run stopped "
+            f"({str(exc).splitlines()[0][:160]}); see its own output for why, then go on from "
+            f"the last save with `torchrun --nproc_per_node {world.world_size} -m aiayn train "
+            f"--resume {run_dir}`") from None
     finally:
         if world.enabled and dist.is_initialized():
             dist.destroy_process_group()
+
+
+# What a collective raises on a rank whose peer process died (gloo's TCP transport).
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
+
+
+def lost_a_rank(exc: BaseException) -> bool:
+    """Whether ``exc`` says that another rank's process is gone (killed, out of memory): a
+    failure of the run, not of this rank, which the CLI reports as one line."""
+    return any(marker in str(exc) for marker in PEER_LOST)
 
 
 @contextmanager
