@@ -392,6 +392,76 @@ def test_kills_at_random_moments_then_resumes_end_on_the_uninterrupted_weights(w
     assert_equal_weights(weights(killed), weights(straight), "; ".join(moments))
 
 
+# `aiayn train` that SIGKILLs itself at one moment of a save: FUNCTION of aiayn.train (a
+# writer of the save) is about to be called for the step STEP (the file name NAME, if given).
+KILLED_IN_A_SAVE = """
+import os, signal, sys
+import aiayn.train as train
+from aiayn import cli
+function, step, name = sys.argv[1:4]
+write = getattr(train, function)
+def write_or_die(what, path, **kwargs):
+    if path.name.startswith(name) and str(train_step(what, kwargs)) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return write(what, path, **kwargs)
+def train_step(what, kwargs):
+    return what["step"] if isinstance(what, dict) else kwargs["metadata"]["step"]
+setattr(train, function, write_or_die)
+sys.exit(cli.main(sys.argv[4:]))
+"""
+
+
+def killed_in_a_save(function: str, step: int, name: str, *args) -> int:
+    """Run `aiayn train ARGS` until it is about to write NAME with FUNCTION at STEP (then it
+    is killed); returns its exit status."""
+    done = subprocess.run([sys.executable, "-c", KILLED_IN_A_SAVE, function, str(step), name,
+                           "train", *map(str, args)], cwd=ROOT, capture_output=True, timeout=120)
+    return done.returncode
+
+
+# The settings of world["run"], whose weights an interrupted run must end on.
+WORLD_RUN = ["--set", "train.max_steps=8", "--set", "train.save_every=4", "--set",
+             "train.eval_every=4", "--set", "train.keep_checkpoints=2"]
+
+
+def test_a_kill_in_the_final_save_before_last_safetensors_is_finished_by_the_resume(
+        world, tmp_path):
+    """Killed after the final save's train_state.pt, before its last.safetensors: the resume
+    has no step left to train, and still leaves the final weights in last.safetensors (not
+    those of the save before), as an uninterrupted run does."""
+    from helpers import assert_equal_weights, weights
+
+    run = tmp_path / "run"
+    status = killed_in_a_save("save_weights", 8, "last.safetensors", "--config", TINY,
+                              "--data", world["data"], "--out", run, *WORLD_RUN)
+    assert status == -signal.SIGKILL
+    assert load_train_state(run / "train_state.pt")["step"] == 8
+    assert checkpoint.read_metadata(run / "last.safetensors")["step"] == "4"  # the kill's mark
+    result = aiayn("train", "--resume", run)
+    assert result.returncode == 0, result.stderr.decode()
+    assert checkpoint.read_metadata(run / "last.safetensors")["step"] == "8"
+    assert_equal_weights(weights(run), weights(world["run"]))
+
+
+def test_a_kill_in_the_first_save_before_its_train_state_starts_the_run_over(world, tmp_path):
+    """Killed in the first save after its step checkpoint (and a validation's best weights)
+    but before train_state.pt: nothing was saved to resume from, so --resume starts the run
+    again, as for a kill before the first save, and ends on the uninterrupted run's weights."""
+    from helpers import assert_equal_weights, weights
+
+    run = tmp_path / "run"
+    status = killed_in_a_save("save_train_state", 4, "train_state.pt", "--config", TINY,
+                              "--data", world["data"], "--out", run, *WORLD_RUN)
+    assert status == -signal.SIGKILL
+    assert not (run / "train_state.pt").exists() and not (run / "last.safetensors").exists()
+    assert (run / "checkpoints" / "step_0000004.safetensors").exists()
+    assert (run / "best.safetensors").exists()
+    result = aiayn("train", "--resume", run)
+    assert result.returncode == 0, result.stderr.decode()
+    assert load_train_state(run / "train_state.pt")["step"] == 8
+    assert_equal_weights(weights(run), weights(world["run"]))
+
+
 def test_train_force_replaces_the_run_files_and_nothing_else(world, tmp_path):
     run = copy_run(world, tmp_path)
     (run / "notes.txt").write_text("mine\n", encoding="utf-8")

@@ -195,6 +195,37 @@ def test_collating_ahead_trains_and_resumes_exactly_as_without(data_dir, tmp_pat
     assert all(r["loss"] == loss[r["step"]] for r in records(split, "train"))
 
 
+def test_a_resume_keeps_the_choices_of_its_runs_probes(data_dir, tmp_path, monkeypatch):
+    """bf16 "auto" and the output layer's kernel are chosen by timing probes, which can come
+    out otherwise in another process (a busy core, two close timings). A resume on the same
+    kind of machine keeps what its run chose, so it ends on the uninterrupted run's weights
+    bit for bit though its own probes would choose bf16 and the other kernel."""
+    import aiayn.distributed
+    import aiayn.kernels
+
+    probes = {"bf16": False, "onednn": True}  # what the probes say now
+    monkeypatch.setattr(aiayn.distributed, "prefer_bf16", lambda fp32, bf16: probes["bf16"])
+    monkeypatch.setattr(aiayn.kernels, "MIN_PROBED_WEIGHTS", 0)  # probe the tiny layer too
+    monkeypatch.setattr(aiayn.kernels, "probe_seconds",
+                        lambda *shape: (1.0, 0.5) if probes["onednn"] else (0.5, 1.0))
+    n = 4
+    common = ["--config", TINY, "--data", str(data_dir), "--set", "train.bf16=auto",
+              *sets(eval_every=100, save_every=n, log_every=1)]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run_train(*common, "--out", str(straight), *sets(max_steps=2 * n))
+    run_train(*common, "--out", str(split), *sets(max_steps=n))
+    probes.update(bf16=True, onednn=False)
+    run_train("--resume", str(split), *sets(max_steps=2 * n))
+    assert_equal_weights(weights(split), weights(straight))
+    choices = load_train_state(split / "train_state.pt")["choices"]
+    assert (choices["bf16"], choices["output_kernel"]) == (False, "oneDNN")
+    # Another kind of machine chooses again.
+    monkeypatch.setattr(train, "machine_kind", lambda device: "another machine")
+    run_train("--resume", str(split), *sets(max_steps=2 * n + 1))
+    choices = load_train_state(split / "train_state.pt")["choices"]
+    assert (choices["bf16"], choices["output_kernel"]) == (True, "F.linear")
+
+
 def test_output_vocab_targets_scores_the_pieces_of_the_training_targets(data_dir, tmp_path):
     """model.output_vocab=targets: the run's output layer allows exactly the pieces that the
     prepared training targets hold (and EOS), none of the source side's own words; the set
@@ -448,6 +479,38 @@ def test_an_error_on_rank_0_stops_every_rank_at_once(data_dir, tmp_path):
     assert [p.returncode for p in ranks] == [2, 2]
     for err in errs:
         assert "already holds a run" in error_line(err)
+
+
+def test_a_rank_killed_mid_run_stops_the_other_with_one_line_naming_the_resume(
+        data_dir, tmp_path):
+    """SIGKILL of rank 1 while the ranks train: rank 0's next collective finds its peer gone,
+    and it stops with one line that says so and names the resume command, not a traceback.
+    The ranks are started by hand; torchrun would end rank 0 itself at once."""
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "aiayn", "train", "--config", TINY, "--data", str(data_dir),
+           "--out", str(run), "--device", "cpu",
+           *sets(max_steps=100_000, save_every=2, eval_every=100_000)]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": "2"}
+    ranks = [subprocess.Popen(cmd, cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    try:
+        deadline = time.time() + 120
+        while not (run / "train_state.pt").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        ranks[1].send_signal(signal.SIGKILL)
+        err = ranks[0].communicate(timeout=120)[1]
+    finally:
+        for p in ranks:
+            p.kill()
+    assert ranks[0].returncode == 2 and "Traceback" not in err, err
+    line = error_line(err)
+    assert "rank 0 of 2: another process of the run stopped" in line
+    assert f"-m aiayn train --resume {run}`" in line
 
 
 def test_max_epochs_stops_after_exactly_that_many_passes(data_dir, tmp_path):

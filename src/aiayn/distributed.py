@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 import random
 import time
 from dataclasses import dataclass, field
@@ -110,6 +111,36 @@ def resolve_bf16(setting: str, device: torch.device) -> tuple[bool, str]:
     use = prefer_bf16(fp32, bf16)
     return use, (f"auto: a probe matmul took {fp32 * 1e3:.1f} ms in fp32 and {bf16 * 1e3:.1f} ms "
                  f"in bf16 on this CPU ({torch.backends.cpu.get_cpu_capability()})")
+
+
+def machine_kind(device: torch.device) -> str:
+    """The kind of machine a timing probe's choice holds for: the GPU, or the CPU's model
+    with the vector instructions PyTorch uses on it, and the PyTorch build (a run's resume
+    on the same kind keeps the choices of its start: aiayn.train.kept_choices)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = f"{_cpu_model()} ({torch.backends.cpu.get_cpu_capability()})"
+    return f"{name}; torch {torch.__version__}"
+
+
+def _cpu_model() -> str:
+    """/proc/cpuinfo's model name with its family and model numbers (a hypervisor often
+    shortens the name, e.g. "AMD EPYC"), or what the platform says."""
+    info: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                key, sep, value = line.partition(":")
+                if not sep:
+                    break  # the first processor's block ends here
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    name = info.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in info:
+        name += f" (family {info['cpu family']}, model {info.get('model', '?')})"
+    return name
 
 
 # ---------------------------------------------------------------- collectives

@@ -122,3 +122,14 @@ def choose_output_kernel(generator, rows: int, enabled: bool = True) -> str:
     generator.kernel = onednn_linear if faster else F.linear
     return (f"output layer: {'oneDNN' if faster else 'F.linear'} (a probe took "
             f"{blas * 1e3:.1f} ms in BLAS, {onednn * 1e3:.1f} ms in oneDNN)")
+
+
+def output_kernel_name(generator) -> str:
+    """The product ``generator.kernel`` computes with: "oneDNN" or "F.linear"."""
+    return "oneDNN" if generator.kernel is onednn_linear else "F.linear"
+
+
+def use_output_kernel(generator, name: str) -> None:
+    """Set ``generator.kernel`` by its :func:`output_kernel_name` (a choice made before: kept
+    by a resume, or rank 0's for every rank), without probing."""
+    generator.kernel = onednn_linear if name == "oneDNN" and onednn_available() else F.linear

@@ -97,22 +97,43 @@ def record_config(run_dir: Path, config: Config, overrides: list[str], step: int
             fh.write(line + "\n")
 
 
-def resume_point(run_dir: Path) -> Path | None:
-    """train_state.pt when the run saved one; None when it saved nothing at all (a crash
-    before the first save: start it over). Weights without a train state cannot resume
-    exactly: one AiaynError that names the ways on."""
+def resume_point(run_dir: Path, first_save: int) -> Path | None:
+    """train_state.pt when the run saved one; None when it saved nothing yet: a crash before
+    the first save, or during it before train_state.pt was written (start it over, which
+    writes those weights again). Other weights without a train state cannot resume exactly:
+    one AiaynError that names the ways on.
+
+    A save writes the step checkpoint first, then train_state.pt, then last.safetensors, so a
+    first save cut short leaves a step checkpoint of a step no later than ``first_save``
+    (train.save_every; a run that stops earlier saves at its last step), no
+    last.safetensors, and no weights of a later step (best.safetensors of a validation
+    before it, train.keep_steps)."""
     state = run_dir / "train_state.pt"
     if state.is_file():
         return state
-    weights = sorted(p.name for p in run_dir.glob("*.safetensors")) + \
-        [f"checkpoints/{p.name}" for p in list_step_checkpoints(run_dir)]
-    if not weights:
+    named = sorted(run_dir.glob("*.safetensors"))
+    steps = list_step_checkpoints(run_dir)
+    if not named and not steps:
         return None
+    if steps and not (run_dir / "last.safetensors").exists():
+        newest = checkpoint_step(steps[-1])
+        if newest <= first_save and all(0 <= _saved_step(p) <= newest for p in named):
+            return None
+    weights = [p.name for p in named] + [f"checkpoints/{p.name}" for p in steps]
     raise AiaynError(
         f"{run_dir}: has weights ({', '.join(weights[:3])}) but no train_state.pt, so it "
         f"cannot be resumed exactly; start a new run from them with `aiayn train --init-from "
         f"{run_dir} --data DIR --out NEW_RUN`, or start this one over with `aiayn train "
         f"--config {run_dir / 'config.yaml'} --data DIR --out {run_dir} --force`")
+
+
+def _saved_step(path: Path) -> int:
+    """The step in a weights file's metadata; -1 when it names none or cannot be read."""
+    try:
+        step = read_metadata(path).get("step", "")
+    except AiaynError:
+        return -1
+    return int(step) if step.isdigit() else -1
 
 def copy_tokenizer(src: Path, dst: Path) -> None:
     """Copy the tokenizer directory beside the weights (a temp dir renamed into place).

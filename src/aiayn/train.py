@@ -43,6 +43,7 @@ from aiayn.checkpoint import (
     STATE_VERSION,
     load_train_state,
     load_weights,
+    read_metadata,
     save_train_state,
     save_weights,
     tensors_size,
@@ -54,6 +55,7 @@ from aiayn.distributed import (
     Dist,
     all_reduce_sum,
     gather_objects,
+    machine_kind,
     max_over_ranks,
     on_main,
     resolve_bf16,
@@ -66,7 +68,7 @@ from aiayn.early_stopping import BestTracker
 from aiayn.errors import AiaynError
 from aiayn.evaluate import validate
 from aiayn.io import as_disk_error, check_room, remove_temp_files
-from aiayn.kernels import choose_output_kernel
+from aiayn.kernels import choose_output_kernel, output_kernel_name, use_output_kernel
 from aiayn.lock import PID_FILE, locked
 from aiayn.model import Transformer
 from aiayn.optim import build_optimizer, schedule_lr, set_learning_rate
@@ -343,9 +345,27 @@ def train(
                 return trainer.run()
             finally:
                 trainer.metrics.close()
+    except RuntimeError as exc:
+        if not (world.enabled and lost_a_rank(exc)):
+            raise
+        raise AiaynError(
+            f"rank {world.rank} of {world.world_size}: another process of the run stopped "
+            f"({str(exc).splitlines()[0][:160]}); see its own output for why, then go on from "
+            f"the last save with `torchrun --nproc_per_node {world.world_size} -m aiayn train "
+            f"--resume {run_dir}`") from None
     finally:
         if world.enabled and dist.is_initialized():
             dist.destroy_process_group()
+
+
+# What a collective raises on a rank whose peer process died (gloo's TCP transport).
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
+
+
+def lost_a_rank(exc: BaseException) -> bool:
+    """Whether ``exc`` says that another rank's process is gone (killed, out of memory): a
+    failure of the run, not of this rank, which the CLI reports as one line."""
+    return any(marker in str(exc) for marker in PEER_LOST)
 
 
 @contextmanager
@@ -435,9 +455,11 @@ class RunStart:
                log: Callable[[str], object]) -> RunStart:
         if resume:
             check_holds_a_run(run_dir)
-            # A run that crashed before its first save has nothing to resume from: it
-            # starts again at step 0 with its own config (which is what it would have done).
-            restart = resume_point(run_dir) is None
+            # A run that crashed before its first save (or in it, before train_state.pt)
+            # has nothing to resume from: it starts again at step 0 with its own config
+            # (which is what it would have done).
+            first_save = load_run_config(run_dir, []).train.save_every
+            restart = resume_point(run_dir, first_save) is None
             if restart:
                 log(f"{run_dir}: no checkpoint was saved yet; starting it at step 0 with its "
                     "config.yaml")
@@ -509,7 +531,16 @@ class Trainer:
         # What config.yaml holds: the vocabulary sizes of the data, train.bf16 as set ("auto"
         # stays "auto", so a resume on another machine chooses again).
         stored = resolve_config(start.config, self.data.tokenizers, start.data_dir)
-        self.bf16, why_bf16 = resolve_bf16(stored.train.bf16, world.device)
+        saved = load_train_state(run_dir / "train_state.pt") if start.continues else None
+        # Timing probes choose bf16 ("auto") and the output layer's kernel; a resume on the
+        # same kind of machine keeps the run's choices (a probe can come out otherwise in
+        # another process: a busy machine, two close timings), and every rank takes rank 0's.
+        kept = kept_choices(saved, world.device)
+        if stored.train.bf16 == "auto" and "bf16" in kept:
+            self.bf16, why_bf16 = kept["bf16"], "auto: kept from the run's start on this machine"
+        else:
+            self.bf16, why_bf16 = resolve_bf16(stored.train.bf16, world.device)
+        self.bf16, why_bf16 = gather_objects((self.bf16, why_bf16), world)[0]
         # What runs: the same with bf16 chosen for this device (TrainConfig.use_bf16).
         self.config = replace(stored, train=replace(stored.train, bf16=str(self.bf16).lower()))
         t = self.config.train
@@ -526,15 +557,25 @@ class Trainer:
                                   t.max_epochs, length_multiple(self.bf16))
         self.prefetch = collates_ahead(world.device)
         self.progress = Progress(best=BestTracker(t.best_metric, t.patience))
-        rng = self.restore() if start.continues else None
-        why_output = choose_output_kernel(self.model.generator, t.max_tokens,
-                                          enabled=not self.bf16)
+        rng = self.restore(saved) if saved is not None else None
+        if "output_kernel" in kept and kept.get("bf16") == self.bf16:
+            use_output_kernel(self.model.generator, kept["output_kernel"])
+            why_output = (f"output layer: {output_kernel_name(self.model.generator)} (kept from "
+                          "the run's start on this machine)")
+        else:
+            why_output = choose_output_kernel(self.model.generator, t.max_tokens,
+                                              enabled=not self.bf16)
+        chosen, why_output = gather_objects(
+            (output_kernel_name(self.model.generator), why_output), world)[0]
+        use_output_kernel(self.model.generator, chosen)
         kept_ahead = sum(s > self.progress.step for s in t.keep_steps)
         on_main(lambda: check_room(run_dir, run_size(self.model, t.keep_checkpoints,
                                                      start.continues, kept_ahead),
                                    "the run"), world)
         # Everything is checked and loaded: only now is the run directory written.
         on_main(lambda: start.record(run_dir, stored, overrides, self.progress.step, force), world)
+        if start.continues:
+            on_main(self.finish_saved_step, world)
         if world.rank > 0 and rng is None:
             torch.manual_seed(t.seed + 7919 * world.rank)  # own dropout masks on each rank
         self.ddp, self.train_model = wrap_for_training(self.model, t.compile, world)
@@ -678,9 +719,12 @@ class Trainer:
 
         Order: the step's own weights file, then train_state.pt naming it, then last.safetensors,
         then pruning of old step files. A kill between any two writes leaves a train state whose
-        weights file exists and matches it. A failed write (a full disk: aiayn.io.DiskError)
-        removes the step's weights file again unless train_state.pt already names it, so the
-        last good save stays what a resume continues from, and nothing half-made stays.
+        weights file exists and matches it (or, in the first save, no train state: the run
+        starts over, aiayn.rundir.resume_point), and the resume writes last.safetensors when
+        the kill came before it (:meth:`finish_saved_step`). A failed write (a full disk:
+        aiayn.io.DiskError) removes the step's weights file again unless train_state.pt
+        already names it, so the last good save stays what a resume continues from, and
+        nothing half-made stays.
         """
         world, run_dir, config, progress = self.world, self.run_dir, self.config, self.progress
         rngs = gather_objects(rng_state(), world)
@@ -701,6 +745,23 @@ class Trainer:
         save_weights(self.model, run_dir / "last.safetensors", metadata=meta)
         prune_step_checkpoints(run_dir, config.train.keep_checkpoints, config.train.keep_steps)
         progress.saved_step = step
+
+    def finish_saved_step(self) -> None:
+        """On resume, write what :meth:`save` writes after train_state.pt when a kill cut the
+        save short there: last.safetensors holds the saved step (the weights just loaded, which
+        the train state names). Otherwise a run killed in its final save would keep the step
+        before in last.safetensors for good: its resume has no step left to save. (Pruning
+        waits for the next save, which writes the newest step file first.)"""
+        step, last = self.progress.step, self.run_dir / "last.safetensors"
+        try:
+            saved = read_metadata(last).get("step") if last.is_file() else None
+        except AiaynError:  # unreadable: written again below
+            saved = None
+        if saved != str(step):
+            save_weights(self.model, last, metadata={"step": str(step)})
+            self.log(f"resume: last.safetensors held {f'step {saved}' if saved else 'no step'}; "
+                     f"rewritten with step {step}, which the save before the interruption had "
+                     "not finished")
 
     def save_kept(self) -> None:
         """The weights of a step of train.keep_steps between saves: the step file alone (no
@@ -730,14 +791,15 @@ class Trainer:
             "best": progress.best.state_dict(),
             "elapsed_s": progress.elapsed_s,
             "tokens": progress.tokens,
+            "choices": {"machine": machine_kind(world.device), "bf16": self.bf16,
+                        "output_kernel": output_kernel_name(self.model.generator)},
         }
         save_train_state(state, run_dir / "train_state.pt")
 
-    def restore(self) -> dict:
-        """Load what :meth:`save` wrote; returns this rank's RNG state (set it last, after
-        everything else that draws random numbers)."""
+    def restore(self, state: dict) -> dict:
+        """Load what :meth:`save` wrote (``state``: its train_state.pt); returns this rank's
+        RNG state (set it last, after everything else that draws random numbers)."""
         world, run_dir, stream = self.world, self.run_dir, self.stream
-        state = load_train_state(run_dir / "train_state.pt")
         if state.get("version") != STATE_VERSION:
             raise AiaynError(f"{run_dir}/train_state.pt: unknown version {state.get('version')!r}")
         weights = run_dir / state["weights"]
@@ -779,6 +841,15 @@ class Trainer:
                              "--set train.patience (or 0)")
         self.log(f"resumed {run_dir} at step {self.progress.step}, epoch {stream.epoch}")
         return rng
+
+
+def kept_choices(state: dict | None, device: torch.device) -> dict[str, Any]:
+    """The probes' choices a train state recorded ("bf16", "output_kernel"), when it was
+    written on this kind of machine (aiayn.distributed.machine_kind); otherwise none."""
+    choices = (state or {}).get("choices") or {}
+    if choices.get("machine") != machine_kind(device):
+        return {}
+    return {key: choices[key] for key in ("bf16", "output_kernel") if key in choices}
 
 
 def non_finite_message(result: StepResult, progress: Progress, run_dir: Path,
