@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ import torch
 from torch import Tensor
 
 from aiayn.batching import token_batches
+from aiayn.distributed import cpu_model  # noqa: F401  (the benchmarks name their CPU with it)
 from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 FIRST_REAL_ID = 4  # ids below are [PAD] [UNK] [BOS] [EOS] (docs/interfaces.md)
@@ -30,26 +30,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 # --------------------------------------------------------------------------- the device
-
-
-def cpu_model() -> str:
-    """The CPU's model name as /proc/cpuinfo gives it, with family/model numbers.
-
-    Under a hypervisor the name is often shortened (e.g. "AMD EPYC"), so the family and
-    model numbers are kept: they identify the generation (family 26 = AMD Zen 5).
-    """
-    info: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, sep, value = line.partition(":")
-            if sep and key.strip() not in info:
-                info[key.strip()] = value.strip()
-    except OSError:
-        return platform.processor() or platform.machine()
-    name = info.get("model name", platform.machine())
-    if "cpu family" in info:
-        name += f" (family {info['cpu family']}, model {info.get('model', '?')})"
-    return name
 
 
 def cpu_flags() -> set[str]:

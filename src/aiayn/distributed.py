@@ -120,13 +120,14 @@ def machine_kind(device: torch.device) -> str:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
-        name = f"{_cpu_model()} ({torch.backends.cpu.get_cpu_capability()})"
+        name = f"{cpu_model()} ({torch.backends.cpu.get_cpu_capability()})"
     return f"{name}; torch {torch.__version__}"
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     """/proc/cpuinfo's model name with its family and model numbers (a hypervisor often
-    shortens the name, e.g. "AMD EPYC"), or what the platform says."""
+    shortens the name, e.g. "AMD EPYC": the numbers name the generation, family 26 = AMD
+    Zen 5), or what the platform says (the benchmarks name their CPU with it too)."""
     info: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
@@ -139,7 +140,7 @@ def _cpu_model() -> str:
         pass
     name = info.get("model name") or platform.processor() or platform.machine()
     if "cpu family" in info:
-        name += f" (family {info['cpu family']}, model {info.get('model', '?')})"
+        name += f" (family {info['cpu family']} model {info.get('model', '?')})"
     return name
 
 
