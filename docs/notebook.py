@@ -4,8 +4,9 @@ committed outputs are older than the code.
 A notebook is committed with its outputs (figures as PNG), so it reads on GitHub without
 running. Those outputs are only as current as the code that made them, so
 ``make notebook`` (``python docs/notebook.py``) executes each top to bottom in place and records
-a fingerprint in its metadata: the SHA-256 of its code cells and of the source files of
-every ``aiayn`` module they import. tests/test_notebook.py executes a copy (every check
+a fingerprint in its metadata: the SHA-256 of its code cells and of the code of every
+``aiayn`` module they import (the module's syntax tree without its docstrings, so an edit
+of prose, comments or layout leaves the outputs current). tests/test_notebook.py executes a copy (every check
 cell asserts), compares the recorded fingerprint with the current one, and compares the
 text outputs of the cells tagged ``deterministic`` (shapes, parameter counts, ...) with
 the fresh ones. It also writes the figure of the cell tagged ``figure:NAME`` to
@@ -77,16 +78,30 @@ def module_file(name: str) -> Path | None:
     return None
 
 
+def code_of(source: str) -> str:
+    """A module's code alone: its syntax tree with every docstring removed, dumped without
+    positions. Comments, docstrings, blank lines and line breaks change nothing here, so
+    they leave a notebook's outputs current; any change to what runs does not."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                    and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
 def fingerprint(nb: nbformat.NotebookNode) -> str:
-    """SHA-256 of the code cells and of the source of every aiayn module they import: what
-    the outputs depend on (markdown cells and outputs are left out)."""
+    """SHA-256 of the code cells and of the code of every aiayn module they import: what the
+    outputs depend on (markdown cells, outputs and the modules' prose are left out)."""
     digest = hashlib.sha256()
     for source in code_sources(nb):
         digest.update(b"cell\0" + source.encode() + b"\0")
     for name in imported_modules(nb):
         path = module_file(name)
         digest.update(f"module\0{path.relative_to(ROOT).as_posix()}\0".encode())
-        digest.update(path.read_bytes() + b"\0")
+        digest.update(code_of(path.read_text(encoding="utf-8")).encode() + b"\0")
     return digest.hexdigest()
 
 

@@ -75,6 +75,18 @@ def test_fingerprint_covers_the_code_cells_and_the_imported_modules():
     assert tool.fingerprint(changed) == tool.fingerprint(committed)  # prose changes no output
 
 
+def test_a_modules_prose_leaves_the_outputs_current_and_its_code_does_not():
+    source = (tool.PACKAGE / "model.py").read_text(encoding="utf-8")
+    assert '"""' in source and "# " in source  # it has prose to change
+    reworded = (source.replace('"""', '"""Reworded. ', 1)  # the module's docstring
+                .replace("# ", "# reworded: ")  # every comment
+                .replace("\n\n\n", "\n\n\n\n"))  # the layout
+    assert tool.code_of(reworded) == tool.code_of(source)
+    changed_code = source.replace("math.sqrt", "math.sqrt(1.0) * math.sqrt", 1)
+    assert changed_code != source
+    assert tool.code_of(changed_code) != tool.code_of(source)
+
+
 def test_committed_figure_files_are_the_notebooks(notebook, committed):
     pictures = tool.figures(committed)
     assert set(pictures) == EXPECTED[notebook.stem][0]
