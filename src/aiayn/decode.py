@@ -457,12 +457,6 @@ def ban_repeated_ngrams(logits: Tensor, history: np.ndarray, n: int,
     logits[torch.from_numpy(rows).to(logits.device), columns] = float("-inf")
 
 
-def repeats_ngram(ids: list, n: int) -> bool:
-    """Whether the sequence ``ids`` (token ids, words...) holds some n-gram twice."""
-    grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
-    return len(set(grams)) < len(grams)
-
-
 # ---------------------------------------------------------------- sampling
 def sampling_distribution(logits: Tensor, sampling: Sampling) -> tuple[Tensor, Tensor]:
     """(N, V') logits -> what a sample is drawn from, most likely first: (N, V')
