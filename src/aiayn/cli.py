@@ -381,7 +381,8 @@ def _add_evaluate(sub) -> None:
                    "from RUN_DIR/data_dir.txt)")
     _add_weights(p)
     p.add_argument("-o", "--output", help="file for the hypotheses (default: "
-                   "RUN_DIR/eval/SPLIT.WEIGHTS.beamK.alphaA.txt; greedy: .beam1.txt)")
+                   "RUN_DIR/eval/SPLIT.WEIGHTS.beamK.alphaA.txt; greedy: .beam1.txt; with "
+                   "--no-repeat-ngram N: .norepeatN before .txt)")
     p.add_argument("--limit", type=int, default=0, help="only the first N sentences (0: all)")
     _add_device(p)
     _add_engine(p)

@@ -46,7 +46,14 @@ import torch
 from aiayn.batching import pad, token_batches
 from aiayn.checkpoint import load_weights
 from aiayn.config import DecodeConfig
-from aiayn.decode import Hypothesis, Sampling, Search, beam_search, greedy_decode
+from aiayn.decode import (
+    Hypothesis,
+    Sampling,
+    Search,
+    beam_search,
+    greedy_decode,
+    next_distribution,
+)
 from aiayn.errors import AiaynError, is_out_of_memory
 from aiayn.kernels import choose_output_kernel
 from aiayn.model import Transformer, capture_attention
@@ -522,6 +529,33 @@ class Translator:
         sources, _ = self.encode([_one_line(sentence)])
         return self.decode_ids(sources, beam=beam, alpha=alpha)[0][0].ids
 
+    def next_piece(self, sentence: str, target: str | None = None, step: int | None = None,
+                   sampling: Sampling | None = None, top: int = 10, no_repeat_ngram: int = 0
+                   ) -> NextPiece:
+        """The ``top`` likeliest pieces that a sample (``sampling``: temperature, top-k,
+        top-p) would draw as piece number ``step`` of ``target`` (None: this translator's
+        greedy translation), given the source and the pieces before it, with their
+        probabilities (``aiayn.decode.next_distribution``); ``step`` None: after the whole
+        target."""
+        sampling = sampling or Sampling()
+        check_sampling(sampling)
+        check_search(None, 1, None, no_repeat_ngram)
+        ids = self.target_ids(sentence, target)
+        step = len(ids) if step is None else step
+        if not 0 <= step <= len(ids):
+            raise AiaynError(f"step must be between 0 and {len(ids)} (the target's pieces), "
+                             f"got {step}")
+        sources, _ = self.encode([_one_line(sentence)])
+        src = torch.tensor(sources, dtype=torch.long, device=self.device)
+        probs, tokens = on_one_thread(lambda: next_distribution(
+            self.model, src, ids[:step], sampling, no_repeat_ngram))
+        piece = self.tokenizers.tgt_id_to_token
+        chosen = ids[step] if step < len(ids) else EOS_ID
+        return NextPiece([piece(i) for i in ids], step, piece(chosen),
+                         [(piece(int(t)), float(p)) for t, p in zip(tokens[:top].tolist(),
+                                                                     probs[:top].tolist())
+                          if p > 0])
+
     def attention_of(self, model: Transformer, sentence: str, hypothesis: Sequence[int]
                      ) -> SentenceAttention:
         """Every attention map of ``model`` (this one's, or another with the same
@@ -548,6 +582,16 @@ def _one_line(sentence: str) -> str:
 
 def _parameter_device(model: Transformer) -> torch.device:
     return next(model.parameters()).device
+
+
+@dataclass
+class NextPiece:
+    """What a sample would draw at one step of a translation (``Translator.next_piece``)."""
+
+    tgt_tokens: list[str]  # the target's pieces (no BOS, no EOS)
+    step: int  # the piece drawn: number ``step`` of the target, after the ones before it
+    target_piece: str  # the target's own piece there ([EOS] after its last)
+    pieces: list[tuple[str, float]]  # the likeliest, with their probabilities, best first
 
 
 # ---------------------------------------------------------------- attention capture
