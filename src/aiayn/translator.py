@@ -226,7 +226,7 @@ class Translator:
         ``threads_per_stream`` > 1 only to measure the barriers that one thread avoids.
         ``engine``: search with this instead of ``model`` (None then), e.g. an
         ``aiayn.ct2_engine.CTranslate2Search``: it has ``max_len``, ``device`` and
-        ``search(sources, beam, alpha, nbest, max_len_b) -> list[list[Hypothesis]]``.
+        ``search(sources, search: Search, nbest, max_len_b) -> list[list[Hypothesis]]``.
         ``decode``: the search that a beam or alpha of None means (the run's config section;
         default the paper's beam 4, alpha 0.6)."""
         self.engine = engine
