@@ -397,11 +397,12 @@ def test_info_reports_what_the_run_files_say(healthy, capsys):
                      "checkpoints/step_0000015.safetensors": 15,
                      "checkpoints/step_0000030.safetensors": 30}
     assert info["init_from"] is None
-    assert info["decode"] == {"beam": config.decode.beam, "alpha": config.decode.alpha}
+    assert info["decode"] == {"beam": config.decode.beam, "alpha": config.decode.alpha,
+                              "no_repeat_ngram": 0}
     assert main(["info", str(healthy)]) == 0
     text = capsys.readouterr().out
     assert f"best       step {info['best']['step']}," in text and "trained    30 steps" in text
-    assert f"search     beam {config.decode.beam}, alpha {config.decode.alpha} " in text
+    assert f"search     beam {config.decode.beam}, alpha {config.decode.alpha} (its " in text
 
 
 def test_info_on_a_directory_that_is_no_run_is_one_line(tmp_path, capsys):

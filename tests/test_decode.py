@@ -12,9 +12,11 @@ from aiayn.config import ModelConfig
 from aiayn.decode import (
     NEVER_GENERATED,
     JoinableSearch,
+    Sampling,
     beam_search,
     greedy_decode,
     length_penalty,
+    next_distribution,
     output_limits,
 )
 from aiayn.model import Transformer
@@ -336,3 +338,138 @@ def test_a_joinable_search_refuses_a_key_twice():
         search.add([0], src[1:])
     with pytest.raises(ValueError, match="beam"):
         JoinableSearch(model, 0)
+
+
+# ---------------------------------------------------------------- the repetition guard
+def looping_model(seed: int = 0) -> Transformer:
+    """A random model that rarely ends (EOS biased down), so that long outputs repeat."""
+    return tiny_model(vocab=12, eos_bias=-3.0, sharpness=4.0, seed=seed)
+
+
+def has_repeat(ids: list[int], n: int) -> bool:
+    grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
+    return len(set(grams)) < len(grams)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_no_search_with_the_guard_emits_a_repeated_ngram(n):
+    model = looping_model()
+    src = random_sources([6, 9, 4, 8], vocab=12, seed=3)
+    plain = greedy_decode(model, src, max_len_b=10)
+    assert sum(has_repeat(ids, n) for ids in plain) >= 2  # the guard has work to do
+    greedy = greedy_decode(model, src, max_len_b=10, no_repeat_ngram=n)
+    beams = beam_search(model, src, beam=3, max_len_b=10, nbest=3, no_repeat_ngram=n)
+    assert not any(has_repeat(ids, n) for ids in greedy)
+    assert not any(has_repeat(h.ids, n) for hyps in beams for h in hyps)
+    # Beam 1 is greedy search with the guard too.
+    one = beam_search(model, src, beam=1, max_len_b=10, no_repeat_ngram=n)
+    assert [hyps[0].ids for hyps in one] == greedy
+
+
+def test_the_guard_changes_nothing_where_no_repetition_arises():
+    model = tiny_model(seed=2)
+    src = random_sources([9, 2, 6, 4, 7], vocab=24, seed=4)
+    # An n longer than any output can be: nothing ever repeats, so nothing is banned.
+    for beam in (1, 4):
+        plain = beam_search(model, src, beam=beam, max_len_b=8, nbest=beam)
+        guarded = beam_search(model, src, beam=beam, max_len_b=8, nbest=beam,
+                              no_repeat_ngram=20)
+        assert plain == guarded  # the same kernels on both sides: exactly equal
+    # Greedy: an output without a repeated n-gram never met a ban on its way.
+    plain = greedy_decode(model, src, max_len_b=8)
+    guarded = greedy_decode(model, src, max_len_b=8, no_repeat_ngram=3)
+    clean = [i for i, ids in enumerate(plain) if not has_repeat(ids, 3)]
+    assert len(clean) >= 3 and all(guarded[i] == plain[i] for i in clean)
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_a_joined_search_with_the_guard_equals_one_by_one(beam):
+    model = looping_model(seed=1)
+    lengths = [6, 3, 8, 5, 7]
+    src = random_sources(lengths, vocab=12, seed=5)
+    search = JoinableSearch(model, beam, 0.6, max_len_b=8, no_repeat_ngram=2)
+    got, most = run_joining(search, src, lengths, {0: [0, 1], 2: [2], 5: [3, 4]})
+    assert most >= 3
+    changed = 0
+    for i, n in enumerate(lengths):
+        alone = beam_search(model, src[i : i + 1, :n], beam=beam, max_len_b=8, nbest=beam,
+                            no_repeat_ngram=2)[0]
+        assert [h.ids for h in got[i]] == [h.ids for h in alone]
+        assert [h.score for h in got[i]] == pytest.approx([h.score for h in alone], abs=1e-5)
+        plain = beam_search(model, src[i : i + 1, :n], beam=beam, max_len_b=8)[0]
+        changed += plain[0].ids != alone[0].ids
+    assert changed >= 2  # the guard did change outputs
+
+
+# ---------------------------------------------------------------- sampling
+def samples(model, src, n=3, max_len_b=8, **settings):
+    return beam_search(model, src, beam=n, max_len_b=max_len_b, nbest=n,
+                       sampling=Sampling(**{"seed": 7, **settings}))
+
+
+def test_sampling_with_a_seed_is_reproducible_and_independent_of_the_batch():
+    model = tiny_model(seed=2, eos_bias=0.0)
+    lengths = [9, 2, 6, 4, 7]
+    src = random_sources(lengths, vocab=24, seed=4)
+    first = samples(model, src, temperature=1.5)
+    assert first == samples(model, src, temperature=1.5)
+    other = samples(model, src, temperature=1.5, seed=8)
+    assert [h.ids for hyps in first for h in hyps] != [h.ids for hyps in other for h in hyps]
+    texts = {tuple(h.ids) for hyps in first for h in hyps}
+    assert len(texts) >= 10  # they do differ from sample to sample
+    for i, n in enumerate(lengths[::-1]):  # alone, and in another order: the same samples
+        i = len(lengths) - 1 - i
+        alone = samples(model, src[i : i + 1, :n], temperature=1.5)[0]
+        assert [h.ids for h in alone] == [h.ids for h in first[i]]
+        assert [h.score for h in alone] == pytest.approx([h.score for h in first[i]], abs=1e-5)
+    # A sample's score is the model's log-probability of it, over the length penalty.
+    limits = output_limits(model, src.eq(PAD_ID), 8).tolist()
+    for i, hyps in enumerate(first):
+        ids = [h.ids for h in hyps]
+        ended = [len(h) < limits[i] for h in ids]
+        log_p = sequence_log_probs(model, src[i : i + 1], ids, ended)
+        lengths_ = torch.tensor([len(h) + e for h, e in zip(ids, ended)], dtype=torch.float)
+        assert [h.score for h in hyps] == pytest.approx(
+            (log_p / length_penalty(lengths_, 0.6)).tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize("settings", [{"top_k": 1}, {"temperature": 1e-4}, {"top_p": 1e-6},
+                                      {"top_k": 1, "temperature": 5.0}])
+def test_sampling_that_keeps_only_the_likeliest_piece_is_greedy_search(settings):
+    model = tiny_model(seed=5)
+    src = random_sources([5, 8, 3, 6, 7], vocab=24, seed=2)
+    greedy = greedy_decode(model, src, max_len_b=8)
+    for hyps in samples(model, src, n=2, **settings):
+        assert len(hyps) == 2
+    assert [hyps[0].ids for hyps in samples(model, src, n=2, **settings)] == greedy
+    assert all(hyps[1].ids == hyps[0].ids for hyps in samples(model, src, n=2, **settings))
+
+
+def test_sampling_draws_from_the_cut_distribution():
+    """top-k: no sample holds a piece outside the k likeliest at its step; the draws of
+    many samples follow the model's first-step distribution."""
+    model = tiny_model(seed=3, eos_bias=-1e4, sharpness=1.0)
+    src = random_sources([4], vocab=24, seed=1)
+    got = samples(model, src, n=400, max_len_b=1, top_k=3)[0]
+    probs, ids = next_distribution(model, src, [], Sampling())
+    top3 = set(ids[:3].tolist())
+    first = [h.ids[0] for h in got]
+    assert set(first) <= top3 and len(set(first)) == 3
+    expected = probs[:3] / probs[:3].sum()
+    share = torch.tensor([first.count(int(t)) / len(first) for t in ids[:3]])
+    assert torch.allclose(share, expected, atol=0.08)  # 400 draws: about 2.5 sigma
+
+
+def test_a_joined_sampling_search_equals_one_by_one():
+    model = tiny_model(seed=2, eos_bias=1.0)
+    lengths = [9, 2, 6, 4, 7, 3]
+    src = random_sources(lengths, vocab=24, seed=4)
+    sampling = Sampling(temperature=1.3, top_p=0.9, seed=11)
+    search = JoinableSearch(model, 3, 0.6, max_len_b=8, no_repeat_ngram=2, sampling=sampling)
+    got, most = run_joining(search, src, lengths, {0: [0, 1], 1: [2], 3: [3, 4], 9: [5]})
+    assert most >= 3
+    for i, n in enumerate(lengths):
+        alone = beam_search(model, src[i : i + 1, :n], beam=3, max_len_b=8, nbest=3,
+                            no_repeat_ngram=2, sampling=sampling)[0]
+        assert [h.ids for h in got[i]] == [h.ids for h in alone]
+        assert not any(has_repeat(h.ids, 2) for h in alone)

@@ -68,3 +68,30 @@ def test_validation_decodes_in_fp32_when_training_runs_in_bf16(tmp_path, monkeyp
         encoding="utf-8").splitlines()) if r["kind"] == "dev"]
     assert [r["step"] for r in dev] == [5, 10]
     assert made == [False, False]  # one Translator per validation, both in fp32
+
+
+def test_evaluate_reports_the_stutter_of_hypotheses_and_references(run_dir, tmp_path, capsys):
+    """The share that repeats a 4-gram of words, beside the references' share, printed and
+    in the .json; the guard's n names the file, so that runs with and without it do not
+    overwrite each other."""
+    from aiayn.data import load_prepared
+    from aiayn.metrics import stutter_share
+
+    refs = [tgt for _, tgt in load_prepared(Path((run_dir / "data_dir.txt").read_text(
+        encoding="utf-8").strip())).split("test")]
+    plain = evaluate_run(run_dir, beam=2, output=tmp_path / "plain.txt", progress=False)
+    assert plain["no_repeat_ngram"] == 0 and plain["repeats"]["n"] == 4
+    assert plain["repeats"]["references"] == stutter_share(refs)
+    hyps = (tmp_path / "plain.txt").read_text(encoding="utf-8").splitlines()
+    assert plain["repeats"]["hypotheses"] == stutter_share(hyps)
+    assert main(["evaluate", str(run_dir), "--beam", "2", "--no-repeat-ngram", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "beam 2, alpha 0.6, no repeated 1-gram" in out
+    scores = json.loads((run_dir / "eval" / "test.best.beam2.alpha0.6.norepeat1.json")
+                        .read_text(encoding="utf-8"))
+    guarded = Path(scores["output"]).read_text(encoding="utf-8").splitlines()
+    assert all(len(set(h.split())) == len(h.split()) for h in guarded)  # word-level pieces
+    assert guarded != hyps and scores["no_repeat_ngram"] == 1
+    share = scores["repeats"]
+    assert f"stutter {100 * share['hypotheses']:.1f}% of the translations repeat a 4-gram " \
+           f"of words, {100 * share['references']:.1f}% of the references" in out

@@ -27,7 +27,8 @@ from helpers import random_sentence, run_cli
 from aiayn.batching import pad
 from aiayn.checkpoint import save_weights
 from aiayn.config import Config, DataConfig, DecodeConfig, ModelConfig, load_config, save_config
-from aiayn.decode import beam_search, greedy_decode
+from aiayn.decode import Sampling, Search, beam_search, greedy_decode
+from aiayn.errors import AiaynError
 from aiayn.evaluate import evaluate_run
 from aiayn.export import HF_CODE, export_run, residual_permutation
 from aiayn.model import Transformer, sinusoid_table
@@ -182,13 +183,16 @@ def test_both_exports_keep_the_runs_search(tmp_path):
     and the CTranslate2 directory's Translator both search so."""
     run = random_run(tmp_path, "run")
     config = load_run(run)[0]
-    save_config(dataclasses.replace(config, decode=DecodeConfig(beam=3, alpha=1.5)),
+    save_config(dataclasses.replace(config, decode=DecodeConfig(beam=3, alpha=1.5,
+                                                                no_repeat_ngram=3)),
                 run / "config.yaml")
     export_run(run, "hf", tmp_path / "hf")
     generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
     assert (generation["num_beams"], generation["length_penalty"]) == (3, 1.5)
+    assert generation["no_repeat_ngram_size"] == 3
     export_run(run, "ctranslate2", tmp_path / "ct2")
-    assert Translator.from_pretrained(tmp_path / "ct2", engine="ctranslate2").search() == (3, 1.5)
+    theirs = Translator.from_pretrained(tmp_path / "ct2", engine="ctranslate2")
+    assert theirs.settings() == Search(3, 1.5, 3)
     # greedy (beam 1): Transformers refuses beam-only settings beside it, so none are written
     save_config(dataclasses.replace(config, decode=DecodeConfig(beam=1, alpha=1.5)),
                 run / "config.yaml")
@@ -343,6 +347,13 @@ def test_ctranslate2_float32_gives_aiayn_greedy_tokens(run_dir, tmp_path):
     short = ids(theirs.decode_ids(sources, beam=1, max_len_b=-3))
     assert short == ids(ours.decode_ids(sources, beam=1, max_len_b=-3))
     assert any(len(s[0]) < len(t[0]) for s, t in zip(short, ids(ours.decode_ids(sources, beam=1))))
+    # The repetition guard is CTranslate2's no_repeat_ngram_size: the same greedy tokens.
+    guarded = ids(ours.decode_ids(sources, beam=1, no_repeat_ngram=1))
+    assert ids(theirs.decode_ids(sources, beam=1, no_repeat_ngram=1)) == guarded
+    assert guarded != ids(ours.decode_ids(sources, beam=1))
+    # Its sampling cannot be seeded: refused in one line.
+    with pytest.raises(AiaynError, match="--sample needs aiayn's own model"):
+        theirs.decode_ids(sources, nbest=1, sampling=Sampling(seed=1))
 
 
 def ids(results) -> list[list[list[int]]]:

@@ -52,3 +52,12 @@ def test_score_reports_sacrebleu_with_its_signature():
     assert s.bleu == pytest.approx(100.0) and s.chrf == pytest.approx(100.0)
     assert s.cer == 0.0 and s.wer == 0.0
     assert "tok:13a" in s.bleu_signature
+
+
+def test_stutter_share_counts_the_texts_that_repeat_an_ngram_of_words():
+    from aiayn.metrics import repeats_ngram, stutter_share
+
+    loop = "como no he visto mis ojos como no he visto mis ojos"
+    assert repeats_ngram(loop.split(), 4) and not repeats_ngram(loop.split(), 7)
+    assert stutter_share([loop, "a b c d", "a a a a a", ""], 4) == 0.5
+    assert stutter_share(["a b a b"], 2) == 1.0 and stutter_share([], 4) == 0.0

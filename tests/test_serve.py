@@ -47,11 +47,12 @@ from aiayn.checkpoint import (  # noqa: E402
     save_weights,
 )
 from aiayn.config import DecodeConfig, load_config, save_config  # noqa: E402
-from aiayn.decode import JoinableSearch  # noqa: E402
+from aiayn.decode import JoinableSearch, Sampling, Search  # noqa: E402
 from aiayn.errors import AiaynError  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
 from aiayn.rundir import load_run  # noqa: E402
 from aiayn.serve import MAX_BEAM, Batcher, ClientGone, ModelService, ServeLimits, create_app, serve_info  # noqa: E402
+from aiayn.tokenizer import BOS_ID  # noqa: E402
 from aiayn.translator import (  # noqa: E402
     SentenceAttention,
     Translator,
@@ -124,7 +125,8 @@ def test_a_request_without_a_search_gets_the_runs_own(run_dir, tmp_path):
     service = ModelService.from_run(run)
     client = TestClient(create_app(service))
     try:
-        assert client.get("/info").json()["decode"] == {"beam": 3, "alpha": 1.5}
+        assert client.get("/info").json()["decode"] == {"beam": 3, "alpha": 1.5,
+                                                         "no_repeat_ngram": 0}
         answer = client.post("/translate", json={"text": SENTENCES, "nbest": 3}).json()
         assert (answer["beam"], answer["alpha"]) == (3, 1.5)
         want = ours.translate_nbest(SENTENCES, 3, 1.5, nbest=3)
@@ -146,6 +148,102 @@ def test_a_request_without_a_search_gets_the_runs_own(run_dir, tmp_path):
         assert client.post("/translate", json={"text": ["red"], "beam": 2}).json()["beam"] == 2
     finally:
         service.close()
+
+
+# ---------------------------------------------------------------- the guard and sampling
+REPEATING = ["red red red sun sun", "moon tree moon tree moon", "star"]
+
+
+def test_translate_takes_the_guard_and_samples_as_the_translator(client, translator):
+    answer = client.post("/translate", json={"text": REPEATING, "beam": 3,
+                                             "no_repeat_ngram": 1}).json()
+    assert answer["translations"] == translator.translate(REPEATING, 3, no_repeat_ngram=1)
+    assert answer["no_repeat_ngram"] == 1 and answer["sample"] is None
+    assert answer["translations"] != translator.translate(REPEATING, 3)
+    body = {"text": SENTENCES, "nbest": 3, "sample": {"temperature": 3.0, "top_p": 0.95}}
+    drawn = client.post("/translate", json={**body, "seed": 5}).json()
+    assert drawn["sample"] == {"temperature": 3.0, "top_k": 0, "top_p": 0.95, "seed": 5}
+    assert drawn["beam"] is None
+    want = translator.translate_nbest(SENTENCES, nbest=3, sampling=Sampling(3.0, 0, 0.95, 5))
+    assert [[h["text"] for h in hyps] for hyps in drawn["nbest"]] == \
+        [[text for text, _ in hyps] for hyps in want]
+    # Without a seed: a random one, given in the answer, that draws the same samples again.
+    first = client.post("/translate", json=body).json()
+    again = client.post("/translate", json={**body, "seed": first["sample"]["seed"]}).json()
+    assert again["nbest"] == first["nbest"]
+
+
+def test_requests_with_other_guards_and_samples_decoded_together_each_get_theirs_alone(
+        service, client, translator):
+    """Requests of several guards and sampling settings queued together: each is decoded
+    in the search of its own settings (none mixed) and gets its answer alone."""
+    bodies = [{"text": REPEATING, "beam": 2, "no_repeat_ngram": 1},
+              {"text": REPEATING[:2], "beam": 2, "no_repeat_ngram": 2},
+              {"text": REPEATING, "beam": 2},
+              {"text": SENTENCES, "nbest": 2, "sample": {"temperature": 2.0}, "seed": 1},
+              {"text": REPEATING, "nbest": 2, "sample": {"temperature": 2.0}, "seed": 1,
+               "no_repeat_ngram": 1}]
+    over = {"text": ["sun"] * 9}  # refused (413): send_while_held waits for the rest
+    responses = send_while_held(service, client, [(body, None) for body in [*bodies, over]])
+    for body, response in zip(bodies, responses[:-1], strict=True):
+        assert response.status_code == 200, response.text
+        sampling = (Sampling(body["sample"]["temperature"], seed=body["seed"])
+                    if "sample" in body else None)
+        want = translator.translate_nbest(body["text"], body.get("beam"),
+                                          nbest=body.get("nbest", 1), sampling=sampling,
+                                          no_repeat_ngram=body.get("no_repeat_ngram"))
+        assert [[h["text"] for h in hyps] for hyps in response.json()["nbest"]] == \
+            [[text for text, _ in hyps] for hyps in want]
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"text": "red", "seed": 3}, "seed goes with sample"),
+    ({"text": "red", "beam": 2, "sample": {}}, "--beam is for beam search"),
+    ({"text": "red", "sample": {"temperature": 0}}, "body.sample.temperature"),
+    ({"text": "red", "sample": {"top_p": 0}}, "body.sample.top_p"),
+    ({"text": "red", "no_repeat_ngram": -1}, "body.no_repeat_ngram"),
+])
+def test_bad_guard_and_sampling_requests_get_422_with_one_line(client, body, words):
+    assert_clean_error(client.post("/translate", json=body), 422, words)
+
+
+def test_next_gives_the_distribution_a_sample_draws_from(client, translator):
+    """POST /next at temperature 1 is the model's own distribution of the target's piece
+    at that step (a teacher-forced pass gives it too); a colder one is sharper, and every
+    piece together sums to 1."""
+    sentence, target = "red sun moon", "red sun moon"
+    ids = translator.tokenizers.encode_tgt([target])[0]  # BOS, pieces, EOS
+    pieces = [translator.tokenizers.tgt_id_to_token(i) for i in ids]
+    src = torch.tensor(translator.tokenizers.encode_src([sentence]))
+    with torch.no_grad():
+        logits = translator.model(src, torch.tensor([ids[:-1]]))[0].float()
+    logits[:, [0, BOS_ID]] = float("-inf")  # PAD and BOS are never generated
+    for step in (0, 2, 3):
+        got = client.post("/next", json={"text": sentence, "target": target, "step": step,
+                                         "top": 50}).json()
+        assert got["tgt_tokens"] == pieces[1:-1] and got["step"] == step
+        assert got["target_piece"] == pieces[step + 1]
+        probs = torch.softmax(logits[step], -1)
+        want = sorted(((translator.tokenizers.tgt_id_to_token(i), float(p))
+                       for i, p in enumerate(probs) if p > 0), key=lambda x: -x[1])
+        assert [p for p, _ in got["pieces"]][:3] == [p for p, _ in want][:3]
+        assert np.allclose([q for _, q in got["pieces"]], [q for _, q in want], atol=1e-5)
+        assert sum(q for _, q in got["pieces"]) == pytest.approx(1.0, abs=1e-5)
+    cold = client.post("/next", json={"text": sentence, "target": target, "step": 1,
+                                      "temperature": 0.3, "top": 3}).json()
+    warm = client.post("/next", json={"text": sentence, "target": target, "step": 1,
+                                      "temperature": 3.0, "top": 3}).json()
+    assert len(cold["pieces"]) == len(warm["pieces"]) == 3
+    assert cold["pieces"][0][0] == warm["pieces"][0][0] == pieces[2]
+    assert cold["pieces"][0][1] > warm["pieces"][0][1] and cold["temperature"] == 0.3
+    # Without a target: the served model's greedy translation, after its last piece.
+    plain = client.post("/next", json={"text": sentence}).json()
+    assert plain["tgt_tokens"] == [translator.tokenizers.tgt_id_to_token(i) for i in
+                                   translator.target_ids(sentence)]
+    assert plain["step"] == len(plain["tgt_tokens"]) and plain["target_piece"] == pieces[-1]
+    assert_clean_error(client.post("/next", json={"text": sentence, "target": target,
+                                                  "step": 9}), 422,
+                       "step must be between 0 and 3 (the target's pieces), got 9")
 
 
 # ---------------------------------------------------------------- /attention
@@ -595,9 +693,9 @@ def test_a_request_whose_client_hangs_up_mid_search_is_taken_out_of_it(run_dir, 
     other = translator.prepare(["white tree river"])
     try:
         gone = batcher.translate(translator.prepare(["sun moon star tree river", "red green"]),
-                                 4, 0.6, 1)
+                                 Search(4, 0.6), 1)
         until(inside.is_set, "the first step")
-        kept = batcher.translate(other, 4, 0.6, 1)
+        kept = batcher.translate(other, Search(4, 0.6), 1)
         batcher.forget(gone)
         assert isinstance(gone.exception(timeout=0), ClientGone)
         release.set()
@@ -621,7 +719,8 @@ def test_a_lane_process_takes_out_the_sentences_of_a_request_whose_client_hung_u
     try:
         for process in processes:
             os.kill(process.pid, signal.SIGSTOP)
-        gone = batcher.translate(translator.prepare(["sun moon star tree river"]), 4, 0.6, 1)
+        gone = batcher.translate(translator.prepare(["sun moon star tree river"]),
+                                 Search(4, 0.6), 1)
         until(lambda: any(lane.owners for lane in batcher._lanes), "a lane to take it")
         batcher.forget(gone)
         for process in processes:
@@ -630,7 +729,7 @@ def test_a_lane_process_takes_out_the_sentences_of_a_request_whose_client_hung_u
         stats = service.stats()
         assert stats["abandoned"] == 1 and stats["steps"] == 0 and batcher._load == 0
         sources = translator.prepare(["red green"])
-        hyps, _ = batcher.translate(sources, 2, 0.6, 1).result(timeout=60)
+        hyps, _ = batcher.translate(sources, Search(2, 0.6), 1).result(timeout=60)
         assert translator.finish(sources, hyps, 1)[0][0][0] == \
             translator.translate(["red green"], 2, 0.6)[0]
     finally:
@@ -1001,6 +1100,23 @@ def test_the_page_translates_and_draws_the_attention_in_chromium(server, transla
                   float(li.find_element(By.CLASS_NAME, "score").text)) for li in items]
         assert [t for t, _ in shown] == [t for t, _ in want] and len(want) > 1
         assert np.allclose([s for _, s in shown], [s for _, s in want], atol=1e-4)
+
+        # The next piece at step 0, temperature 1; then the temperature slider at its
+        # coldest end redraws the bars of that distribution.
+        def shown_pieces():
+            return [(li.find_element(By.CLASS_NAME, "piece").text,
+                     li.find_element(By.CLASS_NAME, "probability").text)
+                    for li in driver.find_elements(By.CSS_SELECTOR, "ol#next-pieces > li")]
+
+        for temperature in (1.0, 0.05):
+            if temperature != 1.0:
+                driver.find_element(By.ID, "temperature").send_keys(Keys.HOME)
+            wait.until(lambda d, t=temperature: d.find_element(
+                By.ID, "next-pieces").get_attribute("data-temperature") == f"{t:g}")
+            want = http_json(server + "/next", {"text": sentence, "target": translation,
+                                                "step": 0, "temperature": temperature})
+            assert shown_pieces() == [(p, f"{q:.3f}") for p, q in want["pieces"]]
+        assert float(shown_pieces()[0][1]) > 0.99  # cold: the likeliest piece takes it all
 
         att = translator.attention(sentence, beam=4)
         for kind, rows, cols in (("cross", att.tgt_tokens, att.src_tokens),

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from aiayn.batching import pad
 from aiayn.checkpoint import average_checkpoints, read_metadata, read_weights, save_weights
 from aiayn.config import DataConfig, DecodeConfig, ModelConfig, load_config, save_config
-from aiayn.decode import greedy_decode
+from aiayn.decode import Sampling, greedy_decode
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer
 from aiayn.rundir import load_run, load_run_config
@@ -265,6 +265,14 @@ def test_cli_translate_warns_about_truncation_in_one_line(run_dir, capsys, monke
 
 
 @pytest.mark.parametrize("argv, message", [
+    (["--no-repeat-ngram", "-1"], "--no-repeat-ngram must be between 0 (off) and 64, got -1"),
+    (["--temperature", "0.5"], "--temperature goes with --sample"),
+    (["--sample", "--beam", "2"], "--beam is for beam search; --sample draws --nbest samples"),
+    (["--sample", "--temperature", "0"], "--temperature must be in (0, 100]"),
+    (["--sample", "--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+    (["--sample", "--top-k", "-2"], "--top-k must be 0 (every piece) or more, got -2"),
+    (["--sample", "--seed", "-1"], "--seed must be between 0 and 2**63 - 1, got -1"),
+    (["--sample", "--nbest", "65"], "--nbest (samples per sentence with --sample) must be"),
     (["--beam", "0"], "--beam must be at least 1"),
     (["--beam", "2", "--nbest", "3"], "--nbest must be between"),
     (["--weights", "nope"], "no weights 'nope'"),
@@ -400,3 +408,68 @@ def test_the_default_batch_budget_is_a_cpus_8192_and_on_a_gpu_what_its_memory_ho
         monkeypatch.setattr(translator, "memory_bytes", lambda device, free=free: free)
         assert translator.default_max_tokens(cfg, gpu) == expected
     assert 8192 < 8 * 2**30 // 4 // per_token < 2**18  # the middle case is the formula's
+
+
+# ---------------------------------------------------------------- the guard and sampling
+REPEATING = ["red red red sun sun", "moon tree moon tree moon", "star"]
+
+
+def test_the_guard_keeps_every_translation_free_of_repeated_ngrams(translator, run_dir,
+                                                                    tmp_path):
+    plain = translator.translate(REPEATING, beam=3)
+    assert plain[:2] == REPEATING[:2]  # the copy model copies the repeats
+    for n in (1, 2):
+        guarded = translator.translate(REPEATING, beam=3, no_repeat_ngram=n)
+        for text in guarded:
+            words = text.split()
+            assert len({tuple(words[i:i + n]) for i in range(len(words) - n + 1)}) == \
+                len(words) - n + 1
+        assert guarded[2] == plain[2]  # nothing to repeat: unchanged
+    # The run's decode.no_repeat_ngram is the default; 0 turns it off.
+    run = copy_of(run_dir, tmp_path)
+    config = load_config(run / "config.yaml")
+    config.decode = DecodeConfig(no_repeat_ngram=2)
+    save_config(config, run / "config.yaml")
+    guarded = Translator.from_pretrained(run)
+    assert guarded.translate(REPEATING, beam=3) == translator.translate(REPEATING, beam=3,
+                                                                         no_repeat_ngram=2)
+    assert guarded.translate(REPEATING, beam=3, no_repeat_ngram=0) == plain
+
+
+def test_sampling_through_the_translator_is_reproducible_for_a_seed(translator):
+    sentences = ["red green blue sun", "", "moon tree river star black"]
+    hot = Sampling(temperature=3.0, seed=5)
+    drawn = translator.translate_nbest(sentences, nbest=4, sampling=hot)
+    assert drawn == translator.translate_nbest(sentences, nbest=4, sampling=hot)
+    assert drawn[1] == [] and all(len(hyps) == 4 for hyps in (drawn[0], drawn[2]))
+    assert len({text for hyps in drawn for text, _ in hyps}) >= 4  # hot samples differ
+    assert [s for _, s in drawn[0]] == sorted((s for _, s in drawn[0]), reverse=True)
+    # Each sentence's samples are its own: alone, in another batch, the same.
+    alone = translator.translate_nbest(sentences[2:], nbest=4, sampling=hot)
+    assert alone[0] == drawn[2]
+    # Keeping only the likeliest piece is greedy search; translate gives one sample.
+    greedy = translator.translate(sentences, beam=1)
+    assert translator.translate(sentences, sampling=Sampling(top_k=1, seed=1)) == greedy
+    assert translator.translate(sentences, sampling=Sampling(top_p=1e-6)) == greedy
+    with pytest.raises(AiaynError, match="--beam is for beam search"):
+        translator.translate(sentences, beam=2, sampling=hot)
+
+
+def test_cli_translate_samples_with_a_seed(run_dir, capsys, monkeypatch, translator):
+    lines = "red green blue sun\nmoon tree river star black\n"
+    argv = ["translate", str(run_dir), "--sample", "--temperature", "3", "--top-k", "5",
+            "--nbest", "3"]
+    code, out, err = run_cli(argv, capsys, lines, monkeypatch)
+    assert code == 0 and err.startswith("aiayn: sampling with --seed ")
+    seed = err.split()[4]
+    rows = [line.split("\t") for line in out.splitlines()]
+    assert [r[0] for r in rows] == ["0"] * 3 + ["1"] * 3
+    again = run_cli([*argv, "--seed", seed], capsys, lines, monkeypatch)
+    assert again == (0, out, "")
+    expected = translator.translate_nbest(lines.splitlines(), nbest=3, sampling=Sampling(
+        temperature=3.0, top_k=5, seed=int(seed)))
+    assert [r[2] for r in rows] == [text for hyps in expected for text, _ in hyps]
+    code, out, _ = run_cli(["translate", str(run_dir), "--beam", "2", "--no-repeat-ngram",
+                            "1"], capsys, "red red sun\n", monkeypatch)
+    assert code == 0 and out == translator.translate(["red red sun"], beam=2,
+                                                     no_repeat_ngram=1)[0] + "\n"

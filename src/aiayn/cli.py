@@ -26,6 +26,7 @@ import torch
 from aiayn.checkpoint import average_checkpoints
 from aiayn.checkup import doctor
 from aiayn.config import Config, load_config
+from aiayn.decode import Sampling
 from aiayn.distributed import choose_device
 from aiayn.errors import AiaynError, is_out_of_memory
 from aiayn.evaluate import evaluate_run
@@ -39,7 +40,7 @@ from aiayn.runinfo import format_info, run_info
 from aiayn.trace import format_trace, trace_batch, trace_forward
 from aiayn.train import check_run_request, train
 from aiayn.transfer import prepare_from_run
-from aiayn.translator import ENGINES, Translator, check_search
+from aiayn.translator import ENGINES, Translator, check_search, seeded
 
 # aiayn.plots (matplotlib) is imported by the commands that draw: the others start faster.
 
@@ -85,6 +86,52 @@ def _add_search(p: argparse.ArgumentParser, beam: int | None = None,
         p.add_argument("--max-tokens", type=int, default=None,
                        help="batch budget: padded source tokens x beam (default 8192 on a CPU; "
                        "on a GPU what a quarter of its free memory holds, up to 262144)")
+
+
+def _add_guard(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-repeat-ngram", type=int, default=None, metavar="N",
+                   help="repetition guard: no translation holds the same N-gram of pieces "
+                   "twice (0: off; default: the run's decode.no_repeat_ngram, 0 unless its "
+                   "config says otherwise)")
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    """--sample and its settings (aiayn.decode.Sampling)."""
+    p.add_argument("--sample", action="store_true",
+                   help="draw random samples from the model instead of searching (--nbest N "
+                   "of them per sentence, best first)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="--sample: divide the logits by it (< 1 sharper, > 1 flatter; default 1)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="--sample: draw among the K likeliest pieces only (default 0: all)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="--sample: draw among the fewest likeliest pieces whose probabilities "
+                   "sum to P (nucleus sampling; default 1: all)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="--sample: the same seed, sentence and settings draw the same samples "
+                   "(default: a random seed, printed on stderr)")
+
+
+def _sampling_from_args(args) -> Sampling | None:
+    """The --sample settings (None without --sample; a seed is drawn by ``_seeded``)."""
+    given = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+             "seed": args.seed}
+    given = {key: value for key, value in given.items() if value is not None}
+    if not args.sample:
+        if given:
+            raise AiaynError(f"--{next(iter(given)).replace('_', '-')} goes with --sample")
+        return None
+    return Sampling(**given)
+
+
+def _seeded(sampling: Sampling | None) -> Sampling | None:
+    """``sampling`` with its seed, or a random one that stderr names (to draw again)."""
+    if sampling is None or sampling.seed is not None:
+        return sampling
+    sampling = seeded(sampling)
+    print(f"aiayn: sampling with --seed {sampling.seed} (give it to draw these samples again)",
+          file=sys.stderr)
+    return sampling
 
 
 def _at_least(value: int, low: int, option: str) -> None:
@@ -225,10 +272,14 @@ def _add_translate(sub) -> None:
         "'LINE<TAB>SCORE<TAB>TRANSLATION' (LINE counts from 0, best first; SCORE is the "
         "log-probability divided by the length penalty; an empty input line gives one line "
         "'LINE<TAB><TAB>'). A sentence longer than the model's max_len is truncated, with a "
-        "warning on stderr.")
+        "warning on stderr. With --sample: random samples instead of the search, --nbest of "
+        "them per sentence (docs/translating.md).")
     p.add_argument("run_dir", help="run directory (from `aiayn train`)")
     _add_search(p)
-    p.add_argument("--nbest", type=int, default=1, help="hypotheses per sentence (<= --beam)")
+    _add_guard(p)
+    p.add_argument("--nbest", type=int, default=1, help="hypotheses per sentence (<= --beam; "
+                   "with --sample: samples per sentence)")
+    _add_sampling(p)
     p.add_argument("-i", "--input", help="input file (default: stdin)")
     p.add_argument("-o", "--output", help="output file (default: stdout)")
     p.add_argument("--interactive", action="store_true", help="answer each line of stdin as "
@@ -239,7 +290,9 @@ def _add_translate(sub) -> None:
 
 
 def _run_translate(args) -> int:
-    check_search(args.beam, args.nbest, args.alpha)  # before waiting for stdin or loading
+    sampling = _sampling_from_args(args)
+    # before waiting for stdin or loading
+    check_search(args.beam, args.nbest, args.alpha, args.no_repeat_ngram, sampling)
     if args.interactive and args.input is not None:
         raise AiaynError("--interactive reads stdin line by line; drop -i/--input")
     if args.output is not None:
@@ -251,12 +304,14 @@ def _run_translate(args) -> int:
     translator = Translator.from_pretrained(args.run_dir, args.weights,
                                             device=choose_device(args.device),
                                             max_tokens=args.max_tokens, engine=args.engine)
-    translator.check_limits(args.beam, args.nbest, args.alpha)
+    translator.check_limits(args.beam, args.nbest, args.alpha, args.no_repeat_ngram, sampling)
     if interactive and terminal:
         print("aiayn: translating each line as it is entered; end with Ctrl-D", file=sys.stderr)
+    sampling = _seeded(sampling)
     lines = _stdin_lines() if interactive else _read_lines(args.input)
     chunks = translator.translate_lines(lines, args.beam, args.alpha, args.nbest,
-                                        chunk=1 if interactive else 2000)
+                                        chunk=1 if interactive else 2000,
+                                        no_repeat_ngram=args.no_repeat_ngram, sampling=sampling)
     if args.output is None:
         _write(chunks, sys.stdout)
         return 0
@@ -321,11 +376,13 @@ def _add_evaluate(sub) -> None:
     p.add_argument("--split", choices=["test", "dev"], default="test",
                    help="the prepared split to translate and score")
     _add_search(p)
+    _add_guard(p)
     p.add_argument("--data", help="prepared data directory (default: the one the run used, "
                    "from RUN_DIR/data_dir.txt)")
     _add_weights(p)
     p.add_argument("-o", "--output", help="file for the hypotheses (default: "
-                   "RUN_DIR/eval/SPLIT.WEIGHTS.beamK.alphaA.txt; greedy: .beam1.txt)")
+                   "RUN_DIR/eval/SPLIT.WEIGHTS.beamK.alphaA.txt; greedy: .beam1.txt; with "
+                   "--no-repeat-ngram N: .norepeatN before .txt)")
     p.add_argument("--limit", type=int, default=0, help="only the first N sentences (0: all)")
     _add_device(p)
     _add_engine(p)
@@ -334,8 +391,12 @@ def _add_evaluate(sub) -> None:
 def _run_evaluate(args) -> int:
     r = evaluate_run(args.run_dir, args.split, args.beam, args.alpha, data_dir=args.data,
                      weights=args.weights, output=args.output, limit=args.limit,
-                     max_tokens=args.max_tokens, device=args.device, engine=args.engine)
+                     max_tokens=args.max_tokens, device=args.device, engine=args.engine,
+                     no_repeat_ngram=args.no_repeat_ngram)
     search = "greedy" if r["beam"] == 1 else f"beam {r['beam']}, alpha {r['alpha']}"
+    if r["no_repeat_ngram"]:
+        search += f", no repeated {r['no_repeat_ngram']}-gram"
+    repeats = r["repeats"]
     print("\n".join([
         f"{r['split']}: {r['sentences']} sentences from {r['data_dir']}, weights "
         f"{r['weights']}, {search}",
@@ -344,6 +405,8 @@ def _run_evaluate(args) -> int:
         f"BLEU  {r['bleu']:.2f}   {r['bleu_signature']}",
         f"chrF  {r['chrf']:.2f}   {r['chrf_signature']}",
         f"CER   {100 * r['cer']:.2f}%   WER {100 * r['wer']:.2f}%",
+        f"stutter {100 * repeats['hypotheses']:.1f}% of the translations repeat a "
+        f"{repeats['n']}-gram of words, {100 * repeats['references']:.1f}% of the references",
         f"speed {r['sentences_per_s']:.1f} sentences/s, {r['tokens_per_s']:.0f} tokens/s "
         f"({r['seconds']:.1f} s on {r['device']}, {r['threads']} threads, {r['engine']})",
         f"wrote {r['output']} and {r['scores_file']}",

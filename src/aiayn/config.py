@@ -67,7 +67,8 @@ RANGES: dict[str, dict[str, tuple[float, float, bool]]] = {
         "log_every": (1, INF, False), "num_samples": (0, INF, False),
         "cpu_threads": (0, 4096, False), "patience": (0, INF, False),
     },
-    "decode": {"beam": (1, 64, False), "alpha": (0.0, 10.0, False)},
+    "decode": {"beam": (1, 64, False), "alpha": (0.0, 10.0, False),
+               "no_repeat_ngram": (0, 64, False)},
 }
 CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
     "model": {"tie_embeddings": TIE_CHOICES, "embedding_init": EMBEDDING_INITS,
@@ -276,6 +277,10 @@ class DecodeConfig:
     """Beam size of the run's search (paper, 6.1: 4); 1 is greedy."""
     alpha: float = 0.6
     """Length penalty alpha of the run's search, lp(Y) = ((5 + |Y|) / 6)^alpha (paper, 6.1: 0.6)."""
+    no_repeat_ngram: int = 0
+    """Repetition guard: no translation holds the same n-gram of pieces twice (a piece that
+    would complete one already there is never chosen; CTranslate2's no_repeat_ngram_size);
+    0: off, as the paper. `--no-repeat-ngram N` overrides it."""
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,

@@ -13,6 +13,10 @@ never generated (``suppress_sequences``), and each sentence gets at most its own
 limit, then cut to the sentence's own: for greedy search that is exactly aiayn's result).
 CTranslate2's length penalty divides by length**alpha rather than GNMT's
 ((5 + length) / 6)**alpha, so beam search may rank finished hypotheses differently.
+The repetition guard is CTranslate2's ``no_repeat_ngram_size``. Sampling is aiayn's own:
+CTranslate2's draws (``sampling_topk``...) come from generators of its worker threads,
+which its ``set_random_seed`` does not reach, so a seed would not draw the same samples
+again.
 """
 
 from __future__ import annotations
@@ -20,12 +24,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from aiayn.config import Config, load_config
-from aiayn.decode import Hypothesis
+from aiayn.decode import Hypothesis, Search
 from aiayn.errors import AiaynError
 from aiayn.export import require
 from aiayn.tokenizer import BOS, PAD, Tokenizers
 
 MODEL_FILE = "model.bin"
+SAMPLING_REFUSED = ("--sample needs aiayn's own model: CTranslate2's sampling cannot be seeded "
+                    "(translate the run directory with --engine aiayn)")
 
 
 def is_ctranslate2_dir(path: str | Path) -> bool:
@@ -49,15 +55,20 @@ class CTranslate2Search:
         self.tokenizers = tokenizers
         self.tgt_ids = tokenizers.tgt.get_vocab()  # token string -> id
 
-    def search(self, sources: list[list[int]], beam: int, alpha: float, nbest: int,
+    def search(self, sources: list[list[int]], search: Search, nbest: int,
                max_len_b: int) -> list[list[Hypothesis]]:
-        """Source ids (tokens + [EOS]) -> per sentence up to ``nbest`` hypotheses, best first."""
+        """Source ids (tokens + [EOS]) -> per sentence up to ``nbest`` hypotheses, best first.
+        ``search.no_repeat_ngram`` is CTranslate2's ``no_repeat_ngram_size``; sampling is
+        refused (``SAMPLING_REFUSED``)."""
         src = self.tokenizers.src
         # CTranslate2 appends [EOS] itself (config add_source_eos), as aiayn's ids end in one.
         tokens = [[src.id_to_token(i) for i in ids[:-1]] for ids in sources]
         limits = [max(1, min(len(ids) + max_len_b, self.max_len - 1)) for ids in sources]
+        if search.sampling is not None:
+            raise AiaynError(SAMPLING_REFUSED)
         results = self.translator.translate_batch(
-            tokens, beam_size=beam, num_hypotheses=nbest, length_penalty=alpha,
+            tokens, beam_size=search.beam, num_hypotheses=nbest, length_penalty=search.alpha,
+            no_repeat_ngram_size=search.no_repeat_ngram,
             max_decoding_length=max(limits), max_input_length=0, return_scores=True,
             suppress_sequences=[[PAD], [BOS]])
         return [[Hypothesis([self.tgt_ids[t] for t in hyp[:limit]], float(score))

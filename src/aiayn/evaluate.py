@@ -26,7 +26,7 @@ from aiayn.data import load_prepared
 from aiayn.distributed import choose_device
 from aiayn.errors import AiaynError
 from aiayn.io import atomic_write_text, check_output_file
-from aiayn.metrics import Scores, score
+from aiayn.metrics import STUTTER_N, Scores, score, stutter_share
 from aiayn.model import Transformer
 from aiayn.rundir import load_run_config, read_data_dir
 from aiayn.threads import default_streams, parallel_map
@@ -35,10 +35,11 @@ from aiayn.translator import Translator, TruncationWarning, check_search
 
 def translate_and_score(translator: Translator, pairs: Sequence[tuple[str, str]],
                         beam: int | None, alpha: float | None,
-                        progress: Callable[[int], object] | None = None
-                        ) -> tuple[list[str], Scores]:
+                        progress: Callable[[int], object] | None = None,
+                        no_repeat_ngram: int | None = None) -> tuple[list[str], Scores]:
     """Translate the sources of ``pairs`` and score them against the targets."""
-    hypotheses = translator.translate([src for src, _ in pairs], beam, alpha, progress=progress)
+    hypotheses = translator.translate([src for src, _ in pairs], beam, alpha, progress=progress,
+                                      no_repeat_ngram=no_repeat_ngram)
     return hypotheses, score(hypotheses, [tgt for _, tgt in pairs])
 
 
@@ -96,9 +97,10 @@ def validate(model: Transformer, tokenizers, dev: list[Example], dev_pairs: list
                                 bf16=False)
         with warnings.catch_warnings():  # long dev sources: truncated, as load_data says
             warnings.simplefilter("ignore", TruncationWarning)
-            # train.eval_beam (greedy by default), with the run's length penalty
+            # train.eval_beam (greedy by default), with the run's length penalty and guard
             hyps, scores = translate_and_score(translator, pairs, t.eval_beam,
-                                               config.decode.alpha)
+                                               config.decode.alpha,
+                                               no_repeat_ngram=config.decode.no_repeat_ngram)
     finally:
         model.train(was_training)
     by_position = dict(zip(chosen, hyps, strict=True))
@@ -125,16 +127,19 @@ def split_loss(model: Transformer, prepared, split: str, limit: int, config: Con
     return dev_loss(model, examples, config, device)
 
 
-def search_name(beam: int, alpha: float) -> str:
-    """The search in a file name: "beam1" (greedy: no length penalty), else "beam6.alpha1"."""
-    return "beam1" if beam == 1 else f"beam{beam}.alpha{alpha:g}"
+def search_name(beam: int, alpha: float, no_repeat_ngram: int = 0) -> str:
+    """The search in a file name: "beam1" (greedy: no length penalty), else "beam6.alpha1";
+    with the repetition guard ".norepeat3" after it."""
+    name = "beam1" if beam == 1 else f"beam{beam}.alpha{alpha:g}"
+    return f"{name}.norepeat{no_repeat_ngram}" if no_repeat_ngram else name
 
 
 def evaluate_run(run_dir: str | Path, split: str = "test", beam: int | None = None,
                  alpha: float | None = None, data_dir: str | Path | None = None,
                  weights: str | Path = "best", output: str | Path | None = None,
                  limit: int = 0, max_tokens: int | None = None, device: str | None = "auto",
-                 bf16: bool = False, progress: bool = True, engine: str = "aiayn") -> dict[str, Any]:
+                 bf16: bool = False, progress: bool = True, engine: str = "aiayn",
+                 no_repeat_ngram: int | None = None) -> dict[str, Any]:
     """Translate a split of the run's prepared data, write the hypotheses (one per line)
     and a .json of the scores beside them; returns that summary.
 
@@ -145,16 +150,20 @@ def evaluate_run(run_dir: str | Path, split: str = "test", beam: int | None = No
     searches that differ in alpha alone keep their own files. ``limit``: only the first N sentences (0: all).
     ``engine="ctranslate2"``: ``run_dir`` is an `aiayn export --to ctranslate2` directory,
     decoded by CTranslate2 (WEIGHTS in the file name is then "ctranslate2").
+    ``no_repeat_ngram``: the repetition guard (None: the run's decode.no_repeat_ngram). The
+    summary's "repeats" gives the share of hypotheses and of references that repeat a
+    4-gram of words (``aiayn.metrics.stutter_share``).
     """
-    check_search(beam, 1, alpha)
+    check_search(beam, 1, alpha, no_repeat_ngram)
     if limit < 0:
         raise AiaynError(f"--limit must be 0 (all) or a positive number of sentences, got {limit}")
     if output is not None:
         check_output_file(output, "--output")
     translator = Translator.from_pretrained(run_dir, weights, device=choose_device(device),
                                             max_tokens=max_tokens, bf16=bf16, engine=engine)
-    beam, alpha = translator.search(beam, alpha)
-    translator.check_limits(beam, 1, alpha)
+    search = translator.settings(beam, alpha, no_repeat_ngram)
+    beam, alpha, no_repeat_ngram = search.beam, search.alpha, search.no_repeat_ngram
+    translator.check_limits(beam, 1, alpha, no_repeat_ngram)
     data_dir = Path(data_dir) if data_dir else read_data_dir(run_dir)
     prepared = load_prepared(data_dir)
     pairs = prepared.split(split)
@@ -168,21 +177,25 @@ def evaluate_run(run_dir: str | Path, split: str = "test", beam: int | None = No
                                load_run_config(Path(run_dir), []), translator.device, bf16)
     with tqdm(total=len(pairs), unit="sent", dynamic_ncols=True, disable=not progress,
               desc=f"{split} beam {beam}") as bar:
-        hypotheses, scores = translate_and_score(translator, pairs, beam, alpha, bar.update)
+        hypotheses, scores = translate_and_score(translator, pairs, beam, alpha, bar.update,
+                                                 no_repeat_ngram)
     speed = translator.last_stats
     weights_name = (engine if translator.engine is not None
                     else Path(str(weights)).name.removesuffix(".safetensors"))
     output = Path(output) if output else (
-        Path(run_dir) / "eval" / f"{split}.{weights_name}.{search_name(beam, alpha)}.txt")
+        Path(run_dir) / "eval" / f"{split}.{weights_name}.{search_name(beam, alpha, no_repeat_ngram)}.txt")
     atomic_write_text(output, "".join(h + "\n" for h in hypotheses))
     summary = {
         "run_dir": str(run_dir), "data_dir": str(data_dir),
         "weights": weights_name if translator.engine is not None else str(weights),
         "split": split, "sentences": len(pairs), "beam": beam, "alpha": alpha,
+        "no_repeat_ngram": no_repeat_ngram,
         "loss": loss, "nll": nll,
         "bleu": scores.bleu, "bleu_signature": scores.bleu_signature,
         "chrf": scores.chrf, "chrf_signature": scores.chrf_signature,
         "cer": scores.cer, "wer": scores.wer,
+        "repeats": {"n": STUTTER_N, "hypotheses": stutter_share(hypotheses),
+                    "references": stutter_share([tgt for _, tgt in pairs])},
         "seconds": speed.seconds, "sentences_per_s": speed.sentences_per_s,
         "tokens_per_s": speed.tokens_per_s, "truncated_sources": speed.truncated,
         "threads": torch.get_num_threads(), "device": translator.device.type, "engine": engine,

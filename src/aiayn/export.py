@@ -244,6 +244,8 @@ def generation_config(cfg: ModelConfig, decode: DecodeConfig | None = None) -> d
         # alpha, in Transformers' length**alpha form, and a sentence done with `beam`
         # finished hypotheses: beam settings, which Transformers refuses for greedy search
         **({"length_penalty": decode.alpha, "early_stopping": True} if decode.beam > 1 else {}),
+        # the repetition guard: Transformers' own no_repeat_ngram_size
+        **({"no_repeat_ngram_size": decode.no_repeat_ngram} if decode.no_repeat_ngram else {}),
         "max_length": cfg.max_len,  # [BOS] + tokens fits the model's positions
         # [PAD] and [BOS] are never generated, and the rest renormalized as aiayn does.
         "suppress_tokens": [PAD_ID, BOS_ID],

@@ -2,7 +2,8 @@
 server's process or in a process of their own.
 
 A lane's work in a round is search alone: the sentences that arrived join the
-``JoinableSearch`` of their settings (beam, alpha), then every search decodes one token.
+``JoinableSearch`` of their settings (a ``Search``: beam, alpha, guard, sampling), then
+every search decodes one token.
 ``LaneSearches`` does that wherever it is called; ``LaneProcess`` does it in a child process
 (its own copy of the model, one intra-op thread), so that two lanes do not take turns on
 Python's global interpreter lock. Every torch call of a decoding step gives up the lock
@@ -26,10 +27,10 @@ from dataclasses import dataclass, field
 import torch
 
 from aiayn.batching import pad
-from aiayn.decode import Hypothesis, JoinableSearch
+from aiayn.decode import Hypothesis, JoinableSearch, Search
 from aiayn.model import Transformer
 
-Key = tuple[int, float]  # a search's settings: beam, alpha
+Key = Search  # a search's settings: only equal ones are decoded in one search
 Adds = list[tuple[Key, list[int], list[list[int]]]]  # (settings, sentence ids, source ids)
 
 
@@ -68,7 +69,7 @@ class LaneSearches:
         for key, sentences, sources in adds:
             search = self.searches.get(key)
             if search is None:
-                search = self.searches[key] = JoinableSearch(self.model, *key)
+                search = self.searches[key] = JoinableSearch.of(self.model, key)
                 self.members[key] = set()
             try:
                 with self._autocast():
@@ -89,7 +90,7 @@ class LaneSearches:
                         done = search.step()
                 except Exception as exc:
                     result.failed.append((sorted(self.members[key]), exc))
-                    search, done = JoinableSearch(self.model, *key), []
+                    search, done = JoinableSearch.of(self.model, key), []
                     self.searches[key], self.members[key] = search, set()
                 for sentence, hyps in done:
                     self.members[key].discard(sentence)

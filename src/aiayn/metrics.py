@@ -1,4 +1,5 @@
-"""Translation metrics: sacreBLEU's corpus BLEU and chrF, and character/word error rates."""
+"""Translation metrics: sacreBLEU's corpus BLEU and chrF, character/word error rates, and
+the share of sentences that stutter (repeat an n-gram of words)."""
 
 from __future__ import annotations
 
@@ -79,3 +80,18 @@ def score(hypotheses: list[str], references: list[str]) -> Scores:
         bleu_signature=str(bleu.get_signature()),
         chrf_signature=str(chrf.get_signature()),
     )
+
+
+STUTTER_N = 4  # `aiayn evaluate` counts the sentences that repeat a 4-gram of words
+
+
+def repeats_ngram(items: Sequence, n: int) -> bool:
+    """Whether ``items`` (words, token ids...) hold some n-gram twice."""
+    grams = [tuple(items[i:i + n]) for i in range(len(items) - n + 1)]
+    return len(set(grams)) < len(grams)
+
+
+def stutter_share(texts: Sequence[str], n: int = STUTTER_N) -> float:
+    """The share of ``texts`` that repeat an n-gram of (whitespace-separated) words: "como
+    no he visto mis ojos como no he visto mis ojos" repeats 4-grams. 0.0 for no texts."""
+    return sum(repeats_ngram(t.split(), n) for t in texts) / len(texts) if texts else 0.0

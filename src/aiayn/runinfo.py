@@ -44,7 +44,8 @@ def run_info(run_dir: str | Path) -> dict[str, Any]:
                        "tokenizer": describe_tokenizer(run_dir / "tokenizer")},
         "data_dir": _read_text(run_dir / "data_dir.txt"),
         "corpus": config.data.corpus,
-        "decode": {"beam": config.decode.beam, "alpha": config.decode.alpha},
+        "decode": {"beam": config.decode.beam, "alpha": config.decode.alpha,
+                   "no_repeat_ngram": config.decode.no_repeat_ngram},
         "init_from": read_init_from(run_dir),
         "training": _training(run_dir),
         "best": None,
@@ -120,8 +121,9 @@ def format_info(info: dict[str, Any]) -> str:
         f"{'pre' if m['norm_first'] else 'post'}-norm, tied {m['tie_embeddings']}",
         f"vocabulary {v['src']}/{v['tgt']} ({v['tokenizer']})",
         f"data       {info['data_dir'] or '?'} (corpus {info['corpus']})",
-        f"search     beam {info['decode']['beam']}, alpha {info['decode']['alpha']} (its "
-        "config's decode: what translate, evaluate and serve use when not told)",
+        f"search     beam {info['decode']['beam']}, alpha {info['decode']['alpha']}"
+        f"{_guard_words(info['decode'].get('no_repeat_ngram', 0))} (its config's decode: what "
+        "translate, evaluate and serve use when not told)",
     ]
     if info["init_from"]:
         i = info["init_from"]
@@ -151,3 +153,8 @@ def _describe_dev(record: dict[str, Any] | None, note: str) -> str:
     if record.get("n_sentences"):
         parts.append(f"on {record['n_sentences']} dev sentences")
     return ", ".join(parts) + (f" ({note})" if note else "")
+
+
+def _guard_words(n: int) -> str:
+    """The repetition guard in `aiayn info`'s search line ("" when off)."""
+    return f", no repeated {n}-gram" if n else ""

@@ -7,6 +7,16 @@ One process loads the run's model once (``Translator.from_pretrained``) and serv
                          the warnings `aiayn translate` would print (truncation), and the
                          beam and alpha used (without them in the request: the run's, its
                          config's decode section)
+    POST /translate   ... "no_repeat_ngram": 3, "sample": {"temperature": 0.8, "top_k": 0,
+                      "top_p": 0.9}, "seed": 1
+                      -> with "sample", "nbest" random samples per sentence instead of the
+                         search, and the seed they were drawn with ("sample" in the answer)
+    POST /next        {"text": "...", "target": "...", "step": 2, "temperature": 0.8,
+                       "top": 10}
+                      -> the likeliest pieces a sample would draw as the target's piece
+                         number "step" (after the pieces before it), with their
+                         probabilities at that temperature (top_k, top_p too): the page's
+                         temperature slider
     POST /attention   {"text": "...", "beam": 1, "alpha": 0.6, "step": null}
                       -> the translation, source and target tokens and every layer x head
                          map of encoder self-, decoder self- and cross-attention, as
@@ -72,12 +82,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from aiayn import plots
 from aiayn.config import Config, load_config
+from aiayn.decode import Sampling, Search
 from aiayn.errors import AiaynError
 from aiayn.lanes import Adds, LaneLost, LaneProcess, LaneSearches, Round
 from aiayn.rundir import resolve_weights, step_weights
 from aiayn.runinfo import run_info
 from aiayn.threads import default_streams
 from aiayn.translator import (
+    MAX_NO_REPEAT_NGRAM,
+    MAX_TEMPERATURE,
     CheckpointModels,
     SentenceAttention,
     Sources,
@@ -87,6 +100,7 @@ from aiayn.translator import (
 
 STATIC_DIR = Path(__file__).parent / "static"
 MAX_BEAM = 16  # a wider beam is refused (422): its cost grows with the beam
+MAX_TOP = 50  # pieces POST /next returns at most
 CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
                  ".css": "text/css; charset=utf-8", ".png": "image/png"}
 MAX_WAIT_MS = 5.0  # the default wait for more requests: see Batcher
@@ -133,9 +147,45 @@ class SearchSettings(BaseModel):
                                 "default: the run's decode.alpha)")
 
 
+class SamplingSettings(BaseModel):
+    """Random sampling, as `aiayn translate --sample` takes it (aiayn.decode.Sampling)."""
+
+    model_config = ConfigDict(extra="forbid")
+    temperature: float = Field(1.0, gt=0.0, le=MAX_TEMPERATURE,
+                               description="the logits are divided by it (towards 0: greedy)")
+    top_k: int = Field(0, ge=0, description="draw among the k likeliest pieces only (0: all)")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="draw among the fewest likeliest "
+                         "pieces whose probabilities sum to top_p (1: all)")
+
+    def sampling(self, seed: int | None = None) -> Sampling:
+        return Sampling(self.temperature, self.top_k, self.top_p, seed)
+
+
 class TranslateRequest(SearchSettings):
     text: list[str] | str = Field(description="sentences (or one sentence) to translate")
-    nbest: int = Field(1, ge=1, description="hypotheses per sentence, at most beam")
+    nbest: int = Field(1, ge=1, description="hypotheses per sentence, at most beam (with "
+                       "sample: the samples per sentence)")
+    no_repeat_ngram: int | None = Field(None, ge=0, le=MAX_NO_REPEAT_NGRAM,
+                                        description="repetition guard: no translation holds "
+                                        "an n-gram of pieces twice (0: off; default: the run's "
+                                        "decode.no_repeat_ngram)")
+    sample: SamplingSettings | None = Field(None, description="draw nbest random samples per "
+                                            "sentence instead of searching (no beam then)")
+    seed: int | None = Field(None, ge=0, lt=2 ** 63, description="with sample: the same seed, "
+                             "sentence and settings draw the same samples (default: a random "
+                             "one, given in the answer)")
+
+
+class NextPieceRequest(SamplingSettings):
+    text: str = Field(description="one sentence")
+    target: str | None = Field(None, description="its translation (default: the served "
+                               "model's greedy translation)")
+    step: int | None = Field(None, ge=0, description="the distribution of the target's piece "
+                             "number step (from 0), given the pieces before it (default: the "
+                             "piece after the whole target)")
+    top: int = Field(10, ge=1, le=MAX_TOP, description="how many of the likeliest pieces")
+    no_repeat_ngram: int | None = Field(None, ge=0, le=MAX_NO_REPEAT_NGRAM,
+                                        description="the repetition guard's bans included")
 
 
 class AttentionRequest(SearchSettings):
@@ -151,9 +201,9 @@ class AttentionRequest(SearchSettings):
 @dataclass(eq=False)
 class Job:
     """One request waiting for the model: sentences to translate with a search (``key``:
-    beam, alpha), or a function that needs the model to itself (``alone``)."""
+    its settings), or a function that needs the model to itself (``alone``)."""
 
-    key: tuple[int, float] | None
+    key: Search | None
     sources: Sources | None = None
     nbest: int = 1
     alone: Callable[[], Any] | None = None
@@ -169,7 +219,7 @@ class Job:
     def cost(self) -> int:
         """Source tokens x beam: what the job adds to the rows decoded together (as a
         decoding batch counts them)."""
-        return self.sources.tokens * self.key[0] if self.sources is not None else 0
+        return self.sources.tokens * self.key.beam if self.sources is not None else 0
 
 
 @dataclass
@@ -217,7 +267,7 @@ class _Lane:
     process of their own) and, here, whose their sentences are."""
 
     searches: LaneSearches | LaneProcess | None = None
-    requests: dict[tuple[int, float], int] = field(default_factory=dict)  # in each search's run
+    requests: dict[Search, int] = field(default_factory=dict)  # in each search's run
     owners: dict[int, tuple[Job, int]] = field(default_factory=dict)  # sentence -> job, index
     load: int = 0  # source tokens x beam of its sentences
     removes: list[int] = field(default_factory=list)  # sentences to take out (Batcher.forget)
@@ -306,10 +356,10 @@ class Batcher:
     def lanes(self) -> int:
         return len(self._lanes)
 
-    def translate(self, sources: Sources, beam: int, alpha: float, nbest: int) -> Future:
-        """A future of ``sources``' hypotheses (up to ``nbest`` or more per sentence) and
-        the seconds from the start of their decoding to their answer."""
-        return self._submit(Job((beam, alpha), sources, nbest))
+    def translate(self, sources: Sources, search: Search, nbest: int) -> Future:
+        """A future of ``sources``' hypotheses (up to ``nbest`` or more per sentence) by the
+        search ``search`` and the seconds from the start of their decoding to their answer."""
+        return self._submit(Job(search, sources, nbest))
 
     def forget(self, future: Future) -> None:
         """The client of ``future``'s request has hung up: a request still waiting is never
@@ -324,7 +374,7 @@ class Batcher:
             if lane is None or future.done():
                 return
             sentences = [s for s, (owner, _) in lane.owners.items() if owner is job]
-            freed = sum(len(job.sources.ids[lane.owners.pop(s)[1]]) * job.key[0]
+            freed = sum(len(job.sources.ids[lane.owners.pop(s)[1]]) * job.key.beam
                         for s in sentences)
             lane.load -= freed
             self._load -= freed
@@ -486,7 +536,7 @@ class Batcher:
                     continue
                 job, i = owner
                 job.hyps[i], job.left = hyps, job.left - 1
-                freed += len(job.sources.ids[i]) * job.key[0]
+                freed += len(job.sources.ids[i]) * job.key.beam
                 if job.left == 0:
                     job.future.set_result((job.hyps, time.monotonic() - job.started))
             lane.load -= freed
@@ -513,7 +563,7 @@ class Batcher:
             if owner is None:
                 continue
             job, i = owner
-            freed += len(job.sources.ids[i]) * job.key[0]
+            freed += len(job.sources.ids[i]) * job.key.beam
             if not job.future.done():
                 job.future.set_exception(exc)
         return freed
@@ -564,11 +614,14 @@ class Batcher:
         if jobs[0].alone is not None:
             _settle(jobs[0].future, jobs[0].alone)
             return
-        (beam, alpha), nbest = jobs[0].key, max(job.nbest for job in jobs)
+        search, nbest = jobs[0].key, max(job.nbest for job in jobs)
         started = time.monotonic()
         try:
-            hyps = self.translator.decode_ids([ids for job in jobs for ids in job.sources.ids],
-                                              beam, alpha, nbest, greedy_ok=False)
+            hyps = self.translator.decode_ids(
+                [ids for job in jobs for ids in job.sources.ids],
+                None if search.sampling else search.beam, search.alpha,
+                search.beam if search.sampling else nbest, greedy_ok=False,
+                no_repeat_ngram=search.no_repeat_ngram, sampling=search.sampling)
         except Exception as exc:  # every request of the pass gets the error
             for job in jobs:
                 job.future.set_exception(exc)
@@ -582,8 +635,8 @@ class Batcher:
             at += n
 
 
-def _by_key(jobs: list[Job]) -> dict[tuple[int, float], list[Job]]:
-    groups: dict[tuple[int, float], list[Job]] = {}
+def _by_key(jobs: list[Job]) -> dict[Search, list[Job]]:
+    groups: dict[Search, list[Job]] = {}
     for job in jobs:
         if job.sources.ids:
             groups.setdefault(job.key, []).append(job)
@@ -683,18 +736,25 @@ class ModelService:
         self.batcher.close()
 
     async def translate(self, texts: list[str], beam: int | None, alpha: float | None,
-                        nbest: int, gone: Callable[[], Awaitable[bool]] | None = None) -> dict:
+                        nbest: int, gone: Callable[[], Awaitable[bool]] | None = None,
+                        no_repeat_ngram: int | None = None, sampling: Sampling | None = None
+                        ) -> dict:
         """`aiayn translate`'s answer for ``texts``: translations in input order, the n-best
         lists (an empty sentence gives "" and an empty list), the truncation warning of
-        these sentences, the search run (None: the run's, ``Translator.search``) and the
-        seconds of the decoding pass that answered them. ``gone``: see ``answer``."""
-        beam, alpha = self.translator.search(beam, alpha)
-        if beam > MAX_BEAM:  # only the run's own can be: a request's is checked on arrival
-            raise AiaynError(f"the run's decode.beam {beam} is over this server's limit of "
-                             f"{MAX_BEAM}; give \"beam\" in the request")
-        self.translator.check_limits(beam, nbest, alpha)
+        these sentences, the search run (None: the run's, ``Translator.settings``) and the
+        seconds of the decoding pass that answered them. ``gone``: see ``answer``. With
+        ``sampling``: ``nbest`` samples per sentence, and the seed they were drawn with."""
+        if sampling is None:
+            beam, alpha = self.translator.search(beam, alpha)
+            if beam > MAX_BEAM:  # only the run's own can be: a request's is checked on arrival
+                raise AiaynError(f"the run's decode.beam {beam} is over this server's limit "
+                                 f"of {MAX_BEAM}; give \"beam\" in the request")
+        elif nbest > MAX_BEAM:  # as a beam: the samples are the rows decoded per sentence
+            raise AiaynError(f"nbest {nbest}: at most {MAX_BEAM} samples per sentence")
+        self.translator.check_limits(beam, nbest, alpha, no_repeat_ngram, sampling)
+        search = self.translator.settings(beam, alpha, no_repeat_ngram, sampling, nbest)
         sources = self.translator.prepare(texts)
-        future = self.batcher.translate(sources, beam, alpha, nbest)
+        future = self.batcher.translate(sources, search, nbest)
         try:
             hyps, seconds = await answer(future, gone)
         except ClientGone:
@@ -707,7 +767,10 @@ class ModelService:
         return {
             "translations": [h[0][0] if h else "" for h in hyps],
             "nbest": [[{"text": text, "score": score} for text, score in h] for h in hyps],
-            "warnings": warnings, "beam": beam, "alpha": alpha, "seconds": seconds,
+            "warnings": warnings, "beam": None if sampling else search.beam,
+            "alpha": search.alpha, "no_repeat_ngram": search.no_repeat_ngram,
+            "sample": None if sampling is None else asdict(search.sampling),
+            "seconds": seconds,
         }
 
     async def attention(self, text: str, beam: int, alpha: float | None,
@@ -730,6 +793,21 @@ class ModelService:
         att = await answer(self.batcher.run_alone(work), gone)
         self.requests += 1
         return {**attention_json(att), "step": step}
+
+    async def next_piece(self, text: str, target: str | None, step: int | None,
+                         sampling: Sampling, top: int, no_repeat_ngram: int | None = None,
+                         gone: Callable[[], Awaitable[bool]] | None = None) -> dict:
+        """POST /next: the ``top`` likeliest pieces a sample would draw at ``step`` of the
+        translation, with their probabilities (``Translator.next_piece``)."""
+        if self.translator.model is None:
+            raise AiaynError("the next piece's distribution needs aiayn's own model, not "
+                             "--engine ctranslate2")
+        guard = self.translator.settings(no_repeat_ngram=no_repeat_ngram).no_repeat_ngram
+        result = await answer(self.batcher.run_alone(lambda: self.translator.next_piece(
+            text, target, step, sampling, top, guard)), gone)
+        self.requests += 1
+        return {**asdict(result), "temperature": sampling.temperature,
+                "top_k": sampling.top_k, "top_p": sampling.top_p, "no_repeat_ngram": guard}
 
     def stats(self) -> dict:
         """GET /stats: the batcher's counters (``BatchStats``), the mean sentences decoded
@@ -879,8 +957,19 @@ def create_app(service: ModelService, limits: ServeLimits = ServeLimits()) -> Fa
     async def translate(body: TranslateRequest, request: Request) -> dict:
         texts = [body.text] if isinstance(body.text, str) else body.text
         check_size(texts, limits)
+        if body.sample is None and body.seed is not None:
+            raise AiaynError("seed goes with sample")
+        sampling = None if body.sample is None else body.sample.sampling(body.seed)
         return await service.translate(texts, body.beam, body.alpha, body.nbest,
-                                       request.is_disconnected)
+                                       request.is_disconnected, body.no_repeat_ngram, sampling)
+
+    @app.post("/next", summary="The distribution of the next piece of a translation, at a "
+              "temperature")
+    async def next_piece(body: NextPieceRequest, request: Request) -> dict:
+        check_size([body.text, body.target or ""], limits)
+        return await service.next_piece(body.text, body.target, body.step,
+                                        body.sampling(), body.top, body.no_repeat_ngram,
+                                        request.is_disconnected)
 
     @app.post("/attention", summary="Translate one sentence and return every attention map")
     async def attention(body: AttentionRequest, request: Request) -> dict:

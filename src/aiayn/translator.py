@@ -7,6 +7,10 @@ the validation during training (``aiayn.evaluate``) and attention pictures.
     ['El Señor es mi pastor.']
     >>> t.translate(["The Lord is my shepherd."], beam=4, alpha=0.6)   # the paper's (6.1)
     ['El Señor es mi pastor.']
+    >>> t.translate(["The Lord is my shepherd."], no_repeat_ngram=3)   # no 3-gram twice
+    ['El Señor es mi pastor.']
+    >>> t.translate_nbest(["The Lord is my shepherd."], nbest=3,      # 3 samples each
+    ...                   sampling=Sampling(temperature=0.8, top_p=0.9, seed=1))
 
 Behind ``translate`` the sentences are tokenized, sorted by length, cut into batches of at
 most ``max_tokens`` padded source tokens x beam (``aiayn.batching.token_batches``; fewer
@@ -27,11 +31,12 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 from pathlib import Path
 
@@ -41,7 +46,14 @@ import torch
 from aiayn.batching import pad, token_batches
 from aiayn.checkpoint import load_weights
 from aiayn.config import DecodeConfig
-from aiayn.decode import Hypothesis, beam_search, greedy_decode
+from aiayn.decode import (
+    Hypothesis,
+    Sampling,
+    Search,
+    beam_search,
+    greedy_decode,
+    next_distribution,
+)
 from aiayn.errors import AiaynError, is_out_of_memory
 from aiayn.kernels import choose_output_kernel
 from aiayn.model import Transformer, capture_attention
@@ -60,18 +72,58 @@ class TruncationWarning(UserWarning):
 
 
 # ---------------------------------------------------------------- search settings, sources
-def check_search(beam: int | None, nbest: int = 1, alpha: float | None = None) -> None:
+MAX_NO_REPEAT_NGRAM = 64  # as config.RANGES["decode"]["no_repeat_ngram"]
+MAX_SAMPLES = 64  # samples per sentence, as the widest beam decode.beam allows
+MAX_TEMPERATURE = 100.0
+
+
+def check_search(beam: int | None, nbest: int = 1, alpha: float | None = None,
+                 no_repeat_ngram: int | None = None, sampling: Sampling | None = None) -> None:
     """The one check of the search settings that needs no model (an AiaynError names the
     option); ``Translator.check_limits`` adds the bounds the model and memory set. None (not
     given: the run's ``decode`` section will say) passes; nbest is then checked against the
-    run's beam, once it is loaded."""
+    run's beam, once it is loaded. With ``sampling``, nbest is the samples per sentence and
+    a beam may not be given."""
+    if sampling is not None:
+        if beam is not None:
+            raise AiaynError("--beam is for beam search; --sample draws --nbest samples per "
+                             "sentence instead")
+        check_sampling(sampling)
+        if not 1 <= nbest <= MAX_SAMPLES:
+            raise AiaynError(f"--nbest (samples per sentence with --sample) must be between 1 "
+                             f"and {MAX_SAMPLES}, got {nbest}")
     if beam is not None and beam < 1:
         raise AiaynError(f"--beam must be at least 1, got {beam}")
-    if nbest < 1 or (beam is not None and nbest > beam):
+    if sampling is None and (nbest < 1 or (beam is not None and nbest > beam)):
         top = "the beam" if beam is None else f"the beam ({beam})"
         raise AiaynError(f"--nbest must be between 1 and {top}, got {nbest}")
     if alpha is not None and not (math.isfinite(alpha) and 0 <= alpha <= 10):
         raise AiaynError(f"--alpha must be in [0, 10], got {alpha}")
+    if no_repeat_ngram is not None and not 0 <= no_repeat_ngram <= MAX_NO_REPEAT_NGRAM:
+        raise AiaynError(f"--no-repeat-ngram must be between 0 (off) and {MAX_NO_REPEAT_NGRAM}, "
+                         f"got {no_repeat_ngram}")
+
+
+def check_sampling(sampling: Sampling) -> None:
+    """Settings a sample can be drawn with, or an AiaynError naming the option."""
+    t = sampling.temperature
+    if not (math.isfinite(t) and 0 < t <= MAX_TEMPERATURE):
+        raise AiaynError(f"--temperature must be in (0, {MAX_TEMPERATURE:g}] (towards 0: "
+                         f"greedy search), got {t}")
+    if sampling.top_k < 0:
+        raise AiaynError(f"--top-k must be 0 (every piece) or more, got {sampling.top_k}")
+    if not (math.isfinite(sampling.top_p) and 0 < sampling.top_p <= 1):
+        raise AiaynError(f"--top-p must be in (0, 1], got {sampling.top_p}")
+    if sampling.seed is not None and not 0 <= sampling.seed < 2 ** 63:
+        raise AiaynError(f"--seed must be between 0 and 2**63 - 1, got {sampling.seed}")
+
+
+def seeded(sampling: Sampling | None) -> Sampling | None:
+    """``sampling`` with a seed: its own, else a random one (reported with the results, so
+    that they can be drawn again)."""
+    if sampling is None or sampling.seed is not None:
+        return sampling
+    return replace(sampling, seed=secrets.randbits(31))
 
 
 def decode_bytes_per_token(cfg) -> int:
@@ -174,7 +226,7 @@ class Translator:
         ``threads_per_stream`` > 1 only to measure the barriers that one thread avoids.
         ``engine``: search with this instead of ``model`` (None then), e.g. an
         ``aiayn.ct2_engine.CTranslate2Search``: it has ``max_len``, ``device`` and
-        ``search(sources, beam, alpha, nbest, max_len_b) -> list[list[Hypothesis]]``.
+        ``search(sources, search: Search, nbest, max_len_b) -> list[list[Hypothesis]]``.
         ``decode``: the search that a beam or alpha of None means (the run's config section;
         default the paper's beam 4, alpha 0.6)."""
         self.engine = engine
@@ -238,39 +290,61 @@ class Translator:
         return (self.decode.beam if beam is None else beam,
                 self.decode.alpha if alpha is None else alpha)
 
+    def settings(self, beam: int | None = None, alpha: float | None = None,
+                 no_repeat_ngram: int | None = None, sampling: Sampling | None = None,
+                 nbest: int = 1) -> Search:
+        """Every setting of the search to run, as one value: ``search``'s beam and alpha,
+        the run's ``decode.no_repeat_ngram`` unless given, and with ``sampling`` (seeded:
+        ``seeded``) ``nbest`` rows per sentence in place of the beam."""
+        beam, alpha = self.search(beam, alpha)
+        guard = self.decode.no_repeat_ngram if no_repeat_ngram is None else no_repeat_ngram
+        if sampling is not None:
+            return Search(nbest, alpha, guard, seeded(sampling))
+        return Search(beam, alpha, guard)
+
     def translate(self, sentences: Sequence[str], beam: int | None = None,
                   alpha: float | None = None, max_len_b: int = 50,
-                  progress: Callable[[int], object] | None = None) -> list[str]:
-        """One translation per sentence, in input order (``beam=1``: greedy search)."""
-        hyps = self._translate(sentences, beam, alpha, 1, max_len_b, progress, scored=False)
+                  progress: Callable[[int], object] | None = None,
+                  no_repeat_ngram: int | None = None, sampling: Sampling | None = None
+                  ) -> list[str]:
+        """One translation per sentence, in input order (``beam=1``: greedy search).
+        ``no_repeat_ngram``: the repetition guard (None: the run's decode.no_repeat_ngram);
+        ``sampling``: one sample per sentence instead of the search (``aiayn.decode``)."""
+        hyps = self._translate(sentences, beam, alpha, 1, max_len_b, progress, scored=False,
+                               no_repeat_ngram=no_repeat_ngram, sampling=sampling)
         return [h[0][0] if h else "" for h in hyps]
 
     def translate_nbest(self, sentences: Sequence[str], beam: int | None = None,
                         alpha: float | None = None, nbest: int = 1, max_len_b: int = 50,
-                        progress: Callable[[int], object] | None = None
+                        progress: Callable[[int], object] | None = None,
+                        no_repeat_ngram: int | None = None, sampling: Sampling | None = None
                         ) -> list[list[tuple[str, float]]]:
-        """Up to ``nbest`` (translation, score) pairs per sentence, best first.
+        """Up to ``nbest`` (translation, score) pairs per sentence, best first (with
+        ``sampling``: ``nbest`` samples, best first).
 
         The score is the length-normalised log-probability (see ``aiayn.decode``); an empty
         sentence gets an empty list.
         """
-        return self._translate(sentences, beam, alpha, nbest, max_len_b, progress, scored=True)
+        return self._translate(sentences, beam, alpha, nbest, max_len_b, progress, scored=True,
+                               no_repeat_ngram=no_repeat_ngram, sampling=sampling)
 
-    def _translate(self, sentences, beam, alpha, nbest, max_len_b, progress, scored):
+    def _translate(self, sentences, beam, alpha, nbest, max_len_b, progress, scored,
+                   no_repeat_ngram=None, sampling=None):
         """Tokenize the non-empty sentences, decode them, detokenize, keep the input order.
 
         ``progress(n)`` is called after each batch with its number of sentences (e.g. a
         tqdm bar's ``update``); ``self.last_stats`` describes the pass afterwards.
         """
-        beam, alpha = self.search(beam, alpha)
-        self.check_limits(beam, nbest, alpha)
+        self.check_limits(beam, nbest, alpha, no_repeat_ngram, sampling)
+        sampling = seeded(sampling)  # one seed for every batch of the pass
         sources = self.prepare(sentences)
         if sources.truncated:
             warnings.warn(truncation_message(sources.truncated, self.max_len),
                           TruncationWarning, stacklevel=3)
         start = time.perf_counter()
         hyps = self.decode_ids(sources.ids, beam, alpha, nbest, max_len_b, progress,
-                               greedy_ok=not scored)
+                               greedy_ok=not scored, no_repeat_ngram=no_repeat_ngram,
+                               sampling=sampling)
         seconds = time.perf_counter() - start
         self.last_stats = DecodeStats(len(sources.todo), sum(len(h[0][0]) for h in hyps if h),
                                       seconds, sources.truncated)
@@ -297,22 +371,29 @@ class Translator:
         return results
 
     def translate_lines(self, lines: Iterable[str], beam: int | None = None,
-                        alpha: float | None = None, nbest: int = 1, chunk: int = 2000
+                        alpha: float | None = None, nbest: int = 1, chunk: int = 2000,
+                        no_repeat_ngram: int | None = None, sampling: Sampling | None = None
                         ) -> Iterator[str]:
         """`aiayn translate`'s output, ``chunk`` lines at a time (so output appears as it is
         ready and memory stays bounded; ``chunk=1`` answers each line of a lazy iterable,
         e.g. a terminal, as soon as it arrives): one translation per line, or with
         ``nbest > 1`` rows 'LINE<TAB>SCORE<TAB>TRANSLATION' (an empty line gives
-        'LINE<TAB><TAB>')."""
-        beam, alpha = self.search(beam, alpha)
-        self.check_limits(beam, nbest, alpha)
+        'LINE<TAB><TAB>'). ``no_repeat_ngram``, ``sampling``: as ``translate``'s (one seed
+        for every chunk)."""
+        self.check_limits(beam, nbest, alpha, no_repeat_ngram, sampling)
+        if sampling is None:
+            beam, alpha = self.search(beam, alpha)
+        sampling = seeded(sampling)
+        guard = {"no_repeat_ngram": no_repeat_ngram, "sampling": sampling}
         lines, first = iter(lines), 0  # first: the number of the chunk's first line
         while part := list(islice(lines, chunk)):
             if nbest == 1:
-                yield "".join(text + "\n" for text in self.translate(part, beam, alpha))
+                yield "".join(text + "\n" for text in self.translate(part, beam, alpha,
+                                                                     **guard))
             else:
                 rows = []
-                for i, hyps in enumerate(self.translate_nbest(part, beam, alpha, nbest), first):
+                for i, hyps in enumerate(self.translate_nbest(part, beam, alpha, nbest,
+                                                              **guard), first):
                     rows.extend(f"{i}\t{score:.4f}\t{text}\n" for text, score in hyps)
                     if not hyps:
                         rows.append(f"{i}\t\t\n")
@@ -339,27 +420,30 @@ class Translator:
     def decode_ids(self, sources: list[list[int]], beam: int | None = None,
                    alpha: float | None = None, nbest: int = 1, max_len_b: int = 50,
                    progress: Callable[[int], object] | None = None,
-                   greedy_ok: bool = True) -> list[list[Hypothesis]]:
+                   greedy_ok: bool = True, no_repeat_ngram: int | None = None,
+                   sampling: Sampling | None = None) -> list[list[Hypothesis]]:
         """Decode source id lists in length-sorted batches; results in input order.
 
         With ``beam=1, nbest=1, greedy_ok`` it runs greedy search, which returns the same
-        tokens as a beam of 1 more cheaply but no score (reported as 0.0).
+        tokens as a beam of 1 more cheaply but no score (reported as 0.0). The settings are
+        resolved by ``settings`` (``no_repeat_ngram``, ``sampling``: see ``translate``).
         """
-        beam, alpha = self.search(beam, alpha)
-        self.check_limits(beam, nbest, alpha)
+        self.check_limits(beam, nbest, alpha, no_repeat_ngram, sampling)
+        search = self.settings(beam, alpha, no_repeat_ngram, sampling, nbest)
         results: list[list[Hypothesis]] = [[] for _ in sources]
-        greedy = greedy_ok and beam == 1 and nbest == 1
+        greedy = greedy_ok and search.beam == 1 and nbest == 1 and search.sampling is None
         widths = [len(s) for s in sources]
+        copies = search.beam
         if self.engine is not None:  # CTranslate2 runs its own threads
-            batches = token_batches(widths, self.max_tokens, copies=beam)
-            decoded_batches = (self.engine.search([sources[i] for i in batch], beam, alpha,
-                                                  nbest, max_len_b) for batch in batches)
+            batches = token_batches(widths, self.max_tokens, copies=copies)
+            decoded_batches = (self.engine.search([sources[i] for i in batch], search, nbest,
+                                                  max_len_b) for batch in batches)
         else:  # one intra-op thread per stream: see aiayn.threads
             streams = self.streams or default_streams(self.device)
-            batches = token_batches(widths, stream_budget(widths, self.max_tokens, beam,
-                                                          streams), copies=beam)
+            batches = token_batches(widths, stream_budget(widths, self.max_tokens, copies,
+                                                          streams), copies=copies)
             decoded_batches = parallel_map(
-                lambda batch: self._search([sources[i] for i in batch], beam, alpha, nbest,
+                lambda batch: self._search([sources[i] for i in batch], search, nbest,
                                            max_len_b, greedy), batches,
                 streams, self.threads_per_stream)
         for batch, decoded in zip(batches, decoded_batches, strict=True):
@@ -370,7 +454,7 @@ class Translator:
         return results
 
     @torch.no_grad()
-    def _search(self, rows: list[list[int]], beam, alpha, nbest, max_len_b, greedy
+    def _search(self, rows: list[list[int]], search: Search, nbest, max_len_b, greedy
                 ) -> list[list[Hypothesis]]:
         """aiayn's own search (``aiayn.decode``) over one batch of source id lists (on a
         stream's thread: grad mode and autocast are per thread, so both are set here)."""
@@ -380,27 +464,43 @@ class Translator:
         try:
             with autocast:
                 if greedy:
-                    return [[Hypothesis(ids, 0.0)]
-                            for ids in greedy_decode(self.model, src, max_len_b)]
-                return beam_search(self.model, src, beam, alpha, max_len_b, nbest)
+                    return [[Hypothesis(ids, 0.0)] for ids in greedy_decode(
+                        self.model, src, max_len_b, no_repeat_ngram=search.no_repeat_ngram)]
+                return beam_search(self.model, src, search.beam, search.alpha, max_len_b, nbest,
+                                   no_repeat_ngram=search.no_repeat_ngram,
+                                   sampling=search.sampling)
         except (RuntimeError, MemoryError) as exc:
             if not is_out_of_memory(exc):
                 raise
             raise AiaynError(
-                f"out of memory decoding a batch of {len(rows)} sentence(s) x beam {beam} "
-                f"({src.numel() * beam} padded tokens) on {self.device}; give a smaller "
+                f"out of memory decoding a batch of {len(rows)} sentence(s) x beam "
+                f"{search.beam} ({src.numel() * search.beam} padded tokens) on {self.device}; give a smaller "
                 f"--max-tokens (now {self.max_tokens})") from None
 
-    def check_limits(self, beam: int | None, nbest: int = 1, alpha: float | None = None
+    def check_limits(self, beam: int | None, nbest: int = 1, alpha: float | None = None,
+                     no_repeat_ngram: int | None = None, sampling: Sampling | None = None
                      ) -> None:
         """``check_search`` of the search to run (``search``), and a beam the model and the
         batch budget can hold: at most the target vocabulary (more hypotheses than tokens
         cannot differ at the first step) and ``max_tokens // 2`` (one source of a word and
-        EOS, times the beam, must fit)."""
+        EOS, times the beam, must fit). With ``sampling``, the samples are its rows."""
+        if sampling is not None:
+            check_search(beam, nbest, alpha, no_repeat_ngram, sampling)
+            if self.engine is not None:
+                from aiayn.ct2_engine import SAMPLING_REFUSED
+
+                raise AiaynError(SAMPLING_REFUSED)
+            beam = nbest
         beam, alpha = self.search(beam, alpha)
-        check_search(beam, nbest, alpha)
+        check_search(beam, nbest, alpha, no_repeat_ngram)
         vocab = (self.model.cfg.tgt_vocab_size if self.model is not None
                  else self.tokenizers.tgt_vocab_size)  # decode_ids needs no tokenizers
+        if sampling is not None:  # samples may repeat each other: only the budget bounds them
+            if beam > self.max_tokens // 2:
+                raise AiaynError(f"--nbest (samples) must be at most {self.max_tokens // 2} for "
+                                 f"--max-tokens {self.max_tokens} (half the batch budget), "
+                                 f"got {beam}")
+            return
         limit = min(vocab, self.max_tokens // 2)
         if beam > limit:
             raise AiaynError(f"--beam must be at most {limit} for this model and --max-tokens "
@@ -429,6 +529,33 @@ class Translator:
         sources, _ = self.encode([_one_line(sentence)])
         return self.decode_ids(sources, beam=beam, alpha=alpha)[0][0].ids
 
+    def next_piece(self, sentence: str, target: str | None = None, step: int | None = None,
+                   sampling: Sampling | None = None, top: int = 10, no_repeat_ngram: int = 0
+                   ) -> NextPiece:
+        """The ``top`` likeliest pieces that a sample (``sampling``: temperature, top-k,
+        top-p) would draw as piece number ``step`` of ``target`` (None: this translator's
+        greedy translation), given the source and the pieces before it, with their
+        probabilities (``aiayn.decode.next_distribution``); ``step`` None: after the whole
+        target."""
+        sampling = sampling or Sampling()
+        check_sampling(sampling)
+        check_search(None, 1, None, no_repeat_ngram)
+        ids = self.target_ids(sentence, target)
+        step = len(ids) if step is None else step
+        if not 0 <= step <= len(ids):
+            raise AiaynError(f"step must be between 0 and {len(ids)} (the target's pieces), "
+                             f"got {step}")
+        sources, _ = self.encode([_one_line(sentence)])
+        src = torch.tensor(sources, dtype=torch.long, device=self.device)
+        probs, tokens = on_one_thread(lambda: next_distribution(
+            self.model, src, ids[:step], sampling, no_repeat_ngram))
+        piece = self.tokenizers.tgt_id_to_token
+        chosen = ids[step] if step < len(ids) else EOS_ID
+        return NextPiece([piece(i) for i in ids], step, piece(chosen),
+                         [(piece(int(t)), float(p)) for t, p in zip(tokens[:top].tolist(),
+                                                                     probs[:top].tolist())
+                          if p > 0])
+
     def attention_of(self, model: Transformer, sentence: str, hypothesis: Sequence[int]
                      ) -> SentenceAttention:
         """Every attention map of ``model`` (this one's, or another with the same
@@ -455,6 +582,16 @@ def _one_line(sentence: str) -> str:
 
 def _parameter_device(model: Transformer) -> torch.device:
     return next(model.parameters()).device
+
+
+@dataclass
+class NextPiece:
+    """What a sample would draw at one step of a translation (``Translator.next_piece``)."""
+
+    tgt_tokens: list[str]  # the target's pieces (no BOS, no EOS)
+    step: int  # the piece drawn: number ``step`` of the target, after the ones before it
+    target_piece: str  # the target's own piece there ([EOS] after its last)
+    pieces: list[tuple[str, float]]  # the likeliest, with their probabilities, best first
 
 
 # ---------------------------------------------------------------- attention capture

@@ -6,7 +6,8 @@
 const $ = (id) => document.getElementById(id);
 // attention: the maps drawn; steps: the run's saved steps (GET /info); asked: the sentence
 // and search of the last translation, which the step slider asks for again at each step.
-const state = { attention: null, steps: [], asked: null, stepRequest: 0 };
+// next: the sentence and translation whose next-piece distribution is shown.
+const state = { attention: null, steps: [], asked: null, stepRequest: 0, next: null, nextRequest: 0 };
 
 // The tokens along a map's axes: [rows (queries), columns (keys)], as the server names them.
 function axes(kind) {
@@ -73,6 +74,10 @@ async function translate(event) {
   try {
     const result = await post("/translate", { text: lines, beam, alpha, nbest });
     showTranslation(result);
+    const index = lines.indexOf(first);
+    state.next = { text: first, target: result.translations[index] || null };
+    $("next-step").value = 0;
+    await showNext();
     $("status").textContent = "computing the attention…";
     state.asked = { text: first, beam, alpha };
     state.attention = await post("/attention", state.asked);
@@ -105,6 +110,44 @@ function showTranslation(result) {
     item.append(score, text);
     list.append(item);
   }
+}
+
+// POST /next: the distribution of the translation's piece at the chosen step, drawn as bars.
+async function showNext() {
+  if (!state.next) return;
+  const temperature = Number($("temperature").value);
+  $("temperature-label").textContent = temperature.toFixed(2);
+  const asked = ++state.nextRequest;  // a later move of a slider makes this answer stale
+  const result = await post("/next", { ...state.next, step: Number($("next-step").value),
+                                       temperature, top: 10 });
+  if (asked !== state.nextRequest) return;
+  $("next-step").max = result.tgt_tokens.length;
+  $("next-prefix").textContent = result.step === 0 ? "[BOS]" :
+    result.tgt_tokens.slice(0, result.step).join(" ");
+  $("next-target").textContent = result.target_piece;
+  const list = $("next-pieces");
+  list.replaceChildren();
+  for (const [piece, probability] of result.pieces) {
+    const item = document.createElement("li");
+    if (piece === result.target_piece) item.className = "target";
+    const name = document.createElement("span");
+    name.className = "piece";
+    name.textContent = piece;
+    const bar = document.createElement("span");
+    bar.className = "bar";
+    bar.style.width = `${(probability * 20).toFixed(2)}rem`;
+    const value = document.createElement("span");
+    value.className = "probability";
+    value.textContent = probability.toFixed(3);
+    item.append(name, bar, value);
+    list.append(item);
+  }
+  list.dataset.temperature = String(temperature);
+  list.dataset.step = String(result.step);
+}
+
+function nextChanged() {
+  showNext().catch((err) => { $("error").textContent = err.message; });
 }
 
 function fillPickers() {
@@ -233,6 +276,8 @@ function loadPictures() {
 }
 
 $("form").addEventListener("submit", translate);
+$("temperature").addEventListener("input", nextChanged);
+$("next-step").addEventListener("input", nextChanged);
 $("source").addEventListener("keydown", (event) => {  // Ctrl+Enter translates
   if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) $("form").requestSubmit();
 });
