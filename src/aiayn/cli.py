@@ -224,11 +224,16 @@ def _add_translate(sub) -> None:
         "an empty line. With --nbest N > 1 each input line gives up to N lines "
         "'LINE<TAB>SCORE<TAB>TRANSLATION' (LINE counts from 0, best first; SCORE is the "
         "log-probability divided by the length penalty; an empty input line gives one line "
-        "'LINE<TAB><TAB>'). A sentence longer than the model's max_len is truncated, with a "
-        "warning on stderr.")
+        "'LINE<TAB><TAB>'). With --alignments each output line ends with a tab and the "
+        "translation's word alignment in the Pharaoh format, 'i-j' pairs of source word i "
+        "and target word j (whitespace-separated words, from 0). A sentence longer than the "
+        "model's max_len is truncated, with a warning on stderr.")
     p.add_argument("run_dir", help="run directory (from `aiayn train`)")
     _add_search(p)
     p.add_argument("--nbest", type=int, default=1, help="hypotheses per sentence (<= --beam)")
+    p.add_argument("--alignments", action="store_true",
+                   help="add a tab and the word alignment to each line: 'i-j' pairs "
+                   "(Pharaoh format) from the cross-attention of decode.alignment_layer")
     p.add_argument("-i", "--input", help="input file (default: stdin)")
     p.add_argument("-o", "--output", help="output file (default: stdout)")
     p.add_argument("--interactive", action="store_true", help="answer each line of stdin as "
@@ -252,11 +257,14 @@ def _run_translate(args) -> int:
                                             device=choose_device(args.device),
                                             max_tokens=args.max_tokens, engine=args.engine)
     translator.check_limits(args.beam, args.nbest, args.alpha)
+    if args.alignments:
+        translator.check_alignments()
     if interactive and terminal:
         print("aiayn: translating each line as it is entered; end with Ctrl-D", file=sys.stderr)
     lines = _stdin_lines() if interactive else _read_lines(args.input)
     chunks = translator.translate_lines(lines, args.beam, args.alpha, args.nbest,
-                                        chunk=1 if interactive else 2000)
+                                        chunk=1 if interactive else 2000,
+                                        alignments=args.alignments)
     if args.output is None:
         _write(chunks, sys.stdout)
         return 0

@@ -67,7 +67,8 @@ RANGES: dict[str, dict[str, tuple[float, float, bool]]] = {
         "log_every": (1, INF, False), "num_samples": (0, INF, False),
         "cpu_threads": (0, 4096, False), "patience": (0, INF, False),
     },
-    "decode": {"beam": (1, 64, False), "alpha": (0.0, 10.0, False)},
+    "decode": {"beam": (1, 64, False), "alpha": (0.0, 10.0, False),
+               "alignment_layer": (-4096, 4096, False)},  # one of the decoder's: validate
 }
 CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
     "model": {"tie_embeddings": TIE_CHOICES, "embedding_init": EMBEDDING_INITS,
@@ -276,6 +277,12 @@ class DecodeConfig:
     """Beam size of the run's search (paper, 6.1: 4); 1 is greedy."""
     alpha: float = 0.6
     """Length penalty alpha of the run's search, lp(Y) = ((5 + |Y|) / 6)^alpha (paper, 6.1: 0.6)."""
+    alignment_layer: int = -1
+    """The decoder layer whose cross-attention (its heads averaged) gives the word alignments
+    of `aiayn translate --alignments` and serve's "alignments": from 1, or counted back from
+    the last with -1 (the last), -2 (the one before)... On the digit-reversal toy, whose
+    alignment is known, the last layer gives the lowest alignment error rate
+    (docs/translating.md#word-alignments)."""
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,
@@ -315,6 +322,10 @@ class Config:
             )
         if not m.pad_id < min(m.src_vocab_size, m.tgt_vocab_size):
             raise AiaynError(f"{source}: model.pad_id {m.pad_id} is outside the vocabulary")
+        layer, layers = self.decode.alignment_layer, m.n_decoder_layers
+        if layer == 0 or abs(layer) > layers:
+            raise AiaynError(f"{source}: decode.alignment_layer must be a decoder layer, 1 to "
+                             f"{layers} or -1 (the last) to -{layers}, got {layer}")
         if self.data.dev_fraction + self.data.test_fraction >= 1:
             raise AiaynError(f"{source}: data.dev_fraction + data.test_fraction must be below 1 "
                              f"(something must be left to train on), got "

@@ -2,11 +2,13 @@
 
 One process loads the run's model once (``Translator.from_pretrained``) and serves:
 
-    POST /translate   {"text": ["...", ...], "beam": 4, "alpha": 0.6, "nbest": 1}
+    POST /translate   {"text": ["...", ...], "beam": 4, "alpha": 0.6, "nbest": 1,
+                       "alignments": false}
                       -> translations in input order, the n-best lists with their scores,
                          the warnings `aiayn translate` would print (truncation), and the
                          beam and alpha used (without them in the request: the run's, its
-                         config's decode section)
+                         config's decode section); with "alignments": true, each
+                         translation's word alignment, [source word, target word] pairs
     POST /attention   {"text": "...", "beam": 1, "alpha": 0.6, "step": null}
                       -> the translation, source and target tokens and every layer x head
                          map of encoder self-, decoder self- and cross-attention, as
@@ -136,6 +138,9 @@ class SearchSettings(BaseModel):
 class TranslateRequest(SearchSettings):
     text: list[str] | str = Field(description="sentences (or one sentence) to translate")
     nbest: int = Field(1, ge=1, description="hypotheses per sentence, at most beam")
+    alignments: bool = Field(False, description="also the word alignment of each "
+                             "translation: [source word, target word] pairs (whitespace-"
+                             "separated words, from 0), as `aiayn translate --alignments`")
 
 
 class AttentionRequest(SearchSettings):
@@ -683,11 +688,17 @@ class ModelService:
         self.batcher.close()
 
     async def translate(self, texts: list[str], beam: int | None, alpha: float | None,
-                        nbest: int, gone: Callable[[], Awaitable[bool]] | None = None) -> dict:
+                        nbest: int, gone: Callable[[], Awaitable[bool]] | None = None,
+                        alignments: bool = False) -> dict:
         """`aiayn translate`'s answer for ``texts``: translations in input order, the n-best
         lists (an empty sentence gives "" and an empty list), the truncation warning of
         these sentences, the search run (None: the run's, ``Translator.search``) and the
-        seconds of the decoding pass that answered them. ``gone``: see ``answer``."""
+        seconds of the decoding pass that answered them. ``gone``: see ``answer``.
+        ``alignments``: also each translation's word alignment ("alignments", and
+        "alignment" in each n-best entry), from a teacher-forced pass over the hypotheses
+        run while no search steps on the model (the capture sets flags on it)."""
+        if alignments:
+            self.translator.check_alignments()
         beam, alpha = self.translator.search(beam, alpha)
         if beam > MAX_BEAM:  # only the run's own can be: a request's is checked on arrival
             raise AiaynError(f"the run's decode.beam {beam} is over this server's limit of "
@@ -700,15 +711,27 @@ class ModelService:
         except ClientGone:
             self.batcher.forget(future)
             raise
+        links = None
+        if alignments:
+            ids = hyps
+            links = await answer(self.batcher.run_alone(
+                lambda: self.translator.hypothesis_alignments(sources, ids, nbest)), gone)
         hyps = self.translator.finish(sources, hyps, nbest)
         self.requests += 1
         warnings = ([truncation_message(sources.truncated, self.translator.max_len)]
                     if sources.truncated else [])
-        return {
+        answered = {
             "translations": [h[0][0] if h else "" for h in hyps],
             "nbest": [[{"text": text, "score": score} for text, score in h] for h in hyps],
             "warnings": warnings, "beam": beam, "alpha": alpha, "seconds": seconds,
         }
+        if links is not None:
+            answered["alignments"] = [[list(pair) for pair in sentence[0]] if sentence else []
+                                      for sentence in links]
+            for entries, sentence in zip(answered["nbest"], links, strict=True):
+                for entry, alignment in zip(entries, sentence, strict=True):
+                    entry["alignment"] = [list(pair) for pair in alignment]
+        return answered
 
     async def attention(self, text: str, beam: int, alpha: float | None,
                         gone: Callable[[], Awaitable[bool]] | None = None,
@@ -880,7 +903,7 @@ def create_app(service: ModelService, limits: ServeLimits = ServeLimits()) -> Fa
         texts = [body.text] if isinstance(body.text, str) else body.text
         check_size(texts, limits)
         return await service.translate(texts, body.beam, body.alpha, body.nbest,
-                                       request.is_disconnected)
+                                       request.is_disconnected, body.alignments)
 
     @app.post("/attention", summary="Translate one sentence and return every attention map")
     async def attention(body: AttentionRequest, request: Request) -> dict:
