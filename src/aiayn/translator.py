@@ -41,7 +41,7 @@ import torch
 from aiayn.align import Alignment, pharaoh, piece_words, text_words, word_alignment
 from aiayn.batching import pad, token_batches
 from aiayn.checkpoint import load_weights
-from aiayn.config import DecodeConfig
+from aiayn.config import DecodeConfig, alignment_layer_index
 from aiayn.decode import Hypothesis, beam_search, greedy_decode
 from aiayn.errors import AiaynError, is_out_of_memory
 from aiayn.kernels import choose_output_kernel
@@ -475,12 +475,9 @@ class Translator:
                              "not --engine ctranslate2")
 
     def alignment_layer(self) -> int:
-        """``decode.alignment_layer`` (from 1, or -1 for the last) as an index from 0."""
-        layer, layers = self.decode.alignment_layer, self.model.cfg.n_decoder_layers
-        if layer == 0 or abs(layer) > layers:
-            raise AiaynError(f"decode.alignment_layer must be a decoder layer, 1 to {layers} "
-                             f"or -1 (the last) to -{layers}, got {layer}")
-        return layer - 1 if layer > 0 else layers + layer
+        """``decode.alignment_layer`` as an index from 0 (``alignment_layer_index``)."""
+        return alignment_layer_index(self.decode.alignment_layer,
+                                     self.model.cfg.n_decoder_layers)
 
     def hypothesis_alignments(self, sources: Sources, hyps: Sequence[list[Hypothesis]],
                               nbest: int) -> list[list[Alignment]]:
