@@ -173,6 +173,12 @@ def test_cross_attention_is_the_captured_map_of_a_teacher_forced_pass(reversal):
         # padding changes the sums' order and lengths: float32 rounding only
         np.testing.assert_allclose(weights, alone, atol=1e-5)
         np.testing.assert_allclose(weights.sum(axis=1), 1.0, atol=1e-5)
+    # A given target longer than the model's max_len: the words it has rows for are linked.
+    translator = Translator(run.model, tok)
+    source = "1 2 3"
+    target = tok.encode_tgt([" ".join("7" * 20)])[0][1:-1]
+    links, = translator.align_ids([source], tok.encode_src([source]), [target])
+    assert [j for _, j in links] == list(range(run.config.model.max_len))  # max_len rows
 
 
 # ---------------------------------------------------------------- translate --alignments

@@ -513,7 +513,9 @@ class Translator:
                 text, target = texts[i], targets[i]
                 pieces = len(sources[i]) - 1  # the source tokens, EOS left out
                 src_words = text_words(text, self.tokenizers.src_offsets(text))[:pieces]
-                tgt_words = piece_words([self.tokenizers.tgt_id_to_token(t) for t in target])
+                # (a target longer than max_len - 1 keeps the rows the model could give it)
+                tgt_words = piece_words([self.tokenizers.tgt_id_to_token(t)
+                                         for t in target])[:len(attention)]
                 results[i] = word_alignment(attention[:, :pieces], src_words, tgt_words)
         return results
 
