@@ -113,6 +113,23 @@ def test_translate_takes_one_string_and_keeps_the_order(client, translator):
     assert answer["warnings"] == []
 
 
+def test_translate_with_alignments_gives_the_translators_word_pairs(client, translator):
+    body = {"text": SENTENCES, "beam": 2, "nbest": 2, "alignments": True}
+    answer = client.post("/translate", json=body).json()
+    expected = translator.translate_aligned(SENTENCES, beam=2)
+    assert answer["translations"] == [text for text, _ in expected]
+    assert answer["alignments"] == [[list(pair) for pair in links] for _, links in expected]
+    assert answer["alignments"][1] == [] and answer["nbest"][1] == []  # the empty line
+    for hyps, links in zip(answer["nbest"], answer["alignments"], strict=True):
+        assert [h["alignment"] for h in hyps[:1]] == ([links] if hyps else [])
+        for h in hyps:  # one pair per word of each hypothesis
+            assert [j for _, j in h["alignment"]] == list(range(len(h["text"].split())))
+    # Without the option the answer is as before: no alignments anywhere.
+    plain = client.post("/translate", json={"text": SENTENCES, "beam": 2}).json()
+    assert "alignments" not in plain and all("alignment" not in h for hyps in plain["nbest"]
+                                              for h in hyps)
+
+
 def test_a_request_without_a_search_gets_the_runs_own(run_dir, tmp_path):
     """The run's config.yaml says beam 3, alpha 1.5 (decode): a request without beam or
     alpha decodes so and says so; one that names them gets what it names."""

@@ -271,15 +271,20 @@ def _add_translate(sub) -> None:
         "an empty line. With --nbest N > 1 each input line gives up to N lines "
         "'LINE<TAB>SCORE<TAB>TRANSLATION' (LINE counts from 0, best first; SCORE is the "
         "log-probability divided by the length penalty; an empty input line gives one line "
-        "'LINE<TAB><TAB>'). A sentence longer than the model's max_len is truncated, with a "
-        "warning on stderr. With --sample: random samples instead of the search, --nbest of "
-        "them per sentence (docs/translating.md).")
+        "'LINE<TAB><TAB>'). With --alignments each output line ends with a tab and the "
+        "translation's word alignment in the Pharaoh format, 'i-j' pairs of source word i "
+        "and target word j (whitespace-separated words, from 0). A sentence longer than the "
+        "model's max_len is truncated, with a warning on stderr. With --sample: random "
+        "samples instead of the search, --nbest of them per sentence (docs/translating.md).")
     p.add_argument("run_dir", help="run directory (from `aiayn train`)")
     _add_search(p)
     _add_guard(p)
     p.add_argument("--nbest", type=int, default=1, help="hypotheses per sentence (<= --beam; "
                    "with --sample: samples per sentence)")
     _add_sampling(p)
+    p.add_argument("--alignments", action="store_true",
+                   help="add a tab and the word alignment to each line: 'i-j' pairs "
+                   "(Pharaoh format) from the cross-attention of decode.alignment_layer")
     p.add_argument("-i", "--input", help="input file (default: stdin)")
     p.add_argument("-o", "--output", help="output file (default: stdout)")
     p.add_argument("--interactive", action="store_true", help="answer each line of stdin as "
@@ -305,13 +310,16 @@ def _run_translate(args) -> int:
                                             device=choose_device(args.device),
                                             max_tokens=args.max_tokens, engine=args.engine)
     translator.check_limits(args.beam, args.nbest, args.alpha, args.no_repeat_ngram, sampling)
+    if args.alignments:
+        translator.check_alignments()
     if interactive and terminal:
         print("aiayn: translating each line as it is entered; end with Ctrl-D", file=sys.stderr)
     sampling = _seeded(sampling)
     lines = _stdin_lines() if interactive else _read_lines(args.input)
     chunks = translator.translate_lines(lines, args.beam, args.alpha, args.nbest,
                                         chunk=1 if interactive else 2000,
-                                        no_repeat_ngram=args.no_repeat_ngram, sampling=sampling)
+                                        no_repeat_ngram=args.no_repeat_ngram, sampling=sampling,
+                                        alignments=args.alignments)
     if args.output is None:
         _write(chunks, sys.stdout)
         return 0

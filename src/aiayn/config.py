@@ -68,7 +68,8 @@ RANGES: dict[str, dict[str, tuple[float, float, bool]]] = {
         "cpu_threads": (0, 4096, False), "patience": (0, INF, False),
     },
     "decode": {"beam": (1, 64, False), "alpha": (0.0, 10.0, False),
-               "no_repeat_ngram": (0, 64, False)},
+               "no_repeat_ngram": (0, 64, False),
+               "alignment_layer": (-4096, 4096, False)},  # one of the decoder's: validate
 }
 CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
     "model": {"tie_embeddings": TIE_CHOICES, "embedding_init": EMBEDDING_INITS,
@@ -281,6 +282,28 @@ class DecodeConfig:
     """Repetition guard: no translation holds the same n-gram of pieces twice (a piece that
     would complete one already there is never chosen; CTranslate2's no_repeat_ngram_size);
     0: off, as the paper. `--no-repeat-ngram N` overrides it."""
+    alignment_layer: int = 0
+    """The decoder layer whose cross-attention (its heads averaged) gives the word alignments
+    of `aiayn translate --alignments` and serve's "alignments": from 1, or counted back from
+    the last with -1 (the last), -2...; 0: the layer below the last (the only one of a
+    one-layer decoder), which aligned hand-aligned Bible verses best on the demo model
+    (docs/translating.md#word-alignments)."""
+
+
+def alignment_layer_rule(layers: int) -> str:
+    """What decode.alignment_layer may be for a decoder of ``layers`` layers."""
+    return (f"decode.alignment_layer must be a decoder layer, 1 to {layers} or -1 (the last) "
+            f"to -{layers}, or 0 (the layer below the last)")
+
+
+def alignment_layer_index(layer: int, layers: int) -> int:
+    """decode.alignment_layer (checked) as an index from 0: 0 is the layer below the last
+    (the only one of a one-layer decoder), -1 the last."""
+    if abs(layer) > layers:
+        raise AiaynError(f"{alignment_layer_rule(layers)}, got {layer}")
+    if layer == 0:
+        return max(layers - 2, 0)
+    return layer - 1 if layer > 0 else layers + layer
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig,
@@ -320,6 +343,9 @@ class Config:
             )
         if not m.pad_id < min(m.src_vocab_size, m.tgt_vocab_size):
             raise AiaynError(f"{source}: model.pad_id {m.pad_id} is outside the vocabulary")
+        if abs(self.decode.alignment_layer) > m.n_decoder_layers:
+            raise AiaynError(f"{source}: {alignment_layer_rule(m.n_decoder_layers)}, got "
+                             f"{self.decode.alignment_layer}")
         if self.data.dev_fraction + self.data.test_fraction >= 1:
             raise AiaynError(f"{source}: data.dev_fraction + data.test_fraction must be below 1 "
                              f"(something must be left to train on), got "

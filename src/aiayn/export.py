@@ -75,6 +75,7 @@ from aiayn.config import Config, DecodeConfig, ModelConfig, load_config
 from aiayn.errors import AiaynError
 from aiayn.io import atomic_directory, atomic_write_text, check_room, check_writable_dir
 from aiayn.model import Transformer, sinusoid_table
+from aiayn.modelcard import CARD_FILE, model_card
 from aiayn.rundir import copy_tokenizer, load_run
 from aiayn.tokenizer import BOS, BOS_ID, EOS, EOS_ID, PAD, PAD_ID, UNK, Tokenizers
 
@@ -138,6 +139,8 @@ def export_run(run_dir: str | Path, to: str, out_dir: str | Path, weights: str |
         info = {"format": 1, "target": to, "run_dir": str(run_dir.resolve()),
                 "weights": str(weights), "quantization": quantization}
         atomic_write_text(tmp / EXPORT_INFO, json.dumps(info, indent=2) + "\n")
+        card = model_card(run_dir, to, weights, quantization, marian=is_marian(model.cfg))
+        atomic_write_text(tmp / CARD_FILE, card)
     return out_dir
 
 

@@ -743,18 +743,23 @@ class SmoothedCrossEntropy(torch.autograd.Function):
 
 
 @contextmanager
-def capture_attention(model: Transformer) -> Iterator[dict[str, list[Tensor]]]:
+def capture_attention(model: Transformer, only: dict[str, list[int]] | None = None
+                      ) -> Iterator[dict[str, list[Tensor]]]:
     """Record every attention map of the forward passes run inside the block.
 
     Yields a dict filled on exit from the block's last forward pass:
     ``{"encoder": [...], "decoder_self": [...], "cross": [...]}``, one (B, H, T_q, T_k)
-    tensor per layer; rows are queries, columns are keys.
+    tensor per layer; rows are queries, columns are keys. ``only``: record just these
+    layers (indices from 0) of these kinds, e.g. ``{"cross": [-1]}`` (the others keep the
+    fused kernel and are left out of the dict's lists).
     """
     groups = {
         "encoder": [layer.self_attn for layer in model.encoder.layers],
         "decoder_self": [layer.self_attn for layer in model.decoder.layers],
         "cross": [layer.cross_attn for layer in model.decoder.layers],
     }
+    if only is not None:
+        groups = {kind: [groups[kind][i] for i in layers] for kind, layers in only.items()}
     maps: dict[str, list[Tensor]] = {name: [] for name in groups}
     for modules in groups.values():
         for m in modules:

@@ -2,11 +2,13 @@
 
 One process loads the run's model once (``Translator.from_pretrained``) and serves:
 
-    POST /translate   {"text": ["...", ...], "beam": 4, "alpha": 0.6, "nbest": 1}
+    POST /translate   {"text": ["...", ...], "beam": 4, "alpha": 0.6, "nbest": 1,
+                       "alignments": false}
                       -> translations in input order, the n-best lists with their scores,
                          the warnings `aiayn translate` would print (truncation), and the
                          beam and alpha used (without them in the request: the run's, its
-                         config's decode section)
+                         config's decode section); with "alignments": true, each
+                         translation's word alignment, [source word, target word] pairs
     POST /translate   ... "no_repeat_ngram": 3, "sample": {"temperature": 0.8, "top_k": 0,
                       "top_p": 0.9}, "seed": 1
                       -> with "sample", "nbest" random samples per sentence instead of the
@@ -174,6 +176,9 @@ class TranslateRequest(SearchSettings):
     seed: int | None = Field(None, ge=0, lt=2 ** 63, description="with sample: the same seed, "
                              "sentence and settings draw the same samples (default: a random "
                              "one, given in the answer)")
+    alignments: bool = Field(False, description="also the word alignment of each "
+                             "translation: [source word, target word] pairs (whitespace-"
+                             "separated words, from 0), as `aiayn translate --alignments`")
 
 
 class NextPieceRequest(SamplingSettings):
@@ -737,13 +742,18 @@ class ModelService:
 
     async def translate(self, texts: list[str], beam: int | None, alpha: float | None,
                         nbest: int, gone: Callable[[], Awaitable[bool]] | None = None,
-                        no_repeat_ngram: int | None = None, sampling: Sampling | None = None
-                        ) -> dict:
+                        no_repeat_ngram: int | None = None, sampling: Sampling | None = None,
+                        alignments: bool = False) -> dict:
         """`aiayn translate`'s answer for ``texts``: translations in input order, the n-best
         lists (an empty sentence gives "" and an empty list), the truncation warning of
         these sentences, the search run (None: the run's, ``Translator.settings``) and the
         seconds of the decoding pass that answered them. ``gone``: see ``answer``. With
-        ``sampling``: ``nbest`` samples per sentence, and the seed they were drawn with."""
+        ``sampling``: ``nbest`` samples per sentence, and the seed they were drawn with.
+        ``alignments``: also each translation's word alignment ("alignments", and
+        "alignment" in each n-best entry), from a teacher-forced pass over the hypotheses
+        run while no search steps on the model (the capture sets flags on it)."""
+        if alignments:
+            self.translator.check_alignments()
         if sampling is None:
             beam, alpha = self.translator.search(beam, alpha)
             if beam > MAX_BEAM:  # only the run's own can be: a request's is checked on arrival
@@ -760,11 +770,16 @@ class ModelService:
         except ClientGone:
             self.batcher.forget(future)
             raise
+        links = None
+        if alignments:
+            ids = hyps
+            links = await answer(self.batcher.run_alone(
+                lambda: self.translator.hypothesis_alignments(sources, ids, nbest)), gone)
         hyps = self.translator.finish(sources, hyps, nbest)
         self.requests += 1
         warnings = ([truncation_message(sources.truncated, self.translator.max_len)]
                     if sources.truncated else [])
-        return {
+        answered = {
             "translations": [h[0][0] if h else "" for h in hyps],
             "nbest": [[{"text": text, "score": score} for text, score in h] for h in hyps],
             "warnings": warnings, "beam": None if sampling else search.beam,
@@ -772,6 +787,13 @@ class ModelService:
             "sample": None if sampling is None else asdict(search.sampling),
             "seconds": seconds,
         }
+        if links is not None:
+            answered["alignments"] = [[list(pair) for pair in sentence[0]] if sentence else []
+                                      for sentence in links]
+            for entries, sentence in zip(answered["nbest"], links, strict=True):
+                for entry, alignment in zip(entries, sentence, strict=True):
+                    entry["alignment"] = [list(pair) for pair in alignment]
+        return answered
 
     async def attention(self, text: str, beam: int, alpha: float | None,
                         gone: Callable[[], Awaitable[bool]] | None = None,
@@ -961,7 +983,8 @@ def create_app(service: ModelService, limits: ServeLimits = ServeLimits()) -> Fa
             raise AiaynError("seed goes with sample")
         sampling = None if body.sample is None else body.sample.sampling(body.seed)
         return await service.translate(texts, body.beam, body.alpha, body.nbest,
-                                       request.is_disconnected, body.no_repeat_ngram, sampling)
+                                       request.is_disconnected, body.no_repeat_ngram, sampling,
+                                       body.alignments)
 
     @app.post("/next", summary="The distribution of the next piece of a translation, at a "
               "temperature")

@@ -86,6 +86,11 @@ class Tokenizers:
         """The source token strings the model sees, [EOS] included."""
         return self.src.encode(text, add_special_tokens=False).tokens + [EOS]
 
+    def src_offsets(self, text: str) -> list[tuple[int, int]]:
+        """The (start, end) characters of ``text`` that each source token covers ([EOS]
+        excluded): what ``aiayn.align`` maps tokens to words with."""
+        return self.src.encode(text, add_special_tokens=False).offsets
+
     def tgt_tokens(self, text: str) -> list[str]:
         """The target token strings, [BOS] and [EOS] included."""
         return [BOS] + self.tgt.encode(text, add_special_tokens=False).tokens + [EOS]

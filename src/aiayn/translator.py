@@ -36,16 +36,17 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import islice
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from aiayn.align import Alignment, pharaoh, piece_words, text_words, word_alignment
 from aiayn.batching import pad, token_batches
 from aiayn.checkpoint import load_weights
-from aiayn.config import DecodeConfig
+from aiayn.config import DecodeConfig, alignment_layer_index
 from aiayn.decode import (
     Hypothesis,
     Sampling,
@@ -186,6 +187,7 @@ class Sources:
     todo: list[int]  # positions of the non-empty sentences
     ids: list[list[int]]  # their source ids, tokens + EOS
     truncated: int
+    texts: list[str] = field(default_factory=list)  # the non-empty sentences, one line each
 
     @property
     def tokens(self) -> int:
@@ -328,13 +330,28 @@ class Translator:
         return self._translate(sentences, beam, alpha, nbest, max_len_b, progress, scored=True,
                                no_repeat_ngram=no_repeat_ngram, sampling=sampling)
 
+    def translate_aligned(self, sentences: Sequence[str], beam: int | None = None,
+                          alpha: float | None = None, max_len_b: int = 50,
+                          progress: Callable[[int], object] | None = None,
+                          no_repeat_ngram: int | None = None) -> list[tuple[str, Alignment]]:
+        """One (translation, word alignment) per sentence, in input order: the alignment
+        links each word of the translation to a word of the sentence, (i, j) pairs of
+        ``sentence.split()[i]`` and ``translation.split()[j]`` (``aiayn.align``; write them
+        with ``aiayn.align.pharaoh``). An empty sentence gives ("", [])."""
+        hyps = self._translate(sentences, beam, alpha, 1, max_len_b, progress, scored=False,
+                               no_repeat_ngram=no_repeat_ngram, aligned=True)
+        return [(h[0][0], h[0][2]) if h else ("", []) for h in hyps]
+
     def _translate(self, sentences, beam, alpha, nbest, max_len_b, progress, scored,
-                   no_repeat_ngram=None, sampling=None):
+                   no_repeat_ngram=None, sampling=None, aligned=False):
         """Tokenize the non-empty sentences, decode them, detokenize, keep the input order.
 
         ``progress(n)`` is called after each batch with its number of sentences (e.g. a
         tqdm bar's ``update``); ``self.last_stats`` describes the pass afterwards.
+        ``aligned``: each (text, score) gets its word alignment as a third item.
         """
+        if aligned:
+            self.check_alignments()
         self.check_limits(beam, nbest, alpha, no_repeat_ngram, sampling)
         sampling = seeded(sampling)  # one seed for every batch of the pass
         sources = self.prepare(sentences)
@@ -348,15 +365,20 @@ class Translator:
         seconds = time.perf_counter() - start
         self.last_stats = DecodeStats(len(sources.todo), sum(len(h[0][0]) for h in hyps if h),
                                       seconds, sources.truncated)
-        return self.finish(sources, hyps, nbest)
+        results = self.finish(sources, hyps, nbest)
+        if aligned:
+            results = [[(*r, a) for r, a in zip(rs, links, strict=True)] for rs, links in
+                       zip(results, self.hypothesis_alignments(sources, hyps, nbest), strict=True)]
+        return results
 
     def prepare(self, sentences: Sequence[str]) -> Sources:
         """Sentences as one line each, the empty ones set aside, the rest tokenized and
         truncated by the module's rule (no warning: the caller says what was cut)."""
         sentences = [_one_line(s) for s in sentences]
         todo = [i for i, s in enumerate(sentences) if s.strip()]
-        ids, truncated = self.source_ids([sentences[i] for i in todo])
-        return Sources(len(sentences), todo, ids, truncated)
+        texts = [sentences[i] for i in todo]
+        ids, truncated = self.source_ids(texts)
+        return Sources(len(sentences), todo, ids, truncated, texts)
 
     def finish(self, sources: Sources, hyps: Sequence[list[Hypothesis]], nbest: int
                ) -> list[list[tuple[str, float]]]:
@@ -372,22 +394,29 @@ class Translator:
 
     def translate_lines(self, lines: Iterable[str], beam: int | None = None,
                         alpha: float | None = None, nbest: int = 1, chunk: int = 2000,
-                        no_repeat_ngram: int | None = None, sampling: Sampling | None = None
-                        ) -> Iterator[str]:
+                        no_repeat_ngram: int | None = None, sampling: Sampling | None = None,
+                        alignments: bool = False) -> Iterator[str]:
         """`aiayn translate`'s output, ``chunk`` lines at a time (so output appears as it is
         ready and memory stays bounded; ``chunk=1`` answers each line of a lazy iterable,
         e.g. a terminal, as soon as it arrives): one translation per line, or with
         ``nbest > 1`` rows 'LINE<TAB>SCORE<TAB>TRANSLATION' (an empty line gives
         'LINE<TAB><TAB>'). ``no_repeat_ngram``, ``sampling``: as ``translate``'s (one seed
-        for every chunk)."""
+        for every chunk). ``alignments``: each row ends with a tab and the translation's
+        word alignment in the Pharaoh format ('0-0 1-2', ``aiayn.align.pharaoh``)."""
         self.check_limits(beam, nbest, alpha, no_repeat_ngram, sampling)
+        if alignments:
+            self.check_alignments()
         if sampling is None:
             beam, alpha = self.search(beam, alpha)
         sampling = seeded(sampling)
         guard = {"no_repeat_ngram": no_repeat_ngram, "sampling": sampling}
         lines, first = iter(lines), 0  # first: the number of the chunk's first line
         while part := list(islice(lines, chunk)):
-            if nbest == 1:
+            if alignments:
+                yield "".join(_aligned_rows(self._translate(
+                    part, beam, alpha, nbest, 50, None, scored=nbest > 1, aligned=True,
+                    **guard), nbest, first))
+            elif nbest == 1:
                 yield "".join(text + "\n" for text in self.translate(part, beam, alpha,
                                                                      **guard))
             else:
@@ -563,6 +592,75 @@ class Translator:
         return on_one_thread(lambda: sentence_attention(model, self.tokenizers, sentence,
                                                         hypothesis))
 
+    # ------------------------------------------------------------ word alignments
+    def check_alignments(self) -> None:
+        """Word alignments come from aiayn's own model's cross-attention (an AiaynError for
+        a CTranslate2 engine)."""
+        if self.model is None:
+            raise AiaynError("word alignments need aiayn's own model (its cross-attention), "
+                             "not --engine ctranslate2")
+
+    def alignment_layer(self) -> int:
+        """``decode.alignment_layer`` as an index from 0 (``alignment_layer_index``)."""
+        return alignment_layer_index(self.decode.alignment_layer,
+                                     self.model.cfg.n_decoder_layers)
+
+    def hypothesis_alignments(self, sources: Sources, hyps: Sequence[list[Hypothesis]],
+                              nbest: int) -> list[list[Alignment]]:
+        """The word alignment of each of the first ``nbest`` hypotheses of each prepared
+        sentence (``decode_ids``' order: ``sources.todo``), as ``finish`` lays them out: in
+        the input order, an empty list for an empty sentence."""
+        rows = [(k, n) for k, sentence_hyps in enumerate(hyps)
+                for n in range(min(nbest, len(sentence_hyps)))]
+        links = self.align_ids([sources.texts[k] for k, _ in rows],
+                               [sources.ids[k] for k, _ in rows],
+                               [hyps[k][n].ids for k, n in rows])
+        results: list[list[Alignment]] = [[] for _ in range(sources.count)]
+        for (k, _), alignment in zip(rows, links, strict=True):
+            results[sources.todo[k]].append(alignment)
+        return results
+
+    def align_ids(self, texts: Sequence[str], sources: Sequence[list[int]],
+                  targets: Sequence[Sequence[int]]) -> list[Alignment]:
+        """The word alignment of each source text (one line) with its ids (tokens + EOS, as
+        ``source_ids`` gives them, truncated or not) and target ids (no BOS or EOS, e.g. a
+        search's hypothesis): a teacher-forced pass over the target records the
+        cross-attention of ``alignment_layer`` (heads averaged), which ``aiayn.align``
+        turns into word pairs. Batched by ``max_tokens``; one pass at a time, since the
+        capture sets flags on the model's attention modules."""
+        self.check_alignments()
+        layer = self.alignment_layer()
+        results: list[Alignment] = [[] for _ in texts]
+        widths = [max(len(s), len(t) + 1) for s, t in zip(sources, targets, strict=True)]
+        for batch in token_batches(widths, self.max_tokens):
+            maps = cross_attention(self.model, [sources[i] for i in batch],
+                                   [targets[i] for i in batch], layer)
+            for i, attention in zip(batch, maps, strict=True):
+                text, target = texts[i], targets[i]
+                pieces = len(sources[i]) - 1  # the source tokens, EOS left out
+                src_words = text_words(text, self.tokenizers.src_offsets(text))[:pieces]
+                # (a target longer than max_len - 1 keeps the rows the model could give it)
+                tgt_words = piece_words([self.tokenizers.tgt_id_to_token(t)
+                                         for t in target])[:len(attention)]
+                results[i] = word_alignment(attention[:, :pieces], src_words, tgt_words)
+        return results
+
+
+def _aligned_rows(results: list[list[tuple[str, float, Alignment]]], nbest: int, first: int
+                  ) -> Iterator[str]:
+    """`aiayn translate --alignments`' rows: 'TRANSLATION<TAB>PAIRS', or with ``nbest > 1``
+    'LINE<TAB>SCORE<TAB>TRANSLATION<TAB>PAIRS'; an empty line gives '<TAB>' (or
+    'LINE<TAB><TAB><TAB>')."""
+    for i, hyps in enumerate(results, first):
+        if nbest == 1:
+            text, _, links = hyps[0] if hyps else ("", 0.0, [])
+            yield f"{text}\t{pharaoh(links)}\n"
+            continue
+        for text, score, links in hyps:
+            yield f"{i}\t{score:.4f}\t{text}\t{pharaoh(links)}\n"
+        if not hyps:
+            yield f"{i}\t\t\t\n"
+
 
 def stream_budget(widths: Sequence[int], max_tokens: int, copies: int, streams: int) -> int:
     """The batch budget for decoding sentences of these widths on ``streams`` streams:
@@ -637,6 +735,29 @@ def sentence_attention(model, tokenizers, sentence: str, hypothesis: Sequence[in
     arrays = {kind: [m[0].float().cpu().numpy() for m in layer_maps]
               for kind, layer_maps in maps.items()}
     return SentenceAttention(sentence, translation, src_tokens, tgt_tokens, arrays)
+
+
+@torch.no_grad()
+def cross_attention(model: Transformer, sources: Sequence[list[int]],
+                    targets: Sequence[Sequence[int]], layer: int) -> list[np.ndarray]:
+    """The cross-attention of decoder layer ``layer`` (from 0), its heads averaged, in a
+    teacher-forced pass over each source (ids, EOS included) and [BOS] + target: one
+    (len(target), len(source)) array per pair, row j being the step that produced target
+    token j (the row of the [EOS] it then produced is left out)."""
+    device = _parameter_device(model)
+    src = pad(list(sources)).to(device)
+    # The decoder input that produced the target: [BOS] + target, cut at max_len.
+    tgt = pad([[BOS_ID, *t][:model.cfg.max_len] for t in targets]).to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        with capture_attention(model, only={"cross": [layer]}) as maps:
+            model.decode(tgt, model.encode(src), model.src_pad_mask(src))
+    finally:
+        model.train(was_training)
+    weights = maps["cross"][0].float().mean(dim=1).cpu().numpy()  # (B, T, S): heads averaged
+    return [weights[b, :len(t), :len(s)] for b, (s, t) in enumerate(zip(sources, targets,
+                                                                         strict=True))]
 
 
 # ---------------------------------------------------------------- attention over training
