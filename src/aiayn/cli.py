@@ -33,7 +33,7 @@ from aiayn.export import QUANTIZATIONS, export_run
 from aiayn.export import TARGETS as EXPORT_TARGETS
 from aiayn.io import DiskError, as_disk_error, atomic_path, check_output_file
 from aiayn.model import Transformer
-from aiayn.prepare import prepare
+from aiayn.prepare import drop_warnings, prepare
 from aiayn.rundir import checkpoints_to_average, read_metrics
 from aiayn.runinfo import format_info, run_info
 from aiayn.trace import format_trace, trace_batch, trace_forward
@@ -129,8 +129,7 @@ def _run_prepare(args) -> int:
         overrides = [*args.set, *(f"data.{k}={v}" for k, v in given.items() if v is not None)]
         stats = prepare_from_run(args.tokenizer_from, args.out, args.corpus, overrides,
                                  progress=True, force=args.force)
-        print(_prepare_summary(stats, args.out))
-        return 0
+        return _print_prepared(stats, args.out)
     config = _config_from_args(args)
     changes = {"corpus": args.corpus, "vocab_size": args.vocab_size, "tokenizer": args.tokenizer}
     changes = {key: value for key, value in changes.items() if value is not None}
@@ -138,7 +137,13 @@ def _run_prepare(args) -> int:
     config.validate("command line")
     stats = prepare(config.data, args.out, config.model.max_len, config.train.max_tokens,
                     progress=True, force=args.force)
-    print(_prepare_summary(stats, args.out))
+    return _print_prepared(stats, args.out)
+
+
+def _print_prepared(stats: dict, out: str) -> int:
+    print(_prepare_summary(stats, out))
+    for line in drop_warnings(stats):
+        print(f"aiayn: warning: {line}", file=sys.stderr)
     return 0
 
 
@@ -154,6 +159,7 @@ def _prepare_summary(stats: dict, out: str) -> str:
         f"corpus   {stats['corpus']}: {stats['description']}",
         f"pairs    read {pairs['read']}, kept {pairs['kept']}, dropped "
         f"{sum(pairs['dropped'].values())} ({dropped or 'none'})",
+        *_languages_line(stats.get("languages")),
         f"splits   train {splits['train']}, dev {splits['dev']}, test {splits['test']} "
         f"({stats['split_rule']})",
         f"tokens   {tok['kind']}, {vocab} (learnt from {tok['trained_on_pairs']} train pairs); "
@@ -164,6 +170,16 @@ def _prepare_summary(stats: dict, out: str) -> str:
         f"padding {100 * batching['padding_fraction']:.1f}%",
         f"wrote    {out}/{{train,dev,test}}.jsonl, ids/ (token ids), tokenizer/, stats.json",
     ])
+
+
+def _languages_line(languages: dict | None) -> list[str]:
+    """The languages of the sides, how each was known, and BLEU's tokenizer (docs/data.md)."""
+    if not languages:
+        return []
+    side = {s: f"{languages[s] or 'unnamed, written with spaces'} (from the "
+               f"{languages[f'{s}_from']})" for s in ("src", "tgt")}
+    return [f"language source {side['src']}, target {side['tgt']}; BLEU tokenize "
+            f"{languages['bleu_tokenize']}"]
 
 
 # ---------------------------------------------------------------- train

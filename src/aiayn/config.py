@@ -25,6 +25,7 @@ import yaml
 
 from aiayn.errors import AiaynError
 from aiayn.io import atomic_write_text
+from aiayn.languages import BLEU_TOKENIZERS, LANG_PATTERN
 
 TIE_CHOICES = ("none", "decoder", "all")
 EMBEDDING_INITS = ("normal", "xavier")
@@ -72,7 +73,8 @@ RANGES: dict[str, dict[str, tuple[float, float, bool]]] = {
 CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
     "model": {"tie_embeddings": TIE_CHOICES, "embedding_init": EMBEDDING_INITS,
               "output_vocab": OUTPUT_VOCABS},
-    "data": {"tokenizer": ("bpe", "wordlevel"), "long_policy": ("drop", "truncate")},
+    "data": {"tokenizer": ("bpe", "wordlevel"), "long_policy": ("drop", "truncate"),
+             "bleu_tokenize": BLEU_TOKENIZERS},
     "train": {"schedule": SCHEDULES, "bf16": BF16_CHOICES, "best_metric": BEST_METRICS},
 }
 
@@ -170,10 +172,26 @@ class DataConfig:
     tokenizer_max_pairs: int = 200_000
     """The tokenizer learns from at most this many train pairs, spread evenly over the split
     (its time grows with the text; the vocabulary hardly changes past a few 100k pairs)."""
+    byte_fallback: bool = True
+    """BPE: 256 byte pieces after the vocab_size learnt ones, so a character the tokenizer
+    never saw is spelt in its UTF-8 bytes, not [UNK], and any text round-trips
+    (docs/data.md#languages); false: unseen characters are [UNK], as before it existed."""
     max_words: int = 150
-    """Pairs with a side longer than this many words are dropped."""
+    """Pairs with a side longer than this many words are dropped (in scripts without spaces,
+    characters count as shares of a word: 1.5 Han, 3 kana, 4 Thai letters make one)."""
     max_length_ratio: float = 3.0
-    """Pairs whose one side is this many times longer than the other (in words) are dropped."""
+    """Pairs whose one side is this many times longer than the other (in words, counted as
+    for max_words) are dropped."""
+    src_lang: str = "auto"
+    """Language of the source side, e.g. en, zh, ja: "auto" takes it from the corpus spec
+    (bible:eng-spa, hf:NAME:en-zh), else from the script of the text (docs/data.md#languages)."""
+    tgt_lang: str = "auto"
+    """Language of the target side, as src_lang; it chooses BLEU's tokenizer."""
+    bleu_tokenize: str = "auto"
+    """sacreBLEU tokenizer of BLEU: "auto" follows tgt_lang (zh: "zh"; ja: "ja-mecab" where
+    mecab-python3 and ipadic are installed, else "char"; th, lo, km, my: "char"; else
+    "13a"), or one of 13a, intl, zh, ja-mecab, ko-mecab, char, none. A run's setting, when
+    not auto, overrides its prepared data's."""
     src_field: str = "src"
     """Source field of jsonl:PATH rows (and of hf: rows without a translation dict)."""
     tgt_field: str = "tgt"
@@ -315,6 +333,10 @@ class Config:
             )
         if not m.pad_id < min(m.src_vocab_size, m.tgt_vocab_size):
             raise AiaynError(f"{source}: model.pad_id {m.pad_id} is outside the vocabulary")
+        for side in ("src_lang", "tgt_lang"):
+            if not LANG_PATTERN.fullmatch(getattr(self.data, side)):
+                raise AiaynError(f"{source}: data.{side} must be auto or a language code such "
+                                 f"as en, zh, ja, pt-BR, got {getattr(self.data, side)!r}")
         if self.data.dev_fraction + self.data.test_fraction >= 1:
             raise AiaynError(f"{source}: data.dev_fraction + data.test_fraction must be below 1 "
                              f"(something must be left to train on), got "

@@ -12,8 +12,18 @@ Both kinds share one text pipeline, chosen so that decoding gives the text back:
 - decoder: ``Metaspace``, which turns ``▁`` back into spaces.
 
 So ``decode(encode(s)) == s`` for any ``s`` that is NFC with single spaces and no leading or
-trailing space, as long as its characters (BPE) or words (WordLevel) were seen in training;
-anything else is ``[UNK]``, which decoding keeps visible as ``[UNK]``.
+trailing space. A BPE tokenizer made with ``data.byte_fallback`` (the default) has 256 more
+pieces after the learnt ones, ``<0x00>`` to ``<0xFF>``: a character it never saw is spelt
+as the bytes of its UTF-8 encoding (as SentencePiece's byte fallback), and the decoder
+(``ByteFallback`` before ``Metaspace``) turns them back into it, so any Unicode text
+round-trips and ``[UNK]`` never appears. Without it (WordLevel, and BPE tokenizers made
+before it existed, which load and decode as they always did), an unseen character (BPE)
+or word (WordLevel) is ``[UNK]``, which decoding keeps visible as ``[UNK]``.
+
+Text in scripts without spaces (Chinese, Japanese, Thai) is one ``Metaspace`` piece per
+run between spaces and punctuation, which BPE splits into learnt pieces; decoding joins
+pieces without spaces (only ``▁`` becomes a space), so nothing is inserted between
+characters.
 
 Source ids are ``tokens + [EOS]``; target ids are ``[BOS] + tokens + [EOS]``.
 
@@ -43,6 +53,7 @@ SPECIAL_TOKENS = [PAD, UNK, BOS, EOS]
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
 KINDS = ("bpe", "wordlevel")
+BYTE_PIECES = tuple(f"<0x{b:02X}>" for b in range(256))  # the names ByteFallback decodes
 META_FILE = "meta.json"
 _FORMAT = 1
 
@@ -60,6 +71,11 @@ class Tokenizers:
     @property
     def joint(self) -> bool:
         return self.src is self.tgt
+
+    @property
+    def byte_fallback(self) -> bool:
+        """Whether unseen characters become byte pieces rather than [UNK] (both sides)."""
+        return all(getattr(tok.model, "byte_fallback", False) for tok in (self.src, self.tgt))
 
     @property
     def src_vocab_size(self) -> int:
@@ -114,7 +130,10 @@ class Tokenizers:
             (directory / stale).unlink(missing_ok=True)
         meta = {"format": _FORMAT, "kind": self.kind, "joint": self.joint, "files": files,
                 "src_vocab_size": self.src_vocab_size, "tgt_vocab_size": self.tgt_vocab_size,
-                "special_tokens": SPECIAL_TOKENS}
+                "special_tokens": SPECIAL_TOKENS,
+                # Only where on: a tokenizer made before byte fallback, saved again (a run's,
+                # fine-tuned on new data), keeps its bytes and so its fingerprint.
+                **({"byte_fallback": True} if self.byte_fallback else {})}
         atomic_write_text(directory / META_FILE, json.dumps(meta, indent=2) + "\n")
 
     @classmethod
@@ -280,7 +299,8 @@ def train_tokenizers(pairs: Sequence[tuple[str, str]] | Callable[[], Iterable[tu
     corpus too large for memory streams from disk; separate vocabularies read it twice).
     ``cfg.joint_vocab``: one vocabulary of ``cfg.vocab_size`` for both sides; else one of
     that size per side. ``cfg.tokenizer``: "bpe" or "wordlevel" (``cfg.min_frequency``
-    applies to both: rarer merges / words are left out). ``progress``: a bar with the rate
+    applies to both: rarer merges / words are left out). ``cfg.byte_fallback`` (BPE): the
+    256 byte pieces follow the ``cfg.vocab_size`` learnt ones. ``progress``: a bar with the rate
     at which pairs are counted (``total`` pairs, if known); that pass is most of the time,
     the merges (BPE) come after it."""
     if cfg.tokenizer not in KINDS:
@@ -328,7 +348,24 @@ def _train_one(texts: Iterable[str], cfg: DataConfig) -> Tokenizer:
                             special_tokens=SPECIAL_TOKENS, show_progress=False)
     tok.train_from_iterator(texts, trainer)
     tok.normalizer = normalizer
-    return tok
+    return with_byte_fallback(tok) if cfg.byte_fallback and cfg.tokenizer == "bpe" else tok
+
+
+def with_byte_fallback(tok: Tokenizer) -> Tokenizer:
+    """A trained BPE tokenizer with the 256 byte pieces appended to its vocabulary (ids after
+    the learnt ones, so a learnt piece keeps its id) and byte fallback on: a character
+    outside the learnt alphabet is encoded as its UTF-8 bytes instead of [UNK], and decoded
+    back (decoders.ByteFallback, then Metaspace)."""
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    next_id = max(vocab.values()) + 1
+    for piece in BYTE_PIECES:
+        if piece not in vocab:  # never learnt: Punctuation keeps "<" and ">" pieces apart
+            vocab[piece], next_id = next_id, next_id + 1
+    spec["model"]["byte_fallback"] = True
+    out = Tokenizer.from_str(json.dumps(spec))
+    out.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
+    return out
 
 
 def _check_special_ids(tok: Tokenizer, side: str) -> None:
