@@ -154,7 +154,8 @@ class DataConfig:
     tokenizer: str = "bpe"
     """"bpe" or "wordlevel" (as the tutorials)."""
     vocab_size: int = 8000
-    """Vocabulary size the tokenizer is trained to (per side unless joint_vocab)."""
+    """Vocabulary size the tokenizer is trained to (per side unless joint_vocab), the 256
+    byte pieces of byte_fallback included."""
     joint_vocab: bool = True
     """One vocabulary for both sides (needed by model.tie_embeddings: all and by export --to hf)."""
     min_frequency: int = 2
@@ -173,9 +174,9 @@ class DataConfig:
     """The tokenizer learns from at most this many train pairs, spread evenly over the split
     (its time grows with the text; the vocabulary hardly changes past a few 100k pairs)."""
     byte_fallback: bool = True
-    """BPE: 256 byte pieces after the vocab_size learnt ones, so a character the tokenizer
-    never saw is spelt in its UTF-8 bytes, not [UNK], and any text round-trips
-    (docs/data.md#languages); false: unseen characters are [UNK], as before it existed."""
+    """BPE with a vocab_size of 1024 or more: the last 256 pieces are bytes, so a character
+    the tokenizer never saw is spelt in its UTF-8 bytes, not [UNK], and any text round-trips
+    (docs/data.md#languages); false (and smaller vocabularies): unseen characters are [UNK]."""
     max_words: int = 150
     """Pairs with a side longer than this many words are dropped (in scripts without spaces,
     characters count as shares of a word: 1.5 Han, 3 kana, 4 Thai letters make one)."""

@@ -12,8 +12,10 @@ Both kinds share one text pipeline, chosen so that decoding gives the text back:
 - decoder: ``Metaspace``, which turns ``▁`` back into spaces.
 
 So ``decode(encode(s)) == s`` for any ``s`` that is NFC with single spaces and no leading or
-trailing space. A BPE tokenizer made with ``data.byte_fallback`` (the default) has 256 more
-pieces after the learnt ones, ``<0x00>`` to ``<0xFF>``: a character it never saw is spelt
+trailing space. A BPE tokenizer made with ``data.byte_fallback`` (the default, for a
+``data.vocab_size`` of at least 1024) has 256 of its pieces after the learnt ones,
+``<0x00>`` to ``<0xFF>`` (within vocab_size, as SentencePiece counts them): a character it
+never saw is spelt
 as the bytes of its UTF-8 encoding (as SentencePiece's byte fallback), and the decoder
 (``ByteFallback`` before ``Metaspace``) turns them back into it, so any Unicode text
 round-trips and ``[UNK]`` never appears. Without it (WordLevel, and BPE tokenizers made
@@ -54,6 +56,9 @@ PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
 KINDS = ("bpe", "wordlevel")
 BYTE_PIECES = tuple(f"<0x{b:02X}>" for b in range(256))  # the names ByteFallback decodes
+# Below this vocabulary the 256 byte pieces would be over a quarter of it: a toy vocabulary
+# (the tests', configs/tiny.yaml) keeps [UNK] instead.
+BYTE_FALLBACK_MIN_VOCAB = 1024
 META_FILE = "meta.json"
 _FORMAT = 1
 
@@ -299,8 +304,9 @@ def train_tokenizers(pairs: Sequence[tuple[str, str]] | Callable[[], Iterable[tu
     corpus too large for memory streams from disk; separate vocabularies read it twice).
     ``cfg.joint_vocab``: one vocabulary of ``cfg.vocab_size`` for both sides; else one of
     that size per side. ``cfg.tokenizer``: "bpe" or "wordlevel" (``cfg.min_frequency``
-    applies to both: rarer merges / words are left out). ``cfg.byte_fallback`` (BPE): the
-    256 byte pieces follow the ``cfg.vocab_size`` learnt ones. ``progress``: a bar with the rate
+    applies to both: rarer merges / words are left out). ``cfg.byte_fallback`` (BPE, a
+    vocab_size of 1024 or more: ``uses_byte_fallback``): the last 256 of the vocab_size
+    pieces are the bytes. ``progress``: a bar with the rate
     at which pairs are counted (``total`` pairs, if known); that pass is most of the time,
     the merges (BPE) come after it."""
     if cfg.tokenizer not in KINDS:
@@ -344,11 +350,19 @@ def _train_one(texts: Iterable[str], cfg: DataConfig) -> Tokenizer:
     normalizer, tok.normalizer = tok.normalizer, None
     trainer_class = trainers.BpeTrainer if cfg.tokenizer == "bpe" else trainers.WordLevelTrainer
     # Rust's own bars show no rate and would fight with the tqdm bar over the pairs.
-    trainer = trainer_class(vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
+    fallback = uses_byte_fallback(cfg)
+    learnt = cfg.vocab_size - (len(BYTE_PIECES) if fallback else 0)
+    trainer = trainer_class(vocab_size=learnt, min_frequency=cfg.min_frequency,
                             special_tokens=SPECIAL_TOKENS, show_progress=False)
     tok.train_from_iterator(texts, trainer)
     tok.normalizer = normalizer
-    return with_byte_fallback(tok) if cfg.byte_fallback and cfg.tokenizer == "bpe" else tok
+    return with_byte_fallback(tok) if fallback else tok
+
+
+def uses_byte_fallback(cfg: DataConfig) -> bool:
+    """Whether a tokenizer trained under ``cfg`` gets byte fallback: data.byte_fallback, BPE,
+    and a vocabulary of at least BYTE_FALLBACK_MIN_VOCAB pieces."""
+    return cfg.byte_fallback and cfg.tokenizer == "bpe" and cfg.vocab_size >= BYTE_FALLBACK_MIN_VOCAB
 
 
 def with_byte_fallback(tok: Tokenizer) -> Tokenizer:
