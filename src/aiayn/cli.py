@@ -26,7 +26,7 @@ import torch
 from aiayn.checkpoint import average_checkpoints
 from aiayn.checkup import doctor
 from aiayn.config import Config, load_config
-from aiayn.distributed import choose_device
+from aiayn.distributed import DEVICES, choose_device
 from aiayn.errors import AiaynError, is_out_of_memory
 from aiayn.evaluate import evaluate_run
 from aiayn.export import QUANTIZATIONS, export_run
@@ -58,8 +58,9 @@ def _add_set(p: argparse.ArgumentParser) -> None:
 
 
 def _add_device(p: argparse.ArgumentParser, extra: str = "") -> None:
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="auto: a GPU when there is one" + extra)
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="auto: a CUDA GPU when there is one, else Apple's MPS where the model "
+                   "runs on it, else the CPU" + extra)
 
 
 def _add_weights(p: argparse.ArgumentParser) -> None:
@@ -192,7 +193,8 @@ def _add_train(sub) -> None:
         "data: `aiayn train --init-from RUN_DIR --data DIR --out NEW_RUN` (DIR from `aiayn prepare "
         "--tokenizer-from RUN_DIR`). Under `torchrun --nproc_per_node K -m aiayn train ...` "
         "it runs DistributedDataParallel.")
-    p.add_argument("--config", help="YAML config (configs/*.yaml)")
+    p.add_argument("--config", help="YAML config file, or a preset by name: demo, bible-60, "
+                   "small, base, tiny (configs/NAME.yaml; a wheel carries them)")
     p.add_argument("--data", help="prepared data directory (from `aiayn prepare`); with "
                    "--resume, the default is the run's data_dir.txt")
     p.add_argument("--out", help="run directory to create")

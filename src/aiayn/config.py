@@ -428,11 +428,36 @@ def _build_section(klass, values: dict[str, Any], where: str):
     return dataclasses.replace(default, **kwargs)
 
 
+def preset_path(name: str) -> Path | None:
+    """The preset ``name`` (demo, tiny, bible-60, small, base, ...): configs/NAME.yaml of a
+    checkout, or the copy an installed wheel carries as aiayn/presets/NAME.yaml."""
+    if not name or any(c in name for c in "/\\.:"):
+        return None
+    package = Path(__file__).resolve().parent
+    for folder in (package / "presets", package.parents[1] / "configs"):
+        if (folder / f"{name}.yaml").is_file():
+            return folder / f"{name}.yaml"
+    return None
+
+
+def preset_names() -> list[str]:
+    package = Path(__file__).resolve().parent
+    for folder in (package / "presets", package.parents[1] / "configs"):
+        if folder.is_dir():
+            return sorted(p.stem for p in folder.glob("*.yaml"))
+    return []
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
-    """Read a YAML (or JSON) config file, apply overrides, validate."""
+    """Read a YAML (or JSON) config file, or a preset by name (``preset_path``: ``demo``
+    where there is no configs/ folder, as after ``pip install``), apply overrides, validate."""
     path = Path(path)
+    if not path.is_file() and preset_path(str(path)) is not None:
+        path = preset_path(str(path))
     if not path.is_file():
-        raise AiaynError(f"config file not found: {path}")
+        presets = ", ".join(preset_names())
+        raise AiaynError(f"config file not found: {path}"
+                         + (f" (or give a preset by name: {presets})" if presets else ""))
     try:
         text = path.read_text(encoding="utf-8")
         raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)

@@ -26,7 +26,6 @@ Rules for awkward input (never a crash):
 from __future__ import annotations
 
 import math
-import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -42,6 +41,7 @@ from aiayn.batching import pad, token_batches
 from aiayn.checkpoint import load_weights
 from aiayn.config import DecodeConfig
 from aiayn.decode import Hypothesis, beam_search, greedy_decode
+from aiayn.distributed import physical_memory
 from aiayn.errors import AiaynError, is_out_of_memory
 from aiayn.kernels import choose_output_kernel
 from aiayn.model import Transformer, capture_attention
@@ -89,7 +89,7 @@ def memory_bytes(device: torch.device | None = None) -> int:
     machine's physical memory."""
     if device is not None and device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return physical_memory()
 
 
 CPU_MAX_TOKENS = 8192  # a CPU's default batch budget: larger batches decode no faster there
