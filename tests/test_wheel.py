@@ -27,6 +27,7 @@ def run(*args, cwd: Path, env: dict | None = None, stdin: str | None = None) -> 
 def test_the_wheel_installs_with_pip_alone_and_takes_own_data(tmp_path):
     # What the sdist holds: built from a copy, so the checkout gets no build/ or egg-info.
     tree = tmp_path / "tree"
+    tree.mkdir()
     for name in ("pyproject.toml", "README.md", "LICENSE", "src", "configs"):
         copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy2
         copy(ROOT / name, tree / name, **({"ignore": shutil.ignore_patterns(

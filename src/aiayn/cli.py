@@ -194,7 +194,7 @@ def _add_train(sub) -> None:
         "--tokenizer-from RUN_DIR`). Under `torchrun --nproc_per_node K -m aiayn train ...` "
         "it runs DistributedDataParallel.")
     p.add_argument("--config", help="YAML config file, or a preset by name: demo, bible-60, "
-                   "small, base, tiny (configs/NAME.yaml; a wheel carries them)")
+                   "small, base, tiny (configs/*.yaml; a wheel carries them)")
     p.add_argument("--data", help="prepared data directory (from `aiayn prepare`); with "
                    "--resume, the default is the run's data_dir.txt")
     p.add_argument("--out", help="run directory to create")

@@ -429,8 +429,8 @@ def _build_section(klass, values: dict[str, Any], where: str):
 
 
 def preset_path(name: str) -> Path | None:
-    """The preset ``name`` (demo, tiny, bible-60, small, base, ...): configs/NAME.yaml of a
-    checkout, or the copy an installed wheel carries as aiayn/presets/NAME.yaml."""
+    """The preset ``name`` (demo, tiny, bible-60, small, base, ...): configs/*.yaml of a
+    checkout, or the copy an installed wheel carries in aiayn/presets/."""
     if not name or any(c in name for c in "/\\.:"):
         return None
     package = Path(__file__).resolve().parent
