@@ -460,10 +460,10 @@ class _Doctor:
         precisions = {"true": ["true"], "false": ["false"]}.get(t.bf16, ["false", "true"])
         config = replace(self.config, train=replace(
             t, bf16=precisions[0],
-            eval_max_sentences=int(logged.get("n_sentences", t.eval_max_sentences))))
+            eval_max_sentences=int(logged.get("n_sentences", t.eval_max_sentences))),
+            data=replace(self.config.data, bleu_tokenize=tokenize))
         cpu = torch.device("cpu")
-        fresh = validate(model, self.tokenizers, dev, dev_pairs, config, cpu, full=False,
-                         bleu_tokenize=tokenize)
+        fresh = validate(model, self.tokenizers, dev, dev_pairs, config, cpu, full=False)
         if "dev_loss" in logged and not math.isclose(logged["dev_loss"], fresh["dev_loss"],
                                                      **LOSS_TOLERANCE):
             for bf16 in precisions[1:]:

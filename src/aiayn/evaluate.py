@@ -77,13 +77,15 @@ def dev_loss(model: Transformer, examples: list, config: Config, device: torch.d
 
 
 def validate(model: Transformer, tokenizers, dev: list[Example], dev_pairs: list[tuple[str, str]],
-             config: Config, device: torch.device, full: bool,
-             bleu_tokenize: str = "13a") -> dict[str, Any]:
+             config: Config, device: torch.device, full: bool) -> dict[str, Any]:
     """Dev loss over the whole dev split; BLEU/chrF over the whole split (``full``) or over
-    train.eval_max_sentences pairs spread evenly over it. ``select_bleu`` is always the
+    train.eval_max_sentences pairs spread evenly over it, BLEU tokenized by
+    config.data.bleu_tokenize (the caller resolves "auto" for its data:
+    aiayn.data.Prepared.bleu_tokenize; "13a" if it did not). ``select_bleu`` is always the
     BLEU of that fixed subset (``select_chrf`` its chrF), so checkpoints are compared on the
     same sentences (aiayn.early_stopping)."""
     t = config.train
+    bleu_tokenize = "13a" if config.data.bleu_tokenize == "auto" else config.data.bleu_tokenize
     was_training = model.training
     model.eval()
     try:

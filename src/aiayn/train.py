@@ -689,9 +689,10 @@ class Trainer:
         if world.is_main:
             began = time.perf_counter()
             with torch.random.fork_rng(devices=[world.device] if world.device.type == "cuda" else []):
+                scored = replace(self.config, data=replace(
+                    self.config.data, bleu_tokenize=self.data.bleu_tokenize))
                 result = validate(self.model, self.data.tokenizers, self.data.dev,
-                                  self.data.dev_pairs, self.config, world.device, full,
-                                  bleu_tokenize=self.data.bleu_tokenize)
+                                  self.data.dev_pairs, scored, world.device, full)
             best = progress.best
             improved = best.update(progress.step, result)
             if improved:
