@@ -391,13 +391,14 @@ class _Doctor:
             raise _Skip("neither best.safetensors nor last.safetensors holds the weights of "
                         "a step metrics.jsonl logs a validation of")
         try:
-            dev, dev_pairs = load_prepared(self.data_dir, log=lambda *_: None) \
-                .validation_split(self.config.model.max_len)
+            prepared = load_prepared(self.data_dir, log=lambda *_: None)
+            dev, dev_pairs = prepared.validation_split(self.config.model.max_len)
+            tokenize = prepared.bleu_tokenize(self.config.data.bleu_tokenize)
         except AiaynError as exc:  # not the dev split a validation reads: nothing to compare
             raise _Skip(str(exc)) from None
         agree, disagree = [], []
         for path, step, logged in targets:
-            fresh = self._validate_again(path, logged, dev, dev_pairs)
+            fresh = self._validate_again(path, logged, dev, dev_pairs, tokenize)
             if not _same_samples(logged, fresh):  # --data, or data prepared again since
                 raise _Skip(f"the dev split of {self.data_dir} is not the one the run "
                             f"validated on (the sample sentences metrics.jsonl logged at step "
@@ -447,7 +448,7 @@ class _Doctor:
         return targets
 
     def _validate_again(self, path: Path, logged: dict[str, Any], dev: list,
-                        dev_pairs: list[tuple[str, str]]) -> dict[str, Any]:
+                        dev_pairs: list[tuple[str, str]], tokenize: str) -> dict[str, Any]:
         """aiayn.evaluate.validate of these weights on CPU, over the dev pairs the logged
         validation decoded (its n_sentences, spread over the split as eval_max_sentences
         spreads them), with the run's train.eval_beam and decode.alpha."""
@@ -459,7 +460,8 @@ class _Doctor:
         precisions = {"true": ["true"], "false": ["false"]}.get(t.bf16, ["false", "true"])
         config = replace(self.config, train=replace(
             t, bf16=precisions[0],
-            eval_max_sentences=int(logged.get("n_sentences", t.eval_max_sentences))))
+            eval_max_sentences=int(logged.get("n_sentences", t.eval_max_sentences))),
+            data=replace(self.config.data, bleu_tokenize=tokenize))
         cpu = torch.device("cpu")
         fresh = validate(model, self.tokenizers, dev, dev_pairs, config, cpu, full=False)
         if "dev_loss" in logged and not math.isclose(logged["dev_loss"], fresh["dev_loss"],

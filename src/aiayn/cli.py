@@ -27,14 +27,14 @@ from aiayn.checkpoint import average_checkpoints
 from aiayn.checkup import doctor
 from aiayn.config import Config, load_config
 from aiayn.decode import Sampling
-from aiayn.distributed import choose_device
+from aiayn.distributed import DEVICES, choose_device
 from aiayn.errors import AiaynError, is_out_of_memory
 from aiayn.evaluate import evaluate_run
 from aiayn.export import QUANTIZATIONS, export_run
 from aiayn.export import TARGETS as EXPORT_TARGETS
 from aiayn.io import DiskError, as_disk_error, atomic_path, check_output_file
 from aiayn.model import Transformer
-from aiayn.prepare import prepare
+from aiayn.prepare import drop_warnings, prepare
 from aiayn.rundir import checkpoints_to_average, read_metrics
 from aiayn.runinfo import format_info, run_info
 from aiayn.trace import format_trace, trace_batch, trace_forward
@@ -59,8 +59,9 @@ def _add_set(p: argparse.ArgumentParser) -> None:
 
 
 def _add_device(p: argparse.ArgumentParser, extra: str = "") -> None:
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="auto: a GPU when there is one" + extra)
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="auto: a CUDA GPU when there is one, else Apple's MPS where the model "
+                   "runs on it, else the CPU" + extra)
 
 
 def _add_weights(p: argparse.ArgumentParser) -> None:
@@ -176,8 +177,7 @@ def _run_prepare(args) -> int:
         overrides = [*args.set, *(f"data.{k}={v}" for k, v in given.items() if v is not None)]
         stats = prepare_from_run(args.tokenizer_from, args.out, args.corpus, overrides,
                                  progress=True, force=args.force)
-        print(_prepare_summary(stats, args.out))
-        return 0
+        return _print_prepared(stats, args.out)
     config = _config_from_args(args)
     changes = {"corpus": args.corpus, "vocab_size": args.vocab_size, "tokenizer": args.tokenizer}
     changes = {key: value for key, value in changes.items() if value is not None}
@@ -185,7 +185,13 @@ def _run_prepare(args) -> int:
     config.validate("command line")
     stats = prepare(config.data, args.out, config.model.max_len, config.train.max_tokens,
                     progress=True, force=args.force)
-    print(_prepare_summary(stats, args.out))
+    return _print_prepared(stats, args.out)
+
+
+def _print_prepared(stats: dict, out: str) -> int:
+    print(_prepare_summary(stats, out))
+    for line in drop_warnings(stats):
+        print(f"aiayn: warning: {line}", file=sys.stderr)
     return 0
 
 
@@ -201,6 +207,7 @@ def _prepare_summary(stats: dict, out: str) -> str:
         f"corpus   {stats['corpus']}: {stats['description']}",
         f"pairs    read {pairs['read']}, kept {pairs['kept']}, dropped "
         f"{sum(pairs['dropped'].values())} ({dropped or 'none'})",
+        *_languages_line(stats.get("languages")),
         f"splits   train {splits['train']}, dev {splits['dev']}, test {splits['test']} "
         f"({stats['split_rule']})",
         f"tokens   {tok['kind']}, {vocab} (learnt from {tok['trained_on_pairs']} train pairs); "
@@ -213,6 +220,16 @@ def _prepare_summary(stats: dict, out: str) -> str:
     ])
 
 
+def _languages_line(languages: dict | None) -> list[str]:
+    """The languages of the sides, how each was known, and BLEU's tokenizer (docs/data.md)."""
+    if not languages:
+        return []
+    side = {s: f"{languages[s] or 'unnamed, written with spaces'} (from the "
+               f"{languages[f'{s}_from']})" for s in ("src", "tgt")}
+    return [f"language source {side['src']}, target {side['tgt']}; BLEU tokenize "
+            f"{languages['bleu_tokenize']}"]
+
+
 # ---------------------------------------------------------------- train
 def _add_train(sub) -> None:
     p = sub.add_parser(
@@ -223,7 +240,8 @@ def _add_train(sub) -> None:
         "data: `aiayn train --init-from RUN_DIR --data DIR --out NEW_RUN` (DIR from `aiayn prepare "
         "--tokenizer-from RUN_DIR`). Under `torchrun --nproc_per_node K -m aiayn train ...` "
         "it runs DistributedDataParallel.")
-    p.add_argument("--config", help="YAML config (configs/*.yaml)")
+    p.add_argument("--config", help="YAML config file, or a preset by name: demo, bible-60, "
+                   "small, base, tiny (configs/*.yaml; a wheel carries them)")
     p.add_argument("--data", help="prepared data directory (from `aiayn prepare`); with "
                    "--resume, the default is the run's data_dir.txt")
     p.add_argument("--out", help="run directory to create")

@@ -25,6 +25,7 @@ import yaml
 
 from aiayn.errors import AiaynError
 from aiayn.io import atomic_write_text
+from aiayn.languages import BLEU_TOKENIZERS, LANG_PATTERN
 
 TIE_CHOICES = ("none", "decoder", "all")
 EMBEDDING_INITS = ("normal", "xavier")
@@ -74,7 +75,8 @@ RANGES: dict[str, dict[str, tuple[float, float, bool]]] = {
 CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
     "model": {"tie_embeddings": TIE_CHOICES, "embedding_init": EMBEDDING_INITS,
               "output_vocab": OUTPUT_VOCABS},
-    "data": {"tokenizer": ("bpe", "wordlevel"), "long_policy": ("drop", "truncate")},
+    "data": {"tokenizer": ("bpe", "wordlevel"), "long_policy": ("drop", "truncate"),
+             "bleu_tokenize": BLEU_TOKENIZERS},
     "train": {"schedule": SCHEDULES, "bf16": BF16_CHOICES, "best_metric": BEST_METRICS},
 }
 
@@ -154,7 +156,8 @@ class DataConfig:
     tokenizer: str = "bpe"
     """"bpe" or "wordlevel" (as the tutorials)."""
     vocab_size: int = 8000
-    """Vocabulary size the tokenizer is trained to (per side unless joint_vocab)."""
+    """Vocabulary size the tokenizer is trained to (per side unless joint_vocab), the 256
+    byte pieces of byte_fallback included."""
     joint_vocab: bool = True
     """One vocabulary for both sides (needed by model.tie_embeddings: all and by export --to hf)."""
     min_frequency: int = 2
@@ -172,10 +175,26 @@ class DataConfig:
     tokenizer_max_pairs: int = 200_000
     """The tokenizer learns from at most this many train pairs, spread evenly over the split
     (its time grows with the text; the vocabulary hardly changes past a few 100k pairs)."""
+    byte_fallback: bool = True
+    """BPE with a vocab_size of 1024 or more: the last 256 pieces are bytes, so a character
+    the tokenizer never saw is spelt in its UTF-8 bytes, not [UNK], and any text round-trips
+    (docs/data.md#languages); false (and smaller vocabularies): unseen characters are [UNK]."""
     max_words: int = 150
-    """Pairs with a side longer than this many words are dropped."""
+    """Pairs with a side longer than this many words are dropped (in scripts without spaces,
+    characters count as shares of a word: 1.5 Han, 3 kana, 4 Thai letters make one)."""
     max_length_ratio: float = 3.0
-    """Pairs whose one side is this many times longer than the other (in words) are dropped."""
+    """Pairs whose one side is this many times longer than the other (in words, counted as
+    for max_words) are dropped."""
+    src_lang: str = "auto"
+    """Language of the source side, e.g. en, zh, ja: "auto" takes it from the corpus spec
+    (bible:eng-spa, hf:NAME:en-zh), else from the script of the text (docs/data.md#languages)."""
+    tgt_lang: str = "auto"
+    """Language of the target side, as src_lang; it chooses BLEU's tokenizer."""
+    bleu_tokenize: str = "auto"
+    """sacreBLEU tokenizer of BLEU: "auto" follows tgt_lang (zh: "zh"; ja: "ja-mecab" where
+    mecab-python3 and ipadic are installed, else "char"; th, lo, km, my: "char"; else
+    "13a"), or one of 13a, intl, zh, ja-mecab, ko-mecab, char, none. A run's setting, when
+    not auto, overrides its prepared data's."""
     src_field: str = "src"
     """Source field of jsonl:PATH rows (and of hf: rows without a translation dict)."""
     tgt_field: str = "tgt"
@@ -346,6 +365,10 @@ class Config:
         if abs(self.decode.alignment_layer) > m.n_decoder_layers:
             raise AiaynError(f"{source}: {alignment_layer_rule(m.n_decoder_layers)}, got "
                              f"{self.decode.alignment_layer}")
+        for side in ("src_lang", "tgt_lang"):
+            if not LANG_PATTERN.fullmatch(getattr(self.data, side)):
+                raise AiaynError(f"{source}: data.{side} must be auto or a language code such "
+                                 f"as en, zh, ja, pt-BR, got {getattr(self.data, side)!r}")
         if self.data.dev_fraction + self.data.test_fraction >= 1:
             raise AiaynError(f"{source}: data.dev_fraction + data.test_fraction must be below 1 "
                              f"(something must be left to train on), got "
@@ -436,11 +459,36 @@ def _build_section(klass, values: dict[str, Any], where: str):
     return dataclasses.replace(default, **kwargs)
 
 
+def preset_path(name: str) -> Path | None:
+    """The preset ``name`` (demo, tiny, bible-60, small, base, ...): configs/*.yaml of a
+    checkout, or the copy an installed wheel carries in aiayn/presets/."""
+    if not name or any(c in name for c in "/\\.:"):
+        return None
+    package = Path(__file__).resolve().parent
+    for folder in (package / "presets", package.parents[1] / "configs"):
+        if (folder / f"{name}.yaml").is_file():
+            return folder / f"{name}.yaml"
+    return None
+
+
+def preset_names() -> list[str]:
+    package = Path(__file__).resolve().parent
+    for folder in (package / "presets", package.parents[1] / "configs"):
+        if folder.is_dir():
+            return sorted(p.stem for p in folder.glob("*.yaml"))
+    return []
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
-    """Read a YAML (or JSON) config file, apply overrides, validate."""
+    """Read a YAML (or JSON) config file, or a preset by name (``preset_path``: ``demo``
+    where there is no configs/ folder, as after ``pip install``), apply overrides, validate."""
     path = Path(path)
+    if not path.is_file() and preset_path(str(path)) is not None:
+        path = preset_path(str(path))
     if not path.is_file():
-        raise AiaynError(f"config file not found: {path}")
+        presets = ", ".join(preset_names())
+        raise AiaynError(f"config file not found: {path}"
+                         + (f" (or give a preset by name: {presets})" if presets else ""))
     try:
         text = path.read_text(encoding="utf-8")
         raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)

@@ -33,7 +33,9 @@ leading or trailing space. Then pairs are dropped, each under the first reason t
 ``empty`` (a side with no text), ``versification`` (Bible chapters whose verses do not pair
 one to one, see ``chapters_versified_differently``), ``too_long`` (a side longer than
 ``data.max_words`` words) and ``length_ratio`` (the longer side more than
-``data.max_length_ratio`` times the shorter, in words). The stream counts them.
+``data.max_length_ratio`` times the shorter, in words). The stream counts them. Words are
+``aiayn.languages.length_units``: in scripts written without spaces (Chinese, Japanese,
+Thai, ...) characters count as shares of a word, so those sentences are not one "word".
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ import numpy as np
 
 from aiayn.config import DataConfig
 from aiayn.errors import AiaynError
+from aiayn.languages import length_units
 from aiayn.progress import bar as progress_bar
 
 SPLITS = ("train", "dev", "test")
@@ -156,8 +159,8 @@ def drop_reason(src: str, tgt: str, cfg: DataConfig) -> str | None:
     """Why a (normalized) pair is dropped, or None to keep it (reasons: DROP_REASONS)."""
     if not src or not tgt:
         return "empty"
-    # Normalized text has single spaces between words, none around: count the spaces.
-    n_src, n_tgt = src.count(" ") + 1, tgt.count(" ") + 1
+    # Words, or for scripts without spaces their characters as shares of a word.
+    n_src, n_tgt = length_units(src), length_units(tgt)
     if max(n_src, n_tgt) > cfg.max_words:
         return "too_long"
     if max(n_src, n_tgt) > cfg.max_length_ratio * min(n_src, n_tgt):

@@ -10,6 +10,7 @@ existed still works: its text is encoded in memory at every start (with a note).
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import numpy as np
 from aiayn.batching import Batch, Example, collate
 from aiayn.corpora import SPLITS
 from aiayn.errors import AiaynError
+from aiayn.languages import bleu_tokenize, resolve_languages
 from aiayn.tokenids import RaggedIds
 from aiayn.tokenizer import EOS_ID, Tokenizers, tokenizer_fingerprint
 
@@ -30,6 +32,7 @@ TOKENIZER_DIR = "tokenizer"
 IDS_DIR = "ids"
 IDS_FORMAT = 1
 LONG_POLICIES = ("drop", "truncate")
+LANGUAGE_SAMPLE = 2000  # train pairs whose script tells a side's language (when not named)
 ENCODE_CHUNK = 8192  # pairs per encode_batch call: big enough for Rust's threads, small in memory
 
 
@@ -80,6 +83,26 @@ class Prepared:
     @cached_property
     def test(self) -> list[tuple[str, str]]:
         return read_split(self.data_dir / "test.jsonl")
+
+    @cached_property
+    def languages(self) -> dict[str, str]:
+        """The language of each side (aiayn.languages): as stats.json records it, or for a
+        directory prepared before it did, from its corpus spec and the script of its text."""
+        recorded = self.stats.get("languages")
+        if isinstance(recorded, dict) and "tgt" in recorded:
+            return recorded
+        given = self.stats.get("data_config") or {}
+        sample = itertools.islice(iter_split(self.data_dir / "train.jsonl"), LANGUAGE_SAMPLE)
+        return resolve_languages(given.get("src_lang", "auto"), given.get("tgt_lang", "auto"),
+                                 str(self.stats.get("corpus", "")), sample)
+
+    def bleu_tokenize(self, setting: str = "auto") -> str:
+        """sacreBLEU's tokenizer for BLEU on this data: ``setting`` (the run's
+        data.bleu_tokenize) unless "auto", then the one this data was prepared with, then
+        the target language's (aiayn.languages.bleu_tokenize)."""
+        if setting == "auto":
+            setting = (self.stats.get("data_config") or {}).get("bleu_tokenize", "auto")
+        return bleu_tokenize(setting, self.languages["tgt"])
 
     def split(self, name: str) -> list[tuple[str, str]]:
         if name not in SPLITS:

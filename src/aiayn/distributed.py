@@ -44,15 +44,81 @@ class Dist:
         return self.world_size > 1
 
 
+DEVICES = ("auto", "cpu", "cuda", "mps")
+
+
 def choose_device(choice: str | None = "auto", index: int = 0) -> torch.device:
-    """``--device``: "cpu", "cuda" (GPU ``index``) or "auto"/None (a GPU when there is one)."""
+    """``--device``: "cpu", "cuda" (GPU ``index``), "mps" (an Apple-silicon GPU) or
+    "auto"/None: a CUDA GPU when there is one, else MPS where it runs the model
+    (``mps_usable``), else the CPU."""
     if choice in (None, "auto"):
-        choice = "cuda" if torch.cuda.is_available() else "cpu"
+        choice = "cuda" if torch.cuda.is_available() else "mps" if mps_usable() else "cpu"
+    if choice not in DEVICES[1:]:
+        raise AiaynError(f"--device must be one of {', '.join(DEVICES)}, got {choice!r}")
     if choice == "cuda" and not torch.cuda.is_available():
         raise AiaynError("--device cuda: no CUDA GPU is available")
-    if choice not in ("cpu", "cuda"):
-        raise AiaynError(f"--device must be auto, cpu or cuda, got {choice!r}")
-    return torch.device("cuda", index) if choice == "cuda" else torch.device("cpu")
+    if choice == "mps" and not mps_usable():
+        raise AiaynError("--device mps: no Apple-silicon GPU (MPS) that runs the model here "
+                         "(it needs macOS 12.3+ on Apple silicon and a PyTorch built with MPS)")
+    return torch.device("cuda", index) if choice == "cuda" else torch.device(choice)
+
+
+_MPS_USABLE: list[bool] = []  # the probe's answer, once per process
+
+
+def mps_usable() -> bool:
+    """Whether PyTorch's MPS backend exists here and runs the operations the model is made
+    of (embedding, attention through scaled_dot_product_attention, LayerNorm, the
+    label-smoothed loss and its backward pass): a probe on tiny tensors, once per process.
+    An MPS that lacks one of them (an older macOS or PyTorch) is not chosen by "auto"."""
+    if not _MPS_USABLE:
+        _MPS_USABLE.append(_probe_mps())
+    return _MPS_USABLE[0]
+
+
+def _probe_mps() -> bool:
+    backend = getattr(torch.backends, "mps", None)
+    if backend is None or not backend.is_available():
+        return False
+    try:
+        device = torch.device("mps")
+        table = torch.randn(8, 16, device=device, requires_grad=True)
+        x = torch.nn.functional.embedding(torch.tensor([[1, 2, 3]], device=device), table)
+        q = x.view(1, 3, 2, 8).transpose(1, 2)
+        y = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        y = torch.nn.functional.layer_norm(y.transpose(1, 2).reshape(1, 3, 16), (16,))
+        loss = torch.nn.functional.cross_entropy(y[0] @ table.T, torch.tensor([1, 2, 0], device=device),
+                                                 label_smoothing=0.1)
+        loss.backward()
+        return bool(torch.isfinite(loss).item())
+    except Exception:  # any op missing or failing: the CPU it is
+        return False
+
+
+def physical_memory() -> int:
+    """This machine's physical memory in bytes (POSIX sysconf; Windows
+    GlobalMemoryStatusEx; 8 GiB where neither answers)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf: Windows
+        pass
+    try:
+        import ctypes
+
+        class MemoryStatus(ctypes.Structure):
+            _fields_ = [("length", ctypes.c_ulong), ("load", ctypes.c_ulong),
+                        ("total", ctypes.c_ulonglong), ("available", ctypes.c_ulonglong),
+                        ("total_page", ctypes.c_ulonglong), ("available_page", ctypes.c_ulonglong),
+                        ("total_virtual", ctypes.c_ulonglong),
+                        ("available_virtual", ctypes.c_ulonglong),
+                        ("available_extended", ctypes.c_ulonglong)]
+
+        status = MemoryStatus(length=ctypes.sizeof(MemoryStatus))
+        if ctypes.windll.kernel32.GlobalMemoryStatusEx(ctypes.byref(status)):  # type: ignore[attr-defined]
+            return int(status.total)
+    except (AttributeError, OSError):
+        pass
+    return 8 << 30
 
 
 def setup_distributed(device: str | None = None) -> Dist:
@@ -104,6 +170,8 @@ def resolve_bf16(setting: str, device: torch.device) -> tuple[bool, str]:
     if device.type == "cuda":
         ok = torch.cuda.is_bf16_supported()
         return ok, f"auto: this GPU {'supports' if ok else 'does not support'} bfloat16"
+    if device.type == "mps":  # its bf16 autocast is partial across macOS versions
+        return False, "auto: fp32 on MPS"
     # On one thread: what the probe compares is the core's arithmetic, and two threads would
     # time the barrier of a busy core instead (fp32 8.0 ms against 0.2 ms quiet, seen here).
     fp32, bf16 = on_one_thread(lambda: (matmul_seconds(torch.float32),
@@ -119,6 +187,8 @@ def machine_kind(device: torch.device) -> str:
     on the same kind keeps the choices of its start: aiayn.train.kept_choices)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
+    elif device.type == "mps":
+        name = f"Apple MPS on {cpu_model()}"
     else:
         name = f"{cpu_model()} ({torch.backends.cpu.get_cpu_capability()})"
     return f"{name}; torch {torch.__version__}"

@@ -36,11 +36,13 @@ from aiayn.translator import Translator, TruncationWarning, check_search
 def translate_and_score(translator: Translator, pairs: Sequence[tuple[str, str]],
                         beam: int | None, alpha: float | None,
                         progress: Callable[[int], object] | None = None,
-                        no_repeat_ngram: int | None = None) -> tuple[list[str], Scores]:
-    """Translate the sources of ``pairs`` and score them against the targets."""
+                        no_repeat_ngram: int | None = None, bleu_tokenize: str = "13a"
+                        ) -> tuple[list[str], Scores]:
+    """Translate the sources of ``pairs`` and score them against the targets (BLEU
+    tokenized by ``bleu_tokenize``: aiayn.data.Prepared.bleu_tokenize)."""
     hypotheses = translator.translate([src for src, _ in pairs], beam, alpha, progress=progress,
                                       no_repeat_ngram=no_repeat_ngram)
-    return hypotheses, score(hypotheses, [tgt for _, tgt in pairs])
+    return hypotheses, score(hypotheses, [tgt for _, tgt in pairs], bleu_tokenize)
 
 
 # ---------------------------------------------------------------- validation during training
@@ -79,10 +81,13 @@ def dev_loss(model: Transformer, examples: list, config: Config, device: torch.d
 def validate(model: Transformer, tokenizers, dev: list[Example], dev_pairs: list[tuple[str, str]],
              config: Config, device: torch.device, full: bool) -> dict[str, Any]:
     """Dev loss over the whole dev split; BLEU/chrF over the whole split (``full``) or over
-    train.eval_max_sentences pairs spread evenly over it. ``select_bleu`` is always the
+    train.eval_max_sentences pairs spread evenly over it, BLEU tokenized by
+    config.data.bleu_tokenize (the caller resolves "auto" for its data:
+    aiayn.data.Prepared.bleu_tokenize; "13a" if it did not). ``select_bleu`` is always the
     BLEU of that fixed subset (``select_chrf`` its chrF), so checkpoints are compared on the
     same sentences (aiayn.early_stopping)."""
     t = config.train
+    bleu_tokenize = "13a" if config.data.bleu_tokenize == "auto" else config.data.bleu_tokenize
     was_training = model.training
     model.eval()
     try:
@@ -100,13 +105,14 @@ def validate(model: Transformer, tokenizers, dev: list[Example], dev_pairs: list
             # train.eval_beam (greedy by default), with the run's length penalty and guard
             hyps, scores = translate_and_score(translator, pairs, t.eval_beam,
                                                config.decode.alpha,
-                                               no_repeat_ngram=config.decode.no_repeat_ngram)
+                                               no_repeat_ngram=config.decode.no_repeat_ngram,
+                                               bleu_tokenize=bleu_tokenize)
     finally:
         model.train(was_training)
     by_position = dict(zip(chosen, hyps, strict=True))
     sub_hyps = [by_position[i] for i in subset]
     sub_refs = [dev_pairs[dev[i].index][1] for i in subset]
-    select = scores if len(chosen) == len(subset) else score(sub_hyps, sub_refs)
+    select = scores if len(chosen) == len(subset) else score(sub_hyps, sub_refs, bleu_tokenize)
     n_show = min(t.num_samples, len(chosen))
     samples = [{"src": pairs[j][0], "ref": pairs[j][1], "hyp": hyps[j]}
                for j in eval_subset(len(chosen), n_show)[:n_show]]
@@ -172,13 +178,16 @@ def evaluate_run(run_dir: str | Path, split: str = "test", beam: int | None = No
     if not pairs:
         raise AiaynError(f"{data_dir}: the {split} split is empty")
     loss = nll = None
+    tokenize = prepared.bleu_tokenize()
     if translator.engine is None:  # CTranslate2 scores no given targets
-        loss, nll = split_loss(translator.model, prepared, split, len(pairs),
-                               load_run_config(Path(run_dir), []), translator.device, bf16)
+        run_config = load_run_config(Path(run_dir), [])
+        tokenize = prepared.bleu_tokenize(run_config.data.bleu_tokenize)
+        loss, nll = split_loss(translator.model, prepared, split, len(pairs), run_config,
+                               translator.device, bf16)
     with tqdm(total=len(pairs), unit="sent", dynamic_ncols=True, disable=not progress,
               desc=f"{split} beam {beam}") as bar:
         hypotheses, scores = translate_and_score(translator, pairs, beam, alpha, bar.update,
-                                                 no_repeat_ngram)
+                                                 no_repeat_ngram, bleu_tokenize=tokenize)
     speed = translator.last_stats
     weights_name = (engine if translator.engine is not None
                     else Path(str(weights)).name.removesuffix(".safetensors"))
@@ -191,7 +200,7 @@ def evaluate_run(run_dir: str | Path, split: str = "test", beam: int | None = No
         "split": split, "sentences": len(pairs), "beam": beam, "alpha": alpha,
         "no_repeat_ngram": no_repeat_ngram,
         "loss": loss, "nll": nll,
-        "bleu": scores.bleu, "bleu_signature": scores.bleu_signature,
+        "bleu": scores.bleu, "bleu_signature": scores.bleu_signature, "bleu_tokenize": tokenize,
         "chrf": scores.chrf, "chrf_signature": scores.chrf_signature,
         "cer": scores.cer, "wer": scores.wer,
         "repeats": {"n": STUTTER_N, "hypotheses": stutter_share(hypotheses),

@@ -282,6 +282,8 @@ def atomic_directory(path: str | Path, need: int | None = None,
             try:
                 os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700: the usual mode
                 yield tmp
+                if os.name == "nt" and path.is_dir():  # Windows renames onto no directory,
+                    path.rmdir()  # even an empty one (this one is: see above)
                 os.replace(tmp, path)
                 _fsync_dir(path.parent)
             finally:

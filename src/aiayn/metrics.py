@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import sacrebleu
 
+from aiayn.errors import AiaynError
+
 
 @dataclass
 class Scores:
@@ -64,11 +66,17 @@ def error_rate(hypotheses: list[str], references: list[str], unit: str) -> float
     return edits / max(length, 1)
 
 
-def score(hypotheses: list[str], references: list[str]) -> Scores:
-    """Corpus BLEU and chrF (sacreBLEU defaults, 13a tokenisation) plus CER and WER."""
+def score(hypotheses: list[str], references: list[str], tokenize: str = "13a") -> Scores:
+    """Corpus BLEU and chrF (sacreBLEU defaults) plus CER and WER. ``tokenize``: BLEU's
+    tokenizer (aiayn.languages.bleu_tokenize: "zh" for Chinese, ...), in its signature."""
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references")
-    bleu = sacrebleu.metrics.BLEU()
+    try:
+        bleu = sacrebleu.metrics.BLEU(tokenize=tokenize)
+    except (ImportError, RuntimeError) as exc:  # ja-mecab / ko-mecab without their packages
+        raise AiaynError(f"data.bleu_tokenize={tokenize}: sacreBLEU cannot load it "
+                         f"({str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}); "
+                         "install its package or choose another tokenizer") from None
     chrf = sacrebleu.metrics.CHRF()
     b = bleu.corpus_score(hypotheses, [references])
     c = chrf.corpus_score(hypotheses, [references])

@@ -5,7 +5,8 @@
     DIR/ids/{split}.{src,tgt}.ids.npy        the token ids, written once (aiayn.tokenids)
     DIR/ids/{split}.{src,tgt}.offsets.npy
     DIR/tokenizer/                           see aiayn.tokenizer
-    DIR/stats.json                           what was read, dropped, kept; tokens; lengths
+    DIR/stats.json                           what was read, dropped, kept; the languages
+                                             (aiayn.languages); tokens; lengths
 
 and running it twice gives identical files. It streams: the corpus is read pair by pair
 (``aiayn.corpora.CorpusStream``), the tokenizer learns from an iterator over the train
@@ -35,6 +36,7 @@ from aiayn.data import (
     ENCODE_CHUNK,
     IDS_DIR,
     IDS_FORMAT,
+    LANGUAGE_SAMPLE,
     STATS_FILE,
     TOKENIZER_DIR,
     SplitIds,
@@ -42,11 +44,13 @@ from aiayn.data import (
 )
 from aiayn.errors import AiaynError
 from aiayn.io import atomic_write_text, check_room, staged_directory
+from aiayn.languages import bleu_tokenize, resolve_languages
 from aiayn.progress import bar as progress_bar
 from aiayn.tokenids import SIDES, RaggedWriter
 from aiayn.tokenizer import Tokenizers, tokenizer_fingerprint, train_tokenizers
 
 PERCENTILES = (50, 90, 95, 99, 100)
+WARN_DROPPED = 1 / 3  # a filter that drops more than this share of the pairs read is suspect
 
 
 def prepare(data_cfg: DataConfig, out_dir: str | Path, model_max_len: int,
@@ -83,11 +87,15 @@ def prepare(data_cfg: DataConfig, out_dir: str | Path, model_max_len: int,
                                           progress=progress, total=sample)
         else:  # given (a run's, to fine-tune it on this corpus): nothing is trained
             sample = 0
+        languages = resolve_languages(data_cfg.src_lang, data_cfg.tgt_lang, data_cfg.corpus,
+                                      pairs.train_sample(min(n_train, LANGUAGE_SAMPLE)))
+        languages["bleu_tokenize"] = bleu_tokenize(data_cfg.bleu_tokenize, languages["tgt"])
         tokenizers.save(stage / TOKENIZER_DIR)
         ids = write_splits(stage, pairs, tokenizers, progress)
         pairs.remove()
         stats = {
             **pairs.info,
+            "languages": languages,
             "tokenizer": {"kind": tokenizers.kind, "joint": tokenizers.joint,
                           "src_vocab_size": tokenizers.src_vocab_size,
                           "tgt_vocab_size": tokenizers.tgt_vocab_size,
@@ -101,6 +109,20 @@ def prepare(data_cfg: DataConfig, out_dir: str | Path, model_max_len: int,
         del ids  # unmap before the files move
         atomic_write_text(stage / STATS_FILE, json.dumps(stats, indent=2, ensure_ascii=False) + "\n")
     return stats
+
+
+def drop_warnings(stats: dict[str, Any]) -> list[str]:
+    """One line for each filter that dropped more than a third of the pairs read: a wrong
+    column, a wrong file, or a length limit that does not fit the corpus."""
+    read = stats["pairs"]["read"]
+    hints = {"empty": "is a column empty, or the file not source<TAB>target?",
+             "too_long": "raise data.max_words if the corpus has long sentences",
+             "length_ratio": "are the sides aligned line by line? else raise "
+                             "data.max_length_ratio (docs/data.md#languages)",
+             "versification": "the Bible modules pair badly"}
+    return [f"the {reason} filter dropped {n} of {read} pairs ({100 * n / read:.0f}%); "
+            + hints.get(reason, "check the corpus")
+            for reason, n in stats["pairs"]["dropped"].items() if read and n > WARN_DROPPED * read]
 
 
 def prepared_size(spec: str) -> int | None:

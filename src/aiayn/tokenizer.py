@@ -12,8 +12,20 @@ Both kinds share one text pipeline, chosen so that decoding gives the text back:
 - decoder: ``Metaspace``, which turns ``▁`` back into spaces.
 
 So ``decode(encode(s)) == s`` for any ``s`` that is NFC with single spaces and no leading or
-trailing space, as long as its characters (BPE) or words (WordLevel) were seen in training;
-anything else is ``[UNK]``, which decoding keeps visible as ``[UNK]``.
+trailing space. A BPE tokenizer made with ``data.byte_fallback`` (the default, for a
+``data.vocab_size`` of at least 1024) has 256 of its pieces after the learnt ones,
+``<0x00>`` to ``<0xFF>`` (within vocab_size, as SentencePiece counts them): a character it
+never saw is spelt
+as the bytes of its UTF-8 encoding (as SentencePiece's byte fallback), and the decoder
+(``ByteFallback`` before ``Metaspace``) turns them back into it, so any Unicode text
+round-trips and ``[UNK]`` never appears. Without it (WordLevel, and BPE tokenizers made
+before it existed, which load and decode as they always did), an unseen character (BPE)
+or word (WordLevel) is ``[UNK]``, which decoding keeps visible as ``[UNK]``.
+
+Text in scripts without spaces (Chinese, Japanese, Thai) is one ``Metaspace`` piece per
+run between spaces and punctuation, which BPE splits into learnt pieces; decoding joins
+pieces without spaces (only ``▁`` becomes a space), so nothing is inserted between
+characters.
 
 Source ids are ``tokens + [EOS]``; target ids are ``[BOS] + tokens + [EOS]``.
 
@@ -43,6 +55,10 @@ SPECIAL_TOKENS = [PAD, UNK, BOS, EOS]
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
 KINDS = ("bpe", "wordlevel")
+BYTE_PIECES = tuple(f"<0x{b:02X}>" for b in range(256))  # the names ByteFallback decodes
+# Below this vocabulary the 256 byte pieces would be over a quarter of it: a toy vocabulary
+# (the tests', configs/tiny.yaml) keeps [UNK] instead.
+BYTE_FALLBACK_MIN_VOCAB = 1024
 META_FILE = "meta.json"
 _FORMAT = 1
 
@@ -60,6 +76,11 @@ class Tokenizers:
     @property
     def joint(self) -> bool:
         return self.src is self.tgt
+
+    @property
+    def byte_fallback(self) -> bool:
+        """Whether unseen characters become byte pieces rather than [UNK] (both sides)."""
+        return all(getattr(tok.model, "byte_fallback", False) for tok in (self.src, self.tgt))
 
     @property
     def src_vocab_size(self) -> int:
@@ -119,7 +140,10 @@ class Tokenizers:
             (directory / stale).unlink(missing_ok=True)
         meta = {"format": _FORMAT, "kind": self.kind, "joint": self.joint, "files": files,
                 "src_vocab_size": self.src_vocab_size, "tgt_vocab_size": self.tgt_vocab_size,
-                "special_tokens": SPECIAL_TOKENS}
+                "special_tokens": SPECIAL_TOKENS,
+                # Only where on: a tokenizer made before byte fallback, saved again (a run's,
+                # fine-tuned on new data), keeps its bytes and so its fingerprint.
+                **({"byte_fallback": True} if self.byte_fallback else {})}
         atomic_write_text(directory / META_FILE, json.dumps(meta, indent=2) + "\n")
 
     @classmethod
@@ -285,7 +309,9 @@ def train_tokenizers(pairs: Sequence[tuple[str, str]] | Callable[[], Iterable[tu
     corpus too large for memory streams from disk; separate vocabularies read it twice).
     ``cfg.joint_vocab``: one vocabulary of ``cfg.vocab_size`` for both sides; else one of
     that size per side. ``cfg.tokenizer``: "bpe" or "wordlevel" (``cfg.min_frequency``
-    applies to both: rarer merges / words are left out). ``progress``: a bar with the rate
+    applies to both: rarer merges / words are left out). ``cfg.byte_fallback`` (BPE, a
+    vocab_size of 1024 or more: ``uses_byte_fallback``): the last 256 of the vocab_size
+    pieces are the bytes. ``progress``: a bar with the rate
     at which pairs are counted (``total`` pairs, if known); that pass is most of the time,
     the merges (BPE) come after it."""
     if cfg.tokenizer not in KINDS:
@@ -329,11 +355,36 @@ def _train_one(texts: Iterable[str], cfg: DataConfig) -> Tokenizer:
     normalizer, tok.normalizer = tok.normalizer, None
     trainer_class = trainers.BpeTrainer if cfg.tokenizer == "bpe" else trainers.WordLevelTrainer
     # Rust's own bars show no rate and would fight with the tqdm bar over the pairs.
-    trainer = trainer_class(vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
+    fallback = uses_byte_fallback(cfg)
+    learnt = cfg.vocab_size - (len(BYTE_PIECES) if fallback else 0)
+    trainer = trainer_class(vocab_size=learnt, min_frequency=cfg.min_frequency,
                             special_tokens=SPECIAL_TOKENS, show_progress=False)
     tok.train_from_iterator(texts, trainer)
     tok.normalizer = normalizer
-    return tok
+    return with_byte_fallback(tok) if fallback else tok
+
+
+def uses_byte_fallback(cfg: DataConfig) -> bool:
+    """Whether a tokenizer trained under ``cfg`` gets byte fallback: data.byte_fallback, BPE,
+    and a vocabulary of at least BYTE_FALLBACK_MIN_VOCAB pieces."""
+    return cfg.byte_fallback and cfg.tokenizer == "bpe" and cfg.vocab_size >= BYTE_FALLBACK_MIN_VOCAB
+
+
+def with_byte_fallback(tok: Tokenizer) -> Tokenizer:
+    """A trained BPE tokenizer with the 256 byte pieces appended to its vocabulary (ids after
+    the learnt ones, so a learnt piece keeps its id) and byte fallback on: a character
+    outside the learnt alphabet is encoded as its UTF-8 bytes instead of [UNK], and decoded
+    back (decoders.ByteFallback, then Metaspace)."""
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    next_id = max(vocab.values()) + 1
+    for piece in BYTE_PIECES:
+        if piece not in vocab:  # never learnt: Punctuation keeps "<" and ">" pieces apart
+            vocab[piece], next_id = next_id, next_id + 1
+    spec["model"]["byte_fallback"] = True
+    out = Tokenizer.from_str(json.dumps(spec))
+    out.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
+    return out
 
 
 def _check_special_ids(tok: Tokenizer, side: str) -> None:

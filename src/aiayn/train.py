@@ -135,6 +135,7 @@ class TrainData:
     dev: list[Example]
     dev_pairs: list[tuple[str, str]]
     tokenizers: Tokenizers
+    bleu_tokenize: str = "13a"  # the validation's (aiayn.data.Prepared.bleu_tokenize)
 
 
 def load_data(data_dir: Path, config: Config, world: Dist, log=print) -> TrainData:
@@ -154,7 +155,8 @@ def load_data(data_dir: Path, config: Config, world: Dist, log=print) -> TrainDa
                                 rank=world.rank, world_size=world.world_size)
     log(f"data: {len(train)} training pairs ({_describe(train.counts)}), {len(dev)} dev pairs, "
         f"{len(sampler)} batches per epoch per rank")
-    return TrainData(train, sampler, dev, dev_pairs, prepared.tokenizers)
+    return TrainData(train, sampler, dev, dev_pairs, prepared.tokenizers,
+                     prepared.bleu_tokenize(config.data.bleu_tokenize))
 
 
 def _describe(stats: dict[str, int]) -> str:
@@ -687,8 +689,10 @@ class Trainer:
         if world.is_main:
             began = time.perf_counter()
             with torch.random.fork_rng(devices=[world.device] if world.device.type == "cuda" else []):
+                scored = replace(self.config, data=replace(
+                    self.config.data, bleu_tokenize=self.data.bleu_tokenize))
                 result = validate(self.model, self.data.tokenizers, self.data.dev,
-                                  self.data.dev_pairs, self.config, world.device, full)
+                                  self.data.dev_pairs, scored, world.device, full)
             best = progress.best
             improved = best.update(progress.step, result)
             if improved:

@@ -55,6 +55,7 @@ from aiayn.decode import (
     greedy_decode,
     next_distribution,
 )
+from aiayn.distributed import physical_memory
 from aiayn.errors import AiaynError, is_out_of_memory
 from aiayn.kernels import choose_output_kernel
 from aiayn.model import Transformer, capture_attention
@@ -142,7 +143,7 @@ def memory_bytes(device: torch.device | None = None) -> int:
     machine's physical memory."""
     if device is not None and device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return physical_memory()
 
 
 CPU_MAX_TOKENS = 8192  # a CPU's default batch budget: larger batches decode no faster there
