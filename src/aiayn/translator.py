@@ -30,7 +30,6 @@ Rules for awkward input (never a crash):
 from __future__ import annotations
 
 import math
-import os
 import secrets
 import time
 import warnings
