@@ -202,6 +202,7 @@ def test_both_exports_keep_the_runs_search(tmp_path):
         card = (tmp_path / out / CARD_FILE).read_text(encoding="utf-8")
         assert card == model_card(run, to)
         assert "searches with beam 3 and length penalty alpha 1.5" in card
+        assert "same 3 pieces in a row twice" in card  # the run's guard
     # greedy (beam 1): Transformers refuses beam-only settings beside it, so none are written
     save_config(dataclasses.replace(config, decode=DecodeConfig(beam=1, alpha=1.5)),
                 run / "config.yaml")

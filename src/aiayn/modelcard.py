@@ -204,7 +204,10 @@ def _decoding(config: Config, target: str) -> str:
         f"). {engine} divides a hypothesis's log-probability by length^alpha instead, so its "
         "beam search may rank finished hypotheses differently; with alpha 0, or greedy, the "
         "searches agree token for token. A translation is at most "
-        f"{config.model.max_len - 1} tokens; a longer source sentence is truncated.",
+        f"{config.model.max_len - 1} tokens; a longer source sentence is truncated."
+        + (f" The repetition guard is on: no translation holds the same {d.no_repeat_ngram} "
+           "pieces in a row twice (Transformers' and CTranslate2's `no_repeat_ngram_size`)."
+           if d.no_repeat_ngram else ""),
     ])
 
 
