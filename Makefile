@@ -8,7 +8,7 @@ BROWSER_PACKAGES := chromium chromium-driver fonts-liberation
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEMO_MINUTES ?= 12
 
-.PHONY: venv sword browser test lint docs notebook demo bench peers pins clean
+.PHONY: venv sword browser test test-fast lint docs notebook demo bench peers pins clean
 
 # torch first, pinned: an unpinned torch would pull a multi-GB CUDA build. Then the project
 # at the versions of constraints.txt, the set the tests last passed with.
@@ -35,6 +35,11 @@ browser:
 
 test: venv sword browser
 	$(BIN)/python -m pytest
+
+# The fast tier for the edit-run loop: the tests marked slow (tests/conftest.py) left out,
+# about a minute on two cores; needs neither the Bible nor a browser.
+test-fast: venv
+	$(BIN)/python -m pytest -m "not slow"
 
 lint: venv
 	$(BIN)/ruff check src tests benchmarks docs

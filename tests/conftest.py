@@ -1,9 +1,27 @@
-"""Shared test settings: tiny models run fastest on one thread (and CI has only 2 cores)."""
+"""Shared test settings: tiny models run fastest on one thread (and CI has only 2 cores);
+and the two tiers: `make test` runs every test (CI), `make test-fast` only those not
+marked ``slow``, in about a minute on two cores, for the edit-run loop."""
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
+
+# A test is slow when it needs one of these fixtures: each trains a model, reads or prepares
+# the Bible, builds a run directory or starts a server, seconds to a minute before the first
+# assertion. Tests that are slow on their own (a browser, a process killed, torchrun, a
+# notebook, a wheel) carry ``@pytest.mark.slow`` themselves.
+SLOW_FIXTURES = frozenset({
+    "bible_stream", "bible_prepared", "run_dir", "translator", "service", "client", "server",
+    "world", "small_fs", "data_dir", "trained_run", "random_translator", "steps_att",
+    "base_run", "second_corpus", "demo_run", "healthy", "validated", "executed", "reversal",
+})
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if SLOW_FIXTURES.intersection(item.fixturenames):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)

@@ -411,6 +411,7 @@ def test_info_on_a_directory_that_is_no_run_is_one_line(tmp_path, capsys):
     assert err.startswith("aiayn: error:") and "no config.yaml" in err and "\n" not in err
 
 
+@pytest.mark.slow  # processes of their own
 def test_doctor_does_not_import_the_trainer():
     """The train-state version lives where the state is saved (aiayn.checkpoint)."""
     code = "import sys, aiayn.checkup; print('aiayn.train' in sys.modules)"

@@ -281,6 +281,7 @@ def test_readme_budget_and_first_own_data_command():
     assert data.index(first) <= FIRST_OWN_DATA_COMMAND_WITHIN
 
 
+@pytest.mark.slow  # processes of their own
 def test_own_data_quick_start_runs_as_the_readme_shows_it(tmp_path):
     """The README's four commands, word for word, on a small TSV with configs/tiny.yaml for
     the preset (the only substitution), in a fresh directory."""

@@ -57,10 +57,13 @@ def aiayn(*args: str) -> str:
 
 def evaluate(run, weights: str) -> dict:
     """A fresh process's dev figures for ``weights``, with the validation's search
-    (train.eval_beam: greedy) and batch budget, and its translations as "hyps"."""
+    (train.eval_beam: greedy, and the run's repetition guard) and batch budget, and its
+    translations as "hyps"."""
+    output = run / f"fresh-dev.{weights}.txt"
     aiayn("evaluate", str(run), "--split", "dev", "--weights", weights, "--beam", "1",
-          "--max-tokens", "512")
-    summary = json.loads((run / "eval" / f"dev.{weights}.beam1.json").read_text(encoding="utf-8"))
+          "--max-tokens", "512", "-o", str(output))
+    summary = json.loads(output.with_suffix(".json").read_text(encoding="utf-8"))
+    assert summary["no_repeat_ngram"] == load_config(DEMO).decode.no_repeat_ngram  # both guarded
     summary["hyps"] = Path(summary["output"]).read_text(encoding="utf-8").splitlines()
     return summary
 

@@ -18,6 +18,8 @@ import pytest
 import torch
 from helpers import ROOT
 
+pytestmark = pytest.mark.slow  # a pytest process per CPU kind
+
 # The variables each library reads for its highest instruction set (oneDNN: two names).
 AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2",
              "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
