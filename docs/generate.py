@@ -212,7 +212,7 @@ def load_results() -> list[dict]:
 
 def _conditions_line(key: str, c: dict) -> str:
     parts = [f"`{c['command']}`", c["cpu"] + (f", {c['cpu_flags']}" if c.get("cpu_flags") else ""),
-             f"torch {c['torch']}", c["load"], c["date"]]
+             f"torch {c['torch']}", c["load"], c["date"]] + ([c["recipe"]] if c.get("recipe") else [])
     return f"- **{key}**: " + "; ".join(_cell(p) for p in parts)
 
 
