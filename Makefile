@@ -27,7 +27,7 @@ sword:
 	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $(SWORD_PACKAGES); fi
 
 # Headless Chromium (and a font for its text) for the browser test of `aiayn serve`'s page
-# (tests/test_serve.py).
+# (tests/serving/test_serve.py).
 browser:
 	@if dpkg -s $(BROWSER_PACKAGES) >/dev/null 2>&1; then echo "Chromium present"; else \
 	  $(SUDO) apt-get update -qq && \
@@ -45,13 +45,13 @@ lint: venv
 	$(BIN)/ruff check src tests benchmarks docs
 
 # The pages made from the code and the results files: docs/configuration.md, docs/cli.md,
-# docs/results.md (tests/test_docs.py fails when they are not current).
+# docs/results.md (tests/project/test_docs.py fails when they are not current).
 docs: venv
 	$(BIN)/python docs/generate.py
 
 # Execute the notebooks of docs/ in place (the walkthrough about a minute on a CPU core, the
 # ablations three) and record the fingerprint of their code and of the aiayn modules they
-# import; tests/test_notebook.py fails when a fingerprint is no longer current.
+# import; tests/project/test_notebook.py fails when a fingerprint is no longer current.
 notebook: venv
 	$(BIN)/python docs/notebook.py
 

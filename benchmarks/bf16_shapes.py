@@ -1,7 +1,7 @@
 """bf16 training on a CPU: batches at their exact lengths against lengths padded to a multiple.
 
 A bf16 matmul on a CPU runs through oneDNN, which compiles a kernel for each new shape.
-Length-bucketed batches come in hundreds of shapes; ``aiayn.batching.length_multiple`` pads
+Length-bucketed batches come in hundreds of shapes; ``aiayn.data.batching.length_multiple`` pads
 bf16 batches so that there are only a few dozen. This benchmark trains the demo preset
 (``configs/demo.yaml``) on the first ``--steps`` batches of a prepared corpus's first epoch
 (the batches and order ``aiayn train`` uses), once with exact lengths (``multiple`` 1) and
@@ -32,11 +32,11 @@ def one_arm(data_dir: str, multiple: int, steps: int, threads: int, precision: s
     """Train ``steps`` steps in this process and return its throughput."""
     import torch
 
-    from aiayn.batching import collate
     from aiayn.config import load_config
-    from aiayn.distributed import Dist
-    from aiayn.optim import build_optimizer
-    from aiayn.train import build_model, load_data, resolve_config, train_step
+    from aiayn.data.batching import collate
+    from aiayn.training.distributed import Dist
+    from aiayn.training.loop import build_model, load_data, resolve_config, train_step
+    from aiayn.training.optim import build_optimizer
 
     torch.set_num_threads(threads)
     config = load_config(REPO / "configs" / "demo.yaml")

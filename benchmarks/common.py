@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from aiayn.batching import token_batches
-from aiayn.distributed import cpu_model  # noqa: F401  (the benchmarks name their CPU with it)
-from aiayn.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from aiayn.data.batching import token_batches
+from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from aiayn.util.device import cpu_model  # noqa: F401  (the benchmarks name their CPU with it)
 
 FIRST_REAL_ID = 4  # ids below are [PAD] [UNK] [BOS] [EOS] (docs/interfaces.md)
 
@@ -58,7 +58,7 @@ def device_description() -> str:
 
 @dataclass
 class Batch:
-    """Padded source and target ids, shaped as aiayn.batching.collate makes them.
+    """Padded source and target ids, shaped as aiayn.data.batching.collate makes them.
 
     src: (B, S) ``tokens + [EOS]``; tgt_in: (B, T) ``[BOS] + tokens``; tgt_out: (B, T)
     ``tokens + [EOS]``; n_tokens: real (non-pad) target tokens, the unit of throughput.
@@ -102,7 +102,7 @@ def sentence_lengths(
 
 def bucket(lengths: list[tuple[int, int]], max_tokens: int) -> list[list[tuple[int, int]]]:
     """Length-sorted token-budget buckets of (source, target) lengths: the groups that
-    ``aiayn.batching.token_batches`` (the package's one batcher) makes of them, ordered as the
+    ``aiayn.data.batching.token_batches`` (the package's one batcher) makes of them, ordered as the
     training sampler orders them. On a corpus-sized pool (~1e5 pairs) this leaves a few
     percent of padding, as real loaders do.
     """

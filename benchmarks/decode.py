@@ -29,14 +29,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_model  # noqa: E402  (benchmarks/ is not a package)
 
-from aiayn.batching import pad
 from aiayn.config import load_config
-from aiayn.data import load_prepared
-from aiayn.decode import beam_search, greedy_decode
+from aiayn.data.batching import pad
+from aiayn.data.prepared import load_prepared
+from aiayn.data.tokenizer import EOS_ID
+from aiayn.inference.search import beam_search, greedy_decode
+from aiayn.inference.translator import Translator
 from aiayn.model import Transformer
-from aiayn.rundir import load_run, read_data_dir
-from aiayn.tokenizer import EOS_ID
-from aiayn.translator import Translator
+from aiayn.runs.directory import load_run, read_data_dir
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

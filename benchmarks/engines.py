@@ -7,11 +7,11 @@ demo's) does not (the engine normalises those queries over all of d_model, not p
 so train it with ``--set model.qk_norm_cross=false`` (QK-norm in self-attention only); a
 restricted output layer exports as a bias.
 
-The run is exported twice with `aiayn.export.export_run` (CTranslate2 float32 and int8)
+The run is exported twice with `aiayn.export.command.export_run` (CTranslate2 float32 and int8)
 into a temporary directory. Each engine then translates the same sentences through the same
 ``Translator`` (tokenization, truncation, length-sorted batches of --max-tokens x beam,
 detokenization) and is scored by the same code as `aiayn evaluate`
-(``aiayn.evaluate.translate_and_score``): only the search differs. The engines take turns
+(``aiayn.evaluation.evaluate.translate_and_score``): only the search differs. The engines take turns
 within each repetition (the order alternating, ``common.interleave``), so a change in the
 machine's load hits them alike; the table gives the median sentences/s and the speed-up
 over aiayn within the same repetitions. Decoding is deterministic: the script checks that
@@ -35,11 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import device_description, interleave, markdown_table, median  # noqa: E402
 
-from aiayn.data import load_prepared  # noqa: E402
-from aiayn.evaluate import translate_and_score  # noqa: E402
-from aiayn.export import export_run  # noqa: E402
-from aiayn.rundir import read_data_dir  # noqa: E402
-from aiayn.translator import Translator  # noqa: E402
+from aiayn.data.prepared import load_prepared  # noqa: E402
+from aiayn.evaluation.evaluate import translate_and_score  # noqa: E402
+from aiayn.export.command import export_run  # noqa: E402
+from aiayn.inference.translator import Translator  # noqa: E402
+from aiayn.runs.directory import read_data_dir  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -7,10 +7,10 @@ Sections (``--sections``, all by default):
 - ``step``: a training step (forward, label-smoothed cross-entropy, backward, fused Adam)
   under bf16 autocast, for aiayn eager, aiayn under ``torch.compile`` (as
   ``train.compile: true`` runs it) and ``torch.nn.Transformer`` with aiayn's embeddings and
-  generator (``aiayn.reference``), on the same length-bucketed batches of ``--step-tokens``
+  generator (``aiayn.inspect.reference``), on the same length-bucketed batches of ``--step-tokens``
   target tokens; model FLOP utilisation = ``speed.training_flops`` per second over the
   FLOP/s of an 8192^3 bf16 matmul timed in the same repetitions.
-- ``loop``: ``aiayn.train.Trainer.run`` on the prepared data with the base model's shape
+- ``loop``: ``aiayn.training.loop.Trainer.run`` on the prepared data with the base model's shape
   for ``--loop-seconds``, once collating each batch after the step before (the CPU's way)
   and once collating it while the GPU computes (the GPU's way); its steady tokens/s against
   the same Trainer's ``train_step`` on batches collated beforehand, and the seconds until
@@ -55,15 +55,15 @@ from common import (  # noqa: E402  (benchmarks/ is not a package)
 )
 from speed import aiayn_loss, torch_loss, training_flops, training_steps  # noqa: E402
 
-from aiayn import train as train_module  # noqa: E402
-from aiayn import translator as translator_module  # noqa: E402
 from aiayn.config import load_config  # noqa: E402
-from aiayn.data import load_prepared  # noqa: E402
-from aiayn.distributed import setup_distributed  # noqa: E402
+from aiayn.data.prepared import load_prepared  # noqa: E402
+from aiayn.inference import translator as translator_module  # noqa: E402
+from aiayn.inference.translator import Translator  # noqa: E402
+from aiayn.inspect.reference import TorchReference, copy_weights  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
-from aiayn.reference import TorchReference, copy_weights  # noqa: E402
-from aiayn.rundir import load_run  # noqa: E402
-from aiayn.translator import Translator  # noqa: E402
+from aiayn.runs.directory import load_run  # noqa: E402
+from aiayn.training import loop as train_module  # noqa: E402
+from aiayn.training.distributed import setup_distributed  # noqa: E402
 
 
 def sync(device: torch.device) -> None:

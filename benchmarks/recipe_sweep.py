@@ -9,7 +9,7 @@ is a JSON object of overrides of ``DEFAULT`` below; the results are JSON lines.
 
 recipes.json: ``[{"budget": 2e6, "norm_first": true, "peak": 1.5e-3, "max_tokens": 1024}, ...]``.
 Schedules: "eq3" (the paper's, peaking at ``peak`` after ``warmup`` steps) and "linear"
-(aiayn.optim.linear_decay over the token budget). Validation: greedy decoding of the whole
+(aiayn.training.optim.linear_decay over the token budget). Validation: greedy decoding of the whole
 dev split at ``evals`` evenly spaced points of the budget; BLEU as `aiayn evaluate` scores it.
 The results in benchmarks/results/recipe_sweep_h100.jsonl came from this loop (bf16, H100).
 Several sweeps can share one GPU: the models are small, so run one process per recipe list.
@@ -23,13 +23,13 @@ import time
 
 import torch
 
-from aiayn.batching import TokenBatchSampler, collate
 from aiayn.config import ModelConfig
-from aiayn.data import encode_split, load_prepared
-from aiayn.decode import greedy_decode
-from aiayn.metrics import score
+from aiayn.data.batching import TokenBatchSampler, collate
+from aiayn.data.prepared import encode_split, load_prepared
+from aiayn.evaluation.metrics import score
+from aiayn.inference.search import greedy_decode
 from aiayn.model import Transformer
-from aiayn.optim import learning_rate, linear_decay
+from aiayn.training.optim import learning_rate, linear_decay
 
 DEFAULT = dict(data="data/bible-eng-spa", d_model=256, n_heads=4, d_ff=1024, enc=3, dec=3,
                dropout=0.1, norm_first=False, tie="all", emb_init="xavier", max_tokens=2048,
@@ -83,7 +83,7 @@ def run(r: dict, device: torch.device, cache: dict) -> dict:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(r, step, seen / budget)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=r["bf16"]):
-            # the summed loss as aiayn.train computes it (Transformer.forward with targets)
+            # the summed loss as aiayn.training.loop computes it (Transformer.forward with targets)
             loss = model(batch.src, batch.tgt_in, batch.tgt_out, label_smoothing=r["ls"])
         (loss / batch.n_tokens).backward()
         if r["clip"] > 0:

@@ -42,7 +42,7 @@ BASE_PAIRS = 29_417  # bible:eng-spa train verses
 def build_corpus(path: Path, copies: int) -> int:
     """The Bible's train verses and ``copies - 1`` varied copies; returns the pair count."""
     from aiayn.config import DataConfig
-    from aiayn.corpora import CorpusStream
+    from aiayn.data.corpora import CorpusStream
 
     # The Bible gives its split itself (by books), so the stream's train pairs are prepare's.
     base = [(p.src, p.tgt) for p, split in CorpusStream("bible:eng-spa", DataConfig())

@@ -51,8 +51,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, cpu_model  # noqa: E402
 
-from aiayn.rundir import read_data_dir  # noqa: E402
-from aiayn.translator import Translator  # noqa: E402
+from aiayn.inference.translator import Translator  # noqa: E402
+from aiayn.runs.directory import read_data_dir  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "serve_load.json"
 

@@ -13,7 +13,7 @@ What it measures, per model config (``configs/small.yaml``, ``configs/base.yaml`
 3. Model FLOP utilisation (MFU) of every training row: matmul FLOPs of the step (formula in
    ``training_flops``) per second, divided by the FLOP/s of a large square matmul of the
    same dtype timed in the same repetitions.
-4. Greedy decoding of exactly 100 tokens with ``aiayn.decode.greedy_decode``, batch 1 and
+4. Greedy decoding of exactly 100 tokens with ``aiayn.inference.search.greedy_decode``, batch 1 and
    32, with the KV cache against re-running the whole prefix at every step
    (``use_cache=False``, what the tutorials do).
 
@@ -60,10 +60,10 @@ from common import (  # noqa: E402  (benchmarks/ is not a package)
 )
 
 from aiayn.config import ModelConfig, load_config  # noqa: E402
-from aiayn.decode import greedy_decode  # noqa: E402
+from aiayn.data.tokenizer import EOS_ID, PAD_ID  # noqa: E402
+from aiayn.inference.search import greedy_decode  # noqa: E402
+from aiayn.inspect.reference import TorchReference, copy_weights, max_logit_difference  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
-from aiayn.reference import TorchReference, copy_weights, max_logit_difference  # noqa: E402
-from aiayn.tokenizer import EOS_ID, PAD_ID  # noqa: E402
 
 LABEL_SMOOTHING = 0.1
 DECODE_STEPS = 100
@@ -95,7 +95,7 @@ QUICK = Plan(max_tokens=1024, n_batches=2, train_reps=1, decode_reps=1, decode_b
 
 
 # --------------------------------------------------------------------------- the reference
-# aiayn.reference.TorchReference: torch.nn.Transformer between aiayn's embeddings and
+# aiayn.inspect.reference.TorchReference: torch.nn.Transformer between aiayn's embeddings and
 # generator, given aiayn's weights by copy_weights (and checked to agree) before timing.
 
 
@@ -138,7 +138,7 @@ def torch_loss(model: nn.Module, batch: Batch, smoothing: float = LABEL_SMOOTHIN
 
 def aiayn_loss(model: Transformer, batch: Batch, smoothing: float = LABEL_SMOOTHING) -> Tensor:
     """The same loss as aiayn trains with: ``Transformer.forward`` given the targets
-    (the softmax kept for backward, aiayn.model.SmoothedCrossEntropy)."""
+    (the softmax kept for backward, aiayn.loss.SmoothedCrossEntropy)."""
     return model(batch.src, batch.tgt_in, batch.tgt_out, smoothing)
 
 
@@ -150,7 +150,7 @@ def training_steps(model: nn.Module, batches: list[Batch], bf16: bool,
     The step: zero grads, forward and label-smoothed cross-entropy per real target token
     (``loss_fn``: aiayn's own for aiayn's models, ``torch_loss`` for the reference; under
     bf16 autocast when asked), backward, Adam(0.9, 0.98, 1e-9) update -- the paper's
-    optimiser, with the fused kernel as ``aiayn.train.build_optimizer`` makes it.
+    optimiser, with the fused kernel as ``aiayn.training.optim.build_optimizer`` makes it.
     """
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
                                  fused=True)
@@ -344,7 +344,7 @@ def report(plans: dict[str, Plan], train_rows: list[TrainingRow],
         f"per batch the median over repetitions, summed over the batches; ratio = reference "
         f"time / aiayn time (± half-range of the per-repetition ratios). {reps}.\n\n"
         f"{train_table}\n\n"
-        f"Greedy decoding of exactly {DECODE_STEPS} tokens per sentence (aiayn.decode."
+        f"Greedy decoding of exactly {DECODE_STEPS} tokens per sentence (aiayn.inference.search."
         f"greedy_decode, EOS suppressed), fp32, medians; speed-up = recompute time / KV-cache "
         f"time.\n\n{decode_table}\n"
     )

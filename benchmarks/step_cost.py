@@ -14,12 +14,12 @@ does not depend on the machine's speed: a variant that costs 1.25x per step gets
 
 Each variant is a name and comma-separated ``--set`` overrides of the config. ``--torch-loss``
 adds each config whose ``model.output_vocab`` is ``all`` trained with ``F.cross_entropy`` in
-place of aiayn's loss (``aiayn.model.SmoothedCrossEntropy``), to price the loss itself; each
+place of aiayn's loss (``aiayn.loss.SmoothedCrossEntropy``), to price the loss itself; each
 config trains with its own ``train.label_smoothing``. A variant that changes
 ``train.max_tokens`` trains on batches of its own budget, cut from the same sentence lengths;
 a further column then compares the time of a target token, which is what equal compute
 means when a step holds other batches. ``--onednn-output`` adds each config with its output
-layer's forward product in oneDNN (``aiayn.kernels``), which ``aiayn train`` takes where a
+layer's forward product in oneDNN (``aiayn.inference.kernels``), which ``aiayn train`` takes where a
 probe finds it faster; the configs themselves run it as ``F.linear`` does. ``--bf16`` times
 every step under bfloat16 autocast, as ``train.bf16: auto`` trains on a CPU with AMX or
 AVX512-BF16 (on AVX2 alone bf16 is far slower: do not use it there).
@@ -52,7 +52,7 @@ from speed import aiayn_loss, torch_loss, training_steps  # noqa: E402
 
 from aiayn.config import load_config  # noqa: E402
 from aiayn.errors import AiaynError  # noqa: E402
-from aiayn.kernels import onednn_available, onednn_linear  # noqa: E402
+from aiayn.inference.kernels import onednn_available, onednn_linear  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
 
 
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         groups = representative(bucket(lengths, max_tokens), args.batches)
         batches[max_tokens] = [make_batch(g, vocab, seed=i) for i, g in enumerate(groups)]
     if args.onednn_output:
-        if args.bf16:  # aiayn.kernels takes F.linear under autocast: nothing to compare
+        if args.bf16:  # aiayn.inference.kernels takes F.linear under autocast: nothing to compare
             parser.error("--onednn-output: the oneDNN output layer is fp32 only; drop --bf16")
         if not onednn_available():
             parser.error("--onednn-output: this PyTorch has no oneDNN linear")

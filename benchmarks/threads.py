@@ -14,13 +14,13 @@ aiayn, whose floor is 0.8x:
 - ``aiayn, 1 stream x 2 threads``: every op split over two OpenMP threads, batches one
   after another in the calling thread;
 - ``aiayn, 1 thread``: one stream of one thread;
-- ``aiayn, 2 streams x 1 thread``: aiayn's default (``aiayn.threads.parallel_map``);
+- ``aiayn, 2 streams x 1 thread``: aiayn's default (``aiayn.util.threads.parallel_map``);
 - ``CTranslate2 float32``: the run exported (``aiayn.export``), 2 intra-op threads, decoded
   through the same Translator (only the search differs). The run must export: a model with
   QK-norm in encoder-decoder attention (the demo's) does not, so train one with
   ``--set model.qk_norm_cross=false`` or pass --no-ct2.
 
-Every contender goes through ``aiayn.evaluate.translate_and_score``; the script checks that
+Every contender goes through ``aiayn.evaluation.evaluate.translate_and_score``; the script checks that
 aiayn's three settings translate every sentence the same.
 
 With ``--train-seconds S`` each load also runs `aiayn train` (the run's config.yaml, on
@@ -46,10 +46,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import device_description, interleave, markdown_table, median  # noqa: E402
 
-from aiayn.data import load_prepared  # noqa: E402
-from aiayn.evaluate import translate_and_score  # noqa: E402
-from aiayn.rundir import read_data_dir  # noqa: E402
-from aiayn.translator import Translator  # noqa: E402
+from aiayn.data.prepared import load_prepared  # noqa: E402
+from aiayn.evaluation.evaluate import translate_and_score  # noqa: E402
+from aiayn.inference.translator import Translator  # noqa: E402
+from aiayn.runs.directory import read_data_dir  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 BUSY = [sys.executable, str(HERE / "busy.py")]
@@ -114,7 +114,7 @@ def decoders(args, tmp: Path) -> dict[str, Translator]:
             args.run_dir, args.weights, max_tokens=args.max_tokens, streams=streams,
             threads_per_stream=per_stream)
     if not args.no_ct2:
-        from aiayn.export import export_run
+        from aiayn.export.command import export_run
 
         out = tmp / "ct2-float32"
         export_run(args.run_dir, "ctranslate2", out, args.weights, "float32")

@@ -26,9 +26,9 @@ import sys
 from pathlib import Path
 
 from aiayn.config import load_config
-from aiayn.plots import save_figure
-from aiayn.rundir import read_metrics
-from aiayn.train import train
+from aiayn.inspect.plots import save_figure
+from aiayn.runs.directory import read_metrics
+from aiayn.training.loop import train
 
 
 def dev_curve(run_dir: str | Path) -> list[dict]:

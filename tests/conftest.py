@@ -49,7 +49,7 @@ def bible_stream():
 def bible_prepared(tmp_path_factory):
     """``bible:eng-spa`` prepared by ``aiayn prepare`` with the defaults (BPE, joint 8000)."""
     from aiayn.config import DataConfig
-    from aiayn.prepare import prepare
+    from aiayn.data.prepare import prepare
 
     out = tmp_path_factory.mktemp("bible-eng-spa")
     prepare(DataConfig(), out, model_max_len=256, max_tokens=4096)
@@ -66,9 +66,9 @@ def run_dir(tmp_path_factory):
 
     from helpers import prepare_splits, random_sentence, train_copy_model
 
-    from aiayn.checkpoint import save_weights
     from aiayn.config import Config, DataConfig, save_config
-    from aiayn.tokenizer import Tokenizers
+    from aiayn.data.tokenizer import Tokenizers
+    from aiayn.runs.checkpoint import save_weights
 
     root = tmp_path_factory.mktemp("copy")
     rng = random.Random(0)

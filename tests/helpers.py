@@ -26,13 +26,13 @@ import torch
 import torch.nn.functional as F
 
 from aiayn import cli
-from aiayn.batching import pad
-from aiayn.checkpoint import read_weights, save_weights
 from aiayn.config import DataConfig, ModelConfig
-from aiayn.corpora import SPLITS, CorpusStream, Pair
+from aiayn.data.batching import pad
+from aiayn.data.corpora import SPLITS, CorpusStream, Pair
+from aiayn.data.prepare import prepare, read_pairs
+from aiayn.data.tokenizer import Tokenizers
 from aiayn.model import Transformer
-from aiayn.prepare import prepare, read_pairs
-from aiayn.tokenizer import Tokenizers
+from aiayn.runs.checkpoint import read_weights, save_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -47,7 +47,7 @@ WORD_LEVEL = DataConfig(tokenizer="wordlevel", vocab_size=64, min_frequency=1)
 def prepare_splits(directory: Path, splits: dict[str, list[tuple[str, str]]],
                    data: DataConfig = WORD_LEVEL, tokenizers: Tokenizers | None = None,
                    model_max_len: int = 64) -> Path:
-    """``directory`` prepared by ``aiayn.prepare.prepare`` from these splits (written as
+    """``directory`` prepared by ``aiayn.data.prepare.prepare`` from these splits (written as
     ``DIR.corpus/{split}.tsv`` beside it, the corpus ``tsv:DIR.corpus/{split}.tsv``):
     text, memory-mapped ids, the tokenizer (trained on train, or ``tokenizers``) and
     stats.json, as `aiayn prepare` writes them."""
@@ -186,7 +186,7 @@ def stream_pairs(spec: str, cfg: DataConfig | None = None) -> StreamedCorpus:
 
 def first_pass(spec: str, cfg: DataConfig, tmp_path: Path
                ) -> tuple[dict, dict[str, list[tuple[str, str]]]]:
-    """What the first pass of ``aiayn prepare`` (``aiayn.prepare.read_pairs``) makes of a
+    """What the first pass of ``aiayn prepare`` (``aiayn.data.prepare.read_pairs``) makes of a
     corpus: the first keys of stats.json (corpus, pairs read/kept/dropped, split_rule,
     splits) and the (source, target) pairs of each split, each in corpus order."""
     directory = tmp_path / f"first-pass-{next(_PASSES)}"

@@ -4,7 +4,7 @@ The commands are reachable from Python too (imported on first use, so ``import a
 stays light)::
 
     import aiayn
-    from aiayn.train import train                      # `aiayn train` (also --init-from)
+    from aiayn.training.loop import train                      # `aiayn train` (also --init-from)
 
     aiayn.prepare_from_run("runs/web", "data/kjv-spa", corpus="bible:kjv-spa")
     train(None, "data/kjv-spa", "runs/ft", init_from="runs/web:best")
@@ -20,9 +20,9 @@ from aiayn.errors import AiaynError
 from aiayn.model import Transformer
 
 # name -> module that defines it (loaded by __getattr__ when first asked for)
-_LAZY = {"doctor": "aiayn.checkup", "run_info": "aiayn.runinfo",
-         "prepare_from_run": "aiayn.transfer", "Translator": "aiayn.translator",
-         "load_run": "aiayn.rundir", "evaluate_run": "aiayn.evaluate"}
+_LAZY = {"doctor": "aiayn.inspect.doctor", "run_info": "aiayn.inspect.info",
+         "prepare_from_run": "aiayn.training.transfer", "Translator": "aiayn.inference.translator",
+         "load_run": "aiayn.runs.directory", "evaluate_run": "aiayn.evaluation.evaluate"}
 
 __all__ = ["AiaynError", "Config", "DataConfig", "ModelConfig", "TrainConfig", "Transformer",
            *_LAZY]

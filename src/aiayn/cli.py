@@ -23,26 +23,28 @@ from pathlib import Path
 
 import torch
 
-from aiayn.checkpoint import average_checkpoints
-from aiayn.checkup import doctor
 from aiayn.config import Config, load_config
-from aiayn.decode import Sampling
-from aiayn.distributed import DEVICES, choose_device
+from aiayn.data.prepare import drop_warnings, prepare
 from aiayn.errors import AiaynError, is_out_of_memory
-from aiayn.evaluate import evaluate_run
-from aiayn.export import QUANTIZATIONS, export_run
-from aiayn.export import TARGETS as EXPORT_TARGETS
-from aiayn.io import DiskError, as_disk_error, atomic_path, check_output_file
+from aiayn.evaluation.evaluate import evaluate_run
+from aiayn.export.base import QUANTIZATIONS
+from aiayn.export.base import TARGETS as EXPORT_TARGETS
+from aiayn.export.command import export_run
+from aiayn.inference.search import Sampling
+from aiayn.inference.translator import ENGINES, Translator, check_search, seeded
+from aiayn.inspect.doctor import doctor
+from aiayn.inspect.info import format_info, run_info
+from aiayn.inspect.trace import format_trace, trace_batch, trace_forward
 from aiayn.model import Transformer
-from aiayn.prepare import drop_warnings, prepare
-from aiayn.rundir import checkpoints_to_average, read_metrics
-from aiayn.runinfo import format_info, run_info
-from aiayn.trace import format_trace, trace_batch, trace_forward
-from aiayn.train import check_run_request, train
-from aiayn.transfer import prepare_from_run
-from aiayn.translator import ENGINES, Translator, check_search, seeded
+from aiayn.runs.checkpoint import average_checkpoints
+from aiayn.runs.directory import checkpoints_to_average, read_metrics
+from aiayn.training.admission import check_run_request
+from aiayn.training.loop import train
+from aiayn.training.transfer import prepare_from_run
+from aiayn.util.device import DEVICES, choose_device
+from aiayn.util.io import DiskError, as_disk_error, atomic_path, check_output_file
 
-# aiayn.plots (matplotlib) is imported by the commands that draw: the others start faster.
+# aiayn.inspect.plots (matplotlib) is imported by the commands that draw: the others start faster.
 
 
 def _config_from_args(args, default: str | None = None) -> Config:
@@ -97,7 +99,7 @@ def _add_guard(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
-    """--sample and its settings (aiayn.decode.Sampling)."""
+    """--sample and its settings (aiayn.inference.search.Sampling)."""
     p.add_argument("--sample", action="store_true",
                    help="draw random samples from the model instead of searching (--nbest N "
                    "of them per sentence, best first)")
@@ -509,7 +511,7 @@ def _run_trace(args) -> int:
     rows = trace_forward(model, src, tgt)
     print(format_trace(rows, src, tgt, args.depth))
     if args.png:
-        from aiayn.plots import save_figure, trace_figure
+        from aiayn.inspect.plots import save_figure, trace_figure
 
         fig = trace_figure(rows, src.shape, tgt.shape, config.model.n_heads)
         print(f"wrote {save_figure(fig, args.png)}")
@@ -542,7 +544,7 @@ def _add_attention(sub) -> None:
 
 
 def _run_attention(args) -> int:
-    from aiayn.plots import save_attention_figures
+    from aiayn.inspect.plots import save_attention_figures
 
     if args.steps:
         return _attention_steps(args)
@@ -558,10 +560,10 @@ def _run_attention(args) -> int:
 
 
 def _attention_steps(args) -> int:
-    from aiayn.plots import save_attention_steps
-    from aiayn.progress import bar
-    from aiayn.rundir import step_weights
-    from aiayn.translator import attention_over_steps
+    from aiayn.inspect.attention_steps import attention_over_steps
+    from aiayn.inspect.plots import save_attention_steps
+    from aiayn.runs.directory import step_weights
+    from aiayn.util.progress import bar
 
     check_search(args.beam, alpha=args.alpha)
     saved = step_weights(args.run_dir)
@@ -594,7 +596,7 @@ def _add_plot(sub) -> None:
 
 
 def _run_plot(args) -> int:
-    from aiayn import plots
+    from aiayn.inspect import plots
 
     chosen = [bool(args.run_dirs), args.pe, args.schedule is not None]
     if sum(chosen) != 1:
@@ -655,7 +657,7 @@ def _add_serve(sub) -> None:
 
 def _run_serve(args) -> int:
     try:
-        from aiayn.serve import serve
+        from aiayn.serving.app import serve
     except ImportError as exc:
         raise AiaynError(f"aiayn serve needs FastAPI and uvicorn ({exc.name} is missing): "
                          "pip install 'aiayn[serve]'") from None

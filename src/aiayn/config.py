@@ -23,15 +23,15 @@ from typing import Any
 
 import yaml
 
+from aiayn.data.languages import BLEU_TOKENIZERS, LANG_PATTERN
 from aiayn.errors import AiaynError
-from aiayn.io import atomic_write_text
-from aiayn.languages import BLEU_TOKENIZERS, LANG_PATTERN
+from aiayn.util.io import atomic_write_text
 
 TIE_CHOICES = ("none", "decoder", "all")
 EMBEDDING_INITS = ("normal", "xavier")
 OUTPUT_VOCABS = ("all", "targets")
 SCHEDULES = ("eq3", "linear")
-BEST_METRICS = ("bleu", "chrf", "loss")  # see aiayn.early_stopping
+BEST_METRICS = ("bleu", "chrf", "loss")  # see aiayn.training.early_stopping
 BF16_CHOICES = ("auto", "true", "false")
 
 INF = math.inf
@@ -277,7 +277,7 @@ class TrainConfig:
     @property
     def use_bf16(self) -> bool:
         """bf16 once resolved: the trainer replaces "auto" by "true"/"false" for its device
-        (aiayn.distributed.resolve_bf16) before anything runs."""
+        (aiayn.util.device.resolve_bf16) before anything runs."""
         if self.bf16 == "auto":
             raise ValueError("train.bf16='auto' must be resolved first (distributed.resolve_bf16)")
         return self.bf16 == "true"

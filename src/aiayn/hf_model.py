@@ -9,7 +9,8 @@ names the classes below in ``auto_map``, so that
 builds aiayn's own ``Transformer`` and ``generate`` decodes with it. The architecture lives
 in ``model.py`` alone; this file only translates between Transformers' calling conventions
 (attention masks, encoder outputs, a cache that beam search reorders) and aiayn's. It
-imports nothing of aiayn but ``.model``, so the folder works where aiayn is not installed.
+imports nothing of aiayn but ``.model`` and ``.cache`` (which import only ``.loss``), so
+the folder works where aiayn is not installed.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutput
 from transformers.utils import ModelOutput
 
-from .model import KVCache, PositionalEncoding, Transformer, sinusoid_table
+from .cache import KVCache
+from .model import PositionalEncoding, Transformer, sinusoid_table
 
 
 class AiaynConfig(PretrainedConfig):

@@ -25,12 +25,14 @@ very file beside its weights.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .cache import KVCache, append_positions
+from .loss import label_smoothed_loss
 
 
 class TokenEmbedding(nn.Module):
@@ -324,7 +326,9 @@ class Decoder(nn.Module):
         T = x.size(1)
         past = cache.length if cache is not None else 0
         if cache is not None and cache.start is not None:
-            self_mask, is_causal = cache.self_mask(T), False
+            self_mask, is_causal = cache.self_mask(T), False  # rows that joined later
+            if T > 1:
+                self_mask = self_mask & causal_mask(T, past + T, x.device)
         elif past == 0:
             self_mask, is_causal = None, T > 1  # the fused causal kernel
         elif T == 1:
@@ -346,12 +350,12 @@ class Generator(nn.Module):
     ``output_mask`` (set by ``set_outputs`` from the training targets, saved with the
     weights); every other piece gets logit -inf, probability 0. ``forward`` returns logits
     over the whole vocabulary (the model's output, as exports and `aiayn trace` see it);
-    the loss and the searches of ``aiayn.decode`` take the cheaper ``output_logits`` (only
+    the loss and the searches of ``aiayn.inference.search`` take the cheaper ``output_logits`` (only
     the allowed pieces, column j being piece ``output_ids[j]``), the loss with
     ``output_positions`` of the labels.
 
     ``kernel``: the product x W^T + b, ``F.linear`` or the oneDNN one that
-    ``aiayn.kernels.choose_output_kernel`` found faster on this machine (same values up to
+    ``aiayn.inference.kernels.choose_output_kernel`` found faster on this machine (same values up to
     rounding; not saved with the weights). None until chosen: ``F.linear``.
     """
 
@@ -421,162 +425,6 @@ class Generator(nn.Module):
         if not self.restricted:
             return labels.masked_fill(labels.eq(pad_id), self.IGNORE)
         return self.positions[labels].masked_fill(labels.eq(pad_id), self.IGNORE)
-
-
-class KVCache:
-    """Keys and values kept between decoding steps, one pair of dicts per decoder layer.
-
-    ``layers[i]["self"]`` holds the self-attention K/V of all positions decoded so far,
-    (B, H, t, d_k), grown by one position per step; ``layers[i]["cross"]`` holds the K/V
-    of the encoder memory, (B, H, S, d_k), computed at the first step and reused.
-
-    ``start`` (None unless rows joined, see ``join``): (B,) the column where each row's
-    target begins. The columns before it are padding that its self-attention never sees,
-    and its positions in the sinusoid table count from it.
-
-    Each step of a beam search copies the self-attention K/V (the beams change parents),
-    and a search that sentences join and leave copies the cross-attention K/V too. Those
-    copies go into buffers with spare rows and, for self-attention, a spare column (the
-    dicts' ``"buffers"``; ``"k"``, ``"v"`` are views of them). The next position is then
-    written into the spare column instead of concatenated (which copied everything a
-    second time per step), and sentences that join are written into the spare rows (a
-    join copies only its own rows). The figures: docs/translating.md#how-decoding-works.
-    """
-
-    def __init__(self, n_layers: int):
-        self.layers: list[dict[str, dict[str, Tensor]]] = [
-            {"self": {}, "cross": {}} for _ in range(n_layers)
-        ]
-        self.length = 0  # positions already decoded (the next position's index)
-        self.start: Tensor | None = None
-
-    def positions(self) -> int | Tensor:
-        """The position of the next token: one for all rows, or (B,) with ``start``."""
-        return self.length if self.start is None else self.length - self.start
-
-    def self_mask(self, T: int) -> Tensor:
-        """(B, 1, T, t + T) True-may-attend for T new queries: a row's own keys, causally."""
-        keys = torch.arange(self.length + T, device=self.start.device)
-        mask = (keys >= self.start[:, None])[:, None, None, :]
-        return mask & causal_mask(T, self.length + T, mask.device) if T > 1 else mask
-
-    def reorder(self, index: Tensor, kinds: tuple[str, ...] = ("self", "cross")) -> None:
-        """Keep rows ``index`` of the cached tensors of ``kinds`` (beam search: follow the
-        chosen beams; a reorder within sentences leaves the cross-attention K/V as they are)."""
-        for layer in self.layers:
-            for kind in kinds:
-                if "k" in layer[kind]:
-                    _select_rows(layer[kind], index, room=int(kind == "self"))
-        if self.start is not None:
-            self.start = self.start.index_select(0, index)
-
-    def join(self, other: KVCache) -> None:
-        """Append the rows of ``other``, whose cross-attention K/V are filled and which has
-        decoded nothing yet (sentences joining a running search at its next step). Their
-        self-attention columns so far are zeros and masked (``start``); cross-attention K/V
-        of other source lengths are zero-padded on the right (the caller's source padding
-        mask hides them)."""
-        if other.length:
-            raise ValueError("only a cache that has decoded nothing can join another")
-        joining = other.layers[0]["cross"]["k"]
-        n, device = joining.size(0), joining.device
-        if self.start is None:  # rows of its own so far all began at column 0
-            rows = self.layers[0]["cross"].get("k")
-            self.start = torch.zeros(0 if rows is None else rows.size(0), dtype=torch.long,
-                                     device=device)
-        self.start = torch.cat([self.start, torch.full((n,), self.length, dtype=torch.long,
-                                                       device=device)])
-        for mine, theirs in zip(self.layers, other.layers, strict=True):
-            if "k" in mine["cross"]:
-                _join_rows(mine["cross"], theirs["cross"]["k"], theirs["cross"]["v"])
-            else:
-                mine["cross"].update(k=theirs["cross"]["k"], v=theirs["cross"]["v"])
-            if self.length:
-                zeros = joining.new_zeros(n, *mine["self"]["k"].shape[1:])
-                _join_rows(mine["self"], zeros, zeros, room=1)
-
-    def narrow_memory(self, width: int) -> None:
-        """Keep the first ``width`` source positions of the cross-attention K/V (the others
-        are padding in every row)."""
-        for layer in self.layers:
-            cross = layer["cross"]
-            for name in ("k", "v"):
-                if name in cross:
-                    cross[name] = cross[name][:, :, :width]
-
-    def trim(self, columns: int) -> None:
-        """Drop the first ``columns`` positions, padding of every row (all rows started
-        later): what a search that sentences keep joining must do to stay bounded."""
-        if columns <= 0:
-            return
-        for layer in self.layers:
-            cache = layer["self"]
-            for name in ("k", "v"):
-                cache[name] = cache[name][:, :, columns:]
-            if "buffers" in cache:
-                cache["buffers"] = tuple(b[:, :, columns:] for b in cache["buffers"])
-        self.length -= columns
-        self.start = self.start - columns
-
-
-def append_positions(cache: dict, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """A decoder layer's self-attention cache with the new positions' K/V (B, H, T, d_k)
-    appended: the K/V of every position so far. Written into the buffers' spare column
-    when they have one for exactly these (``_select_rows``), else concatenated."""
-    if "k" not in cache:
-        cache["k"], cache["v"] = k, v
-        return k, v
-    (B, _, t, _), T = cache["k"].shape, k.size(2)
-    buffers = cache.pop("buffers", None)
-    if buffers is not None and buffers[0].size(2) == t + T and k.size(0) == B:
-        for name, buffer, new in (("k", buffers[0], k), ("v", buffers[1], v)):
-            buffer[:B, :, t:] = new
-            cache[name] = buffer[:B]
-        cache["buffers"] = buffers
-    else:
-        cache["k"] = torch.cat([cache["k"], k], dim=2)
-        cache["v"] = torch.cat([cache["v"], v], dim=2)
-    return cache["k"], cache["v"]
-
-
-def _spare_rows(rows: int) -> int:
-    """Rows to allocate for ``rows`` cached ones: half as many again, at least 8, for the
-    sentences that join a search (pages never written take no memory on Linux)."""
-    return rows + max(8, rows // 2)
-
-
-def _select_rows(cache: dict, index: Tensor, room: int) -> None:
-    """Keep rows ``index`` of a layer's cached K/V, copied into new buffers with spare rows
-    and ``room`` spare columns."""
-    B = index.numel()
-    buffers = []
-    for name in ("k", "v"):
-        old = cache[name]
-        _, H, t, d = old.shape
-        buffer = old.new_empty(_spare_rows(B), H, t + room, d)
-        cache[name] = torch.index_select(old, 0, index, out=buffer[:B, :, :t])
-        buffers.append(buffer)
-    cache["buffers"] = tuple(buffers)
-
-
-def _join_rows(cache: dict, k: Tensor, v: Tensor, room: int = 0) -> None:
-    """Append rows ``k``, ``v`` (n, H, S, d_k) to a layer's cached K/V, the narrower of the
-    two zero-padded on the right: in the buffers' spare rows when they fit, else in new
-    buffers (with spare rows and ``room`` spare columns)."""
-    (B, H, width, d), n = cache["k"].shape, k.size(0)
-    buffers = cache.get("buffers")
-    if (buffers is None or buffers[0].size(0) < B + n or k.size(2) > width
-            or buffers[0].size(2) < width + room):
-        old, width = (cache["k"], cache["v"]), max(width, k.size(2))
-        buffers = tuple(o.new_empty(_spare_rows(B + n), H, width + room, d) for o in old)
-        for buffer, rows in zip(buffers, old, strict=True):
-            buffer[:B, :, :rows.size(2)] = rows
-            buffer[:B, :, rows.size(2):width] = 0
-    for name, buffer, new in (("k", buffers[0], k), ("v", buffers[1], v)):
-        buffer[B:B + n, :, :new.size(2)] = new
-        buffer[B:B + n, :, new.size(2):width] = 0
-        cache[name] = buffer[:B + n, :, :width]
-    cache["buffers"] = buffers
 
 
 class Transformer(nn.Module):
@@ -683,92 +531,3 @@ class Transformer(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
-
-
-# ---------------------------------------------------------------- loss (paper, 5.4)
-def label_smoothed_loss(logits: Tensor, labels: Tensor, smoothing: float,
-                        ignore_index: int) -> Tensor:
-    """Summed cross-entropy with label smoothing eps_ls (paper, 5.4); positions whose label is
-    ``ignore_index`` (padding) are left out.
-
-    The smoothed target q puts 1 - eps on the reference token and spreads eps uniformly over
-    the vocabulary; the loss of a position is -sum_v q_v log p_v with p = softmax(logits).
-    Returns the sum over real tokens; the caller divides by their count. It equals
-    ``F.cross_entropy(..., label_smoothing=eps, reduction="sum")`` (a test), computed by
-    :class:`SmoothedCrossEntropy`.
-    """
-    return SmoothedCrossEntropy.apply(logits.float().reshape(-1, logits.size(-1)),
-                                      labels.reshape(-1), smoothing, ignore_index)
-
-
-class SmoothedCrossEntropy(torch.autograd.Function):
-    """-sum_i sum_v q_iv log softmax(x_i)_v over the rows i whose label is not ``ignore``,
-    with the softmax kept for the backward pass, which is then d loss / d x = p - q.
-
-    ``F.cross_entropy`` keeps log-probabilities instead: its backward fills an N x V tensor
-    with zeros for the NLL's gradient and then exponentiates all N x V log-probabilities again.
-    With the demo's 8,000-piece vocabulary those passes over ~1,000 x 8,000 numbers were ~10%
-    of a training step on a CPU; this one exponentiates once and updates p in place
-    (docs/findings.md#the-price-of-a-step).
-    """
-
-    @staticmethod
-    def forward(ctx, logits: Tensor, labels: Tensor, smoothing: float, ignore: int) -> Tensor:
-        keep = labels.ne(ignore)
-        labels = labels.masked_fill(~keep, 0)[:, None]  # (N, 1), any valid id where ignored
-        p = torch.softmax(logits, dim=-1)  # (N, V)
-        # log Z = log sum_v exp(x_v) = max_v x_v - log max_v p_v: the largest probability is
-        # >= 1/V, so this never underflows (log p_y taken from p directly would be -inf for
-        # p_y < 1e-38). amax finds no indices: 3x faster than max here.
-        log_z = logits.amax(dim=-1, keepdim=True) - torch.log(p.amax(dim=-1, keepdim=True))
-        loss = log_z - logits.gather(1, labels)  # -log p_y
-        if smoothing > 0:
-            uniform = log_z - logits.mean(dim=-1, keepdim=True)  # -(1/V) sum_v log p_v
-            loss = (1.0 - smoothing) * loss + smoothing * uniform
-        ctx.save_for_backward(p, labels, keep)
-        ctx.smoothing = smoothing
-        return (loss.squeeze(1) * keep).sum()
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: Tensor):
-        p, labels, keep = ctx.saved_tensors
-        eps = ctx.smoothing
-        # p - q, in place: q = (1 - eps) one_hot(y) + eps / V.
-        p.scatter_add_(1, labels, torch.full_like(labels, eps - 1.0, dtype=p.dtype))
-        if eps > 0:
-            p.sub_(eps / p.size(-1))
-        p.mul_(grad * keep[:, None])
-        return p, None, None, None
-
-
-@contextmanager
-def capture_attention(model: Transformer, only: dict[str, list[int]] | None = None
-                      ) -> Iterator[dict[str, list[Tensor]]]:
-    """Record every attention map of the forward passes run inside the block.
-
-    Yields a dict filled on exit from the block's last forward pass:
-    ``{"encoder": [...], "decoder_self": [...], "cross": [...]}``, one (B, H, T_q, T_k)
-    tensor per layer; rows are queries, columns are keys. ``only``: record just these
-    layers (indices from 0) of these kinds, e.g. ``{"cross": [-1]}`` (the others keep the
-    fused kernel and are left out of the dict's lists).
-    """
-    groups = {
-        "encoder": [layer.self_attn for layer in model.encoder.layers],
-        "decoder_self": [layer.self_attn for layer in model.decoder.layers],
-        "cross": [layer.cross_attn for layer in model.decoder.layers],
-    }
-    if only is not None:
-        groups = {kind: [groups[kind][i] for i in layers] for kind, layers in only.items()}
-    maps: dict[str, list[Tensor]] = {name: [] for name in groups}
-    for modules in groups.values():
-        for m in modules:
-            m.record_weights, m.last_weights = True, None
-    try:
-        yield maps
-    finally:
-        for name, modules in groups.items():
-            for m in modules:
-                if m.last_weights is not None:
-                    maps[name].append(m.last_weights)
-                m.record_weights, m.last_weights = False, None

@@ -1,0 +1,168 @@
+"""The decoder's key/value cache: what incremental decoding keeps between steps.
+
+Torch alone, like ``model.py`` beside it (an export with aiayn's own code ships both). The
+model's layers read and extend it (``append_positions``); searches reorder, join, narrow
+and trim it. Incremental decoding with it gives the same logits as a full forward pass (a
+test).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class KVCache:
+    """Keys and values kept between decoding steps, one pair of dicts per decoder layer.
+
+    ``layers[i]["self"]`` holds the self-attention K/V of all positions decoded so far,
+    (B, H, t, d_k), grown by one position per step; ``layers[i]["cross"]`` holds the K/V
+    of the encoder memory, (B, H, S, d_k), computed at the first step and reused.
+
+    ``start`` (None unless rows joined, see ``join``): (B,) the column where each row's
+    target begins. The columns before it are padding that its self-attention never sees,
+    and its positions in the sinusoid table count from it.
+
+    Each step of a beam search copies the self-attention K/V (the beams change parents),
+    and a search that sentences join and leave copies the cross-attention K/V too. Those
+    copies go into buffers with spare rows and, for self-attention, a spare column (the
+    dicts' ``"buffers"``; ``"k"``, ``"v"`` are views of them). The next position is then
+    written into the spare column instead of concatenated (which copied everything a
+    second time per step), and sentences that join are written into the spare rows (a
+    join copies only its own rows). The figures: docs/translating.md#how-decoding-works.
+    """
+
+    def __init__(self, n_layers: int):
+        self.layers: list[dict[str, dict[str, Tensor]]] = [
+            {"self": {}, "cross": {}} for _ in range(n_layers)
+        ]
+        self.length = 0  # positions already decoded (the next position's index)
+        self.start: Tensor | None = None
+
+    def positions(self) -> int | Tensor:
+        """The position of the next token: one for all rows, or (B,) with ``start``."""
+        return self.length if self.start is None else self.length - self.start
+
+    def self_mask(self, T: int) -> Tensor:
+        """(B, 1, 1, t + T) True-may-attend for T new queries: each row's own keys, those from
+        its ``start`` on (the Decoder adds causality among the new queries)."""
+        keys = torch.arange(self.length + T, device=self.start.device)
+        return (keys >= self.start[:, None])[:, None, None, :]
+
+    def reorder(self, index: Tensor, kinds: tuple[str, ...] = ("self", "cross")) -> None:
+        """Keep rows ``index`` of the cached tensors of ``kinds`` (beam search: follow the
+        chosen beams; a reorder within sentences leaves the cross-attention K/V as they are)."""
+        for layer in self.layers:
+            for kind in kinds:
+                if "k" in layer[kind]:
+                    _select_rows(layer[kind], index, room=int(kind == "self"))
+        if self.start is not None:
+            self.start = self.start.index_select(0, index)
+
+    def join(self, other: KVCache) -> None:
+        """Append the rows of ``other``, whose cross-attention K/V are filled and which has
+        decoded nothing yet (sentences joining a running search at its next step). Their
+        self-attention columns so far are zeros and masked (``start``); cross-attention K/V
+        of other source lengths are zero-padded on the right (the caller's source padding
+        mask hides them)."""
+        if other.length:
+            raise ValueError("only a cache that has decoded nothing can join another")
+        joining = other.layers[0]["cross"]["k"]
+        n, device = joining.size(0), joining.device
+        if self.start is None:  # rows of its own so far all began at column 0
+            rows = self.layers[0]["cross"].get("k")
+            self.start = torch.zeros(0 if rows is None else rows.size(0), dtype=torch.long,
+                                     device=device)
+        self.start = torch.cat([self.start, torch.full((n,), self.length, dtype=torch.long,
+                                                       device=device)])
+        for mine, theirs in zip(self.layers, other.layers, strict=True):
+            if "k" in mine["cross"]:
+                _join_rows(mine["cross"], theirs["cross"]["k"], theirs["cross"]["v"])
+            else:
+                mine["cross"].update(k=theirs["cross"]["k"], v=theirs["cross"]["v"])
+            if self.length:
+                zeros = joining.new_zeros(n, *mine["self"]["k"].shape[1:])
+                _join_rows(mine["self"], zeros, zeros, room=1)
+
+    def narrow_memory(self, width: int) -> None:
+        """Keep the first ``width`` source positions of the cross-attention K/V (the others
+        are padding in every row)."""
+        for layer in self.layers:
+            cross = layer["cross"]
+            for name in ("k", "v"):
+                if name in cross:
+                    cross[name] = cross[name][:, :, :width]
+
+    def trim(self, columns: int) -> None:
+        """Drop the first ``columns`` positions, padding of every row (all rows started
+        later): what a search that sentences keep joining must do to stay bounded."""
+        if columns <= 0:
+            return
+        for layer in self.layers:
+            cache = layer["self"]
+            for name in ("k", "v"):
+                cache[name] = cache[name][:, :, columns:]
+            if "buffers" in cache:
+                cache["buffers"] = tuple(b[:, :, columns:] for b in cache["buffers"])
+        self.length -= columns
+        self.start = self.start - columns
+
+
+def append_positions(cache: dict, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """A decoder layer's self-attention cache with the new positions' K/V (B, H, T, d_k)
+    appended: the K/V of every position so far. Written into the buffers' spare column
+    when they have one for exactly these (``_select_rows``), else concatenated."""
+    if "k" not in cache:
+        cache["k"], cache["v"] = k, v
+        return k, v
+    (B, _, t, _), T = cache["k"].shape, k.size(2)
+    buffers = cache.pop("buffers", None)
+    if buffers is not None and buffers[0].size(2) == t + T and k.size(0) == B:
+        for name, buffer, new in (("k", buffers[0], k), ("v", buffers[1], v)):
+            buffer[:B, :, t:] = new
+            cache[name] = buffer[:B]
+        cache["buffers"] = buffers
+    else:
+        cache["k"] = torch.cat([cache["k"], k], dim=2)
+        cache["v"] = torch.cat([cache["v"], v], dim=2)
+    return cache["k"], cache["v"]
+
+
+def _spare_rows(rows: int) -> int:
+    """Rows to allocate for ``rows`` cached ones: half as many again, at least 8, for the
+    sentences that join a search (pages never written take no memory on Linux)."""
+    return rows + max(8, rows // 2)
+
+
+def _select_rows(cache: dict, index: Tensor, room: int) -> None:
+    """Keep rows ``index`` of a layer's cached K/V, copied into new buffers with spare rows
+    and ``room`` spare columns."""
+    B = index.numel()
+    buffers = []
+    for name in ("k", "v"):
+        old = cache[name]
+        _, H, t, d = old.shape
+        buffer = old.new_empty(_spare_rows(B), H, t + room, d)
+        cache[name] = torch.index_select(old, 0, index, out=buffer[:B, :, :t])
+        buffers.append(buffer)
+    cache["buffers"] = tuple(buffers)
+
+
+def _join_rows(cache: dict, k: Tensor, v: Tensor, room: int = 0) -> None:
+    """Append rows ``k``, ``v`` (n, H, S, d_k) to a layer's cached K/V, the narrower of the
+    two zero-padded on the right: in the buffers' spare rows when they fit, else in new
+    buffers (with spare rows and ``room`` spare columns)."""
+    (B, H, width, d), n = cache["k"].shape, k.size(0)
+    buffers = cache.get("buffers")
+    if (buffers is None or buffers[0].size(0) < B + n or k.size(2) > width
+            or buffers[0].size(2) < width + room):
+        old, width = (cache["k"], cache["v"]), max(width, k.size(2))
+        buffers = tuple(o.new_empty(_spare_rows(B + n), H, width + room, d) for o in old)
+        for buffer, rows in zip(buffers, old, strict=True):
+            buffer[:B, :, :rows.size(2)] = rows
+            buffer[:B, :, rows.size(2):width] = 0
+    for name, buffer, new in (("k", buffers[0], k), ("v", buffers[1], v)):
+        buffer[B:B + n, :, :new.size(2)] = new
+        buffer[B:B + n, :, new.size(2):width] = 0
+        cache[name] = buffer[:B + n, :, :width]
+    cache["buffers"] = buffers

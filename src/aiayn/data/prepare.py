@@ -1,0 +1,298 @@
+"""``aiayn prepare``: a corpus spec becomes a prepared data directory::
+
+    DIR/train.jsonl, dev.jsonl, test.jsonl   {"src": ..., "tgt": ...} per line (the text:
+                                             BLEU references, samples, `aiayn evaluate`)
+    DIR/ids/{split}.{src,tgt}.ids.npy        the token ids, written once (aiayn.data.tokenids)
+    DIR/ids/{split}.{src,tgt}.offsets.npy
+    DIR/tokenizer/                           see aiayn.data.tokenizer
+    DIR/stats.json                           what was read, dropped, kept; the languages
+                                             (aiayn.data.languages); tokens; lengths
+
+and running it twice gives identical files. It streams: the corpus is read pair by pair
+(``aiayn.data.corpora.CorpusStream``), the tokenizer learns from an iterator over the train
+text, and the ids are encoded in chunks and appended to the files, so its memory does not
+grow with the corpus. Everything is written in a staging directory that replaces the
+files of DIR only when all of it succeeded. Reading a prepared directory: ``aiayn.data.prepared``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict
+from json.encoder import encode_basestring as _json_string
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from aiayn.config import DataConfig
+from aiayn.data.batching import TokenBatchSampler
+from aiayn.data.corpora import SPLITS, CorpusStream, held_out_positions
+from aiayn.data.languages import bleu_tokenize, resolve_languages
+from aiayn.data.prepared import (
+    ENCODE_CHUNK,
+    IDS_DIR,
+    IDS_FORMAT,
+    LANGUAGE_SAMPLE,
+    STATS_FILE,
+    TOKENIZER_DIR,
+    SplitIds,
+    fit_to_max_len,
+)
+from aiayn.data.tokenids import SIDES, RaggedWriter
+from aiayn.data.tokenizer import Tokenizers, tokenizer_fingerprint, train_tokenizers
+from aiayn.errors import AiaynError
+from aiayn.util.io import atomic_write_text, check_room, staged_directory
+from aiayn.util.progress import bar as progress_bar
+
+PERCENTILES = (50, 90, 95, 99, 100)
+WARN_DROPPED = 1 / 3  # a filter that drops more than this share of the pairs read is suspect
+
+
+def prepare(data_cfg: DataConfig, out_dir: str | Path, model_max_len: int,
+            max_tokens: int = 4096, progress: bool = False,
+            force: bool = False,
+            tokenizers: Tokenizers | None = None) -> dict[str, Any]:
+    """Read ``data_cfg.corpus``, train and save the tokenizer(s) on the train split, write
+    every split's text and token ids, and write ``stats.json``. Returns the stats.
+
+    Three passes, each with a progress bar and its rate: reading (normalize, filter, and
+    set each pair's split: ``read_pairs``), the tokenizer (on at most
+    ``data.tokenizer_max_pairs`` train pairs spread over the split), writing and encoding
+    (``write_splits``). Memory: one chunk of pairs, the tokenizer's word counts and its
+    word cache, whatever the corpus size.
+
+    ``out_dir`` must be empty or new unless ``force``; it is locked while prepare runs and
+    its old contents stay until the new ones are complete (aiayn.util.io.staged_directory).
+
+    ``model_max_len`` and ``max_tokens`` only feed the report: how many pairs the model's
+    length limit would drop or truncate, and the padding of train batches of that budget
+    (the ids are written whole; training applies the limit).
+    ``tokenizers``: use (and save) these instead of training new ones, e.g. a run's, to
+    fine-tune it on this corpus (aiayn.training.transfer.prepare_from_run).
+    """
+    need = prepared_size(data_cfg.corpus)
+    if need is not None:
+        check_room(out_dir, need, "the prepared data")
+    with staged_directory(out_dir, force, "aiayn prepare", marker=STATS_FILE, need=need) as stage:
+        pairs = read_pairs(data_cfg, stage, progress)
+        n_train = pairs.info["splits"]["train"]
+        sample = min(n_train, data_cfg.tokenizer_max_pairs)
+        if tokenizers is None:
+            tokenizers = train_tokenizers(lambda: pairs.train_sample(sample), data_cfg,
+                                          progress=progress, total=sample)
+        else:  # given (a run's, to fine-tune it on this corpus): nothing is trained
+            sample = 0
+        languages = resolve_languages(data_cfg.src_lang, data_cfg.tgt_lang, data_cfg.corpus,
+                                      pairs.train_sample(min(n_train, LANGUAGE_SAMPLE)))
+        languages["bleu_tokenize"] = bleu_tokenize(data_cfg.bleu_tokenize, languages["tgt"])
+        tokenizers.save(stage / TOKENIZER_DIR)
+        ids = write_splits(stage, pairs, tokenizers, progress)
+        pairs.remove()
+        stats = {
+            **pairs.info,
+            "languages": languages,
+            "tokenizer": {"kind": tokenizers.kind, "joint": tokenizers.joint,
+                          "src_vocab_size": tokenizers.src_vocab_size,
+                          "tgt_vocab_size": tokenizers.tgt_vocab_size,
+                          "trained_on_pairs": sample},
+            **_token_stats(ids, model_max_len, data_cfg.long_policy, max_tokens),
+            "ids": {"format": IDS_FORMAT, "directory": IDS_DIR,
+                    "pairs": {name: len(split.src) for name, split in ids.items()},
+                    "tokenizer_sha256": tokenizer_fingerprint(stage / TOKENIZER_DIR)},
+            "data_config": asdict(data_cfg),
+        }
+        del ids  # unmap before the files move
+        atomic_write_text(stage / STATS_FILE, json.dumps(stats, indent=2, ensure_ascii=False) + "\n")
+    return stats
+
+
+def drop_warnings(stats: dict[str, Any]) -> list[str]:
+    """One line for each filter that dropped more than a third of the pairs read: a wrong
+    column, a wrong file, or a length limit that does not fit the corpus."""
+    read = stats["pairs"]["read"]
+    hints = {"empty": "is a column empty, or the file not source<TAB>target?",
+             "too_long": "raise data.max_words if the corpus has long sentences",
+             "length_ratio": "are the sides aligned line by line? else raise "
+                             "data.max_length_ratio (docs/data.md#languages)",
+             "versification": "the Bible modules pair badly"}
+    return [f"the {reason} filter dropped {n} of {read} pairs ({100 * n / read:.0f}%); "
+            + hints.get(reason, "check the corpus")
+            for reason, n in stats["pairs"]["dropped"].items() if read and n > WARN_DROPPED * read]
+
+
+def prepared_size(spec: str) -> int | None:
+    """About the bytes prepare writes for a corpus of the user's files (tsv, jsonl,
+    parallel): three times their size (the staged pairs, the JSON lines, the ids, which
+    take about as much as the text); None for corpora whose size is not known beforehand."""
+    kind, _, arg = spec.partition(":")
+    if kind not in ("tsv", "jsonl", "parallel"):
+        return None
+    total = 0
+    for pattern in arg.strip().split(",") if kind == "parallel" else [arg.strip()]:
+        names = [pattern.replace("{split}", split) for split in SPLITS] if "{split}" in pattern \
+            else [pattern]
+        total += sum(path.stat().st_size for path in (Path(n).expanduser() for n in names)
+                     if path.is_file())
+    return 3 * total or None
+
+
+class SplitPairs:
+    """The pairs of a corpus read once into tab-separated files in the staging directory
+    (``{split}.pairs.tsv``, normalized text has no tab or line break), with the split of
+    each: the file's own, or for train's file the held-out positions (dev, test)."""
+
+    def __init__(self, directory: Path, files: dict[str, Path], held: dict[int, str],
+                 info: dict[str, Any]):
+        self.directory, self.files, self.held, self.info = directory, files, held, info
+
+    def routed(self) -> Iterator[tuple[str, str, str]]:
+        """(split, source, target) for every pair, each split in corpus order."""
+        for split, path in self.files.items():
+            with open(path, encoding="utf-8", newline="\n") as fh:
+                if split == "train" and self.held:
+                    held = self.held
+                    for i, line in enumerate(fh):
+                        src, tgt = line[:-1].split("\t")
+                        yield held.get(i, "train"), src, tgt
+                else:
+                    for line in fh:
+                        src, tgt = line[:-1].split("\t")
+                        yield split, src, tgt
+
+    def train_sample(self, k: int) -> Iterator[tuple[str, str]]:
+        """``k`` train pairs spread evenly over the train split (all of them when k >= n)."""
+        n = self.info["splits"]["train"]
+        k = min(k, n)
+        wanted = (np.arange(k, dtype=np.int64) * n) // max(1, k)  # train positions
+        # The line of train position t is t plus the held-out lines before it.
+        held = np.sort(np.fromiter(self.held, dtype=np.int64, count=len(self.held)))
+        lines = wanted + np.searchsorted(held - np.arange(len(held)), wanted, side="right")
+        take = np.zeros(n + len(held), dtype=bool)
+        take[lines] = True
+        with open(self.files["train"], encoding="utf-8", newline="\n") as fh:
+            for line in itertools.compress(fh, take):
+                src, tgt = line[:-1].split("\t")
+                yield src, tgt
+
+    def remove(self) -> None:
+        for path in self.files.values():
+            path.unlink()
+
+
+def read_pairs(cfg: DataConfig, directory: Path, progress: bool = False) -> SplitPairs:
+    """Pass 1: stream the corpus (``aiayn.data.corpora.CorpusStream``) into tab-separated files,
+    one per split it has, and choose the held-out positions
+    (``aiayn.data.corpora.held_out_positions``). ``info`` holds what was read, dropped and kept
+    and the split rule (the first keys of stats.json)."""
+    stream = CorpusStream(cfg.corpus, cfg, progress)
+    files = {name: directory / f"{name}.pairs.tsv" for name in SPLITS}
+    counts = dict.fromkeys(SPLITS, 0)
+    with contextlib.ExitStack() as stack:
+        handles = {name: stack.enter_context(open(path, "w", encoding="utf-8", newline="\n"))
+                   for name, path in files.items()}
+        for pair, split in stream:
+            src, tgt = pair.src, pair.tgt
+            if "\t" in src or "\t" in tgt or "\n" in src or "\n" in tgt:
+                raise AiaynError(f"{pair.ref}: a tab or line break in normalized text")
+            handles[split].write(f"{src}\t{tgt}\n")
+            counts[split] += 1
+    stream.check_kept(counts)
+    chosen, rule = held_out_positions(counts["train"], stream.given, cfg, cfg.corpus)
+    held = {int(i): name for name, positions in chosen.items() for i in positions}
+    counts["train"] -= len(held)
+    counts.update({name: len(positions) for name, positions in chosen.items()})
+    info = {"corpus": cfg.corpus, "description": stream.description,
+            "pairs": {"read": stream.read, "kept": sum(counts.values()),
+                      "dropped": stream.dropped},
+            "split_rule": stream.split_rule or rule, "splits": counts}
+    return SplitPairs(directory, files, held, info)
+
+
+def write_splits(directory: Path, pairs: SplitPairs, tokenizers: Tokenizers,
+                 progress: bool = False) -> dict[str, SplitIds]:
+    """Pass 3: write each split's text (``{split}.jsonl``) and, encoded in chunks, its ids
+    (``ids/``); returns the ids, mapped."""
+    encoders = tokenizers.array_encoders()
+    writers = {name: [RaggedWriter(directory / IDS_DIR, name, side, encoder.dtype)
+                      for side, encoder in zip(SIDES, encoders, strict=True)]
+               for name in SPLITS}
+    buffers: dict[str, tuple[list[str], list[str]]] = {name: ([], []) for name in SPLITS}
+
+    def flush(name: str) -> None:
+        for writer, encoder, sentences in zip(writers[name], encoders, buffers[name],
+                                              strict=True):
+            writer.append(*encoder.encode(sentences))
+            sentences.clear()
+
+    total = sum(pairs.info["splits"].values())
+    with contextlib.ExitStack() as stack:
+        for pair_writers in writers.values():
+            for writer in pair_writers:
+                stack.callback(writer.discard)  # closes its files after an error; else no-op
+        texts = {name: stack.enter_context(open(directory / f"{name}.jsonl", "w",
+                                                encoding="utf-8")) for name in SPLITS}
+        bar = stack.enter_context(progress_bar(None, progress, "encoding", total))
+        for n, (name, src, tgt) in enumerate(pairs.routed(), 1):
+            texts[name].write(_json_line(src, tgt))
+            buffer = buffers[name]
+            buffer[0].append(src)
+            buffer[1].append(tgt)
+            if len(buffer[0]) == ENCODE_CHUNK:
+                flush(name)
+                bar.update(n - bar.n)
+        for name in SPLITS:
+            flush(name)
+        bar.update(total - bar.n)
+        for fh in texts.values():
+            fh.flush()
+            os.fsync(fh.fileno())  # on disk before prepare swaps the directory in
+        for pair_writers in writers.values():
+            for writer in pair_writers:
+                writer.close()
+    return {name: SplitIds.open(directory / IDS_DIR, name) for name in SPLITS}
+
+
+def _json_line(src: str, tgt: str) -> str:
+    """``json.dumps({"src": src, "tgt": tgt}, ensure_ascii=False)`` and a line end, written
+    out (json.dumps builds an encoder at every call with ensure_ascii=False: 3x slower)."""
+    return f'{{"src": {_json_string(src)}, "tgt": {_json_string(tgt)}}}\n'
+
+
+def _token_stats(ids: dict[str, SplitIds], max_len: int, policy: str,
+                 max_tokens: int) -> dict[str, Any]:
+    """Tokens per side (without specials), length percentiles (in ids, as the model sees
+    them: source + [EOS], [BOS] + target + [EOS]), the max_len rule, train batch padding."""
+    tokens, lengths, long_counts = {}, {}, {}
+    for name, split in ids.items():
+        src_len, tgt_len = split.src.lengths(), split.tgt.lengths()
+        tokens[name] = {"src": int(src_len.sum()) - len(src_len),
+                        "tgt": int(tgt_len.sum()) - 2 * len(tgt_len)}
+        lengths[name] = {"src": percentiles(src_len), "tgt": percentiles(tgt_len)}
+        kept, long_counts[name] = fit_to_max_len(src_len, tgt_len, max_len, policy)
+        if name == "train":
+            sampler = TokenBatchSampler(np.minimum(src_len[kept], max_len),
+                                        np.minimum(tgt_len[kept], max_len), max_tokens,
+                                        shuffle=False)
+    return {
+        "tokens": tokens,
+        "lengths": lengths,
+        "max_len": {"model_max_len": max_len, "policy": policy, **long_counts},
+        "batching": {"split": "train", "max_tokens": max_tokens, **sampler.padding_stats()},
+    }
+
+
+def percentiles(values: Sequence[int]) -> dict[str, int]:
+    """Nearest-rank percentiles p50..p99 and the max (p100) of integer lengths (>= 0).
+    Counted, not sorted: memory and time grow with the longest length, not the corpus."""
+    values = np.asarray(values, dtype=np.int64)
+    n = len(values)
+    if not n:
+        return {f"p{p}": 0 for p in PERCENTILES}
+    at_most = np.cumsum(np.bincount(values))  # how many values are <= each length
+    return {f"p{p}": int(np.searchsorted(at_most, max(1, -(-p * n // 100))))
+            for p in PERCENTILES}

@@ -1,0 +1,214 @@
+"""Scores of a model on a split: dev loss, BLEU / chrF / CER / WER, sample translations.
+
+``aiayn evaluate`` (:func:`evaluate_run`) and the validation during training
+(:func:`validate`) both translate through :class:`aiayn.inference.translator.Translator` (the same
+batching, truncation and search) and score with :func:`aiayn.evaluation.metrics.score`, so a BLEU in
+metrics.jsonl and one from ``aiayn evaluate`` differ only when the weights or the
+settings (split, beam, alpha, bf16) do.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from aiayn.config import Config
+from aiayn.data.batching import Example, collate, length_multiple, token_batches
+from aiayn.data.prepared import load_prepared
+from aiayn.errors import AiaynError
+from aiayn.evaluation.metrics import STUTTER_N, Scores, score, stutter_share
+from aiayn.inference.translator import Translator, TruncationWarning, check_search
+from aiayn.model import Transformer
+from aiayn.runs.directory import load_run_config, read_data_dir
+from aiayn.util.device import choose_device
+from aiayn.util.io import atomic_write_text, check_output_file
+from aiayn.util.threads import default_streams, parallel_map
+
+
+def translate_and_score(translator: Translator, pairs: Sequence[tuple[str, str]],
+                        beam: int | None, alpha: float | None,
+                        progress: Callable[[int], object] | None = None,
+                        no_repeat_ngram: int | None = None, bleu_tokenize: str = "13a"
+                        ) -> tuple[list[str], Scores]:
+    """Translate the sources of ``pairs`` and score them against the targets (BLEU
+    tokenized by ``bleu_tokenize``: aiayn.data.prepared.Prepared.bleu_tokenize)."""
+    hypotheses = translator.translate([src for src, _ in pairs], beam, alpha, progress=progress,
+                                      no_repeat_ngram=no_repeat_ngram)
+    return hypotheses, score(hypotheses, [tgt for _, tgt in pairs], bleu_tokenize)
+
+
+# ---------------------------------------------------------------- validation during training
+def eval_subset(n: int, k: int) -> list[int]:
+    """Positions of ``k`` dev pairs spread evenly over all ``n`` (all of them when k is 0)."""
+    if k <= 0 or k >= n:
+        return list(range(n))
+    return sorted({(i * n) // k for i in range(k)})
+
+
+def dev_loss(model: Transformer, examples: list, config: Config, device: torch.device
+             ) -> tuple[float, float]:
+    """(label-smoothed loss, plain NLL) per real target token, teacher forcing; the batches
+    run on parallel streams of one thread each (``aiayn.util.threads``) and are summed in order."""
+    t, m = config.train, config.model
+
+    @torch.no_grad()
+    def batch_losses(positions) -> tuple[float, float, int]:
+        batch = collate([examples[i] for i in positions], m.pad_id,
+                        length_multiple(t.use_bf16)).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.use_bf16):
+            smoothed = model(batch.src, batch.tgt_in, batch.tgt_out, t.label_smoothing).item()
+            nll = (model(batch.src, batch.tgt_in, batch.tgt_out).item() if t.label_smoothing
+                   else smoothed)
+        return smoothed, nll, batch.n_tokens
+
+    widths = [max(len(e.src), len(e.tgt)) for e in examples]
+    total_ls = total_nll = 0.0
+    n = 0
+    for ls, nll, tokens in parallel_map(batch_losses, token_batches(widths, t.max_tokens),
+                                        default_streams(device)):
+        total_ls, total_nll, n = total_ls + ls, total_nll + nll, n + tokens
+    return total_ls / n, total_nll / n
+
+
+def validate(model: Transformer, tokenizers, dev: list[Example], dev_pairs: list[tuple[str, str]],
+             config: Config, device: torch.device, full: bool) -> dict[str, Any]:
+    """Dev loss over the whole dev split; BLEU/chrF over the whole split (``full``) or over
+    train.eval_max_sentences pairs spread evenly over it, BLEU tokenized by
+    config.data.bleu_tokenize (the caller resolves "auto" for its data:
+    aiayn.data.prepared.Prepared.bleu_tokenize; "13a" if it did not). ``select_bleu`` is always the
+    BLEU of that fixed subset (``select_chrf`` its chrF), so checkpoints are compared on the
+    same sentences (aiayn.training.early_stopping)."""
+    t = config.train
+    bleu_tokenize = "13a" if config.data.bleu_tokenize == "auto" else config.data.bleu_tokenize
+    was_training = model.training
+    model.eval()
+    try:
+        loss, nll = dev_loss(model, dev, config, device)
+        subset = eval_subset(len(dev), t.eval_max_sentences)
+        chosen = list(range(len(dev))) if full else subset
+        pairs = [dev_pairs[dev[i].index] for i in chosen]
+        # Decoded in fp32 as `aiayn evaluate` decodes by default, so the BLEU logged here is
+        # the one it reports for these weights on every machine (bf16 decoding, which a CPU
+        # with AVX512-BF16 or AMX trains in, changes some tokens).
+        translator = Translator(model, tokenizers, max_tokens=t.max_tokens, device=device,
+                                bf16=False)
+        with warnings.catch_warnings():  # long dev sources: truncated, as load_data says
+            warnings.simplefilter("ignore", TruncationWarning)
+            # train.eval_beam (greedy by default), with the run's length penalty and guard
+            hyps, scores = translate_and_score(translator, pairs, t.eval_beam,
+                                               config.decode.alpha,
+                                               no_repeat_ngram=config.decode.no_repeat_ngram,
+                                               bleu_tokenize=bleu_tokenize)
+    finally:
+        model.train(was_training)
+    by_position = dict(zip(chosen, hyps, strict=True))
+    sub_hyps = [by_position[i] for i in subset]
+    sub_refs = [dev_pairs[dev[i].index][1] for i in subset]
+    select = scores if len(chosen) == len(subset) else score(sub_hyps, sub_refs, bleu_tokenize)
+    n_show = min(t.num_samples, len(chosen))
+    samples = [{"src": pairs[j][0], "ref": pairs[j][1], "hyp": hyps[j]}
+               for j in eval_subset(len(chosen), n_show)[:n_show]]
+    return {"dev_loss": loss, "dev_nll": nll, "bleu": scores.bleu, "chrf": scores.chrf,
+            "bleu_signature": scores.bleu_signature, "n_sentences": len(chosen),
+            "select_bleu": select.bleu, "select_chrf": select.chrf, "samples": samples}
+
+
+# ---------------------------------------------------------------- `aiayn evaluate`
+def split_loss(model: Transformer, prepared, split: str, limit: int, config: Config,
+               device: torch.device, bf16: bool) -> tuple[float, float]:
+    """The loss the run's validation logs as "dev_loss" (and its "dev_nll"), for the first
+    ``limit`` pairs of ``split``: the same examples (long ones truncated), batches and
+    label smoothing, in bf16 only when ``bf16``; so `aiayn evaluate --split dev` of the
+    weights a validation saw gives the figure it logged."""
+    examples = list(islice(prepared.encoded(split, model.cfg.max_len, "truncate"), limit))
+    config = replace(config, train=replace(config.train, bf16="true" if bf16 else "false"))
+    return dev_loss(model, examples, config, device)
+
+
+def search_name(beam: int, alpha: float, no_repeat_ngram: int = 0) -> str:
+    """The search in a file name: "beam1" (greedy: no length penalty), else "beam6.alpha1";
+    with the repetition guard ".norepeat3" after it."""
+    name = "beam1" if beam == 1 else f"beam{beam}.alpha{alpha:g}"
+    return f"{name}.norepeat{no_repeat_ngram}" if no_repeat_ngram else name
+
+
+def evaluate_run(run_dir: str | Path, split: str = "test", beam: int | None = None,
+                 alpha: float | None = None, data_dir: str | Path | None = None,
+                 weights: str | Path = "best", output: str | Path | None = None,
+                 limit: int = 0, max_tokens: int | None = None, device: str | None = "auto",
+                 bf16: bool = False, progress: bool = True, engine: str = "aiayn",
+                 no_repeat_ngram: int | None = None) -> dict[str, Any]:
+    """Translate a split of the run's prepared data, write the hypotheses (one per line)
+    and a .json of the scores beside them; returns that summary.
+
+    ``beam``, ``alpha``: None takes the run's (its config's decode section: the paper's beam
+    4, alpha 0.6 unless the run says otherwise). ``data_dir``: default the run's
+    data_dir.txt. ``output``: default
+    RUN_DIR/eval/SPLIT.WEIGHTS.beamK.alphaA.txt (greedy: SPLIT.WEIGHTS.beam1.txt), so
+    searches that differ in alpha alone keep their own files. ``limit``: only the first N sentences (0: all).
+    ``engine="ctranslate2"``: ``run_dir`` is an `aiayn export --to ctranslate2` directory,
+    decoded by CTranslate2 (WEIGHTS in the file name is then "ctranslate2").
+    ``no_repeat_ngram``: the repetition guard (None: the run's decode.no_repeat_ngram). The
+    summary's "repeats" gives the share of hypotheses and of references that repeat a
+    4-gram of words (``aiayn.evaluation.metrics.stutter_share``).
+    """
+    check_search(beam, 1, alpha, no_repeat_ngram)
+    if limit < 0:
+        raise AiaynError(f"--limit must be 0 (all) or a positive number of sentences, got {limit}")
+    if output is not None:
+        check_output_file(output, "--output")
+    translator = Translator.from_pretrained(run_dir, weights, device=choose_device(device),
+                                            max_tokens=max_tokens, bf16=bf16, engine=engine)
+    search = translator.settings(beam, alpha, no_repeat_ngram)
+    beam, alpha, no_repeat_ngram = search.beam, search.alpha, search.no_repeat_ngram
+    translator.check_limits(beam, 1, alpha, no_repeat_ngram)
+    data_dir = Path(data_dir) if data_dir else read_data_dir(run_dir)
+    prepared = load_prepared(data_dir)
+    pairs = prepared.split(split)
+    if limit > 0:
+        pairs = pairs[:limit]
+    if not pairs:
+        raise AiaynError(f"{data_dir}: the {split} split is empty")
+    loss = nll = None
+    tokenize = prepared.bleu_tokenize()
+    if translator.engine is None:  # CTranslate2 scores no given targets
+        run_config = load_run_config(Path(run_dir), [])
+        tokenize = prepared.bleu_tokenize(run_config.data.bleu_tokenize)
+        loss, nll = split_loss(translator.model, prepared, split, len(pairs), run_config,
+                               translator.device, bf16)
+    with tqdm(total=len(pairs), unit="sent", dynamic_ncols=True, disable=not progress,
+              desc=f"{split} beam {beam}") as bar:
+        hypotheses, scores = translate_and_score(translator, pairs, beam, alpha, bar.update,
+                                                 no_repeat_ngram, bleu_tokenize=tokenize)
+    speed = translator.last_stats
+    weights_name = (engine if translator.engine is not None
+                    else Path(str(weights)).name.removesuffix(".safetensors"))
+    output = Path(output) if output else (
+        Path(run_dir) / "eval" / f"{split}.{weights_name}.{search_name(beam, alpha, no_repeat_ngram)}.txt")
+    atomic_write_text(output, "".join(h + "\n" for h in hypotheses))
+    summary = {
+        "run_dir": str(run_dir), "data_dir": str(data_dir),
+        "weights": weights_name if translator.engine is not None else str(weights),
+        "split": split, "sentences": len(pairs), "beam": beam, "alpha": alpha,
+        "no_repeat_ngram": no_repeat_ngram,
+        "loss": loss, "nll": nll,
+        "bleu": scores.bleu, "bleu_signature": scores.bleu_signature, "bleu_tokenize": tokenize,
+        "chrf": scores.chrf, "chrf_signature": scores.chrf_signature,
+        "cer": scores.cer, "wer": scores.wer,
+        "repeats": {"n": STUTTER_N, "hypotheses": stutter_share(hypotheses),
+                    "references": stutter_share([tgt for _, tgt in pairs])},
+        "seconds": speed.seconds, "sentences_per_s": speed.sentences_per_s,
+        "tokens_per_s": speed.tokens_per_s, "truncated_sources": speed.truncated,
+        "threads": torch.get_num_threads(), "device": translator.device.type, "engine": engine,
+        "output": str(output), "scores_file": str(output.with_suffix(".json")),
+    }
+    atomic_write_text(output.with_suffix(".json"), json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -1,0 +1,69 @@
+"""`aiayn export RUN_DIR --to hf|ctranslate2 OUT_DIR`: one run's weights, tokenizer and model
+card into a new directory, written atomically (a failed export leaves nothing behind).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from aiayn.config import load_config
+from aiayn.errors import AiaynError
+from aiayn.export.base import (
+    EXPORT_INFO,
+    QUANTIZATIONS,
+    TARGETS,
+    check_target_can_express,
+    export_size,
+    write_aiayn_side,
+)
+from aiayn.export.ctranslate2 import write_ctranslate2
+from aiayn.export.hf import check_one_vocabulary, is_marian, write_hf
+from aiayn.export.modelcard import CARD_FILE, model_card
+from aiayn.runs.directory import load_run
+from aiayn.util.extras import require
+from aiayn.util.io import atomic_directory, atomic_write_text, check_room, check_writable_dir
+
+
+def export_run(run_dir: str | Path, to: str, out_dir: str | Path, weights: str | Path = "best",
+               quantization: str | None = None) -> Path:
+    """Write the run's model for ``to`` ("hf" or "ctranslate2") into a new ``out_dir``.
+
+    Refused, with nothing written: an unknown target or quantization, an ``out_dir`` that
+    exists and is not empty, a missing library, a run without weights, a model the target
+    cannot express. The directory appears whole or not at all (written beside it, then
+    renamed).
+    """
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    if to not in TARGETS:
+        raise AiaynError(f"--to must be one of {', '.join(TARGETS)}, got {to!r}")
+    if quantization is not None and to != "ctranslate2":
+        raise AiaynError("--quantization applies to --to ctranslate2 only")
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise AiaynError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                         f"got {quantization!r}")
+    check_writable_dir(out_dir, "OUT_DIR")
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        raise AiaynError(f"OUT_DIR {out_dir}: exists and is not an empty directory; export "
+                         "into a new one")
+    require("transformers" if to == "hf" else "ctranslate2", f"--to {to}")
+    config_path = run_dir / "config.yaml"
+    if config_path.is_file():  # refuse before reading any weights
+        check_target_can_express(load_config(config_path).model, to, str(run_dir))
+    config, model, tokenizers = load_run(run_dir, weights)
+    if to == "hf":
+        check_one_vocabulary(tokenizers, str(run_dir))
+    need = export_size(model, run_dir)
+    check_room(out_dir, need, "the export")
+    with atomic_directory(out_dir, need, "the export") as tmp:
+        if to == "hf":
+            write_hf(model, tokenizers, tmp, config.decode)
+        else:
+            write_ctranslate2(model, tokenizers, tmp, quantization)
+            write_aiayn_side(config, run_dir, tmp)
+        info = {"format": 1, "target": to, "run_dir": str(run_dir.resolve()),
+                "weights": str(weights), "quantization": quantization}
+        atomic_write_text(tmp / EXPORT_INFO, json.dumps(info, indent=2) + "\n")
+        card = model_card(run_dir, to, weights, quantization, marian=is_marian(model.cfg))
+        atomic_write_text(tmp / CARD_FILE, card)
+    return out_dir

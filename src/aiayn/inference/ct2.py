@@ -1,0 +1,95 @@
+"""Decoding with CTranslate2: the search engine behind `aiayn translate|evaluate --engine
+ctranslate2` on a directory written by `aiayn export RUN_DIR --to ctranslate2 OUT_DIR`.
+
+Only the search differs: ``aiayn.inference.translator.Translator`` still tokenizes, truncates, batches
+(``aiayn.data.batching.token_batches``), detokenizes and keeps the input order, and
+``aiayn.evaluation.evaluate`` scores as always. An export directory holds, beside CTranslate2's
+model.bin, config.json and vocabularies, the run's config.yaml (max_len, and the search in
+its decode section), tokenizer/ and data_dir.txt.
+
+The search follows ``aiayn.inference.search``'s rules where CTranslate2 can: [PAD] and [BOS] are
+never generated (``suppress_sequences``), and each sentence gets at most its own limit of
+``source length + max_len_b`` tokens within max_len (decoded up to the batch's longest
+limit, then cut to the sentence's own: for greedy search that is exactly aiayn's result).
+CTranslate2's length penalty divides by length**alpha rather than GNMT's
+((5 + length) / 6)**alpha, so beam search may rank finished hypotheses differently.
+The repetition guard is CTranslate2's ``no_repeat_ngram_size``. Sampling is aiayn's own:
+CTranslate2's draws (``sampling_topk``...) come from generators of its worker threads,
+which its ``set_random_seed`` does not reach, so a seed would not draw the same samples
+again.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from aiayn.config import Config, load_config
+from aiayn.data.tokenizer import BOS, PAD, Tokenizers
+from aiayn.errors import AiaynError
+from aiayn.inference.search import Hypothesis, Search
+from aiayn.util.extras import require
+
+MODEL_FILE = "model.bin"
+SAMPLING_REFUSED = ("--sample needs aiayn's own model: CTranslate2's sampling cannot be seeded "
+                    "(translate the run directory with --engine aiayn)")
+
+
+def is_ctranslate2_dir(path: str | Path) -> bool:
+    """Whether ``path`` looks like a CTranslate2 model directory."""
+    return (Path(path) / MODEL_FILE).is_file()
+
+
+class CTranslate2Search:
+    """Greedy and beam search by a ``ctranslate2.Translator`` over aiayn's token ids."""
+
+    def __init__(self, directory: str | Path, tokenizers: Tokenizers, max_len: int,
+                 device: str = "cpu", threads: int = 0, compute_type: str = "default"):
+        """``threads``: CTranslate2's intra_threads (0: its default); ``compute_type``:
+        "default" runs the saved weight type (e.g. int8) where the device supports it."""
+        ctranslate2 = require("ctranslate2", "--engine ctranslate2")
+        self.translator = ctranslate2.Translator(str(directory), device=device,
+                                                 compute_type=compute_type,
+                                                 intra_threads=threads)
+        self.device, self.threads = device, threads
+        self.max_len = max_len
+        self.tokenizers = tokenizers
+        self.tgt_ids = tokenizers.tgt.get_vocab()  # token string -> id
+
+    def search(self, sources: list[list[int]], search: Search, nbest: int,
+               max_len_b: int) -> list[list[Hypothesis]]:
+        """Source ids (tokens + [EOS]) -> per sentence up to ``nbest`` hypotheses, best first.
+        ``search.no_repeat_ngram`` is CTranslate2's ``no_repeat_ngram_size``; sampling is
+        refused (``SAMPLING_REFUSED``)."""
+        src = self.tokenizers.src
+        # CTranslate2 appends [EOS] itself (config add_source_eos), as aiayn's ids end in one.
+        tokens = [[src.id_to_token(i) for i in ids[:-1]] for ids in sources]
+        limits = [max(1, min(len(ids) + max_len_b, self.max_len - 1)) for ids in sources]
+        if search.sampling is not None:
+            raise AiaynError(SAMPLING_REFUSED)
+        results = self.translator.translate_batch(
+            tokens, beam_size=search.beam, num_hypotheses=nbest, length_penalty=search.alpha,
+            no_repeat_ngram_size=search.no_repeat_ngram,
+            max_decoding_length=max(limits), max_input_length=0, return_scores=True,
+            suppress_sequences=[[PAD], [BOS]])
+        return [[Hypothesis([self.tgt_ids[t] for t in hyp[:limit]], float(score))
+                 for hyp, score in zip(result.hypotheses, result.scores, strict=True)]
+                for result, limit in zip(results, limits, strict=True)]
+
+
+def load_ctranslate2(directory: str | Path, device: str = "cpu", threads: int = 0
+                     ) -> tuple[CTranslate2Search, Tokenizers, Config]:
+    """Read an export directory: its search engine, aiayn's tokenizers and the run's config
+    (its ``decode`` section is the search a Translator runs when not told)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise AiaynError(f"directory not found: {directory}")
+    if not is_ctranslate2_dir(directory):
+        raise AiaynError(f"{directory}: no {MODEL_FILE} here; --engine ctranslate2 reads a "
+                         "directory written by `aiayn export RUN_DIR --to ctranslate2 OUT_DIR`")
+    for piece in ("config.yaml", "tokenizer"):
+        if not (directory / piece).exists():
+            raise AiaynError(f"{directory}: no {piece} here; was it written by `aiayn export`?")
+    config = load_config(directory / "config.yaml")
+    tokenizers = Tokenizers.load(directory / "tokenizer")
+    search = CTranslate2Search(directory, tokenizers, config.model.max_len, device, threads)
+    return search, tokenizers, config

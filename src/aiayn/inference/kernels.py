@@ -1,0 +1,135 @@
+"""The output layer's product h W^T through oneDNN where this machine runs it faster.
+
+The output layer (``model.Generator``) is the largest matmul of a small model: the demo's
+(~1,000 x 256) decoder output times a (5,303 x 256) embedding, a third of its training
+step's matmul time. PyTorch runs fp32 matmuls through its BLAS (MKL in the x86 wheels); on
+an AVX2 AMD EPYC, MKL runs this one shape, a (d x V) right-hand side with V >> d, at half
+the FLOP rate of its other products, while oneDNN, which PyTorch also ships, runs it ~1.6x
+faster (docs/findings.md#the-price-of-a-step). The backward products
+(g W and g^T h) are as fast in MKL, so only the forward changes.
+
+Which is faster depends on the CPU and its libraries, so it is measured, not assumed:
+:func:`choose_output_kernel` times both on the generator's own shape (on one thread, like
+the bf16 probe of ``aiayn.util.device``) and keeps oneDNN only when it is clearly faster.
+Output layers too small to matter are not probed (and so are computed the same way in
+every process). Under bf16 autocast, on a GPU, inside ``torch.compile`` (train.compile:
+inductor cannot lower the op) or where oneDNN is missing, ``F.linear`` runs as always.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from aiayn.util.threads import on_one_thread
+
+# Output layers with fewer weights than this (d x V) are left to BLAS without a probe: a
+# gain there is nothing next to the rest of a step. The tests' tiny models are far below it.
+MIN_PROBED_WEIGHTS = 1 << 20
+MARGIN = 1.1  # oneDNN must be this much faster in the probe (a tie keeps BLAS)
+
+
+def onednn_available() -> bool:
+    """Whether this PyTorch build has oneDNN's dense linear (x86 CPU wheels do)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._linear_pointwise  # noqa: B018 (the op's existence is the question)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _onednn_forward(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x W^T + b in oneDNN (no fused activation)."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight.contiguous(), bias,
+                                              "none", [], "")
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """y = x W^T + b, forward in oneDNN; backward dL/dx = g W, dL/dW = g^T x in the BLAS."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        return _onednn_forward(x, weight, bias)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        rows = grad.reshape(-1, grad.size(-1))
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_w = rows.t() @ x.reshape(-1, x.size(-1)) if ctx.needs_input_grad[1] else None
+        grad_b = rows.sum(0) if ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, onednn: bool) -> Tensor:
+    """``F.linear(x, weight, bias)``, with the forward in oneDNN when ``onednn`` and this is
+    an fp32 product on a CPU outside autocast; the same values up to rounding."""
+    if (onednn and x.device.type == "cpu" and x.dtype == torch.float32
+            and weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+            and not torch.compiler.is_compiling()):  # inductor cannot lower the op
+        return _OneDNNLinear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """The product a generator runs once oneDNN was chosen for it (``Generator.kernel``)."""
+    return linear(x, weight, bias, onednn=True)
+
+
+def probe_seconds(rows: int, d: int, vocab: int, repeats: int = 3) -> tuple[float, float]:
+    """The fastest of ``repeats`` (rows x d) @ (vocab x d)^T products, BLAS and oneDNN, on
+    one thread, alternating so that a change of the machine's speed hits both."""
+    numbers = torch.Generator().manual_seed(0)  # not the global stream a run draws from
+    x, w = torch.randn(rows, d, generator=numbers), torch.randn(vocab, d, generator=numbers)
+
+    def timed(fn) -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    def both() -> tuple[float, float]:
+        blas = onednn = float("inf")
+        for _ in range(repeats):
+            blas = min(blas, timed(lambda: F.linear(x, w)))
+            onednn = min(onednn, timed(lambda: _onednn_forward(x, w)))
+        return blas, onednn
+
+    return on_one_thread(both)
+
+
+def choose_output_kernel(generator, rows: int, enabled: bool = True) -> str:
+    """Set ``generator.kernel`` for products of ``rows`` decoder positions (the training
+    batch, or the rows a decoding step holds) and say why, for the log. ``enabled`` False
+    (bf16 autocast, a GPU) keeps BLAS without probing."""
+    weight = generator.proj.weight
+    vocab, d = int(generator.output_ids.numel()), weight.size(1)
+    generator.kernel = F.linear
+    if not enabled or weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return "output layer: F.linear (not an fp32 CPU product)"
+    if vocab * d < MIN_PROBED_WEIGHTS:
+        return f"output layer: F.linear ({vocab} x {d} weights: too small to probe)"
+    if not onednn_available():
+        return "output layer: F.linear (this PyTorch has no oneDNN linear)"
+    blas, onednn = probe_seconds(rows, d, vocab)
+    faster = onednn * MARGIN < blas
+    generator.kernel = onednn_linear if faster else F.linear
+    return (f"output layer: {'oneDNN' if faster else 'F.linear'} (a probe took "
+            f"{blas * 1e3:.1f} ms in BLAS, {onednn * 1e3:.1f} ms in oneDNN)")
+
+
+def output_kernel_name(generator) -> str:
+    """The product ``generator.kernel`` computes with: "oneDNN" or "F.linear"."""
+    return "oneDNN" if generator.kernel is onednn_linear else "F.linear"
+
+
+def use_output_kernel(generator, name: str) -> None:
+    """Set ``generator.kernel`` by its :func:`output_kernel_name` (a choice made before: kept
+    by a resume, or rank 0's for every rank), without probing."""
+    generator.kernel = onednn_linear if name == "oneDNN" and onednn_available() else F.linear

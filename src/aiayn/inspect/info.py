@@ -1,0 +1,160 @@
+"""``aiayn info RUN_DIR [--json]``: what a run is, in a few lines (or one JSON object).
+
+Model size and parameters, the vocabulary, steps, epochs, tokens and minutes trained, the
+best dev score and its step (``train.best_metric``, see aiayn.training.early_stopping), the last
+validation, the weights files there are (with their steps), the data, and the run it was
+started from (``--init-from``). Reads files only; loads no weights::
+
+    info = aiayn.run_info("runs/s60")      # a dict, the same as `aiayn info --json`
+    print(aiayn.inspect.info.format_info(info))
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aiayn.config import load_config
+from aiayn.errors import AiaynError
+from aiayn.model import Transformer
+from aiayn.runs.checkpoint import load_train_state, read_metadata
+from aiayn.runs.directory import list_step_checkpoints, read_metrics
+from aiayn.training.transfer import describe_tokenizer, read_init_from
+
+
+def run_info(run_dir: str | Path) -> dict[str, Any]:
+    """A summary of the run directory as plain JSON-able values (None where unknown)."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise AiaynError(f"{run_dir}: no config.yaml; is it a run directory written by "
+                         "`aiayn train`? (`aiayn doctor` says what is wrong with it)")
+    config = load_config(run_dir / "config.yaml")
+    m = config.model
+    with torch.device("meta"):  # shapes only: no memory, no initialisation
+        parameters = Transformer(m).num_parameters()
+    info: dict[str, Any] = {
+        "run_dir": str(run_dir),
+        "model": {"parameters": parameters, "d_model": m.d_model, "n_heads": m.n_heads,
+                  "d_ff": m.d_ff, "encoder_layers": m.n_encoder_layers,
+                  "decoder_layers": m.n_decoder_layers, "max_len": m.max_len,
+                  "norm_first": m.norm_first, "tie_embeddings": m.tie_embeddings},
+        "vocabulary": {"src": m.src_vocab_size, "tgt": m.tgt_vocab_size,
+                       "tokenizer": describe_tokenizer(run_dir / "tokenizer")},
+        "data_dir": _read_text(run_dir / "data_dir.txt"),
+        "corpus": config.data.corpus,
+        "decode": {"beam": config.decode.beam, "alpha": config.decode.alpha,
+                   "no_repeat_ngram": config.decode.no_repeat_ngram},
+        "init_from": read_init_from(run_dir),
+        "training": _training(run_dir),
+        "best": None,
+        "last_dev": None,
+        "weights": _weights(run_dir),
+    }
+    devs = [r for r in read_metrics(run_dir, missing_ok=True) if r["kind"] == "dev"]
+    if devs:
+        last = devs[-1]
+        info["last_dev"] = {k: last.get(k) for k in ("step", "dev_loss", "bleu", "chrf",
+                                                       "n_sentences")}
+    info["best"] = _best(run_dir, devs, config.train.best_metric)
+    return info
+
+
+def _read_text(path: Path) -> str | None:
+    return path.read_text(encoding="utf-8").strip() if path.is_file() else None
+
+
+def _training(run_dir: Path) -> dict[str, Any] | None:
+    """Step, epoch, tokens and time from train_state.pt (None when there is none)."""
+    path = run_dir / "train_state.pt"
+    if not path.is_file():
+        return None
+    state = load_train_state(path)
+    return {"step": state.get("step"), "epoch": state.get("epoch"),
+            "tokens": state.get("tokens"), "minutes": round(state.get("elapsed_s", 0) / 60, 2),
+            "world_size": state.get("world_size")}
+
+
+def _best(run_dir: Path, devs: list[dict[str, Any]], metric: str) -> dict[str, Any] | None:
+    """The best validation by the run's rule: what best.safetensors holds (its metadata)
+    and that step's dev record."""
+    path = run_dir / "best.safetensors"
+    if not path.is_file():
+        return None
+    meta = _metadata(path)
+    step = int(meta["step"]) if meta.get("step", "").isdigit() else None
+    # The last record of that step: a resumed run logs again the steps after its checkpoint.
+    record = next((r for r in reversed(devs) if r.get("step") == step), {})
+    return {"metric": meta.get("best_metric", "bleu" if "select_bleu" in meta else metric),
+            "step": step, "dev_loss": record.get("dev_loss"), "bleu": record.get("bleu"),
+            "chrf": record.get("chrf"), "n_sentences": record.get("n_sentences")}
+
+
+def _metadata(path: Path) -> dict[str, str]:
+    try:
+        return read_metadata(path)
+    except AiaynError:  # an unreadable file: `aiayn doctor` says why
+        return {}
+
+
+def _weights(run_dir: Path) -> list[dict[str, Any]]:
+    """Every weights file with its step (from its metadata) and size."""
+    named = sorted(run_dir.glob("*.safetensors"))
+    rows = []
+    for path in named + list_step_checkpoints(run_dir):
+        meta = _metadata(path)
+        rows.append({"file": str(path.relative_to(run_dir)),
+                     "step": int(meta["step"]) if meta.get("step", "").isdigit() else None,
+                     "mb": round(path.stat().st_size / 2**20, 1)})
+    return rows
+
+
+def format_info(info: dict[str, Any]) -> str:
+    """The summary as aligned lines."""
+    m, v, t = info["model"], info["vocabulary"], info["training"]
+    lines = [
+        f"run        {info['run_dir']}",
+        f"model      {m['parameters'] / 1e6:.2f}M parameters: d_model {m['d_model']}, "
+        f"{m['n_heads']} heads, d_ff {m['d_ff']}, {m['encoder_layers']}+"
+        f"{m['decoder_layers']} layers, max_len {m['max_len']}, "
+        f"{'pre' if m['norm_first'] else 'post'}-norm, tied {m['tie_embeddings']}",
+        f"vocabulary {v['src']}/{v['tgt']} ({v['tokenizer']})",
+        f"data       {info['data_dir'] or '?'} (corpus {info['corpus']})",
+        f"search     beam {info['decode']['beam']}, alpha {info['decode']['alpha']}"
+        f"{_guard_words(info['decode'].get('no_repeat_ngram', 0))} (its config's decode: what "
+        "translate, evaluate and serve use when not told)",
+    ]
+    if info["init_from"]:
+        i = info["init_from"]
+        lines.append(f"init from  {i.get('weights')} (step {i.get('step')})")
+    if t:
+        tokens = f"{t['tokens']:,}" if isinstance(t.get("tokens"), int) else "?"
+        lines.append(f"trained    {t['step']} steps, epoch {t['epoch']}, {tokens} target "
+                     f"tokens, {t['minutes']:.1f} min, {t['world_size']} rank(s)")
+    else:
+        lines.append("trained    no train_state.pt")
+    lines.append("best       " + _describe_dev(
+        info["best"], f"best.safetensors, by dev {(info['best'] or {}).get('metric')}"))
+    lines.append("last dev   " + _describe_dev(info["last_dev"], ""))
+    weights = ", ".join(f"{w['file']} (step {w['step']})" for w in info["weights"])
+    lines.append(f"weights    {weights or 'none'}")
+    return "\n".join(lines)
+
+
+def _describe_dev(record: dict[str, Any] | None, note: str) -> str:
+    if not record:
+        return "none"
+    parts = [f"step {record.get('step')}"]
+    for key, label, digits in (("bleu", "BLEU", 2), ("chrf", "chrF", 2),
+                               ("dev_loss", "loss", 3)):
+        if isinstance(record.get(key), (int, float)):
+            parts.append(f"{label} {record[key]:.{digits}f}")
+    if record.get("n_sentences"):
+        parts.append(f"on {record['n_sentences']} dev sentences")
+    return ", ".join(parts) + (f" ({note})" if note else "")
+
+
+def _guard_words(n: int) -> str:
+    """The repetition guard in `aiayn info`'s search line ("" when off)."""
+    return f", no repeated {n}-gram" if n else ""

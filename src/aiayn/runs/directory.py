@@ -1,0 +1,422 @@
+"""What a run directory holds, written by ``aiayn train`` and read by everything after it.
+
+::
+
+    RUN_DIR/
+      config.yaml               the resolved Config (model, data, train, decode)
+      tokenizer/                the tokenizer JSON files (see aiayn.data.tokenizer)
+      data_dir.txt              absolute path of the prepared data it was trained on
+      last.safetensors          weights after the latest save
+      best.safetensors          weights with the best dev BLEU so far
+      checkpoints/step_0001000.safetensors ...   the last few saves, for averaging, and
+                                those of train.keep_steps (never pruned)
+      train_state.pt            optimizer, schedule, step, RNG, sampler position
+      metrics.jsonl, tb/        logs (MetricsLog)
+
+Creating one (``create_run_dir``), reading it back (``load_run``, ``read_data_dir``,
+``load_run_config``, ``resolve_weights``), its metrics log, and its step checkpoints
+(list, prune, choose for averaging).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from aiayn.config import Config, load_config, save_config
+from aiayn.data.tokenizer import Tokenizers
+from aiayn.errors import AiaynError
+from aiayn.model import Transformer
+from aiayn.runs.checkpoint import load_weights, read_metadata
+from aiayn.util.io import atomic_write_text, check_writable_dir, disk_errors
+from aiayn.util.lock import PID_FILE
+
+METRICS_FILE = "metrics.jsonl"
+
+# ---------------------------------------------------------------- creating a run
+# What `aiayn train` writes into a run directory (``--force`` removes exactly these).
+RUN_FILES = ("config.yaml", "config_history.jsonl", "tokenizer", "data_dir.txt",
+             "last.safetensors", "best.safetensors", "checkpoints", "train_state.pt",
+             "metrics.jsonl", "tb", "eval", "init_from.json")
+
+
+def check_new_run_dir(run_dir: Path, force: bool) -> None:
+    """``--out`` for a new run: a new or empty directory, or (with ``force``) one whose run
+    files may go. Checked before anything is written."""
+    run_dir = check_writable_dir(run_dir, "--out")
+    if not run_dir.is_dir() or force:
+        return
+    if (run_dir / "config.yaml").exists() or (run_dir / "train_state.pt").exists():
+        raise AiaynError(
+            f"{run_dir} already holds a run; continue it with `aiayn train --resume {run_dir}`, "
+            f"start it over with --force (its weights, state and logs are deleted), or choose "
+            f"another --out"
+        )
+    entries = sorted(p.name for p in run_dir.iterdir() if p.name != PID_FILE)
+    if entries:
+        raise AiaynError(f"--out {run_dir}: not empty (holds {', '.join(entries[:4])}"
+                         f"{', ...' if len(entries) > 4 else ''}); choose a new directory or "
+                         "give --force")
+
+
+def create_run_dir(run_dir: Path, config: Config, data_dir: Path, force: bool = False) -> None:
+    """Write the tokenizer copy, data_dir.txt and (last: it marks a run) config.yaml.
+
+    ``force``: first remove the run files (``RUN_FILES``) an earlier run left; other files
+    in the directory are left alone."""
+    check_new_run_dir(run_dir, force)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if force:
+        (run_dir / "config.yaml").unlink(missing_ok=True)  # no longer a run until rewritten
+        for name in RUN_FILES:
+            path = run_dir / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+    copy_tokenizer(data_dir / "tokenizer", run_dir / "tokenizer")
+    atomic_write_text(run_dir / "data_dir.txt", str(data_dir.resolve()) + "\n")
+    save_config(config, run_dir / "config.yaml")
+
+
+def record_config(run_dir: Path, config: Config, overrides: list[str], step: int) -> None:
+    """A resumed run: config.yaml takes the new train.*/decode.* settings, and config_history.jsonl
+    says which, from which step (so a run's curve can be read with its changes)."""
+    save_config(config, run_dir / "config.yaml")
+    if overrides:
+        line = json.dumps({"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                           "overrides": overrides}, ensure_ascii=False)
+        history = run_dir / "config_history.jsonl"
+        with disk_errors(history, what="the config history"), \
+                open(history, "a", encoding="utf-8") as fh:
+            fh.write(line + "\n")
+
+
+def resume_point(run_dir: Path, first_save: int) -> Path | None:
+    """train_state.pt when the run saved one; None when it saved nothing yet: a crash before
+    the first save, or during it before train_state.pt was written (start it over, which
+    writes those weights again). Other weights without a train state cannot resume exactly:
+    one AiaynError that names the ways on.
+
+    A save writes the step checkpoint first, then train_state.pt, then last.safetensors, so a
+    first save cut short leaves a step checkpoint of a step no later than ``first_save``
+    (train.save_every; a run that stops earlier saves at its last step), no
+    last.safetensors, and no weights of a later step (best.safetensors of a validation
+    before it, train.keep_steps)."""
+    state = run_dir / "train_state.pt"
+    if state.is_file():
+        return state
+    named = sorted(run_dir.glob("*.safetensors"))
+    steps = list_step_checkpoints(run_dir)
+    if not named and not steps:
+        return None
+    if steps and not (run_dir / "last.safetensors").exists():
+        newest = checkpoint_step(steps[-1])
+        if newest <= first_save and all(0 <= _saved_step(p) <= newest for p in named):
+            return None
+    weights = [p.name for p in named] + [f"checkpoints/{p.name}" for p in steps]
+    raise AiaynError(
+        f"{run_dir}: has weights ({', '.join(weights[:3])}) but no train_state.pt, so it "
+        f"cannot be resumed exactly; start a new run from them with `aiayn train --init-from "
+        f"{run_dir} --data DIR --out NEW_RUN`, or start this one over with `aiayn train "
+        f"--config {run_dir / 'config.yaml'} --data DIR --out {run_dir} --force`")
+
+
+def _saved_step(path: Path) -> int:
+    """The step in a weights file's metadata; -1 when it names none or cannot be read."""
+    try:
+        step = read_metadata(path).get("step", "")
+    except AiaynError:
+        return -1
+    return int(step) if step.isdigit() else -1
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    """Copy the tokenizer directory beside the weights (a temp dir renamed into place).
+    File by file, not shutil.copytree: that one gathers a full disk into a shutil.Error
+    without an errno; here it is one DiskError naming ``dst`` (and the temp dir goes)."""
+    if not src.is_dir():
+        raise AiaynError(f"tokenizer directory not found: {src} (run `aiayn prepare` first)")
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    files = sorted(path for path in src.rglob("*") if path.is_file())
+    try:
+        with disk_errors(dst, sum(path.stat().st_size for path in files), "the tokenizer copy"):
+            tmp.mkdir(parents=True)
+            for path in files:
+                target = tmp / path.relative_to(src)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path, target)
+            shutil.rmtree(dst, ignore_errors=True)
+            os.replace(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_run_config(run_dir: Path, overrides: list[str]) -> Config:
+    """The run's saved config with ``train.*`` and ``decode.*`` overrides (a resumed run
+    keeps its model/data; its search is no part of the weights)."""
+    for item in overrides:
+        if not item.strip().startswith(("train.", "decode.")):
+            raise AiaynError(
+                f"--set {item!r}: a resumed run keeps its model and data settings; only "
+                f"train.* and decode.* settings can change"
+            )
+    return load_config(run_dir / "config.yaml", overrides)
+
+
+def read_data_dir(run_dir: str | Path) -> Path:
+    """The prepared data directory a run was trained on (from data_dir.txt)."""
+    path = Path(run_dir) / "data_dir.txt"
+    if not path.is_file():
+        raise AiaynError(f"{run_dir}: no data_dir.txt naming the prepared data; give --data DIR")
+    return Path(path.read_text(encoding="utf-8").strip())
+
+
+# ---------------------------------------------------------------- loading a run
+def resolve_weights(run_dir: str | Path, weights: str | Path = "best") -> Path:
+    """``best``/``last`` (or any NAME with RUN_DIR/NAME.safetensors) or a file path."""
+    run_dir = Path(run_dir)
+    named = run_dir / f"{weights}.safetensors"
+    if named.is_file():
+        return named
+    path = Path(weights)
+    if path.is_file():
+        return path
+    available = sorted(p.stem for p in run_dir.glob("*.safetensors")) + \
+        [str(p) for p in reversed(list_step_checkpoints(run_dir))]
+    hint = (f"available: {', '.join(available[:4])} (choose with --weights)" if available
+            else "it holds no weights; has `aiayn train` saved any yet?")
+    raise AiaynError(f"{run_dir}: no weights {str(weights)!r} (looked for {named} and "
+                     f"{path}); {hint}")
+
+
+def load_run(run_dir: str | Path, weights: str | Path = "best"):
+    """Load a run directory: ``(Config, Transformer in eval mode on the CPU, Tokenizers)``.
+
+    Reads ``config.yaml``, ``tokenizer/`` and the weights (see ``resolve_weights``); a
+    missing piece, or a tokenizer whose vocabulary does not fit the weights, is one
+    AiaynError that names the file.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise AiaynError(f"run directory not found: {run_dir}")
+    config_path = run_dir / "config.yaml"
+    if not config_path.is_file():
+        raise AiaynError(f"{run_dir}: no config.yaml here; is it a run directory written by "
+                         "`aiayn train`?")
+    tokenizer_dir = run_dir / "tokenizer"
+    if not tokenizer_dir.is_dir():
+        raise AiaynError(f"{run_dir}: no tokenizer/ directory here; is it a run directory "
+                         "written by `aiayn train`?")
+    weights_path = resolve_weights(run_dir, weights)
+    config = load_config(config_path)
+    tokenizers = Tokenizers.load(tokenizer_dir)
+    check_vocabularies(config, tokenizers, tokenizer_dir)
+    model = Transformer(config.model)
+    load_weights(model, weights_path)
+    return config, model.eval(), tokenizers
+
+
+def check_vocabularies(config: Config, tokenizers, tokenizer_dir: Path) -> None:
+    """The tokenizers must produce exactly the ids the model was built (and trained) for."""
+    for side in ("src", "tgt"):
+        have = int(getattr(tokenizers, f"{side}_vocab_size"))
+        want = getattr(config.model, f"{side}_vocab_size")
+        if have != want:
+            raise AiaynError(
+                f"{tokenizer_dir}: the {side} tokenizer has {have} tokens but the model's "
+                f"model.{side}_vocab_size is {want}; this tokenizer does not belong to these "
+                "weights"
+            )
+
+
+# ---------------------------------------------------------------- logs
+class MetricsLog:
+    """metrics.jsonl (one JSON object per line) and TensorBoard scalars; rank 0 only.
+
+    On resume, lines logged after the checkpoint's step are dropped: the resumed run
+    writes them again.
+    """
+
+    def __init__(self, run_dir: Path, enabled: bool, resume_step: int | None = None):
+        self.enabled = enabled
+        self.path = run_dir / METRICS_FILE
+        self.writer = None
+        if not enabled:
+            return
+        if resume_step is not None and self.path.exists():
+            # A line cut by the crash being resumed from is dropped with the later ones.
+            keep = [r for r in read_metrics(run_dir, missing_ok=True) if r["step"] <= resume_step]
+            atomic_write_text(self.path, "".join(map(_metrics_line, keep)))
+        from torch.utils.tensorboard import SummaryWriter
+
+        purge = resume_step + 1 if resume_step is not None else None
+        self.writer = SummaryWriter(str(run_dir / "tb"), purge_step=purge)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        # A line cut by a full disk is left out when read (read_metrics) and on resume.
+        with disk_errors(self.path, what="the metrics log"), \
+                open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(_metrics_line(record))
+        kind, step = record["kind"], record["step"]
+        for key, value in record.items():
+            if key not in ("kind", "step") and isinstance(value, (int, float)):
+                self.writer.add_scalar(f"{kind}/{key}", value, step)
+        for j, sample in enumerate(record.get("samples", [])):
+            text = f"src: {sample['src']}  \nref: {sample['ref']}  \nhyp: {sample['hyp']}"
+            self.writer.add_text(f"samples/{j}", text, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _metrics_line(record: dict[str, Any]) -> str:
+    return json.dumps(record, ensure_ascii=False) + "\n"
+
+
+# The numbers of metrics.jsonl records that readers compute with, by record kind.
+METRIC_NUMBERS = {"train": ("loss", "lr"), "dev": ("dev_loss", "bleu", "chrf")}
+
+
+def read_metrics(run_dir: str | Path, missing_ok: bool = False) -> list[dict[str, Any]]:
+    """The records of ``RUN_DIR/metrics.jsonl`` (see docs/interfaces.md), in file order; the
+    one reader of `aiayn plot`, `aiayn info`, `aiayn serve`'s /info and a resume.
+
+    Each line is a JSON object with a ``kind`` and a numeric ``step``, and the numbers of
+    ``METRIC_NUMBERS`` are numbers. The writer appends whole lines, so a last line without
+    its newline that is not such a record was cut short (a run writing it right now, or one
+    stopped mid-line by a crash or a full disk): it is left out, with a warning that says so.
+    Any other bad line is damage, an error naming the file and line. A missing file is an
+    error too, unless ``missing_ok`` (a run that has logged nothing yet has no records)."""
+    run_dir = Path(run_dir)
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        if missing_ok:
+            return []
+        if not run_dir.is_dir():
+            raise AiaynError(f"{run_dir}: not a directory (expected a run directory from "
+                             "`aiayn train`)")
+        raise AiaynError(f"{path}: not found; is {run_dir} a run directory from `aiayn train`?")
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        lines = fh.read().split("\n")  # the last item: what follows the last newline
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(_metrics_record(line))
+        except ValueError as exc:
+            if number < len(lines):
+                raise AiaynError(f"{path}, line {number}: {exc}") from None
+            warnings.warn(f"{path}, line {number}: left out, cut short: {exc} (the run is "
+                          "writing it, or stopped while it did)", stacklevel=2)
+    return records
+
+
+def _metrics_record(line: str) -> dict[str, Any]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON ({exc.msg})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    for key in ("step", "kind"):
+        if key not in record:
+            raise ValueError(f'the record has no "{key}"')
+    for key in ("step", *METRIC_NUMBERS.get(record["kind"], ())):
+        value = record.get(key)
+        if key in record and not (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            raise ValueError(f'"{key}" is not a number ({value!r})')
+    return record
+
+
+# ---------------------------------------------------------------- step checkpoints (training)
+def step_checkpoint_path(run_dir: str | Path, step: int) -> Path:
+    """RUN_DIR/checkpoints/step_0001000.safetensors: the weights after ``step`` updates."""
+    return Path(run_dir) / "checkpoints" / f"step_{step:07d}.safetensors"
+
+
+def list_step_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The run's step checkpoints, oldest first (by step number, not by file time)."""
+    directory = Path(run_dir) / "checkpoints"
+    if not directory.is_dir():
+        return []
+    paths = []
+    for path in directory.glob("step_*.safetensors"):
+        number = path.stem.removeprefix("step_")
+        if number.isdigit():
+            paths.append((int(number), path))
+    return [path for _, path in sorted(paths)]
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The step of a step checkpoint, from its name (step_0001000.safetensors: 1000)."""
+    return int(Path(path).stem.removeprefix("step_"))
+
+
+def prune_step_checkpoints(run_dir: str | Path, keep: int, kept_steps=()) -> list[Path]:
+    """Delete all but the newest ``keep`` step checkpoints, never those of ``kept_steps``
+    (train.keep_steps: they do not count in ``keep``); returns the deleted paths.
+
+    Call it only after train_state.pt names the newest one, so the weights a saved train
+    state refers to are never the ones removed.
+    """
+    kept = set(kept_steps)
+    paths = [p for p in list_step_checkpoints(run_dir) if checkpoint_step(p) not in kept]
+    doomed = paths[: max(0, len(paths) - max(keep, 1))]
+    for path in doomed:
+        path.unlink(missing_ok=True)
+    return doomed
+
+
+def step_weights(run_dir: str | Path) -> list[tuple[int | None, Path]]:
+    """(step, weights file) of every saved step of a run, oldest first: its step checkpoints,
+    then last.safetensors unless a step checkpoint already holds its step (None: a file
+    without the step in its metadata). A run without step checkpoints is one AiaynError that
+    says how a run keeps them."""
+    run_dir = Path(run_dir)
+    paths = list_step_checkpoints(run_dir)
+    if not paths:
+        raise AiaynError(
+            f"{run_dir}: no step checkpoints (checkpoints/step_*.safetensors) to compare; a run "
+            "keeps its last train.keep_checkpoints saves (one every train.save_every steps) and "
+            "those of train.keep_steps: train with e.g. --set 'train.keep_steps=[100, 200, 400]'")
+    found = [(checkpoint_step(path), path) for path in paths]
+    last = run_dir / "last.safetensors"
+    if last.is_file():
+        step = read_metadata(last).get("step")
+        step = int(step) if step is not None and step.isdigit() else None
+        if step is None or step not in {s for s, _ in found}:
+            found.append((step, last))
+    return found
+
+
+def checkpoints_to_average(paths: list[str | Path], last: int | None = None) -> list[Path]:
+    """The files `aiayn average` averages: each path a .safetensors file, or a run directory
+    giving its last.safetensors (or, with ``last``, its newest ``last`` step checkpoints)."""
+    if last is not None and last < 1:
+        raise AiaynError(f"--last must be at least 1, got {last}")
+    files = []
+    for path in map(Path, paths):
+        if path.is_file():
+            files.append(path)
+        elif not path.is_dir():
+            raise AiaynError(f"not found: {path}")
+        elif last is None:
+            files.append(path / "last.safetensors")
+        else:
+            steps = list_step_checkpoints(path)
+            if len(steps) < last:
+                raise AiaynError(f"{path}: --last {last} asks for {last} step checkpoints but "
+                                 f"{path / 'checkpoints'} holds {len(steps)}")
+            files.extend(steps[-last:])
+    return files

@@ -1,0 +1,347 @@
+"""`aiayn serve RUN_DIR`: a translation API and a page to watch the model work.
+
+One process loads the run's model once (``Translator.from_pretrained``) and serves:
+
+    POST /translate   {"text": ["...", ...], "beam": 4, "alpha": 0.6, "nbest": 1,
+                       "alignments": false}
+                      -> translations in input order, the n-best lists with their scores,
+                         the warnings `aiayn translate` would print (truncation), and the
+                         beam and alpha used (without them in the request: the run's, its
+                         config's decode section); with "alignments": true, each
+                         translation's word alignment, [source word, target word] pairs
+    POST /translate   ... "no_repeat_ngram": 3, "sample": {"temperature": 0.8, "top_k": 0,
+                      "top_p": 0.9}, "seed": 1
+                      -> with "sample", "nbest" random samples per sentence instead of the
+                         search, and the seed they were drawn with ("sample" in the answer)
+    POST /next        {"text": "...", "target": "...", "step": 2, "temperature": 0.8,
+                       "top": 10}
+                      -> the likeliest pieces a sample would draw as the target's piece
+                         number "step" (after the pieces before it), with their
+                         probabilities at that temperature (top_k, top_p too): the page's
+                         temperature slider
+    POST /attention   {"text": "...", "beam": 1, "alpha": 0.6, "step": null}
+                      -> the translation, source and target tokens and every layer x head
+                         map of encoder self-, decoder self- and cross-attention, as
+                         `aiayn attention` computes them (rows = queries, columns = keys);
+                         with a "step" (one of /info's "steps"), the maps of that step
+                         checkpoint's weights over the same translation (the served
+                         model's), to watch the attention learn to align
+    GET  /health, /info (model sizes, vocabulary, training steps, the best and last dev
+                      scores as `aiayn info` gives them)
+    GET  /stats       what the batcher has decoded: requests, joins, sentences per step, waits
+    GET  /            the page (static/index.html, app.js, style.css: no build step, no CDN)
+    GET  /figures/positional_encoding.png, /figures/schedule.png   the plots.py pictures
+    GET  /docs        the OpenAPI page (FastAPI's)
+
+Rules a client can rely on:
+
+- Batching is continuous (``Batcher``): a translate request joins the running search of
+  its settings (beam, alpha) at its next step, within a token budget (--max-tokens; an idle
+  server first waits --max-wait-ms for more), and is answered as soon as its last sentence
+  is done; each answer is the one the request would get alone (``JoinableSearch``). With
+  --engine ctranslate2 it is per pass. Attention capture (which sets flags on the model's
+  attention modules) runs while no search steps on this process's model (on a CPU of two
+  or more cores the searches run in lane processes, on copies of their own:
+  ``aiayn.serving.lanes``). A step's maps come from a model of its own (loaded when first asked
+  for, the last few kept: ``CheckpointModels``): the served weights never change.
+  /health and /info never wait for the model.
+- Requests over the limits (``ServeLimits``: body bytes, sentences, characters) get 413
+  with a message; malformed JSON or values out of range get 422; a problem with the input
+  that the library finds (``AiaynError``) gets 422 with its one line; anything else a 500
+  with one line and no traceback (the traceback goes to the server's log).
+- Only the files of ``static/`` are served, by their names (no paths from the URL reach the
+  file system).
+
+The batcher (``aiayn.serving.batcher``) and the model service (``aiayn.serving.service``)
+need neither; FastAPI and uvicorn are the optional extra ``aiayn[serve]``; `aiayn serve` says so in one
+line when they are missing.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from aiayn.errors import AiaynError
+from aiayn.inference.search import Sampling
+from aiayn.inference.translator import (
+    MAX_NO_REPEAT_NGRAM,
+    MAX_TEMPERATURE,
+)
+from aiayn.serving.batcher import MAX_WAIT_MS, ClientGone, check_batching, check_lanes, check_max_wait
+from aiayn.serving.lanes import LaneLost
+from aiayn.serving.service import MAX_BEAM, MAX_TOP, ModelService, ServeLimits, TooLarge, check_size
+
+log = logging.getLogger("aiayn.serve")  # one name for the server's log lines
+STATIC_DIR = Path(__file__).parent / "static"
+
+
+CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
+                 ".css": "text/css; charset=utf-8", ".png": "image/png"}
+
+
+# ---------------------------------------------------------------- request bodies
+class SearchSettings(BaseModel):
+    """Beam search settings, as `aiayn translate` takes them."""
+
+    model_config = ConfigDict(extra="forbid")
+    beam: int | None = Field(None, ge=1, le=MAX_BEAM,
+                             description="beam size (1: greedy; default: the run's decode.beam)")
+    alpha: float | None = Field(None, ge=0.0, le=10.0, description="length penalty (GNMT; "
+                                "default: the run's decode.alpha)")
+
+
+class SamplingSettings(BaseModel):
+    """Random sampling, as `aiayn translate --sample` takes it (aiayn.inference.search.Sampling)."""
+
+    model_config = ConfigDict(extra="forbid")
+    temperature: float = Field(1.0, gt=0.0, le=MAX_TEMPERATURE,
+                               description="the logits are divided by it (towards 0: greedy)")
+    top_k: int = Field(0, ge=0, description="draw among the k likeliest pieces only (0: all)")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="draw among the fewest likeliest "
+                         "pieces whose probabilities sum to top_p (1: all)")
+
+    def sampling(self, seed: int | None = None) -> Sampling:
+        return Sampling(self.temperature, self.top_k, self.top_p, seed)
+
+
+class TranslateRequest(SearchSettings):
+    text: list[str] | str = Field(description="sentences (or one sentence) to translate")
+    nbest: int = Field(1, ge=1, description="hypotheses per sentence, at most beam (with "
+                       "sample: the samples per sentence)")
+    no_repeat_ngram: int | None = Field(None, ge=0, le=MAX_NO_REPEAT_NGRAM,
+                                        description="repetition guard: no translation holds "
+                                        "an n-gram of pieces twice (0: off; default: the run's "
+                                        "decode.no_repeat_ngram)")
+    sample: SamplingSettings | None = Field(None, description="draw nbest random samples per "
+                                            "sentence instead of searching (no beam then)")
+    seed: int | None = Field(None, ge=0, lt=2 ** 63, description="with sample: the same seed, "
+                             "sentence and settings draw the same samples (default: a random "
+                             "one, given in the answer)")
+    alignments: bool = Field(False, description="also the word alignment of each "
+                             "translation: [source word, target word] pairs (whitespace-"
+                             "separated words, from 0), as `aiayn translate --alignments`")
+
+
+class NextPieceRequest(SamplingSettings):
+    text: str = Field(description="one sentence")
+    target: str | None = Field(None, description="its translation (default: the served "
+                               "model's greedy translation)")
+    step: int | None = Field(None, ge=0, description="the distribution of the target's piece "
+                             "number step (from 0), given the pieces before it (default: the "
+                             "piece after the whole target)")
+    top: int = Field(10, ge=1, le=MAX_TOP, description="how many of the likeliest pieces")
+    no_repeat_ngram: int | None = Field(None, ge=0, le=MAX_NO_REPEAT_NGRAM,
+                                        description="the repetition guard's bans included")
+
+
+class AttentionRequest(SearchSettings):
+    text: str = Field(description="one sentence")
+    beam: int = Field(1, ge=1, le=MAX_BEAM,
+                      description="beam size (1, greedy, as `aiayn attention`)")
+    step: int | None = Field(None, description="the maps of this step checkpoint (one of "
+                             "/info's steps) over the served model's translation; default: "
+                             "the served model's own")
+
+
+# ---------------------------------------------------------------- the app
+def create_app(service: ModelService, limits: ServeLimits | None = None) -> FastAPI:
+    """The FastAPI application around one loaded model."""
+    limits = limits or ServeLimits()
+    app = FastAPI(title="aiayn", summary="Translate with an aiayn run and look at its attention",
+                  version="0.1.0")
+    static_files = {p.name: p for p in STATIC_DIR.iterdir() if p.suffix in CONTENT_TYPES}
+
+    app.add_middleware(RefuseLargeBodies, max_bytes=limits.max_body_bytes)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError):
+        return _error(422, _validation_line(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):  # 404, 405, ...
+        return _error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(TooLarge)
+    async def too_large(request: Request, exc: TooLarge):
+        return _error(413, str(exc))
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone):
+        return _error(499, "the client closed the connection before the answer")
+
+    @app.exception_handler(LaneLost)
+    async def lane_lost(request: Request, exc: LaneLost):  # worth sending again
+        log.error("%s", exc)
+        return _error(503, str(exc))
+
+    @app.exception_handler(AiaynError)
+    async def bad_input(request: Request, exc: AiaynError):
+        return _error(422, str(exc))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return _error(500, f"internal error ({type(exc).__name__}); see the server's log")
+
+    # Async: a request waiting for the batcher holds no thread, and /health, /info and
+    # /stats answer at once however long a pass runs.
+    @app.post("/translate", summary="Translate sentences (beam search, n-best lists)")
+    async def translate(body: TranslateRequest, request: Request) -> dict:
+        texts = [body.text] if isinstance(body.text, str) else body.text
+        check_size(texts, limits)
+        if body.sample is None and body.seed is not None:
+            raise AiaynError("seed goes with sample")
+        sampling = None if body.sample is None else body.sample.sampling(body.seed)
+        return await service.translate(texts, body.beam, body.alpha, body.nbest,
+                                       request.is_disconnected, body.no_repeat_ngram, sampling,
+                                       body.alignments)
+
+    @app.post("/next", summary="The distribution of the next piece of a translation, at a "
+              "temperature")
+    async def next_piece(body: NextPieceRequest, request: Request) -> dict:
+        check_size([body.text, body.target or ""], limits)
+        return await service.next_piece(body.text, body.target, body.step,
+                                        body.sampling(), body.top, body.no_repeat_ngram,
+                                        request.is_disconnected)
+
+    @app.post("/attention", summary="Translate one sentence and return every attention map")
+    async def attention(body: AttentionRequest, request: Request) -> dict:
+        check_size([body.text], limits)
+        return await service.attention(body.text, body.beam, body.alpha,
+                                       request.is_disconnected, body.step)
+
+    @app.get("/health", summary="Is the model loaded?")
+    async def health() -> dict:
+        return {"status": "ok", "requests": service.requests}
+
+    @app.get("/info", summary="The model, its vocabulary and its training so far")
+    async def info() -> dict:
+        return {**service.info, "limits": asdict(limits), "max_beam": MAX_BEAM,
+                "batching": {"max_tokens": service.batcher.budget,
+                             "max_wait_ms": service.batcher.max_wait * 1000}}
+
+    @app.get("/stats", summary="The decoding passes so far: requests per pass, waits")
+    async def stats() -> dict:
+        return service.stats()
+
+    @app.get("/figures/{name}.png", summary="positional_encoding or schedule, as PNG")
+    def figure(name: str) -> Response:
+        if name not in ("positional_encoding", "schedule"):
+            return _error(404, f"no figure {name!r}; there are positional_encoding and schedule")
+        return Response(service.figure(name), media_type="image/png")
+
+    @app.get("/", include_in_schema=False)
+    def page() -> Response:
+        return _static(static_files, "index.html")
+
+    @app.get("/static/{name}", include_in_schema=False)
+    def static(name: str) -> Response:
+        return _static(static_files, name)
+
+    return app
+
+
+class RefuseLargeBodies:
+    """413 for a body whose Content-Length is over the limit, before it is read. Plain ASGI
+    (not FastAPI's @app.middleware, which hides a client's hanging up from the endpoint)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            length = dict(scope["headers"]).get(b"content-length", b"").decode("latin-1")
+            if length.isdigit() and int(length) > self.max_bytes:
+                response = _error(413, f"request body of {length} bytes; the limit is "
+                                       f"{self.max_bytes}")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _static(files: dict[str, Path], name: str) -> Response:
+    """One of the page's own files, looked up by name (never a path from the URL)."""
+    path = files.get(name)
+    if path is None:
+        return _error(404, f"no file {name!r}")
+    return FileResponse(path, media_type=CONTENT_TYPES[path.suffix],
+                        headers={"Cache-Control": "no-cache"})
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def _validation_line(errors) -> str:
+    """Pydantic's list of errors as one line: 'body.beam: Input should be ...; ...'."""
+    parts = []
+    for error in errors:
+        where = ".".join(str(part) for part in error.get("loc", ()))
+        parts.append(f"{where}: {error.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request"
+
+
+# ---------------------------------------------------------------- the command
+def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
+          weights: str = "best", device: str | torch.device = "cpu",
+          limits: ServeLimits | None = None, engine: str = "aiayn",
+          max_tokens: int | None = None, max_wait_ms: float = MAX_WAIT_MS,
+          batching: str | None = None, lanes: str | None = None) -> None:
+    """Load the run once and serve it until interrupted (`aiayn serve`; port 0: any free
+    one). ``engine``, ``max_tokens``, ``max_wait_ms``, ``batching``, ``lanes``: see
+    ``ModelService.from_run``."""
+    check_max_wait(max_wait_ms)  # before loading, as the port below
+    if batching is not None:
+        check_batching(batching, engine)
+    check_lanes(lanes, torch.device(device),
+                batching or ("continuous" if engine == "aiayn" else "pass"))
+    sock = listening_socket(host, port)  # before loading: a busy port is one line, at once
+    service = ModelService.from_run(run_dir, weights, device, engine, max_tokens, max_wait_ms,
+                                    batching, lanes)
+    app = create_app(service, limits)
+    info = service.info
+    port = sock.getsockname()[1]
+    batcher = service.batcher
+    batching = (f"requests join the running search at its next step ({batcher.lanes} "
+                f"lane{'s' * (batcher.lanes > 1)}, {batcher.lane_kind})"
+                if batcher.continuous else "requests batched per pass")
+    print(f"aiayn serve: {info['weights']} ({info['parameters']:,} parameters, "
+          f"{info['engine']}) on {info['device']}; {batching}, up to {service.batcher.budget} "
+          f"tokens x beam, an idle server waiting up to {max_wait_ms:g} ms; open "
+          f"http://{_url_host(host)}:{port}/", flush=True)
+    try:
+        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+    finally:
+        service.close()
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port``, or an AiaynError that says why it cannot be."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise AiaynError(f"--host {host}: not an address of this machine ({exc})") from None
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise AiaynError(f"--host {host} --port {port}: cannot listen there "
+                         f"({exc.strerror or exc}); choose another --port") from None
+    return sock
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,137 @@
+"""Processes: one, or one per rank under torchrun; the device and its precision; collectives;
+seeds and RNG states. (CPU threads: aiayn.util.threads.)
+
+Every function takes the :class:`Dist` that ``setup_distributed`` returns and is a no-op
+(or the identity) in a single process, so the training loop reads the same either way.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from aiayn.errors import AiaynError
+from aiayn.util.device import choose_device
+
+
+# ---------------------------------------------------------------- processes and devices
+@dataclass
+class Dist:
+    """Where this process runs: its rank among ``world_size`` and its device."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+
+
+def setup_distributed(device: str | None = None) -> Dist:
+    """Read torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK); start the process group.
+
+    NCCL when every rank has a GPU, gloo on CPUs. ``device``: see :func:`choose_device`
+    (under torchrun, a rank's GPU is its LOCAL_RANK).
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    where = choose_device(device, local_rank)
+    if where.type == "cuda":
+        torch.cuda.set_device(where)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if where.type == "cuda" else "gloo",
+                                timeout=timedelta(minutes=30))
+    return Dist(rank, world_size, local_rank, where)
+
+
+def all_reduce_sum(value: Tensor, world: Dist) -> Tensor:
+    """The sum of ``value`` over all ranks (itself when there is one)."""
+    if world.enabled:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def gather_objects(obj: Any, world: Dist) -> list[Any]:
+    """Every rank's ``obj``, in rank order (for per-rank RNG and sampler states)."""
+    if not world.enabled:
+        return [obj]
+    out: list[Any] = [None] * world.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def max_over_ranks(value: float, world: Dist) -> float:
+    """The largest ``value`` of all ranks, on every rank (one clock for all: the training
+    time that the budget and a time-based schedule read must be the same on every rank)."""
+    if not world.enabled:
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64, device=world.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def on_main(action, world: Dist) -> None:
+    """Run ``action`` on rank 0 only; if it fails with an AiaynError, every rank raises it
+    (rather than the others waiting for rank 0 at the next collective until a timeout).
+    Rank 0 raises its own error (a DiskError keeps its path and size for the CLI's line)."""
+    error = caught = None
+    if world.is_main:
+        try:
+            action()
+        except AiaynError as exc:
+            error, caught = str(exc), exc
+    error = gather_objects(error, world)[0]
+    if caught is not None:
+        raise caught
+    if error is not None:
+        raise AiaynError(error)
+
+
+# ---------------------------------------------------------------- seeds and RNG states
+def set_seed(seed: int) -> None:
+    """Seed every generator a run uses (python, numpy, torch CPU and GPUs)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    """The RNG states as plain lists and tensors, loadable with ``weights_only=True``."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [version, list(internal), gauss],
+        "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` captured."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,324 @@
+"""Prepared data: identical files on a second run, stats, the max_len rule, length-bucketed
+token-budget batches (padding, sharding, exact resume), collate, and `aiayn prepare`."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import snapshot, toy_tsv
+
+from aiayn.cli import main
+from aiayn.config import Config, DataConfig
+from aiayn.data.batching import Example, TokenBatchSampler, collate, length_multiple, token_batches
+from aiayn.data.prepare import percentiles, prepare
+from aiayn.data.prepared import encode_split, load_prepared, read_split, sample_batch
+from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_tokenizers
+from aiayn.errors import AiaynError
+
+WORDS = ("el la casa perro gato sol mar grande rojo azul come ve y un viejo niño "
+         "está allí también árbol canción").split()
+
+
+def toy_cfg(path: Path, **changes) -> DataConfig:
+    settings = {"corpus": f"tsv:{path}", "vocab_size": 100, "min_frequency": 1,
+                "dev_fraction": 0.05, "test_fraction": 0.05}
+    return DataConfig(**{**settings, **changes})
+
+
+# ------------------------------------------------------------------ prepare
+def test_prepare_twice_gives_identical_files(tmp_path):
+    cfg = toy_cfg(toy_tsv(tmp_path / "c.tsv", WORDS))
+    prepare(cfg, tmp_path / "a", model_max_len=32, max_tokens=256)
+    prepare(cfg, tmp_path / "b", model_max_len=32, max_tokens=256)
+    a, b = snapshot(tmp_path / "a"), snapshot(tmp_path / "b")
+    ids = [f"ids/{split}.{side}.{kind}.npy" for split in ("dev", "test", "train")
+           for side in ("src", "tgt") for kind in ("ids", "offsets")]
+    assert sorted(a) == ["dev.jsonl", *ids, "stats.json", "test.jsonl", "tokenizer/joint.json",
+                         "tokenizer/meta.json", "train.jsonl"]
+    assert a == b
+
+
+def test_prepare_writes_what_load_prepared_reads(tmp_path):
+    cfg = toy_cfg(toy_tsv(tmp_path / "c.tsv", WORDS), tokenizer="wordlevel")
+    stats = prepare(cfg, tmp_path / "out", model_max_len=32, max_tokens=256)
+    prepared = load_prepared(tmp_path / "out")
+    assert [len(prepared.train), len(prepared.dev), len(prepared.test)] == [270, 15, 15]
+    assert prepared.stats == json.loads(json.dumps(stats))
+    assert prepared.tokenizers.kind == "wordlevel" and prepared.tokenizers.joint
+    first = json.loads((tmp_path / "out" / "train.jsonl").read_text().splitlines()[0])
+    assert set(first) == {"src", "tgt"} and (first["src"], first["tgt"]) == prepared.train[0]
+    assert stats["pairs"] == {"read": 300, "kept": 300, "dropped": {
+        "empty": 0, "versification": 0, "too_long": 0, "length_ratio": 0}}
+    assert stats["tokens"]["train"]["src"] == sum(len(s.split()) for s, _ in prepared.train)
+
+
+def test_tokenizer_is_trained_on_train_only(tmp_path):
+    for name, extra in (("train", ""), ("dev", "zanahoria"), ("test", "berenjena")):
+        lines = [f"{w} casa\t{w.upper()} CASA" for w in WORDS] + [f"{extra} casa\tX CASA"] * 3
+        (tmp_path / f"{name}.tsv").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    cfg = DataConfig(corpus=f"tsv:{tmp_path}/{{split}}.tsv", tokenizer="wordlevel",
+                     min_frequency=1)
+    prepare(cfg, tmp_path / "out", model_max_len=32)
+    vocab = load_prepared(tmp_path / "out").tokenizers.src.get_vocab()
+    assert "▁casa" in vocab and "▁zanahoria" not in vocab and "▁berenjena" not in vocab
+
+
+def test_load_prepared_errors(tmp_path):
+    with pytest.raises(AiaynError, match="not found"):
+        load_prepared(tmp_path / "nothing")
+    with pytest.raises(AiaynError, match="train.jsonl: missing"):
+        load_prepared(tmp_path)
+    for name in ("train", "dev", "test"):
+        (tmp_path / f"{name}.jsonl").write_text('{"src": "a", "tgt": "b"}\n')
+    with pytest.raises(AiaynError, match="stats.json: missing"):
+        load_prepared(tmp_path)
+    (tmp_path / "dev.jsonl").write_text('{"src": "a"}\n')
+    with pytest.raises(AiaynError, match="dev.jsonl: line 1"):  # read when first used
+        read_split(tmp_path / "dev.jsonl")
+
+
+def test_percentiles():
+    assert percentiles(list(range(1, 101))) == {"p50": 50, "p90": 90, "p95": 95, "p99": 99,
+                                                "p100": 100}
+    assert percentiles([7]) == {"p50": 7, "p90": 7, "p95": 7, "p99": 7, "p100": 7}
+
+
+# ------------------------------------------------------------------ the Bible, prepared
+def test_bible_stats(bible_prepared):
+    stats = json.loads((bible_prepared / "stats.json").read_text())
+    assert stats["pairs"]["read"] == 31102 and stats["pairs"]["kept"] == 30478
+    assert stats["splits"] == {"train": 29417, "dev": 371, "test": 690}
+    assert stats["tokenizer"] == {"kind": "bpe", "joint": True, "src_vocab_size": 8000,
+                                  "tgt_vocab_size": 8000, "trained_on_pairs": 29417}
+    assert stats["max_len"]["train"]["dropped_too_long"] == 0
+    assert stats["batching"]["padding_fraction"] < 0.05
+
+
+def test_bible_batches_have_little_padding(bible_prepared):
+    """The real corpus in real batches: padded size within budget, padding under 5%."""
+    prepared = load_prepared(bible_prepared)
+    examples, counts = encode_split(prepared.train, prepared.tokenizers, 256, "drop")
+    assert counts["kept"] == len(prepared.train)
+    sampler = TokenBatchSampler([len(e.src) for e in examples], [len(e.tgt) for e in examples],
+                                4096, seed=1)
+    real = padded = 0
+    for positions in sampler:
+        batch = collate([examples[i] for i in positions])
+        assert len(positions) * max(batch.src.size(1), batch.tgt_in.size(1) + 1) <= 4096
+        real += int((batch.src != PAD_ID).sum()) + int((batch.tgt_out != PAD_ID).sum())
+        padded += batch.src.numel() + batch.tgt_out.numel()
+    assert 1 - real / padded < 0.05
+    assert sampler.padding_stats()["padding_fraction"] < 0.05
+
+
+# ------------------------------------------------------------------ encode_split
+@pytest.fixture(scope="module")
+def toy_tokenizers():
+    pairs = [(" ".join(WORDS[: i % len(WORDS) + 1]), " ".join(WORDS[: i % 7 + 1]).upper())
+             for i in range(60)]
+    return train_tokenizers(pairs, DataConfig(tokenizer="wordlevel", min_frequency=1))
+
+
+def test_encode_split_drops_long_pairs_and_counts_them(toy_tokenizers):
+    pairs = [("el la casa", "EL"), (" ".join(WORDS[:12]), "LA"), ("sol", " ".join(WORDS[:9]))]
+    examples, counts = encode_split(pairs, toy_tokenizers, 8, "drop")
+    assert counts == {"pairs": 3, "kept": 1, "dropped_too_long": 2, "truncated": 0}
+    assert [e.index for e in examples] == [0]
+    assert examples[0].src[-1] == EOS_ID and examples[0].tgt[0] == BOS_ID
+
+
+def test_encode_split_truncates_keeping_eos(toy_tokenizers):
+    pairs = [("el la casa", "EL"), (" ".join(WORDS[:12]), " ".join(WORDS[:12]).upper())]
+    examples, counts = encode_split(pairs, toy_tokenizers, 8, "truncate")
+    assert counts == {"pairs": 2, "kept": 2, "dropped_too_long": 0, "truncated": 1}
+    long = examples[1]
+    assert len(long.src) == len(long.tgt) == 8 and long.index == 1
+    assert long.src[-1] == EOS_ID and long.tgt[0] == BOS_ID and long.tgt[-1] == EOS_ID
+    assert long.src[:7] == toy_tokenizers.encode_src([pairs[1][0]])[0][:7]
+
+
+def test_bad_long_policy(toy_tokenizers):
+    with pytest.raises(AiaynError, match="data.long_policy"):
+        encode_split([("a", "b")], toy_tokenizers, 8, "wrap")
+
+
+# ------------------------------------------------------------------ TokenBatchSampler
+def random_lengths(n: int, seed: int = 0) -> tuple[list[int], list[int]]:
+    rng = random.Random(seed)
+    src = [rng.randint(2, 60) for _ in range(n)]
+    tgt = [max(3, s + rng.randint(-8, 8)) for s in src]
+    return src, tgt
+
+
+def test_batches_respect_the_budget_and_cover_every_example_once():
+    src, tgt = random_lengths(1000)
+    sampler = TokenBatchSampler(src, tgt, max_tokens=500, seed=3)
+    batches = list(sampler)
+    assert len(batches) == len(sampler)
+    for batch in batches:
+        assert len(batch) * max(max(src[i], tgt[i]) for i in batch) <= 500
+    flat = [i for batch in batches for i in batch]
+    assert sorted(flat) == list(range(1000))
+
+
+def test_epochs_shuffle_batch_order_not_contents():
+    src, tgt = random_lengths(500)
+    sampler = TokenBatchSampler(src, tgt, max_tokens=400, seed=3)
+    first, second = list(sampler), list(sampler)  # the iterator moves to epoch 1 by itself
+    assert sampler.epoch == 2
+    assert first != second and sorted(map(tuple, first)) == sorted(map(tuple, second))
+    again = TokenBatchSampler(src, tgt, max_tokens=400, seed=3)
+    assert list(again) == first  # same seed, same epoch: same order
+    other_seed = TokenBatchSampler(src, tgt, max_tokens=400, seed=4)
+    assert list(other_seed) != first
+    ordered = TokenBatchSampler(src, tgt, max_tokens=400, shuffle=False)
+    widths = [max(max(src[i], tgt[i]) for i in b) for b in ordered]
+    assert widths == sorted(widths)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 7])
+def test_sharding_sees_every_example_once_with_equal_batch_counts(world_size):
+    src, tgt = random_lengths(997, seed=world_size)
+    samplers = [TokenBatchSampler(src, tgt, max_tokens=700, seed=5, rank=r,
+                                  world_size=world_size) for r in range(world_size)]
+    for epoch in (0, 1):
+        per_rank = []
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+            per_rank.append(list(sampler))
+        assert len({len(batches) for batches in per_rank}) == 1
+        assert all(len(b) == len(s) for b, s in zip(per_rank, samplers, strict=True))
+        flat = [i for batches in per_rank for batch in batches for i in batch]
+        assert sorted(flat) == list(range(997))
+        for batches in per_rank:
+            for batch in batches:
+                assert len(batch) * max(max(src[i], tgt[i]) for i in batch) <= 700
+
+
+def test_sharding_splits_batches_until_the_count_divides():
+    src, tgt = [10] * 30, [10] * 30  # 3 batches of 10 at max_tokens=100
+    assert len(TokenBatchSampler(src, tgt, 100)) == 3
+    samplers = [TokenBatchSampler(src, tgt, 100, rank=r, world_size=4) for r in range(4)]
+    assert [len(s) for s in samplers] == [1, 1, 1, 1]
+    assert sorted(i for s in samplers for b in s for i in b) == list(range(30))
+    with pytest.raises(AiaynError, match="cannot"):
+        TokenBatchSampler([5, 5], [5, 5], 100, rank=0, world_size=3)
+
+
+def test_resume_continues_exactly():
+    src, tgt = random_lengths(800)
+    full = TokenBatchSampler(src, tgt, 300, seed=9)
+    epoch0, epoch1 = list(full), list(full)
+
+    sampler = TokenBatchSampler(src, tgt, 300, seed=9)
+    sampler.set_epoch(0)
+    it = iter(sampler)
+    seen = [next(it) for _ in range(5)]
+    state = sampler.state_dict()
+    assert state["epoch"] == 0 and state["batches_yielded"] == 5
+
+    resumed = TokenBatchSampler(src, tgt, 300, seed=9)
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    resumed.set_epoch(0)  # a training loop's usual call keeps the restored position
+    assert seen + list(resumed) == epoch0
+    resumed.set_epoch(1)
+    assert list(resumed) == epoch1
+
+
+def test_resume_refuses_another_layout():
+    src, tgt = random_lengths(300)
+    state = TokenBatchSampler(src, tgt, 300).state_dict()
+    with pytest.raises(AiaynError, match="world_size"):
+        TokenBatchSampler(src, tgt, 300, rank=0, world_size=2).load_state_dict(state)
+
+
+def test_example_longer_than_the_budget_is_refused_up_front():
+    with pytest.raises(AiaynError, match="train.max_tokens=50"):
+        TokenBatchSampler([10, 60], [10, 10], 50)
+
+
+# ------------------------------------------------------------------ collate
+def test_collate_pads_and_shifts():
+    examples = [Example([5, 6, 7, EOS_ID], [BOS_ID, 8, 9, EOS_ID], 4),
+                Example([5, EOS_ID], [BOS_ID, 8, 9, 10, 11, EOS_ID], 7)]
+    batch = collate(examples)
+    assert batch.src.tolist() == [[5, 6, 7, EOS_ID], [5, EOS_ID, PAD_ID, PAD_ID]]
+    assert batch.tgt_in.tolist() == [[BOS_ID, 8, 9, PAD_ID, PAD_ID],
+                                     [BOS_ID, 8, 9, 10, 11]]
+    assert batch.tgt_out.tolist() == [[8, 9, EOS_ID, PAD_ID, PAD_ID],
+                                      [8, 9, 10, 11, EOS_ID]]
+    assert batch.n_tokens == 8 and batch.index.tolist() == [4, 7]
+    assert batch.src.dtype == batch.tgt_in.dtype == batch.index.dtype == torch.long
+    assert len(batch) == 2 and batch.to("cpu").src.equal(batch.src)
+
+
+def test_collate_rounds_lengths_up_to_a_multiple_with_padding_only():
+    examples = [Example([5, 6, 7, EOS_ID], [BOS_ID, 8, 9, EOS_ID], 4),
+                Example([5, EOS_ID], [BOS_ID, 8, 9, 10, 11, EOS_ID], 7)]
+    plain, padded = collate(examples), collate(examples, multiple=16)
+    assert padded.src.shape == padded.tgt_in.shape == padded.tgt_out.shape == (2, 16)
+    for name in ("src", "tgt_in", "tgt_out"):
+        a, b = getattr(plain, name), getattr(padded, name)
+        assert b[:, : a.size(1)].equal(a) and (b[:, a.size(1):] == PAD_ID).all()
+    assert padded.n_tokens == plain.n_tokens == 8
+    # a length already on the multiple is left as it is
+    assert collate(examples, multiple=4).src.shape == (2, 4)
+    assert length_multiple(bf16=False) == 1 and length_multiple(bf16=True) % 8 == 0
+
+
+def test_sample_batch(tmp_path):
+    cfg = toy_cfg(toy_tsv(tmp_path / "c.tsv", WORDS), vocab_size=60)
+    prepare(cfg, tmp_path / "out", model_max_len=64)
+    config = Config()
+    config.model.src_vocab_size = config.model.tgt_vocab_size = 60
+    batch = sample_batch(tmp_path / "out", config, 3)
+    dev = load_prepared(tmp_path / "out").dev
+    assert batch.src.size(0) == 3 and batch.index.tolist() == [0, 1, 2]
+    tok = load_prepared(tmp_path / "out").tokenizers
+    assert tok.decode_tgt(batch.tgt_out.tolist()) == [t for _, t in dev[:3]]
+    config.model.src_vocab_size = 32
+    with pytest.raises(AiaynError, match="model.src_vocab_size"):
+        sample_batch(tmp_path / "out", config, 3)
+
+
+# ------------------------------------------------------------------ aiayn prepare
+def test_cli_prepare(tmp_path, capsys):
+    path = toy_tsv(tmp_path / "c.tsv", WORDS)
+    code = main(["prepare", "--corpus", f"tsv:{path}", "--out", str(tmp_path / "out"),
+                 "--vocab-size", "80", "--tokenizer", "wordlevel",
+                 "--set", "data.min_frequency=1", "--set", "model.max_len=32"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "read 300, kept 300" in out and "train 294, dev 3, test 3" in out
+    assert "wordlevel" in out and "padding" in out
+    stats = json.loads((tmp_path / "out" / "stats.json").read_text())
+    assert stats["data_config"]["vocab_size"] == 80
+    assert stats["max_len"]["model_max_len"] == 32
+
+
+def test_cli_prepare_errors_are_one_line(tmp_path, capsys):
+    assert main(["prepare", "--corpus", "nope:x", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("aiayn: error: unknown corpus spec") and err.count("\n") == 1
+    assert main(["prepare", "--corpus", f"tsv:{tmp_path}/missing.tsv",
+                 "--out", str(tmp_path)]) == 2
+    assert "file not found" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("x")
+    assert main(["prepare", "--corpus", f"tsv:{toy_tsv(tmp_path / 'c.tsv', WORDS)}",
+                 "--out", str(tmp_path / "a-file")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
+def test_token_batches_cover_every_sentence_once_within_the_padded_budget():
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 30) for _ in range(200)] + [100]
+    batches = token_batches(lengths, max_tokens=120, copies=2)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for batch in batches:
+        longest = max(lengths[i] for i in batch)
+        assert len(batch) == 1 or len(batch) * longest * 2 <= 120
+    assert [len(b) for b in batches if lengths[b[0]] == 100] == [1]

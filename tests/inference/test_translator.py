@@ -1,0 +1,475 @@
+"""Run directory -> translations: load_run, Translator, `aiayn translate|evaluate|average`.
+
+The fixture is a real (tiny) run directory written with the public APIs: a word-level
+tokenizer, a model trained for a few seconds to copy its input, config.yaml, best/last
+weights, step checkpoints and a prepared data directory.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import random_sentence, run_cli
+from safetensors.torch import save_file
+
+from aiayn.config import DataConfig, DecodeConfig, ModelConfig, load_config, save_config
+from aiayn.data.batching import pad
+from aiayn.data.tokenizer import EOS_ID, train_tokenizers
+from aiayn.errors import AiaynError
+from aiayn.inference.search import Sampling, greedy_decode
+from aiayn.inference.translator import (
+    Translator,
+    TruncationWarning,
+    truncate_source,
+)
+from aiayn.model import Transformer
+from aiayn.runs.checkpoint import average_checkpoints, read_metadata, read_weights, save_weights
+from aiayn.runs.directory import load_run, load_run_config
+
+
+@pytest.fixture(scope="module")
+def translator(run_dir) -> Translator:
+    return Translator.from_pretrained(run_dir)
+
+
+def copy_of(run_dir: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "run"
+    shutil.copytree(run_dir, target)
+    return target
+
+
+# ---------------------------------------------------------------- load_run
+def test_load_run_returns_the_saved_model_in_eval_mode(run_dir):
+    config, model, tokenizers = load_run(run_dir)
+    assert not model.training
+    assert config.model.tgt_vocab_size == tokenizers.tgt_vocab_size == model.cfg.tgt_vocab_size
+    saved = read_weights(run_dir / "best.safetensors")
+    for name, tensor in saved.items():
+        assert torch.equal(model.state_dict()[name], tensor)
+
+
+@pytest.mark.parametrize("missing, message", [
+    ("config.yaml", "no config.yaml"),
+    ("tokenizer", "no tokenizer/"),
+    ("best.safetensors", "no weights 'best'"),
+])
+def test_load_run_names_the_missing_piece(run_dir, tmp_path, missing, message):
+    run = copy_of(run_dir, tmp_path)
+    target = run / missing
+    shutil.rmtree(target) if target.is_dir() else target.unlink()
+    with pytest.raises(AiaynError, match=message):
+        load_run(run)
+
+
+def test_load_run_lists_the_weights_there_are(run_dir, tmp_path):
+    run = copy_of(run_dir, tmp_path)
+    (run / "best.safetensors").unlink()
+    with pytest.raises(AiaynError, match="available: last"):
+        load_run(run)
+    assert load_run(run, "last")[1] is not None
+    assert load_run(run, str(run / "last.safetensors"))[1] is not None
+
+
+def test_load_run_refuses_a_tokenizer_of_another_vocabulary(run_dir, tmp_path):
+    run = copy_of(run_dir, tmp_path)
+    other = train_tokenizers([("one two three", "one two three")],
+                             DataConfig(tokenizer="wordlevel", vocab_size=100, min_frequency=1))
+    shutil.rmtree(run / "tokenizer")
+    other.save(run / "tokenizer")
+    with pytest.raises(AiaynError, match="does not belong to these weights"):
+        load_run(run)
+
+
+def test_load_run_refuses_weights_of_another_model(run_dir, tmp_path):
+    run = copy_of(run_dir, tmp_path)
+    config, model, _ = load_run(run)
+    bigger = Transformer(ModelConfig(**{**vars(config.model), "d_model": 64}))
+    save_weights(bigger, run / "best.safetensors")
+    with pytest.raises(AiaynError, match="model.d_model=64 but the config says model.d_model=32"):
+        load_run(run)
+
+
+def test_load_run_refuses_a_config_edited_after_training(run_dir, tmp_path):
+    """n_heads 4 -> 2 keeps every tensor's shape: only the stored architecture tells."""
+    run = copy_of(run_dir, tmp_path)
+    config = load_run(run)[0]
+    text = (run / "config.yaml").read_text(encoding="utf-8")
+    (run / "config.yaml").write_text(text.replace(f"n_heads: {config.model.n_heads}",
+                                                  f"n_heads: {config.model.n_heads // 2}"))
+    with pytest.raises(AiaynError, match=f"model.n_heads={config.model.n_heads} but the config "
+                                         f"says model.n_heads={config.model.n_heads // 2}"):
+        load_run(run)
+
+
+def test_non_finite_weights_are_refused_on_load(run_dir, tmp_path):
+    run = copy_of(run_dir, tmp_path)
+    tensors = read_weights(run / "best.safetensors")
+    name = next(iter(tensors))
+    tensors[name][0] = float("nan")
+    metadata = read_metadata(run / "best.safetensors")
+    save_file(tensors, str(run / "best.safetensors"), metadata=metadata)
+    with pytest.raises(AiaynError, match=f"{name} holds NaN or infinite values"):
+        load_run(run)
+
+
+def test_a_missing_run_directory_is_one_clear_error(tmp_path):
+    with pytest.raises(AiaynError, match="run directory not found"):
+        load_run(tmp_path / "nope")
+
+
+# ---------------------------------------------------------------- Translator
+def test_the_copy_model_translates_by_copying(translator):
+    rng = random.Random(7)
+    sentences = [random_sentence(rng) for _ in range(30)]
+    for beam in (1, 4):
+        out = translator.translate(sentences, beam=beam)
+        assert sum(o == s for o, s in zip(out, sentences)) >= 27
+
+
+def test_translations_keep_the_input_order_whatever_the_batching(translator):
+    rng = random.Random(3)
+    sentences = [random_sentence(rng, longest=10) for _ in range(25)]
+    together = translator.translate(sentences, beam=3)
+    alone = [translator.translate([s], beam=3)[0] for s in sentences]
+    small = Translator(translator.model, translator.tokenizers, max_tokens=40)
+    assert small.translate(sentences, beam=3) == together == alone
+
+
+def test_beam_one_translates_like_greedy_search(translator):
+    sentences = ["red sun", "moon tree river blue", "star"]
+    src = pad(translator.tokenizers.encode_src(sentences))
+    greedy = translator.tokenizers.decode_tgt(greedy_decode(translator.model, src))
+    assert translator.translate(sentences, beam=1) == greedy
+    assert [h[0][0] for h in translator.translate_nbest(sentences, beam=1)] == greedy
+
+
+def test_a_translator_without_tokenizers_decodes_ids_as_one_with_them(translator):
+    """decode_ids takes token ids, so it needs no tokenizers: the same hypotheses, and a
+    beam wider than the target vocabulary refused all the same (the model says its size)."""
+    sources = translator.tokenizers.encode_src(["red sun", "moon tree river blue", "star"])
+    bare = Translator(translator.model, tokenizers=None)
+    assert bare.decode_ids(sources, beam=3, nbest=2) == translator.decode_ids(sources, beam=3,
+                                                                              nbest=2)
+    vocab = translator.model.cfg.tgt_vocab_size
+    for t in (bare, translator):
+        with pytest.raises(AiaynError, match=f"at most {min(vocab, t.max_tokens // 2)}"):
+            t.decode_ids(sources, beam=vocab + 1)
+
+
+def test_empty_sentences_give_empty_translations_without_decoding(translator):
+    out = translator.translate(["", "red sun", "   ", "moon"], beam=2)
+    assert out[0] == "" and out[2] == ""
+    assert out[1:4:2] == translator.translate(["red sun", "moon"], beam=2)
+    assert translator.last_stats.sentences == 2
+    assert translator.translate([]) == []
+
+
+def test_a_sentence_longer_than_max_len_is_truncated_with_a_warning(translator):
+    max_len = translator.model.cfg.max_len
+    long = " ".join(["red", "green"] * max_len)
+    with pytest.warns(TruncationWarning, match="1 sentence"):
+        out = translator.translate([long, "sun"], beam=2)
+    assert len(out[0].split()) <= max_len - 1
+    assert translator.last_stats.truncated == 1
+    assert truncate_source([5] * 20 + [EOS_ID], 16) == [5] * 15 + [EOS_ID]
+
+
+def test_nbest_gives_distinct_scored_hypotheses_best_first(translator):
+    sentences = ["red green blue", "", "sun"]
+    nbest = translator.translate_nbest(sentences, beam=4, nbest=3)
+    assert nbest[1] == []
+    for hyps in (nbest[0], nbest[2]):
+        assert len(hyps) == 3 and len({text for text, _ in hyps}) == 3
+        assert [s for _, s in hyps] == sorted((s for _, s in hyps), reverse=True)
+    best = [hyps[0][0] if hyps else "" for hyps in nbest]
+    assert best == translator.translate(sentences, beam=4)
+    with pytest.raises(AiaynError, match="nbest"):
+        translator.translate_nbest(sentences, beam=2, nbest=3)
+
+
+# ---------------------------------------------------------------- averaging
+def test_average_checkpoints_is_the_element_wise_mean(run_dir, tmp_path):
+    steps = sorted((run_dir / "checkpoints").glob("step_*.safetensors"))[-3:]
+    averaged = average_checkpoints(steps, tmp_path / "avg.safetensors")
+    loaded = read_weights(tmp_path / "avg.safetensors")
+    tensors = [read_weights(p) for p in steps]
+    for name, tensor in loaded.items():
+        expected = sum(t[name].double() for t in tensors) / 3
+        torch.testing.assert_close(tensor, expected.float())
+        assert torch.equal(tensor, averaged[name])
+
+
+def test_average_refuses_checkpoints_of_different_models(run_dir, tmp_path):
+    config, _, _ = load_run(run_dir)
+    other = Transformer(ModelConfig(**{**vars(config.model), "d_ff": 128}))
+    save_weights(other, tmp_path / "other.safetensors")
+    with pytest.raises(AiaynError, match="cannot average"):
+        average_checkpoints([run_dir / "best.safetensors", tmp_path / "other.safetensors"],
+                            tmp_path / "avg.safetensors")
+
+
+def test_average_keeps_the_output_pieces_and_refuses_files_that_differ_in_them(run_dir, tmp_path):
+    """output_vocab "targets" saves which pieces the model may output beside the weights: an
+    average keeps them as they are (not as a mean), and files of differing pieces are refused."""
+    config, _, _ = load_run(run_dir)
+    cfg = ModelConfig(**{**vars(config.model), "output_vocab": "targets"})
+    paths = []
+    for i, allowed in enumerate(([3, 5, 6, 9], [3, 5, 6, 9], [3, 5, 7])):
+        torch.manual_seed(i)
+        model = Transformer(cfg)
+        model.generator.set_outputs(torch.tensor(allowed))
+        paths.append(tmp_path / f"{i}.safetensors")
+        save_weights(model, paths[-1])
+    average_checkpoints(paths[:2], tmp_path / "avg.safetensors")
+    averaged = Transformer(cfg)
+    averaged.load_state_dict(read_weights(tmp_path / "avg.safetensors"), strict=False)
+    assert averaged.generator.output_ids.tolist() == [3, 5, 6, 9]
+    with pytest.raises(AiaynError, match="generator.output_mask differs"):
+        average_checkpoints(paths, tmp_path / "avg2.safetensors")
+
+
+# ---------------------------------------------------------------- the command line
+def test_cli_translate_keeps_order_and_empty_lines(run_dir, capsys, monkeypatch, translator):
+    lines = ["red sun", "", "moon tree river", "star"]
+    code, out, _ = run_cli(["translate", str(run_dir), "--beam", "2"], capsys,
+                           "\n".join(lines) + "\n", monkeypatch)
+    assert code == 0
+    assert out.split("\n")[:-1] == translator.translate(lines, beam=2)
+    assert out.split("\n")[1] == ""
+
+
+def test_cli_translate_files_and_nbest(run_dir, tmp_path, capsys):
+    source = tmp_path / "in.txt"
+    source.write_text("red sun\n\nstar\n", encoding="utf-8")
+    target = tmp_path / "out.txt"
+    code, _, _ = run_cli(["translate", str(run_dir), "-i", str(source), "-o", str(target),
+                          "--beam", "3", "--nbest", "2"], capsys)
+    assert code == 0
+    rows = [line.split("\t") for line in target.read_text(encoding="utf-8").splitlines()]
+    assert [r[0] for r in rows] == ["0", "0", "1", "2", "2"]
+    assert rows[2] == ["1", "", ""]
+    assert float(rows[0][1]) >= float(rows[1][1])
+
+
+def test_cli_translate_warns_about_truncation_in_one_line(run_dir, capsys, monkeypatch):
+    code, out, err = run_cli(["translate", str(run_dir), "--beam", "1"], capsys,
+                             " ".join(["sun"] * 40) + "\n", monkeypatch)
+    assert code == 0 and len(out.splitlines()) == 1
+    assert err.startswith("aiayn: warning: 1 sentence(s) longer") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--no-repeat-ngram", "-1"], "--no-repeat-ngram must be between 0 (off) and 64, got -1"),
+    (["--temperature", "0.5"], "--temperature goes with --sample"),
+    (["--sample", "--beam", "2"], "--beam is for beam search; --sample draws --nbest samples"),
+    (["--sample", "--temperature", "0"], "--temperature must be in (0, 100]"),
+    (["--sample", "--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+    (["--sample", "--top-k", "-2"], "--top-k must be 0 (every piece) or more, got -2"),
+    (["--sample", "--seed", "-1"], "--seed must be between 0 and 2**63 - 1, got -1"),
+    (["--sample", "--nbest", "65"], "--nbest (samples per sentence with --sample) must be"),
+    (["--beam", "0"], "--beam must be at least 1"),
+    (["--beam", "2", "--nbest", "3"], "--nbest must be between"),
+    (["--weights", "nope"], "no weights 'nope'"),
+    (["-i", "/nonexistent/in.txt"], "input file not found"),
+])
+def test_cli_translate_errors_are_one_line(run_dir, capsys, argv, message):
+    code, _, err = run_cli(["translate", str(run_dir), *argv], capsys)
+    assert code == 2
+    assert err.startswith("aiayn: error: ") and message in err and err.count("\n") == 1
+
+
+# ---------------------------------------------------------------- the run's search (decode)
+SEARCH_SENTENCES = ["red sun", "moon tree river", "star"]
+
+
+def with_search(run_dir: Path, tmp_path: Path, beam: int, alpha: float) -> Path:
+    """A copy of the run whose config.yaml's decode section says ``beam`` and ``alpha``."""
+    run = copy_of(run_dir, tmp_path)
+    config = load_config(run / "config.yaml")
+    config.decode = DecodeConfig(beam=beam, alpha=alpha)
+    save_config(config, run / "config.yaml")
+    return run
+
+
+def test_a_run_decodes_with_its_own_search_unless_told(run_dir, tmp_path):
+    t = Translator.from_pretrained(with_search(run_dir, tmp_path, 3, 1.5))
+    assert t.search() == (3, 1.5) and t.search(1, 0.2) == (1, 0.2) and t.search(2) == (2, 1.5)
+    # n-best scores are divided by the length penalty: alpha shows in them, the beam in
+    # how many hypotheses there can be
+    ours = t.translate_nbest(SEARCH_SENTENCES, nbest=3)
+    assert ours == t.translate_nbest(SEARCH_SENTENCES, 3, 1.5, nbest=3)
+    assert ours != t.translate_nbest(SEARCH_SENTENCES, 3, 0.6, nbest=3)
+    with pytest.raises(AiaynError, match=r"--nbest must be between 1 and the beam \(3\), got 4"):
+        t.translate_nbest(SEARCH_SENTENCES, nbest=4)
+    lines = "".join(t.translate_lines(SEARCH_SENTENCES, nbest=3))
+    assert lines == "".join(t.translate_lines(SEARCH_SENTENCES, 3, 1.5, nbest=3))
+
+
+def test_a_config_without_a_decode_section_searches_as_the_paper(run_dir, tmp_path):
+    """Runs trained before the section existed: beam 4, alpha 0.6, as they decoded then."""
+    run = copy_of(run_dir, tmp_path)
+    text = (run / "config.yaml").read_text(encoding="utf-8")
+    head, sep, _ = text.partition("decode:")
+    assert sep
+    (run / "config.yaml").write_text(head, encoding="utf-8")
+    assert load_config(run / "config.yaml").decode == DecodeConfig(beam=4, alpha=0.6)
+    assert Translator.from_pretrained(run).search() == (4, 0.6)
+
+
+def test_a_resumed_run_may_change_its_search_but_not_its_model(run_dir):
+    config = load_run_config(run_dir, ["decode.beam=6", "decode.alpha=1.0"])
+    assert config.decode == DecodeConfig(beam=6, alpha=1.0)
+    with pytest.raises(AiaynError, match="only train.\\* and decode.\\* settings can change"):
+        load_run_config(run_dir, ["model.d_model=8"])
+
+
+def test_cli_translate_and_evaluate_use_the_runs_search(run_dir, tmp_path, capsys, monkeypatch):
+    run = with_search(run_dir, tmp_path, 3, 1.5)
+    t = Translator.from_pretrained(run)
+    text = "\n".join(SEARCH_SENTENCES) + "\n"
+    code, out, _ = run_cli(["translate", str(run), "--nbest", "3"], capsys, text, monkeypatch)
+    assert code == 0
+    assert out == "".join(t.translate_lines(SEARCH_SENTENCES, 3, 1.5, nbest=3))
+    code, told, _ = run_cli(["translate", str(run), "--nbest", "3", "--alpha", "0.6"], capsys,
+                            text, monkeypatch)
+    assert code == 0 and told == "".join(t.translate_lines(SEARCH_SENTENCES, 3, 0.6, nbest=3))
+    assert told != out
+    code, out, _ = run_cli(["evaluate", str(run), "--limit", "5"], capsys)
+    assert code == 0 and "beam 3, alpha 1.5" in out
+    summary = json.loads((run / "eval" / "test.best.beam3.alpha1.5.json").read_text(
+        encoding="utf-8"))
+    assert (summary["beam"], summary["alpha"]) == (3, 1.5)
+    # the same beam with another alpha keeps its own files
+    code, _, _ = run_cli(["evaluate", str(run), "--limit", "5", "--alpha", "0.6"], capsys)
+    assert code == 0
+    names = {p.name for p in (run / "eval").iterdir()}
+    assert {"test.best.beam3.alpha0.6.txt", "test.best.beam3.alpha1.5.txt"} <= names
+    assert json.loads((run / "eval" / "test.best.beam3.alpha1.5.json").read_text(
+        encoding="utf-8"))["alpha"] == 1.5
+
+
+def test_cli_evaluate_scores_the_test_split(run_dir, tmp_path, capsys):
+    hyp = tmp_path / "hyp.txt"
+    code, out, _ = run_cli(["evaluate", str(run_dir), "--beam", "2", "-o", str(hyp)], capsys)
+    assert code == 0
+    assert "BLEU" in out and "nrefs:1|case:mixed|eff:no|tok:13a" in out
+    assert "chrF" in out and "CER" in out and "WER" in out and "sentences/s" in out
+    hypotheses = hyp.read_text(encoding="utf-8").splitlines()
+    assert len(hypotheses) == 40
+    summary = json.loads(hyp.with_suffix(".json").read_text(encoding="utf-8"))
+    assert summary["bleu"] > 80 and summary["sentences"] == 40 and summary["beam"] == 2
+
+
+def test_cli_evaluate_without_data_dir_asks_for_data(run_dir, tmp_path, capsys):
+    run = copy_of(run_dir, tmp_path)
+    (run / "data_dir.txt").unlink()
+    code, _, err = run_cli(["evaluate", str(run), "--split", "dev"], capsys)
+    assert code == 2 and "give --data" in err
+    code, out, _ = run_cli(["evaluate", str(run), "--split", "dev", "--beam", "1",
+                            "--data", str(Path(run_dir.parent, "data"))], capsys)
+    assert code == 0 and "dev: 20 sentences" in out
+    assert (run / "eval" / "dev.best.beam1.txt").is_file()
+
+
+def test_cli_average_last_n(run_dir, tmp_path, capsys):
+    out_file = tmp_path / "avg.safetensors"
+    code, out, _ = run_cli(["average", str(run_dir), "--last", "2", "-o", str(out_file)], capsys)
+    assert code == 0 and "averaged 2 checkpoints" in out
+    steps = sorted((run_dir / "checkpoints").glob("step_*.safetensors"))[-2:]
+    expected = average_checkpoints(steps, tmp_path / "direct.safetensors")
+    loaded = read_weights(out_file)
+    assert all(torch.equal(loaded[name], expected[name]) for name in expected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert Translator.from_pretrained(run_dir, weights=str(out_file)).translate(["sun"])
+    code, _, err = run_cli(["average", str(run_dir), "--last", "9", "-o", str(out_file)], capsys)
+    assert code == 2 and "holds 4" in err
+
+
+def test_the_default_batch_budget_is_a_cpus_8192_and_on_a_gpu_what_its_memory_holds(monkeypatch):
+    """max_tokens=None: 8,192 on a CPU; on a GPU a quarter of its free memory at
+    decode_bytes_per_token, between 8,192 and 2**18 (the GPU path, with its memory query
+    replaced, checked on a CPU)."""
+    from aiayn.config import ModelConfig
+    from aiayn.inference import budget
+
+    cfg = ModelConfig(d_model=256, n_decoder_layers=2, tgt_vocab_size=8000)
+    per_token = budget.decode_bytes_per_token(cfg)
+    assert budget.default_max_tokens(cfg, torch.device("cpu")) == 8192
+    gpu = torch.device("cuda")
+    for free, expected in ((2**30, 8192), (8 * 2**30, 8 * 2**30 // 4 // per_token),
+                           (80 * 2**30, 2**18)):
+        monkeypatch.setattr(budget, "memory_bytes", lambda device, free=free: free)
+        assert budget.default_max_tokens(cfg, gpu) == expected
+    assert 8192 < 8 * 2**30 // 4 // per_token < 2**18  # the middle case is the formula's
+
+
+# ---------------------------------------------------------------- the guard and sampling
+REPEATING = ["red red red sun sun", "moon tree moon tree moon", "star"]
+
+
+def test_the_guard_keeps_every_translation_free_of_repeated_ngrams(translator, run_dir,
+                                                                    tmp_path):
+    plain = translator.translate(REPEATING, beam=3)
+    assert plain[:2] == REPEATING[:2]  # the copy model copies the repeats
+    for n in (1, 2):
+        guarded = translator.translate(REPEATING, beam=3, no_repeat_ngram=n)
+        for text in guarded:
+            words = text.split()
+            assert len({tuple(words[i:i + n]) for i in range(len(words) - n + 1)}) == \
+                len(words) - n + 1
+        assert guarded[2] == plain[2]  # nothing to repeat: unchanged
+    # The run's decode.no_repeat_ngram is the default; 0 turns it off.
+    run = copy_of(run_dir, tmp_path)
+    config = load_config(run / "config.yaml")
+    config.decode = DecodeConfig(no_repeat_ngram=2)
+    save_config(config, run / "config.yaml")
+    guarded = Translator.from_pretrained(run)
+    assert guarded.translate(REPEATING, beam=3) == translator.translate(REPEATING, beam=3,
+                                                                         no_repeat_ngram=2)
+    assert guarded.translate(REPEATING, beam=3, no_repeat_ngram=0) == plain
+
+
+def test_sampling_through_the_translator_is_reproducible_for_a_seed(translator):
+    sentences = ["red green blue sun", "", "moon tree river star black"]
+    hot = Sampling(temperature=3.0, seed=5)
+    drawn = translator.translate_nbest(sentences, nbest=4, sampling=hot)
+    assert drawn == translator.translate_nbest(sentences, nbest=4, sampling=hot)
+    assert drawn[1] == [] and all(len(hyps) == 4 for hyps in (drawn[0], drawn[2]))
+    assert len({text for hyps in drawn for text, _ in hyps}) >= 4  # hot samples differ
+    assert [s for _, s in drawn[0]] == sorted((s for _, s in drawn[0]), reverse=True)
+    # Each sentence's samples are its own: alone, in another batch, the same.
+    alone = translator.translate_nbest(sentences[2:], nbest=4, sampling=hot)
+    assert alone[0] == drawn[2]
+    # Keeping only the likeliest piece is greedy search; translate gives one sample.
+    greedy = translator.translate(sentences, beam=1)
+    assert translator.translate(sentences, sampling=Sampling(top_k=1, seed=1)) == greedy
+    assert translator.translate(sentences, sampling=Sampling(top_p=1e-6)) == greedy
+    with pytest.raises(AiaynError, match="--beam is for beam search"):
+        translator.translate(sentences, beam=2, sampling=hot)
+
+
+def test_cli_translate_samples_with_a_seed(run_dir, capsys, monkeypatch, translator):
+    lines = "red green blue sun\nmoon tree river star black\n"
+    argv = ["translate", str(run_dir), "--sample", "--temperature", "3", "--top-k", "5",
+            "--nbest", "3"]
+    code, out, err = run_cli(argv, capsys, lines, monkeypatch)
+    assert code == 0 and err.startswith("aiayn: sampling with --seed ")
+    seed = err.split()[4]
+    rows = [line.split("\t") for line in out.splitlines()]
+    assert [r[0] for r in rows] == ["0"] * 3 + ["1"] * 3
+    again = run_cli([*argv, "--seed", seed], capsys, lines, monkeypatch)
+    assert again == (0, out, "")
+    expected = translator.translate_nbest(lines.splitlines(), nbest=3, sampling=Sampling(
+        temperature=3.0, top_k=5, seed=int(seed)))
+    assert [r[2] for r in rows] == [text for hyps in expected for text, _ in hyps]
+    code, out, _ = run_cli(["translate", str(run_dir), "--beam", "2", "--no-repeat-ngram",
+                            "1"], capsys, "red red sun\n", monkeypatch)
+    assert code == 0 and out == translator.translate(["red red sun"], beam=2,
+                                                     no_repeat_ngram=1)[0] + "\n"

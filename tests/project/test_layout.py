@@ -1,0 +1,128 @@
+"""The house rules of src/aiayn, as its docstrings state them: each package's ``__init__``
+(and each top-level module that has one) says in a "May import:" line which parts of aiayn
+its modules may import; the model's files depend on torch alone; a module over ~500 lines
+says why in its docstring. docs/architecture.md is drawn from the same facts."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "src" / "aiayn"
+TORCH_ALONE = ("model", "cache", "loss")  # what an export with aiayn's own code ships
+MAX_LINES = 500
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def aiayn_imports(path: Path) -> set[str]:
+    """Every aiayn module ``path`` imports, at the top or inside a function."""
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "aiayn"}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from the module's own package
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "aiayn":
+                continue
+            # `from aiayn.x import y` may name a module y
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                found.add(sub if sub in modules() else target)
+    return {name for name in found if name != "aiayn"}
+
+
+def allowed(docstring: str | None) -> list[str] | None:
+    """The dotted names after "May import:" (to the end of its paragraph); None: no rule."""
+    match = re.search(r"May import:(.*?)(?:\n\s*\n|$)", docstring or "", re.S)
+    return None if match is None else re.findall(r"aiayn(?:\.\w+)*", match[1])
+
+
+def rule_for(name: str) -> tuple[str, list[str]] | None:
+    """The rule ``name`` follows: its own docstring's (top-level modules), else its package's."""
+    mods = modules()
+    owner = name if name.count(".") == 1 and name in mods else ".".join(name.split(".")[:2])
+    rule = allowed(ast.get_docstring(ast.parse(mods[owner].read_text(encoding="utf-8"))))
+    return None if rule is None else (owner, rule)
+
+
+def test_every_package_states_what_it_owns_and_may_import():
+    for name, path in modules().items():
+        if path.name == "__init__.py" and name != "aiayn":
+            doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+            assert doc and allowed(doc) is not None, f"{name}/__init__.py has no 'May import:' line"
+
+
+def test_imports_follow_the_rules_the_docstrings_state():
+    broken = []
+    for name, path in modules().items():
+        rule = rule_for(name)
+        if rule is None:
+            continue
+        owner, may = rule
+        for target in aiayn_imports(path):
+            inside = target == owner or target.startswith(owner + ".")
+            if not inside and not any(target == m or target.startswith(m + ".") for m in may):
+                broken.append(f"{name} imports {target} (rule of {owner}: {', '.join(may) or 'nothing'})")
+    assert broken == []
+
+
+def test_the_rules_admit_no_cycle_between_packages():
+    graph: dict[str, set[str]] = {}
+    for name in modules():
+        rule = rule_for(name)
+        if rule is not None:
+            graph[rule[0]] = {m if m in modules() and m.count(".") == 1 else ".".join(m.split(".")[:2])
+                              for m in rule[1]}
+    seen: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        assert node not in path, f"cycle: {' -> '.join([*path, node])}"
+        if seen.get(node):
+            return
+        for nxt in graph.get(node, ()):
+            visit(nxt, [*path, node])
+        seen[node] = 1
+
+    for node in graph:
+        visit(node, [])
+
+
+def test_the_model_files_depend_on_torch_alone():
+    stdlib = set(sys.stdlib_module_names)
+    for name in TORCH_ALONE:
+        tree = ast.parse((PACKAGE / f"{name}.py").read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                assert node.module in TORCH_ALONE, f"{name}.py imports .{node.module}"
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                roots = ([a.name.split(".")[0] for a in node.names] if isinstance(node, ast.Import)
+                         else [(node.module or "").split(".")[0]])
+                for root in roots:
+                    assert root in stdlib or root == "torch", f"{name}.py imports {root}"
+
+
+@pytest.mark.parametrize("name", sorted(modules()))
+def test_a_module_over_500_lines_says_why(name):
+    path = modules()[name]
+    lines = len(path.read_text(encoding="utf-8").splitlines())
+    if lines > MAX_LINES:
+        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+        assert "500" in doc, f"{name}: {lines} lines and no word in its docstring on why"
