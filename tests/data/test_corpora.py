@@ -14,14 +14,14 @@ from helpers import first_pass, stream_pairs
 
 from aiayn.config import DataConfig
 from aiayn.data import corpora
-from aiayn.data.corpora import (
+from aiayn.data.bible import (
     BIBLE_DEV_BOOKS,
     BIBLE_TEST_BOOKS,
-    SPEC_FORMS,
     clean_osis,
     parse_bible_spec,
     read_bible_pairs,
 )
+from aiayn.data.corpora import SPEC_FORMS
 from aiayn.errors import AiaynError
 
 GENESIS_1_1 = "In the beginning, God created the heavens and the earth."
