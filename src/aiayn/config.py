@@ -10,6 +10,12 @@ A config file has four sections, one per dataclass::
 Every section is optional (its defaults apply). Unknown keys and impossible values are
 refused with a message that names the setting and the file. Values can be overridden from
 the command line with ``--set section.key=value`` (the value is parsed as YAML).
+
+At over 500 lines this module stays one file on purpose: every key, its default, its
+meaning and its allowed range (``RANGES``, ``CHOICES``) stand in one place, the one that
+docs/configuration.md is generated from; split by section, a check that spans sections
+(``train.max_tokens`` against ``model.max_len``, ``decode.alignment_layer`` against the
+model's layers) would have no home.
 """
 
 from __future__ import annotations

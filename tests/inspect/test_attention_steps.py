@@ -14,7 +14,7 @@ from PIL import Image
 from aiayn.cli import main
 from aiayn.inference.attention import sentence_attention
 from aiayn.inference.translator import Translator
-from aiayn.inspect import plots
+from aiayn.inspect import attention_plots
 from aiayn.inspect.attention_steps import attention_over_steps
 from aiayn.model import Transformer
 from aiayn.runs.checkpoint import load_weights
@@ -57,12 +57,12 @@ def test_each_step_is_the_attention_of_its_weights_loaded_by_hand(run_dir, steps
 
 
 def test_the_strip_has_a_panel_per_step_in_order(steps_att):
-    panels = plots.drawn_panels(plots.attention_steps_figure(steps_att))
+    panels = attention_plots.drawn_panels(attention_plots.attention_steps_figure(steps_att))
     assert [title for title, _ in panels] == ["step 100", "step 200", "step 300", "step 400",
                                               "last weights"]
     for (_, drawn), maps in zip(panels, steps_att.maps, strict=True):
         np.testing.assert_allclose(drawn, maps.mean(axis=0), atol=1e-6)  # mean of the heads
-    one_head = plots.drawn_panels(plots.attention_steps_figure(steps_att, head=2))
+    one_head = attention_plots.drawn_panels(attention_plots.attention_steps_figure(steps_att, head=2))
     np.testing.assert_allclose(one_head[1][1], steps_att.maps[1][2])
 
 
@@ -79,7 +79,7 @@ def test_dev_bleu_of_the_step_is_in_its_title(run_dir, tmp_path):
         json.dumps({"kind": "dev", "step": 200, "bleu": 12.34, "dev_loss": 1.0}) + "\n")
     att = attention_over_steps(run, SENTENCE)
     assert att.bleu == [None, 12.34, None, None, None]
-    titles = [t for t, _ in plots.drawn_panels(plots.attention_steps_figure(att))]
+    titles = [t for t, _ in attention_plots.drawn_panels(attention_plots.attention_steps_figure(att))]
     assert titles[1] == "step 200\ndev BLEU 12.3"
 
 
@@ -130,8 +130,8 @@ def test_many_steps_are_rows_of_panels_in_reading_order(steps_att):
     eight = dataclasses.replace(steps_att, steps=list(range(100, 900, 100)),
                                 maps=[steps_att.maps[i % 5] for i in range(8)],
                                 bleu=[None] * 8)
-    fig = plots.attention_steps_figure(eight)
+    fig = attention_plots.attention_steps_figure(eight)
     panels = [ax for ax in fig.axes if ax.images]
     assert [(ax.get_subplotspec().rowspan.start, ax.get_subplotspec().colspan.start)
             for ax in panels] == [(r, c) for r in range(2) for c in range(4)]
-    assert [t for t, _ in plots.drawn_panels(fig)] == [f"step {s}" for s in range(100, 900, 100)]
+    assert [t for t, _ in attention_plots.drawn_panels(fig)] == [f"step {s}" for s in range(100, 900, 100)]

@@ -19,7 +19,7 @@ from aiayn.config import load_config
 from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from aiayn.errors import AiaynError
 from aiayn.inference.attention import capture_attention, sentence_attention
-from aiayn.inspect import plots
+from aiayn.inspect import attention_plots, plots
 from aiayn.model import Transformer, sinusoid_table
 from aiayn.runs.directory import read_metrics
 
@@ -120,9 +120,9 @@ def test_weight_forced_onto_one_key_is_drawn_in_that_column():
     queries = ["[BOS]", "el", "perro", "come"]
     keys = ["the", "dog", "eats", "meat", "[EOS]"]
     maps, expected_key = one_hot_maps(2, 3, len(queries), len(keys))
-    fig = plots.attention_figure(maps, queries, keys, title="cross")
+    fig = attention_plots.attention_figure(maps, queries, keys, title="cross")
 
-    drawn = plots.drawn_matrices(fig)
+    drawn = attention_plots.drawn_matrices(fig)
     assert drawn.shape == (2, 3, len(queries), len(keys))  # layers, heads, rows=queries, cols=keys
     panels = [ax for ax in fig.axes if ax.images]
     pixels = render(fig)
@@ -150,7 +150,7 @@ def test_weight_forced_onto_one_key_is_drawn_in_that_column():
 def test_attention_figure_refuses_labels_that_do_not_fit():
     maps, _ = one_hot_maps(1, 2, 3, 4)
     with pytest.raises(ValueError, match="queries=4, keys=3"):
-        plots.attention_figure(maps, ["a"] * 4, ["b"] * 3)  # rows and columns swapped
+        attention_plots.attention_figure(maps, ["a"] * 4, ["b"] * 3)  # rows and columns swapped
 
 
 def small_model(seed: int = 0) -> Transformer:
@@ -166,8 +166,8 @@ def test_model_maps_causal_decoder_self_attention_is_lower_triangular_in_the_pic
     with capture_attention(model) as maps:
         model(src, tgt)
     tokens = ["[BOS]", "y1", "y2", "y3"]
-    fig = plots.attention_figure([m[0] for m in maps["decoder_self"]], tokens, tokens)
-    drawn = plots.drawn_matrices(fig)
+    fig = attention_plots.attention_figure([m[0] for m in maps["decoder_self"]], tokens, tokens)
+    drawn = attention_plots.drawn_matrices(fig)
     assert drawn.shape == (2, 2, 4, 4)
     for mat in drawn.reshape(-1, 4, 4):
         np.testing.assert_array_equal(np.triu(mat, k=1), 0.0)  # no query sees a later key
@@ -198,8 +198,8 @@ def test_model_maps_padding_forces_encoder_and_cross_attention_onto_the_one_real
         model(src, tgt)
     src_tokens, tgt_tokens = ["[EOS]", "[PAD]", "[PAD]", "[PAD]"], ["[BOS]", *"abcde"]
     for kind, queries in (("encoder", src_tokens), ("cross", tgt_tokens)):
-        fig = plots.attention_figure([m[0] for m in maps[kind]], queries, src_tokens)
-        drawn = plots.drawn_matrices(fig)
+        fig = attention_plots.attention_figure([m[0] for m in maps[kind]], queries, src_tokens)
+        drawn = attention_plots.drawn_matrices(fig)
         assert drawn.shape == (2, 2, len(queries), 4)
         np.testing.assert_allclose(drawn[..., 0], 1.0, atol=1e-6)
         np.testing.assert_array_equal(drawn[..., 1:], 0.0)
@@ -240,11 +240,11 @@ def test_sentence_attention_labels_and_shapes(tmp_path):
     assert [m.shape for m in att.maps["encoder"]] == [(2, 4, 4)] * 2
     assert [m.shape for m in att.maps["decoder_self"]] == [(2, 4, 4)] * 2
     assert [m.shape for m in att.maps["cross"]] == [(2, 4, 4)] * 2
-    figures = plots.attention_figures(att)
+    figures = attention_plots.attention_figures(att)
     cross = [ax for ax in figures["cross"].axes if ax.images]
     assert tick_texts(cross[0].get_yticklabels()) == att.tgt_tokens  # rows: decoder inputs
     assert tick_texts(cross[-1].get_xticklabels()) == att.src_tokens  # columns: source
-    paths = plots.save_attention_figures(att, tmp_path / "att")
+    paths = attention_plots.save_attention_figures(att, tmp_path / "att")
     assert sorted(p.name for p in paths) == ["cross.png", "decoder_self.png", "encoder_self.png"]
     for p in paths:
         assert_png(p)
@@ -274,7 +274,7 @@ def test_trained_word_for_word_model_has_diagonal_cross_attention(trained_run):
     assert att.translation == "rojo perro come viejo pez"
     assert att.src_tokens == ["▁red", "▁dog", "▁eats", "▁old", "▁fish", "[EOS]"]
     assert att.tgt_tokens == ["[BOS]", "▁rojo", "▁perro", "▁come", "▁viejo", "▁pez"]
-    drawn = plots.drawn_matrices(plots.attention_figures(att)["cross"])
+    drawn = attention_plots.drawn_matrices(attention_plots.attention_figures(att)["cross"])
     last_layer = drawn[-1].mean(axis=0)  # (queries, keys), averaged over heads
     # Decoder input i ([BOS], rojo, ...) predicts target word i, the translation of
     # source word i: it looks at column i.
