@@ -15,7 +15,9 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import importlib
 import importlib.util
 import json
 import os
@@ -374,3 +376,75 @@ def test_the_history_check_can_fail():
     assert DIARY.search("as " + "Session" + " 12 of the issue found")
     assert DIARY.search("see " + "issue" + " #27")
     assert not DIARY.search("over all its training sessions")
+
+
+def _defined(tree: ast.AST) -> dict[str, ast.AST]:
+    """The names a module (or class) body defines: functions, classes, assignments, imports."""
+    names: dict[str, ast.AST] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names[node.name] = node
+        elif isinstance(node, ast.Assign):
+            names.update({t.id: node for t in node.targets if isinstance(t, ast.Name)})
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names[node.target.id] = node
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update({(a.asname or a.name).split(".")[0]: node for a in node.names})
+    return names
+
+
+def dotted_name_problem(name: str) -> str | None:
+    """Why ``aiayn.x.y.z`` names no module, or no attribute of one (read from the source,
+    not imported: a module's optional dependencies need not be installed); None if it does."""
+    files = generate.module_files()
+    parts = name.split(".")
+    cut = max(i for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in files)
+    module, rest = ".".join(parts[:cut]), parts[cut:]
+    scope: ast.AST = ast.parse(files[module].read_text(encoding="utf-8"))
+    for depth, attr in enumerate(rest):
+        defined = _defined(scope)
+        if attr not in defined and depth == 0 and "__getattr__" in defined:
+            # names a module loads on first use (aiayn.Translator): ask the module itself
+            if hasattr(importlib.import_module(module), attr):
+                return None
+        if attr not in defined:
+            where = ".".join([module, *rest[:depth]])
+            return f"{where} has no {attr!r}" + (" (no such module either)" if depth == 0 else "")
+        scope = defined[attr]
+        if not isinstance(scope, ast.ClassDef):  # a function's or a value's own attributes
+            break
+    return None
+
+
+def test_dotted_name_checker_finds_what_is_gone():
+    assert dotted_name_problem("aiayn.data.corpora.CorpusStream") is None
+    assert dotted_name_problem("aiayn.inference.translator.Translator.from_pretrained") is None
+    assert dotted_name_problem("aiayn.data.tokenizer") is None
+    assert "no 'decode'" in dotted_name_problem("aiayn.decode.beam_search")
+    assert "no 'nope'" in dotted_name_problem("aiayn.inference.translator.Translator.nope")
+
+
+def test_backticked_aiayn_names_resolve():
+    """Every `aiayn.x.y` in the README and docs (outside CHANGELOG.md, which keeps the names of
+    its time) is a module of the package, or a name one defines."""
+    problems = []
+    for path in (p for p in MARKDOWN if p.name != "CHANGELOG.md"):
+        for code in _inline_code(path.read_text(encoding="utf-8")):
+            for name in re.findall(r"(?<![\w./-])aiayn(?:\.\w+)+", code):
+                problem = dotted_name_problem(name)
+                if problem:
+                    problems.append(f"{rel(path)}: `{name}`: {problem}")
+    assert not problems, "\n".join(problems)
+
+
+def test_module_map_lists_every_module_and_orders_the_parts_bottom_up():
+    page = generate.module_map()
+    for path in generate.module_files().values():
+        assert f"(../{rel(path)})" in page, f"the map leaves out {rel(path)}"
+    # A cycle starts at the part with the fewest imports above it, and the map names the
+    # import that runs against the order; a part outside the cycle waits for it.
+    assert generate.bottom_up({"a": {"b"}, "b": {"a", "c"}, "c": set(), "d": {"a"}}) == [
+        "c", "a", "b", "d"]
+    assert generate.first_sentence("Prepare: a spec becomes a folder::\n\n    x") == (
+        "Prepare: a spec becomes a folder.")
+    assert generate.first_sentence("One. Two.") == "One."

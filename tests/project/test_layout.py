@@ -6,53 +6,30 @@ says why in its docstring. docs/architecture.md is drawn from the same facts."""
 from __future__ import annotations
 
 import ast
-import re
+import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[2] / "src" / "aiayn"
+ROOT = Path(__file__).resolve().parents[2]
 TORCH_ALONE = ("model", "cache", "loss")  # what an export with aiayn's own code ships
 MAX_LINES = 500
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+def _generate():
+    """docs/generate.py, whose reading of the package (modules, their imports, their rules)
+    draws docs/architecture.md's map: the rules are checked on the same facts."""
+    spec = importlib.util.spec_from_file_location("generate", ROOT / "docs" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
-
-
-def aiayn_imports(path: Path) -> set[str]:
-    """Every aiayn module ``path`` imports, at the top or inside a function."""
-    me = module_name(path)
-    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.split(".")[0] == "aiayn"}
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:  # relative: from the module's own package
-                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                target = f"{base}.{node.module}" if node.module else base
-            else:
-                target = node.module or ""
-            if target.split(".")[0] != "aiayn":
-                continue
-            # `from aiayn.x import y` may name a module y
-            for alias in node.names:
-                sub = f"{target}.{alias.name}"
-                found.add(sub if sub in modules() else target)
-    return {name for name in found if name != "aiayn"}
-
-
-def allowed(docstring: str | None) -> list[str] | None:
-    """The dotted names after "May import:" (to the end of its paragraph); None: no rule."""
-    match = re.search(r"May import:(.*?)(?:\n\s*\n|$)", docstring or "", re.S)
-    return None if match is None else re.findall(r"aiayn(?:\.\w+)*", match[1])
+generate = _generate()
+PACKAGE = generate.PACKAGE
+module_name, aiayn_imports, allowed = generate.module_name, generate.aiayn_imports, generate.may_import
+modules = generate.module_files
 
 
 def rule_for(name: str) -> tuple[str, list[str]] | None:
