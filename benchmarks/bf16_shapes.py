@@ -23,7 +23,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from common import device_description
+from common import add_repeats_option, add_threads_option, device_description, script_parser
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,11 +59,11 @@ def one_arm(data_dir: str, multiple: int, steps: int, threads: int, precision: s
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = script_parser(__doc__)
     parser.add_argument("--data", required=True, help="a prepared data directory")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    add_repeats_option(parser, 3, "--reps")
+    add_threads_option(parser, 2)
     parser.add_argument("--multiple", type=int, nargs="+", default=[8, 16],
                         help="the padded arms' multiples (each against exact lengths)")
     parser.add_argument("--precision", choices=("true", "false"), default="true",

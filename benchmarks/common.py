@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks: the device, realistic batches, interleaved timing, tables.
+"""Helpers shared by the benchmarks: their options, the device and its load, realistic
+batches, interleaved timing, tables.
 
 The machine these benchmarks run on is usually shared, so a single timing means little.
 Every comparison here is A/B *interleaved*: in each repetition the contenders run one after
@@ -9,6 +10,8 @@ with the ratio between contenders, which is what the benchmarks claim.
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import os
 import statistics
@@ -27,6 +30,69 @@ from aiayn.util.device import cpu_model  # noqa: F401  (the benchmarks name thei
 FIRST_REAL_ID = 4  # ids below are [PAD] [UNK] [BOS] [EOS] (docs/interfaces.md)
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------- options
+# The options several scripts take, defined once so that they read and default alike.
+
+
+def script_parser(doc: str) -> argparse.ArgumentParser:
+    """A script's parser, described by the first paragraph of its docstring."""
+    return argparse.ArgumentParser(description=doc.split("\n\n")[0])
+
+
+def add_run_options(p: argparse.ArgumentParser, required: bool = True,
+                    split: bool = True) -> None:
+    """--run-dir and --weights (a trained run, read only); with ``split``, --split and
+    --limit: which sentences of its prepared data (``run_pairs``)."""
+    p.add_argument("--run-dir", required=required,
+                   help="a trained run (read only)" if required else
+                   "use this trained run (and its test split) instead")
+    p.add_argument("--weights", default="best")
+    if split:
+        p.add_argument("--split", default="test", choices=["test", "dev"])
+        p.add_argument("--limit", type=int, default=0,
+                       help="only the first N sentences (0: all)")
+
+
+def add_search_options(p: argparse.ArgumentParser, alpha: bool = True) -> None:
+    """--beam, --alpha and --max-tokens, at the paper's search and aiayn's CPU budget."""
+    p.add_argument("--beam", type=int, default=4)
+    if alpha:
+        p.add_argument("--alpha", type=float, default=0.6)
+    p.add_argument("--max-tokens", type=int, default=8192, help="batch budget (x beam)")
+
+
+def add_threads_option(p: argparse.ArgumentParser, default: int = 0,
+                       help: str = "torch threads (0: torch's default)") -> None:
+    p.add_argument("--threads", type=int, default=default, help=help)
+
+
+def add_repeats_option(p: argparse.ArgumentParser, default: int, flag: str = "--repeats",
+                       help: str = "interleaved repetitions (the figures are their median)"
+                       ) -> None:
+    p.add_argument(flag, type=int, default=default, help=help)
+
+
+def add_json_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", metavar="PATH",
+                   help="also write the table as JSON (headers, rows, conditions) to PATH")
+
+
+def run_pairs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The (source, reference) pairs of ``args.split`` of the run's prepared data, the first
+    ``args.limit`` of them where it is set."""
+    from aiayn.data.prepared import load_prepared
+    from aiayn.runs.directory import read_data_dir
+
+    pairs = load_prepared(read_data_dir(args.run_dir)).split(args.split)
+    return pairs[: args.limit] if args.limit > 0 else pairs
+
+
+def set_threads(threads: int) -> None:
+    """torch's intra-op threads; 0 leaves torch's default."""
+    if threads:
+        torch.set_num_threads(threads)
 
 
 # --------------------------------------------------------------------------- the device
@@ -51,6 +117,26 @@ def device_description() -> str:
         f"({torch.get_num_threads()} threads, capability {torch.backends.cpu.get_cpu_capability()}), "
         f"flags: {' '.join(isa) or 'n/a'}"
     )
+
+
+def load_average() -> float:
+    """The machine's load average over the last minute (0 where the system has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
+
+
+def note_load(quiet_below: float = 0.5) -> float:
+    """Print the load average before timing, with a word on what a busy machine does to the
+    figures; returns it, for the conditions of the results."""
+    load = load_average()
+    print(f"load average (1 min) before: {load:.2f} on {os.cpu_count()} CPUs", flush=True)
+    if load > quiet_below:
+        print("  note: other processes are running. With 2 OpenMP threads a busy CPU slows "
+              "small ops far more than matmuls; compare ratios, rerun on a quiet machine, "
+              "or try --threads 1.", flush=True)
+    return load
 
 
 # --------------------------------------------------------------------------- batches
@@ -240,3 +326,17 @@ def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(align) + " |"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def print_table(headers: list[str], rows: list[list[str]], conditions: str,
+                json_path: str | None = None) -> None:
+    """Print a script's result: its conditions, then the table; with ``json_path`` (the
+    script's --json) also write both there, with the device, as JSON."""
+    print(conditions)
+    print()
+    print(markdown_table(headers, rows))
+    if json_path:
+        record = {"conditions": conditions, "device": device_description(),
+                  "headers": headers, "rows": rows}
+        Path(json_path).write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n",
+                                   encoding="utf-8")

@@ -27,7 +27,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_model  # noqa: E402  (benchmarks/ is not a package)
+from common import (  # noqa: E402  (benchmarks/ is not a package)
+    add_json_option,
+    add_repeats_option,
+    add_run_options,
+    add_search_options,
+    add_threads_option,
+    cpu_model,
+    note_load,
+    print_table,
+    script_parser,
+    set_threads,
+)
 
 from aiayn.config import load_config
 from aiayn.data.batching import pad
@@ -40,19 +51,18 @@ from aiayn.runs.directory import load_run, read_data_dir
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = script_parser(__doc__)
     p.add_argument("--config", default="configs/small.yaml",
                    help="model sizes for the random model (default: configs/small.yaml)")
-    p.add_argument("--run-dir", help="use this trained run (and its test split) instead")
-    p.add_argument("--weights", default="best")
+    add_run_options(p, required=False, split=False)
     p.add_argument("--sentences", type=int, default=100)
     p.add_argument("--min-len", type=int, default=10, help="random source length range")
     p.add_argument("--max-len", type=int, default=40)
-    p.add_argument("--beam", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--max-tokens", type=int, default=8192, help="batch budget (x beam)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    add_search_options(p, alpha=False)
+    add_repeats_option(p, 3)
+    add_threads_option(p)
     p.add_argument("--seed", type=int, default=0)
+    add_json_option(p)
     return p.parse_args(argv)
 
 
@@ -104,9 +114,9 @@ def methods(model: Transformer, sources: list[list[int]], beam: int, max_tokens:
     }
 
 
-def run(args) -> str:
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def run(args) -> None:
+    set_threads(args.threads)
+    note_load()
     model, sources, what = trained_setup(args) if args.run_dir else random_setup(args)
     table = methods(model, sources, args.beam, args.max_tokens)
     times: dict[str, list[float]] = {name: [] for name in table}
@@ -120,8 +130,8 @@ def run(args) -> str:
             times[name].append(time.perf_counter() - start)
             print(f"  rep {rep + 1}: {name}: {times[name][-1]:.2f} s", file=sys.stderr)
     tokens = {name: sum(len(ids) + 1 for ids in out) for name, out in outputs.items()}
-    table = format_table(times, tokens, len(sources), names, what, args)
-    return table + "\n" + compare_outputs(outputs, names) + "."
+    report(times, tokens, len(sources), names, what, args)
+    print(compare_outputs(outputs, names) + ".")
 
 
 def compare_outputs(outputs: dict[str, list[list[int]]], names: list[str]) -> str:
@@ -138,26 +148,22 @@ def compare_outputs(outputs: dict[str, list[list[int]]], names: list[str]) -> st
     return "; ".join(notes) or "every method produced the same tokens as its baseline"
 
 
-def format_table(times, tokens, n_sentences, names, what, args) -> str:
+def report(times, tokens, n_sentences, names, what, args) -> None:
     half = len(names) // 2
-    cpu = cpu_model()
-    lines = [
-        f"{n_sentences} sentences, {what}; {cpu}, {torch.get_num_threads()} torch threads, "
-        f"torch {torch.__version__}; median of {args.repeats} interleaved repetitions.",
-        "",
-        "| decoding | median time (s) | sentences/s | tokens/s | speed-up |",
-        "|---|---:|---:|---:|---:|",
-    ]
+    rows = []
     for i, name in enumerate(names):
         baseline = statistics.median(times[names[0 if i < half else half]])
         t = statistics.median(times[name])
-        lines.append(f"| {name} | {t:.2f} | {n_sentences / t:.1f} | {tokens[name] / t:.0f} | "
-                     f"{baseline / t:.1f}x |")
-    lines.append("")
-    lines.append("Speed-up: against the same search at batch 1 recomputing the prefix. "
-                 "Tokens: generated tokens, EOS included.")
-    return "\n".join(lines)
+        rows.append([name, f"{t:.2f}", f"{n_sentences / t:.1f}", f"{tokens[name] / t:.0f}",
+                     f"{baseline / t:.1f}x"])
+    print_table(["decoding", "median time (s)", "sentences/s", "tokens/s", "speed-up"], rows,
+                f"{n_sentences} sentences, {what}; {cpu_model()}, {torch.get_num_threads()} "
+                f"torch threads, torch {torch.__version__}; median of {args.repeats} "
+                "interleaved repetitions.", args.json)
+    print()
+    print("Speed-up: against the same search at batch 1 recomputing the prefix. "
+          "Tokens: generated tokens, EOS included.")
 
 
 if __name__ == "__main__":
-    print(run(parse_args()))
+    run(parse_args())

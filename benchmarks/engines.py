@@ -33,35 +33,42 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import device_description, interleave, markdown_table, median  # noqa: E402
+from common import (  # noqa: E402  (benchmarks/ is not a package)
+    add_json_option,
+    add_repeats_option,
+    add_run_options,
+    add_search_options,
+    add_threads_option,
+    device_description,
+    interleave,
+    median,
+    note_load,
+    print_table,
+    run_pairs,
+    script_parser,
+    set_threads,
+)
 
-from aiayn.data.prepared import load_prepared  # noqa: E402
 from aiayn.evaluation.evaluate import translate_and_score  # noqa: E402
 from aiayn.export.command import export_run  # noqa: E402
 from aiayn.inference.translator import Translator  # noqa: E402
-from aiayn.runs.directory import read_data_dir  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--run-dir", required=True, help="a trained run (read only)")
-    p.add_argument("--weights", default="best")
-    p.add_argument("--split", default="test", choices=["test", "dev"])
-    p.add_argument("--limit", type=int, default=0, help="only the first N sentences (0: all)")
-    p.add_argument("--beam", type=int, default=4)
-    p.add_argument("--alpha", type=float, default=0.6)
-    p.add_argument("--threads", type=int, default=2, help="torch and CTranslate2 threads")
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--max-tokens", type=int, default=8192, help="batch budget (x beam)")
+    p = script_parser(__doc__)
+    add_run_options(p)
+    add_search_options(p)
+    add_threads_option(p, 2, "torch and CTranslate2 threads")
+    add_repeats_option(p, 2)
+    add_json_option(p)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)  # CTranslate2 gets the same (Translator.from_pretrained)
-    pairs = load_prepared(read_data_dir(args.run_dir)).split(args.split)
-    if args.limit > 0:
-        pairs = pairs[: args.limit]
+    set_threads(args.threads)  # CTranslate2 gets the same (Translator.from_pretrained)
+    pairs = run_pairs(args)
+    note_load()
     with tempfile.TemporaryDirectory() as tmp:
         translators = {f"aiayn (PyTorch {torch.__version__})": Translator.from_pretrained(
             args.run_dir, args.weights, max_tokens=args.max_tokens)}
@@ -102,14 +109,13 @@ def report(args, pairs, translators, outputs, times) -> None:
         rows.append([name, f"{len(pairs) / median(seconds):.1f}", f"{median(speedups):.2f}x",
                      f"{scores.bleu:.2f}", f"{scores.chrf:.2f}",
                      f"{same}/{len(pairs)}"])
-    print(f"{len(pairs)} {args.split} sentences of {args.run_dir} ({args.weights}), beam "
-          f"{args.beam}, alpha {args.alpha}, {args.threads} threads, max_tokens "
-          f"{args.max_tokens}; median of {args.repeats} interleaved repetitions")
-    print(f"device: {device_description()}")
-    print(f"BLEU signature: {outputs[names[0]][0][1].bleu_signature}")
-    print()
-    print(markdown_table(["engine", "sentences/s", "speed-up", "BLEU", "chrF",
-                          "same translation as aiayn"], rows))
+    conditions = (f"{len(pairs)} {args.split} sentences of {args.run_dir} ({args.weights}), "
+                  f"beam {args.beam}, alpha {args.alpha}, {args.threads} threads, max_tokens "
+                  f"{args.max_tokens}; median of {args.repeats} interleaved repetitions\n"
+                  f"device: {device_description()}\n"
+                  f"BLEU signature: {outputs[names[0]][0][1].bleu_signature}")
+    print_table(["engine", "sentences/s", "speed-up", "BLEU", "chrF",
+                 "same translation as aiayn"], rows, conditions, args.json)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,6 @@ machine is shared, absolute numbers move with its load). On a busy machine use
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -46,15 +44,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402  (benchmarks/ is not a package)
     REPO,
     Batch,
+    add_threads_option,
     bucket,
     device_description,
     interleave,
+    load_average,
     make_batch,
     markdown_table,
+    note_load,
     padding_fraction,
     paired_ratios,
     representative,
+    script_parser,
     sentence_lengths,
+    set_threads,
     spread,
     typical_total,
 )
@@ -351,7 +354,7 @@ def report(plans: dict[str, Plan], train_rows: list[TrainingRow],
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = script_parser(__doc__)
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: small config, 2 batches of <= 1024 tokens, 1 rep, "
                              "decoding batch 1 and 8")
@@ -364,8 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference-dropout", choices=("matched", "default"), default="matched",
                         help="matched: nn.Transformer drops out where aiayn does (default); "
                              "default: nn.Transformer's own (also attention weights and FFN)")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch intra-op threads (default: torch's choice, one per core)")
+    add_threads_option(parser, 0, "torch intra-op threads (default: torch's choice, one per core)")
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--skip-train", action="store_true")
     args = parser.parse_args(argv)
@@ -380,15 +382,9 @@ def main(argv: list[str] | None = None) -> int:
         plans[n] = Plan(plan.max_tokens, plan.n_batches, args.reps or plan.train_reps,
                         args.decode_reps or plan.decode_reps, plan.decode_batches)
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     print(f"Device: {device_description()}")
-    load_before = os.getloadavg()[0]
-    print(f"load average (1 min) before: {load_before:.2f} on {os.cpu_count()} CPUs", flush=True)
-    if load_before > 0.5:
-        print("  note: other processes are running. With 2 OpenMP threads a busy CPU slows "
-              "small ops far more than matmuls; compare ratios, rerun on a quiet machine, "
-              "or try --threads 1.", flush=True)
+    load_before = note_load()
     start, cpu_start = time.perf_counter(), time.process_time()
     train_rows: list[TrainingRow] = []
     decode_rows: list[DecodingRow] = []
@@ -420,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
 
     wall = time.perf_counter() - start
     share = (time.process_time() - cpu_start) / (wall * torch.get_num_threads())
-    load = (f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after; this process used "
+    load = (f"{load_before:.1f} before, {load_average():.1f} after; this process used "
             f"{100 * share:.0f}% of {torch.get_num_threads()} threads x wall time")
     print()
     print(report(plans, train_rows, decode_rows, shapes, load))

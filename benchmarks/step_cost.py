@@ -27,7 +27,6 @@ AVX512-BF16 (on AVX2 alone bf16 is far slower: do not use it there).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from functools import partial
 from pathlib import Path
@@ -37,15 +36,21 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    add_json_option,
+    add_repeats_option,
+    add_threads_option,
     bucket,
     device_description,
     interleave,
     make_batch,
-    markdown_table,
     median,
+    note_load,
     paired_ratios,
+    print_table,
     representative,
+    script_parser,
     sentence_lengths,
+    set_threads,
     spread,
 )
 from speed import aiayn_loss, torch_loss, training_steps  # noqa: E402
@@ -64,12 +69,12 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = script_parser(__doc__)
     parser.add_argument("--config", default="configs/demo.yaml")
     parser.add_argument("--variant", action="append", default=[], type=parse_variant,
                         help="NAME=key=value[,key=value...] (repeatable)")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--reps", type=int, default=5)
+    add_threads_option(parser, 1)
+    add_repeats_option(parser, 5, "--reps")
     parser.add_argument("--batches", type=int, default=8, help="representative batches per rep")
     parser.add_argument("--output-pieces", type=int, default=5303,
                         help="pieces a model.output_vocab=targets variant scores (default: as "
@@ -81,8 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-loss", action="store_true",
                         help="also time each config whose output_vocab is all with "
                              "F.cross_entropy in place of aiayn's loss")
+    add_json_option(parser)
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
+    note_load()
 
     try:
         configs = {"recipe": load_config(args.config)}
@@ -141,11 +148,11 @@ def main(argv: list[str] | None = None) -> int:
             per_token = [r * tokens("recipe") / tokens(name) for r in ratios]
             row.append(f"{median(per_token):.3f} ({spread(per_token)})")
         rows.append(row)
-    print(f"{device_description()}; {args.threads} thread(s); {args.config}; "
-          f"{'bf16 autocast' if args.bf16 else 'fp32'}; "
-          f"{args.batches} batches of <= {', '.join(map(str, batches))} tokens x {args.reps} reps")
     header = ["variant", "parameters", "target tokens/s", "step time / recipe's"]
-    print(markdown_table(header + ["time a target token / recipe's"] * other_batches, rows))
+    print_table(header + ["time a target token / recipe's"] * other_batches, rows,
+                f"{device_description()}; {args.threads} thread(s); {args.config}; "
+                f"{'bf16 autocast' if args.bf16 else 'fp32'}; {args.batches} batches of <= "
+                f"{', '.join(map(str, batches))} tokens x {args.reps} reps", args.json)
     return 0
 
 

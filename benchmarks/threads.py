@@ -44,9 +44,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import device_description, interleave, markdown_table, median  # noqa: E402
+from common import (  # noqa: E402  (benchmarks/ is not a package)
+    add_repeats_option,
+    add_run_options,
+    add_search_options,
+    device_description,
+    interleave,
+    markdown_table,
+    median,
+    run_pairs,
+    script_parser,
+)
 
-from aiayn.data.prepared import load_prepared  # noqa: E402
 from aiayn.evaluation.evaluate import translate_and_score  # noqa: E402
 from aiayn.inference.translator import Translator  # noqa: E402
 from aiayn.runs.directory import read_data_dir  # noqa: E402
@@ -67,15 +76,10 @@ REFERENCE = "aiayn, 1 thread"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--run-dir", required=True, help="a trained run (read only)")
-    p.add_argument("--weights", default="best")
-    p.add_argument("--split", default="test", choices=["test", "dev"])
-    p.add_argument("--limit", type=int, default=0, help="only the first N sentences (0: all)")
-    p.add_argument("--beam", type=int, default=4)
-    p.add_argument("--alpha", type=float, default=0.6)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--max-tokens", type=int, default=8192, help="batch budget (x beam)")
+    p = script_parser(__doc__)
+    add_run_options(p)
+    add_search_options(p)
+    add_repeats_option(p, 2)
     p.add_argument("--loads", default=",".join(LOADS),
                    help=f"comma-separated, of: {', '.join(LOADS)}".replace("%", "%%"))
     p.add_argument("--no-ct2", action="store_true", help="leave CTranslate2 out")
@@ -158,9 +162,7 @@ def time_training(args, seconds: float, threads: int) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    pairs = load_prepared(read_data_dir(args.run_dir)).split(args.split)
-    if args.limit > 0:
-        pairs = pairs[: args.limit]
+    pairs = run_pairs(args)
     rates: dict[str, dict[str, float]] = {}
     train: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -3,6 +3,7 @@ parse). The benchmarks themselves are not run here (benchmarks/README.md measure
 this catches a script left behind when a module it imports moves, as time_to_bleu.py was
 once left importing read_metrics from aiayn.inspect.plots."""
 
+import json
 import runpy
 import sys
 from pathlib import Path
@@ -51,3 +52,34 @@ def test_time_to_bleu_plots_one_panel_with_tokens_only(tmp_path, monkeypatch, ca
             widths[name] = image.width
     assert widths["tokens"] < 0.7 * widths["both"]
     assert '"bleu": 9.0' in capsys.readouterr().out
+
+
+def test_the_scripts_on_a_run_read_its_options_alike(monkeypatch):
+    """engines.py, threads.py and decode.py take a run, its sentences and the search through
+    benchmarks/common.py, so one option means one thing with one default in all three."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    parsed = {}
+    for name in ("engines.py", "threads.py", "decode.py"):
+        parse_args = runpy.run_path(str(BENCHMARKS / name))["parse_args"]
+        parsed[name] = vars(parse_args(["--run-dir", "runs/x", "--beam", "2"]))
+    shared = ("run_dir", "weights", "beam", "max_tokens", "repeats")
+    assert parsed["engines.py"]["split"] == parsed["threads.py"]["split"] == "test"
+    assert {n: {k: a[k] for k in shared} for n, a in parsed.items() if n != "decode.py"} == {
+        n: {"run_dir": "runs/x", "weights": "best", "beam": 2, "max_tokens": 8192, "repeats": 2}
+        for n in ("engines.py", "threads.py")}
+    assert parsed["decode.py"]["run_dir"] == "runs/x" and parsed["decode.py"]["beam"] == 2
+
+
+def test_print_table_writes_what_it_prints_as_json(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import common
+
+    out = tmp_path / "table.json"
+    common.print_table(["engine", "sentences/s"], [["aiayn", "12.5"], ["other", "3.0"]],
+                       "10 test sentences of runs/x", str(out))
+    printed = capsys.readouterr().out
+    record = json.loads(out.read_text(encoding="utf-8"))
+    assert record["headers"] == ["engine", "sentences/s"]
+    assert record["rows"] == [["aiayn", "12.5"], ["other", "3.0"]]
+    assert record["conditions"] in printed and "| aiayn | 12.5 |" in printed
+    assert record["device"]  # the machine the figures were measured on
