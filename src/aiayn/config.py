@@ -23,13 +23,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from aiayn.data.languages import BLEU_TOKENIZERS, LANG_PATTERN
 from aiayn.errors import AiaynError
 from aiayn.util.io import atomic_write_text
 
@@ -39,6 +39,10 @@ OUTPUT_VOCABS = ("all", "targets")
 SCHEDULES = ("eq3", "linear")
 BEST_METRICS = ("bleu", "chrf", "loss")  # see aiayn.training.early_stopping
 BF16_CHOICES = ("auto", "true", "false")
+# sacreBLEU tokenizers aiayn offers (spm/flores download a model; left out).
+BLEU_TOKENIZERS = ("auto", "13a", "intl", "zh", "ja-mecab", "ko-mecab", "char", "none")
+# data.src_lang / data.tgt_lang: "auto" or a language code (en, zh, pt-BR, zh_Hant).
+LANG_PATTERN = re.compile(r"auto|[a-z]{2,3}([-_][A-Za-z0-9]{1,8})*")
 
 INF = math.inf
 # The allowed range of every numeric setting: (low, high, low excluded?). Integers are

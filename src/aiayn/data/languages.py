@@ -31,9 +31,6 @@ import re
 from collections import Counter
 from collections.abc import Iterable
 
-# sacreBLEU tokenizers aiayn offers (spm/flores download a model; left out).
-BLEU_TOKENIZERS = ("auto", "13a", "intl", "zh", "ja-mecab", "ko-mecab", "char", "none")
-
 _HAN = ("\u2e80-\u2fdf\u3005\u3007\u3021-\u3029\u3038-\u303b\u3400-\u4dbf\u4e00-\u9fff"
         "\uf900-\ufaff\U00020000-\U0003ffff")
 _KANA = "\u3040-\u309f\u30a0-\u30ff\u31f0-\u31ff\uff66-\uff9f"
@@ -54,7 +51,6 @@ SPACELESS_LANGUAGES = ("zh", "ja", "th", "lo", "km", "my")
 # ISO 639-3 codes a spec may use (bible:eng-spa, the SWORD modules), as the 639-1 codes here.
 _THREE_LETTER = {"eng": "en", "kjv": "en", "spa": "es", "zho": "zh", "cmn": "zh", "jpn": "ja",
                  "kor": "ko", "tha": "th"}
-LANG_PATTERN = re.compile(r"auto|[a-z]{2,3}([-_][A-Za-z0-9]{1,8})*")
 
 
 def length_units(text: str) -> int:
