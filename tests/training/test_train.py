@@ -202,10 +202,10 @@ def test_a_resume_keeps_the_choices_of_its_runs_probes(data_dir, tmp_path, monke
     kind of machine keeps what its run chose, so it ends on the uninterrupted run's weights
     bit for bit though its own probes would choose bf16 and the other kernel."""
     import aiayn.inference.kernels
-    import aiayn.training.distributed
+    import aiayn.util.device
 
     probes = {"bf16": False, "onednn": True}  # what the probes say now
-    monkeypatch.setattr(aiayn.training.distributed, "prefer_bf16", lambda fp32, bf16: probes["bf16"])
+    monkeypatch.setattr(aiayn.util.device, "prefer_bf16", lambda fp32, bf16: probes["bf16"])
     monkeypatch.setattr(aiayn.inference.kernels, "MIN_PROBED_WEIGHTS", 0)  # probe the tiny layer too
     monkeypatch.setattr(aiayn.inference.kernels, "probe_seconds",
                         lambda *shape: (1.0, 0.5) if probes["onednn"] else (0.5, 1.0))
@@ -323,11 +323,12 @@ def test_the_advised_resume_after_a_non_finite_stop_lowers_the_rate_and_trains_o
     real_step = train.train_step
 
     def unstable(model, ddp, optimizer, micro, step, config, world, elapsed_s=0.0,
-                 prefetch=None):
+                 prefetch=None, kernel=None):
         if step >= 7 and config.train.lr_scale >= 1:
             return train.StepResult(float("nan"), sum(b.n_tokens for b in micro),
                                     float("nan"), 0.0)
-        return real_step(model, ddp, optimizer, micro, step, config, world, elapsed_s, prefetch)
+        return real_step(model, ddp, optimizer, micro, step, config, world, elapsed_s, prefetch,
+                         kernel)
 
     monkeypatch.setattr(train, "train_step", unstable)
     run = tmp_path / "run"

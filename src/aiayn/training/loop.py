@@ -43,8 +43,8 @@ from aiayn.data.prepared import EncodedSplit, load_prepared
 from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizers
 from aiayn.errors import AiaynError
 from aiayn.evaluation.evaluate import validate
-from aiayn.inference.kernels import choose_output_kernel, output_kernel_name, use_output_kernel
-from aiayn.model import Transformer
+from aiayn.inference.kernels import choose_output_kernel, output_kernel, output_kernel_name
+from aiayn.model import OutputKernel, Transformer
 from aiayn.runs.checkpoint import (
     STATE_VERSION,
     load_train_state,
@@ -248,12 +248,14 @@ def train_step(
     world: Dist,
     elapsed_s: float = 0.0,
     prefetch: Callable[[], object] | None = None,
+    kernel: OutputKernel | None = None,
 ) -> StepResult:
     """One Adam update over ``micro_batches`` (gradient accumulation), normalised by the
     global count of real target tokens. Does not update the weights when the loss or the
     gradient is not finite (the caller stops the run). ``prefetch`` is called once the
     backward passes are queued, before the first wait for the device (the next batch is
-    collated while a GPU computes this one)."""
+    collated while a GPU computes this one). ``kernel``: the output layer's product
+    (aiayn.inference.kernels; None: F.linear)."""
     t = config.train
     local_tokens = sum(b.n_tokens for b in micro_batches)
     n_tokens = local_tokens if not world.enabled else int(all_reduce_sum(
@@ -267,7 +269,7 @@ def train_step(
         sync = ddp.no_sync() if ddp is not None and not last else nullcontext()
         with sync:
             with autocast:  # the loss itself is computed in fp32
-                loss = model(batch.src, batch.tgt_in, batch.tgt_out, t.label_smoothing)
+                loss = model(batch.src, batch.tgt_in, batch.tgt_out, t.label_smoothing, kernel)
             (loss * scale).backward()
         loss_sum += loss.detach()
     if prefetch is not None:
@@ -419,15 +421,14 @@ class Trainer:
         self.progress = Progress(best=BestTracker(t.best_metric, t.patience))
         rng = self.restore(saved) if saved is not None else None
         if "output_kernel" in kept and kept.get("bf16") == self.bf16:
-            use_output_kernel(self.model.generator, kept["output_kernel"])
-            why_output = (f"output layer: {output_kernel_name(self.model.generator)} (kept from "
-                          "the run's start on this machine)")
+            kernel = output_kernel(kept["output_kernel"])
+            why_output = (f"output layer: {output_kernel_name(kernel)} (kept from the run's "
+                          "start on this machine)")
         else:
-            why_output = choose_output_kernel(self.model.generator, t.max_tokens,
-                                              enabled=not self.bf16)
-        chosen, why_output = gather_objects(
-            (output_kernel_name(self.model.generator), why_output), world)[0]
-        use_output_kernel(self.model.generator, chosen)
+            kernel, why_output = choose_output_kernel(self.model.generator, t.max_tokens,
+                                                      enabled=not self.bf16)
+        chosen, why_output = gather_objects((output_kernel_name(kernel), why_output), world)[0]
+        self.kernel = output_kernel(chosen)  # the output layer's product: rank 0's choice
         kept_ahead = sum(s > self.progress.step for s in t.keep_steps)
         on_main(lambda: check_room(run_dir, run_size(self.model, t.keep_checkpoints,
                                                      start.continues, kept_ahead),
@@ -478,7 +479,8 @@ class Trainer:
                 step_start = time.perf_counter()
                 result = train_step(self.train_model, self.ddp, self.optimizer, micro,
                                     progress.step + 1, self.config, self.world, progress.elapsed_s,
-                                    prefetch=stream.prefetch if self.prefetch else None)
+                                    prefetch=stream.prefetch if self.prefetch else None,
+                                    kernel=self.kernel)
                 self.threads.observe(time.perf_counter() - step_start, result.n_tokens)
                 if not (math.isfinite(result.loss) and math.isfinite(result.grad_norm)):
                     raise AiaynError(non_finite_message(result, progress, self.run_dir, self.config))
@@ -550,7 +552,7 @@ class Trainer:
                 scored = replace(self.config, data=replace(
                     self.config.data, bleu_tokenize=self.data.bleu_tokenize))
                 result = validate(self.model, self.data.tokenizers, self.data.dev,
-                                  self.data.dev_pairs, scored, world.device, full)
+                                  self.data.dev_pairs, scored, world.device, full, self.kernel)
             best = progress.best
             improved = best.update(progress.step, result)
             if improved:
@@ -654,7 +656,7 @@ class Trainer:
             "elapsed_s": progress.elapsed_s,
             "tokens": progress.tokens,
             "choices": {"machine": machine_kind(world.device), "bf16": self.bf16,
-                        "output_kernel": output_kernel_name(self.model.generator)},
+                        "output_kernel": output_kernel_name(self.kernel)},
         }
         save_train_state(state, run_dir / "train_state.pt")
 
