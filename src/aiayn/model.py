@@ -74,7 +74,7 @@ class PositionalEncoding(nn.Module):
 
     def forward(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:  # (B, L, d) -> (B, L, d)
         """``offset``: the position of x's first column, or (B,) one per row (a cache's
-        ``positions()``; unchecked, as a check would wait for the device)."""
+        ``positions()``, which the searches' limits keep below max_len: a check would wait)."""
         if isinstance(offset, Tensor):
             positions = offset[:, None] + torch.arange(x.size(1), device=x.device)  # (B, L)
             return self.dropout(x + self.table[positions])
