@@ -35,8 +35,9 @@ def one_arm(data_dir: str, multiple: int, steps: int, threads: int, precision: s
     from aiayn.config import load_config
     from aiayn.data.batching import collate
     from aiayn.training.distributed import Dist
-    from aiayn.training.loop import build_model, load_data, resolve_config, train_step
+    from aiayn.training.loop import train_step
     from aiayn.training.optim import build_optimizer
+    from aiayn.training.stream import build_model, load_data, resolve_config
 
     torch.set_num_threads(threads)
     config = load_config(REPO / "configs" / "demo.yaml")

@@ -202,7 +202,7 @@ def bench_loop(data_dir: Path, device: torch.device, max_tokens: int, seconds: f
         start = time.perf_counter()
         for i, b in enumerate(batches):
             train_module.train_step(trainer.train_model, trainer.ddp, trainer.optimizer, [b],
-                                    step + i + 1, trainer.config, world)
+                                    step + i + 1, trainer.config, world, kernel=trainer.kernel)
         sync(device)
         return time.perf_counter() - start
 

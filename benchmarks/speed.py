@@ -139,10 +139,12 @@ def torch_loss(model: nn.Module, batch: Batch, smoothing: float = LABEL_SMOOTHIN
                            ignore_index=PAD_ID, label_smoothing=smoothing, reduction="sum")
 
 
-def aiayn_loss(model: Transformer, batch: Batch, smoothing: float = LABEL_SMOOTHING) -> Tensor:
+def aiayn_loss(model: Transformer, batch: Batch, smoothing: float = LABEL_SMOOTHING,
+               kernel=None) -> Tensor:
     """The same loss as aiayn trains with: ``Transformer.forward`` given the targets
-    (the softmax kept for backward, aiayn.loss.SmoothedCrossEntropy)."""
-    return model(batch.src, batch.tgt_in, batch.tgt_out, smoothing)
+    (the softmax kept for backward, aiayn.loss.SmoothedCrossEntropy), the output layer's
+    product by ``kernel`` (aiayn.inference.kernels; None: F.linear)."""
+    return model(batch.src, batch.tgt_in, batch.tgt_out, smoothing, kernel)
 
 
 def training_steps(model: nn.Module, batches: list[Batch], bf16: bool,

@@ -116,10 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         model = Transformer(cfg.model)
         if model.generator.restricted:  # which pieces does not change the time, how many does
             model.generator.set_outputs(torch.arange(args.output_pieces))
-        model.generator.kernel = (onednn_linear if name.endswith(", oneDNN output")
-                                  else F.linear)
+        kernel = onednn_linear if name.endswith(", oneDNN output") else F.linear
         # each config's own label smoothing: with none, F.cross_entropy takes a cheaper path
-        loss = partial(aiayn_loss, smoothing=cfg.train.label_smoothing)
+        loss = partial(aiayn_loss, smoothing=cfg.train.label_smoothing, kernel=kernel)
         steps[name] = training_steps(model, batches[cfg.train.max_tokens], bf16=args.bf16,
                                      loss_fn=loss)
     if args.torch_loss:  # F.cross_entropy reads logits over the whole vocabulary

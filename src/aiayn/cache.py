@@ -43,11 +43,15 @@ class KVCache:
         """The position of the next token: one for all rows, or (B,) with ``start``."""
         return self.length if self.start is None else self.length - self.start
 
-    def self_mask(self, T: int) -> Tensor:
-        """(B, 1, 1, t + T) True-may-attend for T new queries: each row's own keys, those from
-        its ``start`` on (the Decoder adds causality among the new queries)."""
-        keys = torch.arange(self.length + T, device=self.start.device)
-        return (keys >= self.start[:, None])[:, None, None, :]
+    def self_mask(self, T: int, device: torch.device) -> Tensor:
+        """True-may-attend for the self-attention of T new queries after the t cached
+        positions: query i sees the keys up to its own position t + i, (T, t + T); with
+        ``start`` only its own row's keys from there on, (B, 1, T, t + T)."""
+        keys = torch.arange(self.length + T, device=device)
+        mask = keys <= torch.arange(self.length, self.length + T, device=device)[:, None]
+        if self.start is None:
+            return mask
+        return mask & (keys >= self.start[:, None])[:, None, None, :]
 
     def reorder(self, index: Tensor, kinds: tuple[str, ...] = ("self", "cross")) -> None:
         """Keep rows ``index`` of the cached tensors of ``kinds`` (beam search: follow the

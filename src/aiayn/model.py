@@ -17,9 +17,9 @@ passed by callers follow PyTorch's key_padding_mask convention: True marks a pad
 Targets are right-padded, so the causal mask alone keeps real target positions from
 seeing target padding.
 
-This file depends on torch alone: ``cfg`` is any object with the fields of
-``aiayn.config.ModelConfig``, and a model exported with ``aiayn export --to hf`` ships this
-very file beside its weights.
+This file depends on torch alone, as do the decoder's KV cache (``cache.py``) and the
+label-smoothed loss (``loss.py``) beside it: ``cfg`` is any object with the fields of
+``aiayn.config.ModelConfig``, and ``aiayn export --to hf`` ships the three beside the weights.
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ from torch import Tensor, nn
 
 from .cache import KVCache, append_positions
 from .loss import label_smoothed_loss
+
+# The output layer's product x W^T + b: F.linear, or another with the same values up to
+# rounding that the caller chose for its machine (aiayn.inference.kernels) and passes in.
+OutputKernel = Callable[[Tensor, Tensor, Tensor | None], Tensor]
 
 
 class TokenEmbedding(nn.Module):
@@ -69,17 +73,14 @@ class PositionalEncoding(nn.Module):
         self.register_buffer("table", sinusoid_table(max_len, d_model), persistent=False)
 
     def forward(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:  # (B, L, d) -> (B, L, d)
-        """``offset``: the position of x's first column, or (B,) one per row (rows that
-        joined a running search later are at earlier positions; the search's output limits
-        keep them below max_len, so they are not checked here: that would wait for the device)."""
+        """``offset``: the position of x's first column, or (B,) one per row (a cache's
+        ``positions()``, which the searches' limits keep below max_len: a check would wait)."""
         if isinstance(offset, Tensor):
             positions = offset[:, None] + torch.arange(x.size(1), device=x.device)  # (B, L)
             return self.dropout(x + self.table[positions])
         end = offset + x.size(1)
         if end > self.max_len:
-            raise ValueError(
-                f"sequence of {end} positions is longer than model.max_len={self.max_len}"
-            )
+            raise ValueError(f"sequence of {end} positions is longer than model.max_len={self.max_len}")
         return self.dropout(x + self.table[offset:end])
 
 
@@ -114,8 +115,7 @@ class MultiHeadAttention(nn.Module):
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
         self.d_model, self.n_heads, self.d_k = d_model, n_heads, d_model // n_heads
-        self.cross = cross
-        self.dropout = dropout
+        self.cross, self.dropout = cross, dropout
         if cross:
             self.q_proj = nn.Linear(d_model, d_model)
             self.kv_proj = nn.Linear(d_model, 2 * d_model)
@@ -132,15 +132,9 @@ class MultiHeadAttention(nn.Module):
         B, L, _ = x.shape
         return x.view(B, L, self.n_heads, self.d_k).transpose(1, 2)
 
-    def forward(
-        self,
-        x: Tensor,
-        memory: Tensor | None = None,
-        mask: Tensor | None = None,
-        is_causal: bool = False,
-        cache: dict[str, Tensor] | None = None,
-        need_weights: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, memory: Tensor | None = None, mask: Tensor | None = None,
+                is_causal: bool = False, cache: dict[str, Tensor] | None = None,
+                need_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """x: (B, T_q, d) queries; memory: (B, S, d) for cross-attention.
 
         mask: bool, broadcastable to (B, H, T_q, T_k), True = may attend.
@@ -152,9 +146,9 @@ class MultiHeadAttention(nn.Module):
             q = self.q_norm(self._heads(self.q_proj(x)))
             if cache is not None and "k" in cache:
                 k, v = cache["k"], cache["v"]  # memory's K/V, computed at the first step
+            elif memory is None:
+                raise ValueError("cross-attention needs the encoder memory")
             else:
-                if memory is None:
-                    raise ValueError("cross-attention needs the encoder memory")
                 k, v = self.memory_kv(memory)
                 if cache is not None:
                     cache["k"], cache["v"] = k, v
@@ -165,13 +159,7 @@ class MultiHeadAttention(nn.Module):
                 k, v = append_positions(cache, k, v)
 
         p = self.dropout if self.training else 0.0
-        # Training under bf16 autocast on a CPU, SDPA's fused kernel (its backward above all)
-        # is slower than the explicit product for sentence-length sequences: 1.29x faster
-        # whole steps for the small config (docs/findings.md#bf16-on-a-cpu). It keeps (B, H, T, T)
-        # weights for backward, which is why it is limited to sequences of max_len 256.
-        explicit = (q.is_cpu and q.dtype == torch.bfloat16 and torch.is_grad_enabled()
-                    and k.size(-2) <= 256)
-        if need_weights or self.record_weights or explicit:
+        if need_weights or self.record_weights or explicit_is_faster(q, k):
             out, weights = explicit_attention(q, k, v, mask, is_causal, p)
             if self.record_weights:
                 self.last_weights = weights.detach()
@@ -187,6 +175,14 @@ class MultiHeadAttention(nn.Module):
         """Cross-attention's K and V of the encoder memory, (B, H, S, d_k) each."""
         k, v = (self._heads(t) for t in self.kv_proj(memory).chunk(2, dim=-1))
         return self.k_norm(k), v
+
+
+def explicit_is_faster(q: Tensor, k: Tensor) -> bool:
+    """Training under bf16 autocast on a CPU, SDPA's fused kernel (its backward above all)
+    is slower than the explicit product for sentence-length sequences: 1.29x faster whole
+    steps for the small config (docs/findings.md#bf16-on-a-cpu). It keeps (B, H, T, T)
+    weights for backward, which is why it is limited to sequences of max_len 256."""
+    return q.is_cpu and q.dtype == torch.bfloat16 and torch.is_grad_enabled() and k.size(-2) <= 256
 
 
 def explicit_attention(
@@ -276,17 +272,10 @@ class DecoderLayer(nn.Module):
         self.sublayer2 = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm_first)
         self.sublayer3 = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm_first)
 
-    def forward(
-        self,
-        x: Tensor,
-        memory: Tensor,
-        src_mask: Tensor | None,
-        self_mask: Tensor | None,
-        is_causal: bool,
-        cache: dict[str, dict[str, Tensor]] | None = None,
-    ) -> Tensor:
-        self_cache = cache["self"] if cache is not None else None
-        cross_cache = cache["cross"] if cache is not None else None
+    def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor | None,
+                self_mask: Tensor | None, is_causal: bool,
+                cache: dict[str, dict[str, Tensor]] | None = None) -> Tensor:
+        self_cache, cross_cache = (None, None) if cache is None else (cache["self"], cache["cross"])
         x = self.sublayer1(x, lambda h: self.self_attn(h, mask=self_mask, is_causal=is_causal,
                                                        cache=self_cache))
         x = self.sublayer2(x, lambda h: self.cross_attn(h, memory, mask=src_mask,
@@ -316,25 +305,14 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_decoder_layers))
         self.norm = nn.LayerNorm(cfg.d_model) if cfg.norm_first else nn.Identity()
 
-    def forward(
-        self,
-        x: Tensor,
-        memory: Tensor,
-        src_mask: Tensor | None,
-        cache: KVCache | None = None,
-    ) -> Tensor:
+    def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor | None,
+                cache: KVCache | None = None) -> Tensor:
         T = x.size(1)
         past = cache.length if cache is not None else 0
-        if cache is not None and cache.start is not None:
-            self_mask, is_causal = cache.self_mask(T), False  # rows that joined later
-            if T > 1:
-                self_mask = self_mask & causal_mask(T, past + T, x.device)
-        elif past == 0:
-            self_mask, is_causal = None, T > 1  # the fused causal kernel
-        elif T == 1:
-            self_mask, is_causal = None, False  # one new query sees every cached key
-        else:
-            self_mask, is_causal = causal_mask(T, past + T, x.device), False
+        if cache is not None and (cache.start is not None or (past and T > 1)):
+            self_mask, is_causal = cache.self_mask(T, x.device), False  # after a cached prefix
+        else:  # no prefix: the fused causal kernel; one new query sees every cached key
+            self_mask, is_causal = None, T > 1
         for i, layer in enumerate(self.layers):
             layer_cache = cache.layers[i] if cache is not None else None
             x = layer(x, memory, src_mask, self_mask, is_causal, layer_cache)
@@ -350,13 +328,8 @@ class Generator(nn.Module):
     ``output_mask`` (set by ``set_outputs`` from the training targets, saved with the
     weights); every other piece gets logit -inf, probability 0. ``forward`` returns logits
     over the whole vocabulary (the model's output, as exports and `aiayn trace` see it);
-    the loss and the searches of ``aiayn.inference.search`` take the cheaper ``output_logits`` (only
-    the allowed pieces, column j being piece ``output_ids[j]``), the loss with
-    ``output_positions`` of the labels.
-
-    ``kernel``: the product x W^T + b, ``F.linear`` or the oneDNN one that
-    ``aiayn.inference.kernels.choose_output_kernel`` found faster on this machine (same values up to
-    rounding; not saved with the weights). None until chosen: ``F.linear``.
+    the loss and the searches take the cheaper ``output_logits`` (only the allowed pieces,
+    column j being piece ``output_ids[j]``), the loss with ``output_positions`` of the labels.
     """
 
     IGNORE = -100  # output_positions of padding, and of labels the model cannot output
@@ -365,7 +338,6 @@ class Generator(nn.Module):
         super().__init__()
         self.proj = nn.Linear(d_model, vocab_size, bias=False)
         self.restricted = restricted
-        self.kernel: Callable[[Tensor, Tensor, Tensor | None], Tensor] | None = None
         self.register_buffer("output_mask", torch.ones(vocab_size, dtype=torch.bool),
                              persistent=restricted)
         # Derived from output_mask (after set_outputs and after loading weights): the ids
@@ -395,12 +367,13 @@ class Generator(nn.Module):
         full = logits.new_full((*logits.shape[:-1], self.proj.out_features), float("-inf"))
         return full.index_copy_(-1, self.output_ids, logits)
 
-    def output_logits(self, hidden: Tensor,
-                      rows: tuple[Tensor, Tensor | None] | None = None) -> Tensor:
+    def output_logits(self, hidden: Tensor, rows: tuple[Tensor, Tensor | None] | None = None,
+                      kernel: OutputKernel | None = None) -> Tensor:
         """(B, T, d) -> (B, T, V_out): the logits of the allowed pieces only, in the order of
         ``output_ids``. ``rows``: what ``allowed_rows`` returned, for a caller that computes
-        many products with unchanged weights (a search's steps); None selects them now."""
-        kernel = self.kernel or F.linear
+        many products with unchanged weights (a search's steps); None selects them now.
+        ``kernel``: the caller's product (``OutputKernel``); None: ``F.linear``."""
+        kernel = kernel or F.linear
         if rows is None and not self.restricted and kernel is F.linear:
             return self.proj(hidden)  # the module itself, so that hooks (aiayn trace) see it
         weight, bias = self.allowed_rows() if rows is None else rows
@@ -409,10 +382,8 @@ class Generator(nn.Module):
     def allowed_rows(self) -> tuple[Tensor, Tensor | None]:
         """The weight (and bias) rows of the allowed pieces, selected from the weight as it
         is now (the weight itself when every piece is allowed; the paper's layer has no
-        bias). Selecting them copies a (V_out, d) matrix: a search does it once per call and
-        passes the rows to every step. The model keeps no copy between calls: an optimizer
-        may update the weight in place without a trace (fused Adam bumps no version
-        counter), and a kept copy would then score with the weights of an earlier step."""
+        bias). A search selects them once and passes them to every step; the model keeps
+        no copy, which an in-place optimizer step (fused Adam) would leave stale."""
         weight, bias = self.proj.weight, self.proj.bias
         if not self.restricted:
             return weight, bias
@@ -489,13 +460,8 @@ class Transformer(nn.Module):
         x = self.src_pos(self.src_embed(src))
         return self.encoder(x, padding_mask(src_pad))
 
-    def decode(
-        self,
-        tgt: Tensor,
-        memory: Tensor,
-        src_pad: Tensor,
-        cache: KVCache | None = None,
-    ) -> Tensor:
+    def decode(self, tgt: Tensor, memory: Tensor, src_pad: Tensor,
+               cache: KVCache | None = None) -> Tensor:
         """(B, T) target ids (only the new ones when a cache holds the prefix) -> (B, T, d)."""
         self._check_ids(tgt, "tgt")
         offset = cache.positions() if cache is not None else 0
@@ -513,19 +479,19 @@ class Transformer(nn.Module):
         return cache
 
     def forward(self, src: Tensor, tgt: Tensor, targets: Tensor | None = None,
-                label_smoothing: float = 0.0) -> Tensor:
+                label_smoothing: float = 0.0, kernel: OutputKernel | None = None) -> Tensor:
         """Teacher forcing: (B, S) source, (B, T) decoder input -> (B, T, V) logits.
 
         With ``targets`` ((B, T) ids, the decoder input shifted by one): the summed
         label-smoothed cross-entropy over the real target tokens instead (paper, 5.4; the
-        caller divides by their count), from the logits of the pieces the model may output.
+        caller divides by their count), from ``Generator.output_logits`` with ``kernel``.
         """
         src_pad = self.src_pad_mask(src)
         memory = self.encode(src, src_pad)
         hidden = self.decode(tgt, memory, src_pad)
         if targets is None:
             return self.generator(hidden)
-        return label_smoothed_loss(self.generator.output_logits(hidden),
+        return label_smoothed_loss(self.generator.output_logits(hidden, kernel=kernel),
                                    self.generator.output_positions(targets, self.cfg.pad_id),
                                    label_smoothing, Generator.IGNORE)
 

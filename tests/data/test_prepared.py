@@ -24,7 +24,7 @@ from aiayn.data.tokenizer import EOS_ID, tokenizer_fingerprint
 from aiayn.errors import AiaynError
 from aiayn.runs.checkpoint import load_train_state, read_weights
 from aiayn.training.distributed import Dist
-from aiayn.training.loop import BatchStream, load_data
+from aiayn.training.stream import BatchStream, load_data
 from aiayn.training.transfer import describe_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -79,9 +79,8 @@ def test_a_training_step_is_the_same_with_either_kernel(output_vocab):
     src, tgt_in, tgt_out = batch()
     results = []
     for onednn in (False, True):
-        model.generator.kernel = kernels.onednn_linear if onednn else F.linear
         model.zero_grad()
-        loss = model(src, tgt_in, tgt_out)
+        loss = model(src, tgt_in, tgt_out, kernel=kernels.onednn_linear if onednn else F.linear)
         assert ("_OneDNNLinearBackward" in graph_names(loss)) is onednn  # the path taken
         loss.backward()
         results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
@@ -90,12 +89,11 @@ def test_a_training_step_is_the_same_with_either_kernel(output_vocab):
     assert grads_dnn.keys() == grads_blas.keys()
     for name in grads_blas:
         torch.testing.assert_close(grads_dnn[name], grads_blas[name], msg=name)
-    with torch.no_grad():  # decoding reads forward(): the same logits, -inf where not allowed
-        model.generator.kernel = kernels.onednn_linear
-        hidden = torch.randn(2, 3, CFG.d_model)
-        dnn = model.generator(hidden)
-        model.generator.kernel = F.linear
-        torch.testing.assert_close(dnn, model.generator(hidden))
+    with torch.no_grad():  # a search's steps: the rows it selected once, the same logits
+        hidden, rows = torch.randn(2, 3, CFG.d_model), model.generator.allowed_rows()
+        torch.testing.assert_close(
+            model.generator.output_logits(hidden, rows, kernels.onednn_linear),
+            model.generator.output_logits(hidden, rows, F.linear))
 
 
 def test_autocast_and_unchosen_products_stay_with_f_linear():
@@ -121,8 +119,9 @@ def test_the_choice_follows_the_probe(monkeypatch, blas, onednn, chosen):
     monkeypatch.setattr(kernels, "onednn_available", lambda: True)
     monkeypatch.setattr(kernels, "probe_seconds", lambda rows, d, vocab: (blas, onednn))
     generator = big_generator()
-    why = kernels.choose_output_kernel(generator, rows=64)
-    assert (generator.kernel is kernels.onednn_linear) is chosen
+    kernel, why = kernels.choose_output_kernel(generator, rows=64)
+    assert (kernel is kernels.onednn_linear) is chosen
+    assert kernels.output_kernel_name(kernel) == ("oneDNN" if chosen else "F.linear")
     assert ("oneDNN (a probe" if chosen else "F.linear (a probe") in why
     assert f"{blas * 1e3:.1f} ms in BLAS" in why
 
@@ -131,22 +130,46 @@ def test_no_probe_where_it_cannot_matter(monkeypatch):
     def probe(*args):
         raise AssertionError("probed")
     monkeypatch.setattr(kernels, "probe_seconds", probe)
-    small = Transformer(CFG).generator
-    assert "too small to probe" in kernels.choose_output_kernel(small, rows=64)
-    assert small.kernel is F.linear
-    generator = big_generator()
-    assert "not an fp32 CPU product" in kernels.choose_output_kernel(generator, 64, enabled=False)
-    assert generator.kernel is F.linear
+    kernel, why = kernels.choose_output_kernel(Transformer(CFG).generator, rows=64)
+    assert kernel is F.linear and "too small to probe" in why
+    kernel, why = kernels.choose_output_kernel(big_generator(), 64, enabled=False)
+    assert kernel is F.linear and "not an fp32 CPU product" in why
 
 
-def test_a_translator_keeps_the_choice_a_trainer_made():
-    model = Transformer(CFG)
-    assert model.generator.kernel is None  # not chosen: F.linear
-    Translator(model, tokenizers=None)
-    assert model.generator.kernel is F.linear  # chosen at load (too small to probe)
-    model.generator.kernel = kernels.onednn_linear  # as a trainer where oneDNN won
-    Translator(model, tokenizers=None)
-    assert model.generator.kernel is kernels.onednn_linear
+def test_a_recorded_name_gives_its_product_back():
+    """A train state records the name (train_state.pt "choices"); a resume turns it back."""
+    for kernel in (F.linear, kernels.onednn_linear):
+        name = kernels.output_kernel_name(kernel)
+        expected = kernel if kernels.onednn_available() else F.linear
+        assert kernels.output_kernel(name) is expected
+    assert kernels.output_kernel_name(None) == "F.linear"
+
+
+class Counted:
+    """F.linear that counts its calls: which product a computation went through."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, x, weight, bias=None):
+        self.calls += 1
+        return F.linear(x, weight, bias)
+
+
+def test_a_translator_keeps_the_choice_it_is_given_and_searches_with_it():
+    model = Transformer(CFG).eval()
+    model.generator.set_outputs(torch.arange(4, 37))
+    assert Translator(model, tokenizers=None).kernel is F.linear  # chosen: too small to probe
+    counted = Counted()  # as a Trainer's choice, handed to its validation's Translator
+    given = Translator(model, tokenizers=None, kernel=counted)
+    assert given.kernel is counted
+    sources = [[5, 6, 7, EOS_ID], [8, 9, EOS_ID]]
+    plain = Translator(model, tokenizers=None)
+    for beam in (1, 3):
+        counted.calls = 0
+        assert given.decode_ids(sources, beam=beam) == plain.decode_ids(sources, beam=beam)
+        assert counted.calls > 0  # every step of the search went through the given product
+    assert not hasattr(model.generator, "kernel")  # the model keeps no choice of anyone's
 
 
 @needs_onednn

@@ -32,6 +32,7 @@ from aiayn.config import load_config
 from aiayn.errors import AiaynError
 from aiayn.runs.checkpoint import load_train_state
 from aiayn.training import loop as train
+from aiayn.training import stream
 from aiayn.training.optim import learning_rate
 from aiayn.util import io
 
@@ -59,7 +60,7 @@ def test_training_tests_run_on_the_memory_mapped_ids_users_get(data_dir):
     from aiayn.training.distributed import Dist
 
     notes: list[str] = []
-    data = train.load_data(data_dir, load_config(TINY), Dist(), log=notes.append)
+    data = stream.load_data(data_dir, load_config(TINY), Dist(), log=notes.append)
     assert not [n for n in notes if "older aiayn" in n], notes
     assert isinstance(data.train.ids.src.ids, np.memmap)
     assert isinstance(data.train.ids.tgt.ids, np.memmap)
@@ -202,10 +203,10 @@ def test_a_resume_keeps_the_choices_of_its_runs_probes(data_dir, tmp_path, monke
     kind of machine keeps what its run chose, so it ends on the uninterrupted run's weights
     bit for bit though its own probes would choose bf16 and the other kernel."""
     import aiayn.inference.kernels
-    import aiayn.training.distributed
+    import aiayn.util.device
 
     probes = {"bf16": False, "onednn": True}  # what the probes say now
-    monkeypatch.setattr(aiayn.training.distributed, "prefer_bf16", lambda fp32, bf16: probes["bf16"])
+    monkeypatch.setattr(aiayn.util.device, "prefer_bf16", lambda fp32, bf16: probes["bf16"])
     monkeypatch.setattr(aiayn.inference.kernels, "MIN_PROBED_WEIGHTS", 0)  # probe the tiny layer too
     monkeypatch.setattr(aiayn.inference.kernels, "probe_seconds",
                         lambda *shape: (1.0, 0.5) if probes["onednn"] else (0.5, 1.0))
@@ -323,11 +324,12 @@ def test_the_advised_resume_after_a_non_finite_stop_lowers_the_rate_and_trains_o
     real_step = train.train_step
 
     def unstable(model, ddp, optimizer, micro, step, config, world, elapsed_s=0.0,
-                 prefetch=None):
+                 prefetch=None, kernel=None):
         if step >= 7 and config.train.lr_scale >= 1:
             return train.StepResult(float("nan"), sum(b.n_tokens for b in micro),
                                     float("nan"), 0.0)
-        return real_step(model, ddp, optimizer, micro, step, config, world, elapsed_s, prefetch)
+        return real_step(model, ddp, optimizer, micro, step, config, world, elapsed_s, prefetch,
+                         kernel)
 
     monkeypatch.setattr(train, "train_step", unstable)
     run = tmp_path / "run"
@@ -358,7 +360,7 @@ def test_gradient_accumulation_equals_one_batch_of_the_same_tokens(data_dir):
 
     config = load_config(TINY, ["model.dropout=0.0", "train.bf16=false"])
     prepared = load_prepared(data_dir)
-    config = train.resolve_config(config, prepared.tokenizers, data_dir)
+    config = stream.resolve_config(config, prepared.tokenizers, data_dir)
     examples, _ = encode_split(prepared.train, prepared.tokenizers, 64, "drop")
     short, long = examples[:3], [e for e in examples if len(e.tgt) > 8][:2]
     world = train.Dist()
@@ -366,7 +368,7 @@ def test_gradient_accumulation_equals_one_batch_of_the_same_tokens(data_dir):
     results = []
     for micro in ([collate(short), collate(long)], [collate(short + long)]):
         torch.manual_seed(0)
-        model = train.build_model(config, world.device)
+        model = stream.build_model(config, world.device)
         before = {k: v.clone() for k, v in model.state_dict().items()}
         sgd = torch.optim.SGD(model.parameters(), lr=0.0)
         step = train.train_step(model, None, sgd, micro, 1, config, world)
@@ -389,7 +391,7 @@ def test_padding_lengths_to_a_multiple_changes_no_update(data_dir):
 
     config = load_config(TINY, ["model.dropout=0.0", "train.bf16=false"])
     prepared = load_prepared(data_dir)
-    config = train.resolve_config(config, prepared.tokenizers, data_dir)
+    config = stream.resolve_config(config, prepared.tokenizers, data_dir)
     examples, _ = encode_split(prepared.train, prepared.tokenizers, 64, "drop")
     batch = examples[:5]
     world = train.Dist()
@@ -398,7 +400,7 @@ def test_padding_lengths_to_a_multiple_changes_no_update(data_dir):
         collated = collate(batch, config.model.pad_id, multiple)
         assert collated.src.size(1) % multiple == 0
         torch.manual_seed(0)
-        model = train.build_model(config, world.device)
+        model = stream.build_model(config, world.device)
         grads = {}  # each parameter's gradient as backward leaves it (train_step clears them)
         for name, p in model.named_parameters():
             p.register_post_accumulate_grad_hook(

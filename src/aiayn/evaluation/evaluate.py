@@ -26,7 +26,7 @@ from aiayn.data.prepared import load_prepared
 from aiayn.errors import AiaynError
 from aiayn.evaluation.metrics import STUTTER_N, Scores, score, stutter_share
 from aiayn.inference.translator import Translator, TruncationWarning, check_search
-from aiayn.model import Transformer
+from aiayn.model import OutputKernel, Transformer
 from aiayn.runs.directory import load_run_config, read_data_dir
 from aiayn.util.device import choose_device
 from aiayn.util.io import atomic_write_text, check_output_file
@@ -53,10 +53,11 @@ def eval_subset(n: int, k: int) -> list[int]:
     return sorted({(i * n) // k for i in range(k)})
 
 
-def dev_loss(model: Transformer, examples: list, config: Config, device: torch.device
-             ) -> tuple[float, float]:
-    """(label-smoothed loss, plain NLL) per real target token, teacher forcing; the batches
-    run on parallel streams of one thread each (``aiayn.util.threads``) and are summed in order."""
+def dev_loss(model: Transformer, examples: list, config: Config, device: torch.device,
+             kernel: OutputKernel | None = None) -> tuple[float, float]:
+    """(label-smoothed loss, plain NLL) per real target token, teacher forcing, the output
+    layer's product by ``kernel`` (``Transformer.forward``); the batches run on parallel
+    streams of one thread each (``aiayn.util.threads``) and are summed in order."""
     t, m = config.train, config.model
 
     @torch.no_grad()
@@ -64,9 +65,10 @@ def dev_loss(model: Transformer, examples: list, config: Config, device: torch.d
         batch = collate([examples[i] for i in positions], m.pad_id,
                         length_multiple(t.use_bf16)).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.use_bf16):
-            smoothed = model(batch.src, batch.tgt_in, batch.tgt_out, t.label_smoothing).item()
-            nll = (model(batch.src, batch.tgt_in, batch.tgt_out).item() if t.label_smoothing
-                   else smoothed)
+            smoothed = model(batch.src, batch.tgt_in, batch.tgt_out, t.label_smoothing,
+                             kernel).item()
+            nll = (model(batch.src, batch.tgt_in, batch.tgt_out, kernel=kernel).item()
+                   if t.label_smoothing else smoothed)
         return smoothed, nll, batch.n_tokens
 
     widths = [max(len(e.src), len(e.tgt)) for e in examples]
@@ -79,19 +81,21 @@ def dev_loss(model: Transformer, examples: list, config: Config, device: torch.d
 
 
 def validate(model: Transformer, tokenizers, dev: list[Example], dev_pairs: list[tuple[str, str]],
-             config: Config, device: torch.device, full: bool) -> dict[str, Any]:
+             config: Config, device: torch.device, full: bool,
+             kernel: OutputKernel | None = None) -> dict[str, Any]:
     """Dev loss over the whole dev split; BLEU/chrF over the whole split (``full``) or over
     train.eval_max_sentences pairs spread evenly over it, BLEU tokenized by
     config.data.bleu_tokenize (the caller resolves "auto" for its data:
     aiayn.data.prepared.Prepared.bleu_tokenize; "13a" if it did not). ``select_bleu`` is always the
     BLEU of that fixed subset (``select_chrf`` its chrF), so checkpoints are compared on the
-    same sentences (aiayn.training.early_stopping)."""
+    same sentences (aiayn.training.early_stopping). ``kernel``: the output layer's product
+    the caller chose (the Trainer's); None: the Translator chooses one."""
     t = config.train
     bleu_tokenize = "13a" if config.data.bleu_tokenize == "auto" else config.data.bleu_tokenize
     was_training = model.training
     model.eval()
     try:
-        loss, nll = dev_loss(model, dev, config, device)
+        loss, nll = dev_loss(model, dev, config, device, kernel)
         subset = eval_subset(len(dev), t.eval_max_sentences)
         chosen = list(range(len(dev))) if full else subset
         pairs = [dev_pairs[dev[i].index] for i in chosen]
@@ -99,7 +103,7 @@ def validate(model: Transformer, tokenizers, dev: list[Example], dev_pairs: list
         # the one it reports for these weights on every machine (bf16 decoding, which a CPU
         # with AVX512-BF16 or AMX trains in, changes some tokens).
         translator = Translator(model, tokenizers, max_tokens=t.max_tokens, device=device,
-                                bf16=False)
+                                bf16=False, kernel=kernel)
         with warnings.catch_warnings():  # long dev sources: truncated, as load_data says
             warnings.simplefilter("ignore", TruncationWarning)
             # train.eval_beam (greedy by default), with the run's length penalty and guard
@@ -123,14 +127,15 @@ def validate(model: Transformer, tokenizers, dev: list[Example], dev_pairs: list
 
 # ---------------------------------------------------------------- `aiayn evaluate`
 def split_loss(model: Transformer, prepared, split: str, limit: int, config: Config,
-               device: torch.device, bf16: bool) -> tuple[float, float]:
+               device: torch.device, bf16: bool, kernel: OutputKernel | None = None
+               ) -> tuple[float, float]:
     """The loss the run's validation logs as "dev_loss" (and its "dev_nll"), for the first
     ``limit`` pairs of ``split``: the same examples (long ones truncated), batches and
     label smoothing, in bf16 only when ``bf16``; so `aiayn evaluate --split dev` of the
     weights a validation saw gives the figure it logged."""
     examples = list(islice(prepared.encoded(split, model.cfg.max_len, "truncate"), limit))
     config = replace(config, train=replace(config.train, bf16="true" if bf16 else "false"))
-    return dev_loss(model, examples, config, device)
+    return dev_loss(model, examples, config, device, kernel)
 
 
 def search_name(beam: int, alpha: float, no_repeat_ngram: int = 0) -> str:
@@ -183,7 +188,7 @@ def evaluate_run(run_dir: str | Path, split: str = "test", beam: int | None = No
         run_config = load_run_config(Path(run_dir), [])
         tokenize = prepared.bleu_tokenize(run_config.data.bleu_tokenize)
         loss, nll = split_loss(translator.model, prepared, split, len(pairs), run_config,
-                               translator.device, bf16)
+                               translator.device, bf16, translator.kernel)
     with tqdm(total=len(pairs), unit="sent", dynamic_ncols=True, disable=not progress,
               desc=f"{split} beam {beam}") as bar:
         hypotheses, scores = translate_and_score(translator, pairs, beam, alpha, bar.update,

@@ -10,7 +10,10 @@ faster (docs/findings.md#the-price-of-a-step). The backward products
 
 Which is faster depends on the CPU and its libraries, so it is measured, not assumed:
 :func:`choose_output_kernel` times both on the generator's own shape (on one thread, like
-the bf16 probe of ``aiayn.util.device``) and keeps oneDNN only when it is clearly faster.
+the bf16 probe of ``aiayn.util.device``) and returns oneDNN's product only when it is
+clearly faster. The model keeps no choice: whoever computes with it holds the product it
+chose (the Trainer, a Translator, a serving lane) and passes it to
+``Generator.output_logits`` (or ``Transformer.forward``), None meaning ``F.linear``.
 Output layers too small to matter are not probed (and so are computed the same way in
 every process). Under bf16 autocast, on a GPU, inside ``torch.compile`` (train.compile:
 inductor cannot lower the op) or where oneDNN is missing, ``F.linear`` runs as always.
@@ -24,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from aiayn.model import OutputKernel
 from aiayn.util.threads import on_one_thread
 
 # Output layers with fewer weights than this (d x V) are left to BLAS without a probe: a
@@ -79,7 +83,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, onednn: bool) -> Tens
 
 
 def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """The product a generator runs once oneDNN was chosen for it (``Generator.kernel``)."""
+    """The product an output layer runs once oneDNN was chosen for it."""
     return linear(x, weight, bias, onednn=True)
 
 
@@ -104,32 +108,31 @@ def probe_seconds(rows: int, d: int, vocab: int, repeats: int = 3) -> tuple[floa
     return on_one_thread(both)
 
 
-def choose_output_kernel(generator, rows: int, enabled: bool = True) -> str:
-    """Set ``generator.kernel`` for products of ``rows`` decoder positions (the training
-    batch, or the rows a decoding step holds) and say why, for the log. ``enabled`` False
+def choose_output_kernel(generator, rows: int, enabled: bool = True
+                         ) -> tuple[OutputKernel, str]:
+    """The product for ``generator``'s products of ``rows`` decoder positions (the training
+    batch, or the rows a decoding step holds), and why, for the log. ``enabled`` False
     (bf16 autocast, a GPU) keeps BLAS without probing."""
     weight = generator.proj.weight
     vocab, d = int(generator.output_ids.numel()), weight.size(1)
-    generator.kernel = F.linear
     if not enabled or weight.device.type != "cpu" or weight.dtype != torch.float32:
-        return "output layer: F.linear (not an fp32 CPU product)"
+        return F.linear, "output layer: F.linear (not an fp32 CPU product)"
     if vocab * d < MIN_PROBED_WEIGHTS:
-        return f"output layer: F.linear ({vocab} x {d} weights: too small to probe)"
+        return F.linear, f"output layer: F.linear ({vocab} x {d} weights: too small to probe)"
     if not onednn_available():
-        return "output layer: F.linear (this PyTorch has no oneDNN linear)"
+        return F.linear, "output layer: F.linear (this PyTorch has no oneDNN linear)"
     blas, onednn = probe_seconds(rows, d, vocab)
-    faster = onednn * MARGIN < blas
-    generator.kernel = onednn_linear if faster else F.linear
-    return (f"output layer: {'oneDNN' if faster else 'F.linear'} (a probe took "
-            f"{blas * 1e3:.1f} ms in BLAS, {onednn * 1e3:.1f} ms in oneDNN)")
+    kernel = onednn_linear if onednn * MARGIN < blas else F.linear
+    return kernel, (f"output layer: {output_kernel_name(kernel)} (a probe took "
+                    f"{blas * 1e3:.1f} ms in BLAS, {onednn * 1e3:.1f} ms in oneDNN)")
 
 
-def output_kernel_name(generator) -> str:
-    """The product ``generator.kernel`` computes with: "oneDNN" or "F.linear"."""
-    return "oneDNN" if generator.kernel is onednn_linear else "F.linear"
+def output_kernel_name(kernel: OutputKernel | None) -> str:
+    """The name of a product (what a train state records): "oneDNN" or "F.linear" (None)."""
+    return "oneDNN" if kernel is onednn_linear else "F.linear"
 
 
-def use_output_kernel(generator, name: str) -> None:
-    """Set ``generator.kernel`` by its :func:`output_kernel_name` (a choice made before: kept
-    by a resume, or rank 0's for every rank), without probing."""
-    generator.kernel = onednn_linear if name == "oneDNN" and onednn_available() else F.linear
+def output_kernel(name: str) -> OutputKernel:
+    """The product of an :func:`output_kernel_name` (a choice made before: kept by a resume,
+    or rank 0's for every rank), without probing; F.linear where oneDNN is missing."""
+    return onednn_linear if name == "oneDNN" and onednn_available() else F.linear

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
-from aiayn.model import Transformer
+from aiayn.model import OutputKernel, Transformer
 
 NEVER_GENERATED = (PAD_ID, BOS_ID)
 
@@ -112,8 +112,8 @@ class _DecoderState:
     """
 
     def __init__(self, model: Transformer, src: Tensor, copies: int, use_cache: bool,
-                 no_repeat_ngram: int = 0):
-        self.model = model
+                 no_repeat_ngram: int = 0, kernel: OutputKernel | None = None):
+        self.model, self.kernel = model, kernel  # the output layer's product (model.py)
         self.no_repeat_ngram = no_repeat_ngram
         src_pad = model.src_pad_mask(src)
         memory = model.encode(src, src_pad)  # encode once, then copy to the beams
@@ -133,7 +133,7 @@ class _DecoderState:
         ``history``: each row's tokens so far (host), for the repetition guard."""
         step_input = tokens[:, -1:] if self.cache is not None else tokens
         hidden = self.model.decode(step_input, self.memory, self.src_pad, self.cache)
-        logits = self.model.generator.output_logits(hidden[:, -1], self.rows).float()
+        logits = self.model.generator.output_logits(hidden[:, -1], self.rows, self.kernel).float()
         logits[:, self._never] = float("-inf")
         if self.no_repeat_ngram:
             generator = self.model.generator
@@ -146,11 +146,12 @@ class _DecoderState:
         return columns if self.ids is None else self.ids[columns]
 
     @classmethod
-    def joinable(cls, model: Transformer, no_repeat_ngram: int = 0) -> _DecoderState:
+    def joinable(cls, model: Transformer, no_repeat_ngram: int = 0,
+                 kernel: OutputKernel | None = None) -> _DecoderState:
         """No rows yet: sentences ``join`` it. The cross-attention K/V of every row are
         computed when it joins, so the memory itself is not kept."""
         state = cls.__new__(cls)
-        state.model, state.memory = model, None
+        state.model, state.memory, state.kernel = model, None, kernel
         state.no_repeat_ngram = no_repeat_ngram
         state.ids, state._never = _columns(model)
         with torch.no_grad():  # a search's rows are constants, not part of a graph
@@ -211,6 +212,7 @@ def greedy_decode(
     max_len_b: int = 50,
     use_cache: bool = True,
     no_repeat_ngram: int = 0,
+    kernel: OutputKernel | None = None,
 ) -> list[list[int]]:
     """Batched greedy search. src: (B, S) padded ids. Returns token ids without BOS/EOS.
     ``no_repeat_ngram``: the repetition guard (module docstring; 0: off).
@@ -221,7 +223,7 @@ def greedy_decode(
     :class:`_Rows`).
     """
     B = src.size(0)
-    state = _DecoderState(model, src, 1, use_cache, no_repeat_ngram)
+    state = _DecoderState(model, src, 1, use_cache, no_repeat_ngram, kernel)
     rows = _Rows(output_limits(model, state.src_pad, max_len_b), copies=1)
     outputs: list[list[int]] = [[] for _ in range(B)]
     next_token = torch.full((B,), BOS_ID, dtype=torch.long, device=src.device)
@@ -256,6 +258,7 @@ def beam_search(
     use_cache: bool = True,
     no_repeat_ngram: int = 0,
     sampling: Sampling | None = None,
+    kernel: OutputKernel | None = None,
 ) -> list[list[Hypothesis]]:
     """Batched beam search (see the module docstring for the exact rules).
 
@@ -277,7 +280,7 @@ def beam_search(
     if not 1 <= nbest <= beam:
         raise ValueError(f"nbest must be between 1 and the beam size {beam}, got {nbest}")
     B, K, device = src.size(0), beam, src.device
-    state = _DecoderState(model, src, K, use_cache, no_repeat_ngram)
+    state = _DecoderState(model, src, K, use_cache, no_repeat_ngram, kernel)
     rows = _Rows(output_limits(model, state.src_pad[::K], max_len_b), copies=K,
                  keys=None if sampling is None else sample_keys(src, _seed(sampling), K))
     scores = _first_scores(B, K, sampling, device)
@@ -321,22 +324,25 @@ class JoinableSearch:
     """
 
     def __init__(self, model: Transformer, beam: int, alpha: float = 0.6, max_len_b: int = 50,
-                 no_repeat_ngram: int = 0, sampling: Sampling | None = None):
+                 no_repeat_ngram: int = 0, sampling: Sampling | None = None,
+                 kernel: OutputKernel | None = None):
         if beam < 1:
             raise ValueError(f"beam must be at least 1, got {beam}")
         self.model, self.beam, self.alpha, self.max_len_b = model, beam, alpha, max_len_b
+        self.kernel = kernel
         self.no_repeat_ngram, self.sampling = no_repeat_ngram, sampling
         self._start()
 
     @classmethod
-    def of(cls, model: Transformer, search: Search, max_len_b: int = 50) -> JoinableSearch:
+    def of(cls, model: Transformer, search: Search, max_len_b: int = 50,
+           kernel: OutputKernel | None = None) -> JoinableSearch:
         """The joinable search of the settings ``search``."""
         return cls(model, search.beam, search.alpha, max_len_b, search.no_repeat_ngram,
-                   search.sampling)
+                   search.sampling, kernel)
 
     def _start(self) -> None:
         K, device = self.beam, _device(self.model)
-        self.state = _DecoderState.joinable(self.model, self.no_repeat_ngram)
+        self.state = _DecoderState.joinable(self.model, self.no_repeat_ngram, self.kernel)
         self.rows = _Rows(torch.zeros(0, dtype=torch.long), copies=K,
                           keys=None if self.sampling is None else np.zeros(0, np.uint64))
         self.scores = torch.zeros(0, K, device=device)
@@ -476,12 +482,14 @@ def sampling_distribution(logits: Tensor, sampling: Sampling) -> tuple[Tensor, T
 
 
 def next_distribution(model: Transformer, src: Tensor, prefix: list[int], sampling: Sampling,
-                      no_repeat_ngram: int = 0) -> tuple[Tensor, Tensor]:
+                      no_repeat_ngram: int = 0, kernel: OutputKernel | None = None
+                      ) -> tuple[Tensor, Tensor]:
     """The distribution a sample's next token is drawn from, given source ids ``src``
     (1, S) and the target tokens so far ``prefix`` (no BOS): (V',) probabilities, most
     likely first, and their token ids (``sampling_distribution``; temperature 1 without top-k
     or top-p is the model's own distribution)."""
-    state = _DecoderState(model, src, 1, use_cache=False, no_repeat_ngram=no_repeat_ngram)
+    state = _DecoderState(model, src, 1, use_cache=False, no_repeat_ngram=no_repeat_ngram,
+                          kernel=kernel)
     tokens = torch.tensor([[BOS_ID, *prefix]], dtype=torch.long, device=src.device)
     with torch.no_grad():
         logits = state.next_logits(tokens, np.array([prefix], dtype=np.int64).reshape(1, -1))

@@ -63,7 +63,7 @@ from aiayn.inference.search import (
     greedy_decode,
     next_distribution,
 )
-from aiayn.model import Transformer
+from aiayn.model import OutputKernel, Transformer
 from aiayn.runs.directory import load_run
 from aiayn.util.device import parameter_device
 from aiayn.util.threads import default_streams, on_one_thread, parallel_map
@@ -194,7 +194,7 @@ class Translator:
     def __init__(self, model: Transformer | None, tokenizers, max_tokens: int | None = None,
                  device: str | torch.device | None = None, bf16: bool = False, engine=None,
                  streams: int | None = None, threads_per_stream: int = 1,
-                 decode: DecodeConfig | None = None):
+                 decode: DecodeConfig | None = None, kernel: OutputKernel | None = None):
         """``max_tokens``: batch budget in padded source tokens x beam (``token_batches``;
         None: ``default_max_tokens`` of the device, 8,192 on a CPU);
         ``bf16``: decode under bfloat16 autocast (as training validates under train.bf16).
@@ -205,8 +205,10 @@ class Translator:
         ``aiayn.inference.ct2.CTranslate2Search``: it has ``max_len``, ``device`` and
         ``search(sources, search: Search, nbest, max_len_b) -> list[list[Hypothesis]]``.
         ``decode``: the search that a beam or alpha of None means (the run's config section;
-        default the paper's beam 4, alpha 0.6)."""
-        self.engine = engine
+        default the paper's beam 4, alpha 0.6). ``kernel``: the output layer's product
+        (``aiayn.inference.kernels``: a Trainer's choice for its model); None: chosen here.
+        The searches compute with ``self.kernel``."""
+        self.engine, self.kernel = engine, kernel
         self.decode = decode or DecodeConfig()
         if engine is not None:
             self.device, self.model, self.max_len = torch.device(engine.device), None, engine.max_len
@@ -225,8 +227,9 @@ class Translator:
                                  f"{decode_bytes_per_token(model.cfg)} bytes per padded "
                                  f"token), got {max_tokens}")
             self.model = model.to(self.device).eval()
-            if model.generator.kernel is None:  # not chosen yet (a Trainer chooses for its own)
-                choose_output_kernel(model.generator, DECODE_PROBE_ROWS, enabled=not bf16)
+            if kernel is None:  # not chosen yet (a Trainer chooses for its own)
+                self.kernel = choose_output_kernel(model.generator, DECODE_PROBE_ROWS,
+                                                   enabled=not bf16)[0]
             self.max_len = model.cfg.max_len
         self.tokenizers = tokenizers
         self.max_tokens = max_tokens
@@ -469,10 +472,11 @@ class Translator:
             with autocast:
                 if greedy:
                     return [[Hypothesis(ids, 0.0)] for ids in greedy_decode(
-                        self.model, src, max_len_b, no_repeat_ngram=search.no_repeat_ngram)]
+                        self.model, src, max_len_b, no_repeat_ngram=search.no_repeat_ngram,
+                        kernel=self.kernel)]
                 return beam_search(self.model, src, search.beam, search.alpha, max_len_b, nbest,
                                    no_repeat_ngram=search.no_repeat_ngram,
-                                   sampling=search.sampling)
+                                   sampling=search.sampling, kernel=self.kernel)
         except (RuntimeError, MemoryError) as exc:
             if not is_out_of_memory(exc):
                 raise
@@ -552,7 +556,7 @@ class Translator:
         sources, _ = self.encode([_one_line(sentence)])
         src = torch.tensor(sources, dtype=torch.long, device=self.device)
         probs, tokens = on_one_thread(lambda: next_distribution(
-            self.model, src, ids[:step], sampling, no_repeat_ngram))
+            self.model, src, ids[:step], sampling, no_repeat_ngram, self.kernel))
         piece = self.tokenizers.tgt_id_to_token
         chosen = ids[step] if step < len(ids) else EOS_ID
         return NextPiece([piece(i) for i in ids], step, piece(chosen),

@@ -185,9 +185,11 @@ class Batcher:
                     lane.searches = LaneProcess(
                         translator.model, translator.bf16,
                         on_result=lambda result, lane=lane: self._lane_result(lane, result),
-                        on_lost=lambda exc, lane=lane: self._lane_lost(lane, exc))
+                        on_lost=lambda exc, lane=lane: self._lane_lost(lane, exc),
+                        kernel=translator.kernel)
                 else:
-                    lane.searches = LaneSearches(translator.model, translator.bf16)
+                    lane.searches = LaneSearches(translator.model, translator.bf16,
+                                                 translator.kernel)
             targets = [lambda lane=lane: self._run_lane(lane) for lane in self._lanes]
         else:
             self._lanes, targets, self.lane_kind = [], [self._run], None

@@ -28,7 +28,7 @@ import torch
 
 from aiayn.data.batching import pad
 from aiayn.inference.search import Hypothesis, JoinableSearch, Search
-from aiayn.model import Transformer
+from aiayn.model import OutputKernel, Transformer
 
 Key = Search  # a search's settings: only equal ones are decoded in one search
 Adds = list[tuple[Key, list[int], list[list[int]]]]  # (settings, sentence ids, source ids)
@@ -48,12 +48,14 @@ class Round:
 
 class LaneSearches:
     """One lane's searches, one per search settings, stepped in turn (see the module
-    docstring); ``bf16``: decode under bfloat16 autocast (``Translator.bf16``)."""
+    docstring); ``bf16``: decode under bfloat16 autocast (``Translator.bf16``); ``kernel``:
+    the output layer's product (``Translator.kernel``)."""
 
     remote = False
 
-    def __init__(self, model: Transformer, bf16: bool = False):
-        self.model, self.bf16 = model, bf16
+    def __init__(self, model: Transformer, bf16: bool = False,
+                 kernel: OutputKernel | None = None):
+        self.model, self.bf16, self.kernel = model, bf16, kernel
         self.searches: dict[Key, JoinableSearch] = {}
         self.members: dict[Key, set[int]] = {}  # the sentences in each search
 
@@ -69,7 +71,7 @@ class LaneSearches:
         for key, sentences, sources in adds:
             search = self.searches.get(key)
             if search is None:
-                search = self.searches[key] = JoinableSearch.of(self.model, key)
+                search = self.searches[key] = JoinableSearch.of(self.model, key, kernel=self.kernel)
                 self.members[key] = set()
             try:
                 with self._autocast():
@@ -90,7 +92,7 @@ class LaneSearches:
                         done = search.step()
                 except Exception as exc:
                     result.failed.append((sorted(self.members[key]), exc))
-                    search, done = JoinableSearch.of(self.model, key), []
+                    search, done = JoinableSearch.of(self.model, key, kernel=self.kernel), []
                     self.searches[key], self.members[key] = search, set()
                 for sentence, hyps in done:
                     self.members[key].discard(sentence)
@@ -126,10 +128,9 @@ class LaneProcess:
     remote = True
 
     def __init__(self, model: Transformer, bf16: bool, on_result: Callable[[Round], None],
-                 on_lost: Callable[[LaneLost], None]):
+                 on_lost: Callable[[LaneLost], None], kernel: OutputKernel | None = None):
         self._start_args = (model.cfg, {k: v.detach().clone() for k, v in
-                                        model.state_dict().items()},
-                            model.generator.kernel, bf16)
+                                        model.state_dict().items()}, kernel, bf16)
         self.on_result, self.on_lost = on_result, on_lost
         self._lock = threading.Lock()  # a send, or the swap to a new child
         self._closing = False
@@ -193,9 +194,8 @@ def _lane_main(conn, cfg, state: dict, kernel, bf16: bool) -> None:
     model = Transformer(cfg)
     model.load_state_dict(state)
     model.eval()
-    model.generator.kernel = kernel
     del state
-    lane, steps, sentences, seconds = LaneSearches(model, bf16), 0, 0, 0.0
+    lane, steps, sentences, seconds = LaneSearches(model, bf16, kernel), 0, 0, 0.0
     while True:
         adds: Adds = []
         removes: list[int] = []

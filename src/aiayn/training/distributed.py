@@ -1,5 +1,6 @@
-"""Processes: one, or one per rank under torchrun; the device and its precision; collectives;
-seeds and RNG states. (CPU threads: aiayn.util.threads.)
+"""Processes: one, or one per rank under torchrun; the device and its precision; collectives
+(and the failure that says a peer rank is gone); the DDP (and compiled) module the training
+loop calls; seeds and RNG states. (CPU threads: aiayn.util.threads.)
 
 Every function takes the :class:`Dist` that ``setup_distributed`` returns and is a no-op
 (or the identity) in a single process, so the training loop reads the same either way.
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from aiayn.errors import AiaynError
 from aiayn.util.device import choose_device
@@ -102,6 +103,30 @@ def on_main(action, world: Dist) -> None:
         raise caught
     if error is not None:
         raise AiaynError(error)
+
+
+# What a collective raises on a rank whose peer process died (gloo's TCP transport).
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
+
+
+def lost_a_rank(exc: BaseException) -> bool:
+    """Whether ``exc`` says that another rank's process is gone (killed, out of memory): a
+    failure of the run, not of this rank, which the CLI reports as one line."""
+    return any(marker in str(exc) for marker in PEER_LOST)
+
+
+def wrap_for_training(model: nn.Module, compile_: bool, world: Dist
+                      ) -> tuple[nn.Module | None, nn.Module]:
+    """(the DistributedDataParallel wrapper or None, the module the loop calls)."""
+    ddp: nn.Module | None = None
+    train_model = model
+    if world.enabled:
+        ddp = train_model = nn.parallel.DistributedDataParallel(
+            model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
+    if compile_:
+        # Batch shapes vary with the length buckets: compile once for symbolic shapes.
+        train_model = torch.compile(train_model, dynamic=True)
+    return ddp, train_model
 
 
 # ---------------------------------------------------------------- seeds and RNG states

@@ -2,14 +2,16 @@
 
 The file reads top to bottom in the order a run happens:
 
-    resolve_config, load_data, BatchStream   vocabulary sizes, encoded splits, the batch stream
     train_step                               grad accumulation, clipping, one Adam update
     train / Trainer                          set-up (or resume), then the loop: step, log,
                                              validate (aiayn.evaluation.evaluate), save, stop
 
-What it builds on: aiayn.training.optim (Adam, the schedule, the loss), aiayn.training.distributed (ranks,
+What it builds on: aiayn.training.stream (the data, the model it sets, the batch stream),
+aiayn.training.optim (Adam, the schedule, the loss), aiayn.training.distributed (ranks,
 collectives, RNG state), aiayn.runs.directory (the run directory and its metrics log),
-aiayn.evaluation.evaluate (dev loss and BLEU through the Translator), aiayn.runs.checkpoint (files).
+aiayn.evaluation.evaluate (dev loss and BLEU through the Translator), aiayn.runs.checkpoint
+(files), aiayn.inference.kernels (the output layer's product, which the Trainer holds and
+passes to every forward pass and to its validation).
 
 Loss normalisation: every update divides the summed token losses by the number of real
 target tokens in the whole update (all micro-batches of all ranks), so K ranks with one
@@ -18,6 +20,10 @@ micro-batch each compute the same gradient as one process accumulating K micro-b
 Exact resume: the train state holds the optimizer, the step (the schedule is a pure
 function of it), the RNG states of every rank and every rank's sampler position, so
 ``--resume`` continues with the same batches and the same dropout masks.
+
+The file is over the house's 500 lines for the Trainer alone (~330): its set-up, loop,
+validation, saves and resume share one state (model, optimizer, stream, progress, the
+probes' choices), which pieces in other files would pass back and forth.
 """
 
 from __future__ import annotations
@@ -31,20 +37,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
 from aiayn.config import Config
-from aiayn.data.batching import Example, TokenBatchSampler, collate, length_multiple
-from aiayn.data.prepared import EncodedSplit, load_prepared
-from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizers
+from aiayn.data.batching import length_multiple
 from aiayn.errors import AiaynError
 from aiayn.evaluation.evaluate import validate
-from aiayn.inference.kernels import choose_output_kernel, output_kernel_name, use_output_kernel
-from aiayn.model import Transformer
+from aiayn.inference.kernels import choose_output_kernel, output_kernel, output_kernel_name
+from aiayn.model import OutputKernel
 from aiayn.runs.checkpoint import (
     STATE_VERSION,
     load_train_state,
@@ -63,170 +66,30 @@ from aiayn.training.distributed import (
     Dist,
     all_reduce_sum,
     gather_objects,
+    lost_a_rank,
     max_over_ranks,
     on_main,
     rng_state,
     set_rng_state,
     set_seed,
     setup_distributed,
+    wrap_for_training,
 )
 from aiayn.training.early_stopping import BestTracker
 from aiayn.training.optim import build_optimizer, schedule_lr, set_learning_rate
+from aiayn.training.stream import (
+    BatchStream,
+    build_model,
+    collates_ahead,
+    load_data,
+    resolve_config,
+    restrict_outputs,
+)
 from aiayn.util.device import machine_kind, resolve_bf16
 from aiayn.util.io import check_room
 from aiayn.util.lock import locked
 from aiayn.util.progress import log
 from aiayn.util.threads import ThreadTuner
-
-
-# ---------------------------------------------------------------- the run directory
-def resolve_config(config: Config, tokenizers, data_dir: Path) -> Config:
-    """Set the model's vocabulary sizes from the prepared tokenizers.
-
-    ``tie_embeddings: all`` needs one vocabulary for both sides; with separate ones this
-    refuses to guess and says which setting to change.
-    """
-    if config.model.tie_embeddings == "all" and not tokenizers.joint:
-        raise AiaynError(
-            f"model.tie_embeddings='all' needs a joint vocabulary, but the data in {data_dir} "
-            f"has separate source/target tokenizers; prepare it with data.joint_vocab=true, "
-            f"or train with --set model.tie_embeddings=decoder"
-        )
-    config.model.src_vocab_size = int(tokenizers.src_vocab_size)
-    config.model.tgt_vocab_size = int(tokenizers.tgt_vocab_size)
-    return config.validate(f"{data_dir} (vocabulary sizes)")
-
-
-# ---------------------------------------------------------------- model
-def build_model(config: Config, device: torch.device) -> Transformer:
-    return Transformer(config.model).to(device)
-
-
-def restrict_outputs(model: Transformer, train: EncodedSplit, log=print) -> None:
-    """model.output_vocab "targets": the generator scores only the pieces that occur in the
-    training targets (their labels: tokens and [EOS], not [BOS] or padding)."""
-    vocab_size = model.cfg.tgt_vocab_size
-    seen = train.ids.tgt.id_counts(vocab_size) > 0
-    seen[[PAD_ID, BOS_ID]] = False
-    seen[EOS_ID] = True
-    model.generator.set_outputs(torch.from_numpy(np.flatnonzero(seen)).to(
-        model.generator.output_mask.device))
-    log(f"output: {int(seen.sum())} of the {vocab_size} target pieces occur in the training "
-        "targets; the output layer scores those alone (model.output_vocab: targets)")
-
-
-# ---------------------------------------------------------------- data
-@dataclass
-class TrainData:
-    """Encoded training examples with this rank's sampler, and the dev split."""
-
-    train: EncodedSplit
-    sampler: TokenBatchSampler
-    dev: list[Example]
-    dev_pairs: list[tuple[str, str]]
-    tokenizers: Tokenizers
-    bleu_tokenize: str = "13a"  # the validation's (aiayn.data.prepared.Prepared.bleu_tokenize)
-
-
-def load_data(data_dir: Path, config: Config, world: Dist, log=print) -> TrainData:
-    """Map the prepared ids of the train and dev splits (aiayn.data.prepared.Prepared.encoded: no
-    re-encoding, memory independent of the corpus size); long training pairs follow
-    data.long_policy, long dev sources are truncated (the dev score covers every dev pair)."""
-    prepared = load_prepared(data_dir, log=log)
-    m, t = config.model, config.train
-    train = prepared.encoded("train", m.max_len, config.data.long_policy)
-    dev, dev_pairs = prepared.validation_split(m.max_len)
-    if not len(train):
-        raise AiaynError(f"{data_dir}: no training pairs fit model.max_len={m.max_len}")
-    if not dev:
-        raise AiaynError(f"{data_dir}: the dev split is empty")
-    sampler = TokenBatchSampler(train.src_lens, train.tgt_lens,
-                                t.max_tokens, shuffle=True, seed=t.seed,
-                                rank=world.rank, world_size=world.world_size)
-    log(f"data: {len(train)} training pairs ({_describe(train.counts)}), {len(dev)} dev pairs, "
-        f"{len(sampler)} batches per epoch per rank")
-    return TrainData(train, sampler, dev, dev_pairs, prepared.tokenizers,
-                     prepared.bleu_tokenize(config.data.bleu_tokenize))
-
-
-def _describe(stats: dict[str, int]) -> str:
-    return ", ".join(f"{k} {v}" for k, v in stats.items()) or "nothing dropped"
-
-
-class BatchStream:
-    """Micro-batches epoch after epoch, until ``max_epochs`` are done (then None).
-
-    Its position is the sampler's. ``prefetch()`` draws and collates the next batch early
-    (on a GPU, while the device still computes the step before: the loop waited for it
-    otherwise, docs/findings.md#the-training-loop-on-a-gpu); that batch is not yet trained
-    on, so ``state_dict`` and ``epoch`` keep naming the position before it, and a resume
-    draws it again.
-    """
-
-    def __init__(self, data: TrainData, pad_id: int, device: torch.device, max_epochs: int,
-                 multiple: int = 1):
-        self.data, self.pad_id, self.device = data, pad_id, device
-        self.multiple = multiple  # lengths padded to it (aiayn.data.batching.length_multiple)
-        self.max_epochs = max_epochs
-        self._epoch = 0
-        self._ahead: list = []  # [(the batch drawn early, the state before it)], or []
-        self.data.sampler.set_epoch(self._epoch)
-        self._it = iter(self.data.sampler)
-
-    @property
-    def epoch(self) -> int:
-        """The epoch of the batches handed out so far."""
-        return self._ahead[0][1]["epoch"] if self._ahead else self._epoch
-
-    def next(self):
-        if self._ahead:
-            batch, _ = self._ahead.pop()
-            return batch
-        return self._draw()
-
-    def prefetch(self) -> None:
-        """Draw the next batch now; ``next`` hands it out."""
-        if not self._ahead:
-            before = self.state_dict()
-            self._ahead.append((self._draw(), before))
-
-    def _draw(self):
-        positions = next(self._it, None) if self._epoch < self.max_epochs else None
-        if positions is None:  # the epoch is over: reshuffle for the next one
-            self._epoch += 1
-            if self._epoch >= self.max_epochs:
-                self._epoch = self.max_epochs
-                return None
-            self.data.sampler.set_epoch(self._epoch)
-            self._it = iter(self.data.sampler)
-            positions = next(self._it)
-        batch = collate([self.data.train[i] for i in positions], self.pad_id, self.multiple)
-        return batch.to(self.device, non_blocking=True)
-
-    def restart_epoch(self, epoch: int) -> None:
-        """Go to the start of ``epoch`` (a resume with another number of ranks)."""
-        self._ahead.clear()
-        self._epoch = epoch
-        self.data.sampler.load_state_dict({**self.data.sampler.state_dict(), "epoch": epoch,
-                                           "batches_yielded": 0})
-        self._it = iter(self.data.sampler)
-
-    def state_dict(self) -> dict:
-        if self._ahead:
-            return self._ahead[0][1]
-        return {"epoch": self._epoch, "sampler": self.data.sampler.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._ahead.clear()
-        self._epoch = int(state["epoch"])
-        self.data.sampler.load_state_dict(state["sampler"])
-        self._it = iter(self.data.sampler)
-
-
-def collates_ahead(device: torch.device) -> bool:
-    """Whether the loop collates the next batch while the step before still computes: where a
-    device computes beside the host; on a CPU that is the same cores, and nothing is gained."""
-    return device.type == "cuda"
 
 
 # ---------------------------------------------------------------- one optimizer update
@@ -248,12 +111,14 @@ def train_step(
     world: Dist,
     elapsed_s: float = 0.0,
     prefetch: Callable[[], object] | None = None,
+    kernel: OutputKernel | None = None,
 ) -> StepResult:
     """One Adam update over ``micro_batches`` (gradient accumulation), normalised by the
     global count of real target tokens. Does not update the weights when the loss or the
     gradient is not finite (the caller stops the run). ``prefetch`` is called once the
     backward passes are queued, before the first wait for the device (the next batch is
-    collated while a GPU computes this one)."""
+    collated while a GPU computes this one). ``kernel``: the output layer's product
+    (aiayn.inference.kernels; None: F.linear)."""
     t = config.train
     local_tokens = sum(b.n_tokens for b in micro_batches)
     n_tokens = local_tokens if not world.enabled else int(all_reduce_sum(
@@ -267,7 +132,7 @@ def train_step(
         sync = ddp.no_sync() if ddp is not None and not last else nullcontext()
         with sync:
             with autocast:  # the loss itself is computed in fp32
-                loss = model(batch.src, batch.tgt_in, batch.tgt_out, t.label_smoothing)
+                loss = model(batch.src, batch.tgt_in, batch.tgt_out, t.label_smoothing, kernel)
             (loss * scale).backward()
         loss_sum += loss.detach()
     if prefetch is not None:
@@ -350,30 +215,6 @@ def train(
             dist.destroy_process_group()
 
 
-# What a collective raises on a rank whose peer process died (gloo's TCP transport).
-PEER_LOST = ("Connection closed by peer", "Connection reset by peer")
-
-
-def lost_a_rank(exc: BaseException) -> bool:
-    """Whether ``exc`` says that another rank's process is gone (killed, out of memory): a
-    failure of the run, not of this rank, which the CLI reports as one line."""
-    return any(marker in str(exc) for marker in PEER_LOST)
-
-
-def wrap_for_training(model: nn.Module, compile_: bool, world: Dist
-                      ) -> tuple[nn.Module | None, nn.Module]:
-    """(the DistributedDataParallel wrapper or None, the module the loop calls)."""
-    ddp: nn.Module | None = None
-    train_model = model
-    if world.enabled:
-        ddp = train_model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[world.device.index] if world.device.type == "cuda" else None)
-    if compile_:
-        # Batch shapes vary with the length buckets: compile once for symbolic shapes.
-        train_model = torch.compile(train_model, dynamic=True)
-    return ddp, train_model
-
-
 class Trainer:
     """One training run: ``__init__`` sets everything up (data, model, optimizer, the saved
     state on resume), ``run`` is the loop; ``run_validation`` and ``save`` are what it does at
@@ -419,15 +260,14 @@ class Trainer:
         self.progress = Progress(best=BestTracker(t.best_metric, t.patience))
         rng = self.restore(saved) if saved is not None else None
         if "output_kernel" in kept and kept.get("bf16") == self.bf16:
-            use_output_kernel(self.model.generator, kept["output_kernel"])
-            why_output = (f"output layer: {output_kernel_name(self.model.generator)} (kept from "
-                          "the run's start on this machine)")
+            kernel = output_kernel(kept["output_kernel"])
+            why_output = (f"output layer: {output_kernel_name(kernel)} (kept from the run's "
+                          "start on this machine)")
         else:
-            why_output = choose_output_kernel(self.model.generator, t.max_tokens,
-                                              enabled=not self.bf16)
-        chosen, why_output = gather_objects(
-            (output_kernel_name(self.model.generator), why_output), world)[0]
-        use_output_kernel(self.model.generator, chosen)
+            kernel, why_output = choose_output_kernel(self.model.generator, t.max_tokens,
+                                                      enabled=not self.bf16)
+        chosen, why_output = gather_objects((output_kernel_name(kernel), why_output), world)[0]
+        self.kernel = output_kernel(chosen)  # the output layer's product: rank 0's choice
         kept_ahead = sum(s > self.progress.step for s in t.keep_steps)
         on_main(lambda: check_room(run_dir, run_size(self.model, t.keep_checkpoints,
                                                      start.continues, kept_ahead),
@@ -478,7 +318,8 @@ class Trainer:
                 step_start = time.perf_counter()
                 result = train_step(self.train_model, self.ddp, self.optimizer, micro,
                                     progress.step + 1, self.config, self.world, progress.elapsed_s,
-                                    prefetch=stream.prefetch if self.prefetch else None)
+                                    prefetch=stream.prefetch if self.prefetch else None,
+                                    kernel=self.kernel)
                 self.threads.observe(time.perf_counter() - step_start, result.n_tokens)
                 if not (math.isfinite(result.loss) and math.isfinite(result.grad_norm)):
                     raise AiaynError(non_finite_message(result, progress, self.run_dir, self.config))
@@ -550,7 +391,7 @@ class Trainer:
                 scored = replace(self.config, data=replace(
                     self.config.data, bleu_tokenize=self.data.bleu_tokenize))
                 result = validate(self.model, self.data.tokenizers, self.data.dev,
-                                  self.data.dev_pairs, scored, world.device, full)
+                                  self.data.dev_pairs, scored, world.device, full, self.kernel)
             best = progress.best
             improved = best.update(progress.step, result)
             if improved:
@@ -654,7 +495,7 @@ class Trainer:
             "elapsed_s": progress.elapsed_s,
             "tokens": progress.tokens,
             "choices": {"machine": machine_kind(world.device), "bf16": self.bf16,
-                        "output_kernel": output_kernel_name(self.model.generator)},
+                        "output_kernel": output_kernel_name(self.kernel)},
         }
         save_train_state(state, run_dir / "train_state.pt")
 

@@ -26,8 +26,9 @@ from aiayn.evaluation.evaluate import dev_loss
 from aiayn.inference.search import greedy_decode
 from aiayn.model import Transformer
 from aiayn.training.distributed import Dist, set_seed
-from aiayn.training.loop import BatchStream, TrainData, train_step
+from aiayn.training.loop import train_step
 from aiayn.training.optim import build_optimizer
+from aiayn.training.stream import BatchStream, TrainData
 
 # What each task writes for a string of digits (a list of one-character strings).
 TASKS: dict[str, Callable[[list[str]], list[str]]] = {
