@@ -1,16 +1,16 @@
 """aiayn's Transformer as a Transformers model: a thin wrapper over ``model.py``.
 
-``aiayn export RUN --to hf`` copies this file and ``model.py`` (verbatim) beside the weights
-of a model that Transformers' Marian cannot express (pre-norm, QK-norm). ``config.json``
-names the classes below in ``auto_map``, so that
+``aiayn export RUN --to hf`` copies this file, ``model.py``, ``cache.py`` and ``loss.py``
+(verbatim) beside the weights of a model that Transformers' Marian cannot express
+(pre-norm, QK-norm). ``config.json`` names the classes below in ``auto_map``, so that
 
     AutoModelForSeq2SeqLM.from_pretrained(folder, trust_remote_code=True)
 
 builds aiayn's own ``Transformer`` and ``generate`` decodes with it. The architecture lives
 in ``model.py`` alone; this file only translates between Transformers' calling conventions
 (attention masks, encoder outputs, a cache that beam search reorders) and aiayn's. It
-imports nothing of aiayn but ``.model`` and ``.cache`` (which import only ``.loss``), so
-the folder works where aiayn is not installed.
+imports nothing of aiayn but those three files (torch alone), so the folder works where
+aiayn is not installed.
 """
 
 from __future__ import annotations
