@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,12 @@ def test_the_wheel_installs_with_pip_alone_and_takes_own_data(tmp_path):
     wheels = list((tmp_path / "dist").glob("aiayn-*.whl"))
     assert len(wheels) == 1
     assert "PASSED" in run(sys.executable, "-m", "twine", "check", wheels[0], cwd=tmp_path)
+    # Every subpackage and the page's files travel (pyproject.toml lists them one by one).
+    inside = set(zipfile.ZipFile(wheels[0]).namelist())
+    wanted = {p.relative_to(ROOT / "src").as_posix() for p in (ROOT / "src" / "aiayn").rglob("*")
+              if p.is_file() and p.suffix in (".py", ".html", ".js", ".css")
+              and "__pycache__" not in p.parts}
+    assert wanted - inside == set()
 
     venv = tmp_path / "venv"
     run(sys.executable, "-m", "venv", venv, cwd=tmp_path)
