@@ -416,18 +416,11 @@ class Transformer(nn.Module):
         self.tie_weights()
 
     def reset_parameters(self) -> None:
-        """Token embeddings ~ N(0, d_model^-0.5), Xavier-uniform for every other matrix, zeros
-        for biases; LayerNorm stays (1, 0).
-
-        The embeddings are drawn as the paper's own code (tensor2tensor) draws them: after the
-        sqrt(d_model) scale of 3.4 a token's vector then has unit variance, like the sinusoids
-        added to it. Xavier-uniform, as the tutorials use it, draws a (V, d) embedding with
-        variance 2 / (V + d): at V 8000 and d 256 the scaled vector is 4x smaller than the
-        positional encoding, the model first sees positions more than words, and short runs
-        learn far less (dev BLEU after 1M training tokens: 0.5-4.5 with Xavier, 8-10 with
-        this; docs/findings.md#initialisation). ``model.embedding_init: xavier`` restores the
-        tutorials' way.
-        """
+        """Token embeddings ~ N(0, d_model^-0.5) as tensor2tensor draws them (after the
+        sqrt(d_model) scale of 3.4 a token's vector has unit variance, like the sinusoids
+        added to it), Xavier-uniform for every other matrix, zeros for biases; LayerNorm
+        stays (1, 0). The tutorials' Xavier embeddings (``model.embedding_init: xavier``) are
+        4x smaller than the positions and learn far less: docs/findings.md#initialisation."""
         for name, p in self.named_parameters():
             if p.dim() > 1:
                 nn.init.xavier_uniform_(p)
