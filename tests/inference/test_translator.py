@@ -393,7 +393,7 @@ def test_cli_average_last_n(run_dir, tmp_path, capsys):
 
 
 def test_the_default_batch_budget_is_a_cpus_8192_and_on_a_gpu_what_its_memory_holds(monkeypatch):
-    """max_tokens=None: 8,192 on a CPU; on a GPU a quarter of its free memory at
+    """decode_tokens=None: 8,192 on a CPU; on a GPU a quarter of its free memory at
     decode_bytes_per_token, between 8,192 and 2**18 (the GPU path, with its memory query
     replaced, checked on a CPU)."""
     from aiayn.config import ModelConfig
@@ -401,12 +401,12 @@ def test_the_default_batch_budget_is_a_cpus_8192_and_on_a_gpu_what_its_memory_ho
 
     cfg = ModelConfig(d_model=256, n_decoder_layers=2, tgt_vocab_size=8000)
     per_token = budget.decode_bytes_per_token(cfg)
-    assert budget.default_max_tokens(cfg, torch.device("cpu")) == 8192
+    assert budget.default_decode_tokens(cfg, torch.device("cpu")) == 8192
     gpu = torch.device("cuda")
     for free, expected in ((2**30, 8192), (8 * 2**30, 8 * 2**30 // 4 // per_token),
                            (80 * 2**30, 2**18)):
         monkeypatch.setattr(budget, "memory_bytes", lambda device, free=free: free)
-        assert budget.default_max_tokens(cfg, gpu) == expected
+        assert budget.default_decode_tokens(cfg, gpu) == expected
     assert 8192 < 8 * 2**30 // 4 // per_token < 2**18  # the middle case is the formula's
 
 
