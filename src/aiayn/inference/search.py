@@ -57,9 +57,6 @@ from aiayn.inference.sampling import (
 from aiayn.inference.settings import Sampling, Search
 from aiayn.model import Transformer
 
-__all__ = ["Hypothesis", "Sampling", "Search", "beam_search", "decode_beam", "decode_greedy",
-           "greedy_decode", "length_penalty", "next_distribution", "output_limits"]
-
 NEVER_GENERATED = (PAD_ID, BOS_ID)
 
 class Hypothesis(NamedTuple):
@@ -262,33 +259,25 @@ def decode_beam(model: Transformer, src: Tensor, search: Search, use_cache: bool
     return [sorted(hyps, key=lambda h: -h.score)[:nbest] for hyps in finished]
 
 
-def greedy_decode(model: Transformer, src: Tensor, max_len_b: int | None = None,
+def greedy_decode(model: Transformer, src: Tensor, max_len_b: int = DecodeConfig.max_len_b,
                   use_cache: bool = True, no_repeat_ngram: int = 0) -> list[list[int]]:
-    """``decode_greedy`` with its settings as keywords (``max_len_b`` None: decode.max_len_b's
-    default), for scripts and tests that hold a model and no run."""
-    return decode_greedy(model, src, _keywords(1, DecodeConfig.alpha, 1, max_len_b,
-                                               no_repeat_ngram, None), use_cache)
+    """``decode_greedy`` with its settings as keywords, for scripts that hold no run."""
+    return decode_greedy(model, src, Search(1, no_repeat_ngram=no_repeat_ngram,
+                                            max_len_b=max_len_b), use_cache)
 
 
 def beam_search(model: Transformer, src: Tensor, beam: int, alpha: float = DecodeConfig.alpha,
-                max_len_b: int | None = None, nbest: int = 1, use_cache: bool = True,
+                max_len_b: int = DecodeConfig.max_len_b, nbest: int = 1, use_cache: bool = True,
                 no_repeat_ngram: int = 0, sampling: Sampling | None = None
                 ) -> list[list[Hypothesis]]:
-    """``decode_beam`` with its settings as keywords (``max_len_b`` None: decode.max_len_b's
-    default; ``sampling`` needs its seed), for scripts and tests that hold a model and no
-    run."""
+    """``decode_beam`` with its settings as keywords, for scripts that hold no run
+    (``sampling`` needs its seed)."""
     if beam < 1:
         raise ValueError(f"beam must be at least 1, got {beam}")
     if not 1 <= nbest <= beam:
         raise ValueError(f"nbest must be between 1 and the beam size {beam}, got {nbest}")
-    return decode_beam(model, src, _keywords(beam, alpha, nbest, max_len_b, no_repeat_ngram,
-                                             sampling), use_cache)
-
-
-def _keywords(beam, alpha, nbest, max_len_b, no_repeat_ngram, sampling) -> Search:
-    """The ``Search`` of the keyword wrappers' arguments."""
-    return Search(beam, alpha, no_repeat_ngram, sampling, nbest,
-                  max_len_b=DecodeConfig.max_len_b if max_len_b is None else max_len_b)
+    return decode_beam(model, src, Search(beam, alpha, no_repeat_ngram, sampling, nbest,
+                                          max_len_b=max_len_b), use_cache)
 
 
 def _columns(model: Transformer) -> tuple[Tensor | None, list[int]]:

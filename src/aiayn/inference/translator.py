@@ -139,10 +139,7 @@ class Translator:
         self.bf16 = bf16
         self.last_stats = DecodeStats()
 
-    @property
-    def max_tokens(self) -> int:
-        """The decoding budget's older name (``decode_tokens``)."""
-        return self.decode_tokens
+    max_tokens = property(lambda self: self.decode_tokens, doc="``decode_tokens``' older name")
 
     @property
     def streams(self) -> int | None:
@@ -182,8 +179,7 @@ class Translator:
 
     def search(self, beam: int | None = None, alpha: float | None = None) -> tuple[int, float]:
         """The beam and alpha of ``resolve``: those given, else the run's."""
-        search = self.resolve(beam, alpha)
-        return search.beam, search.alpha
+        return (search := self.resolve(beam, alpha)).beam, search.alpha
 
     def check(self, search: Search) -> None:
         """What the engine cannot run (``Engine.supports``), and a beam the model and the
