@@ -50,6 +50,7 @@ class Engine(ABC):
     max_len: int  # the model's positions: sources and outputs are cut to fit
     tgt_vocab_size: int
     model: Transformer | None  # aiayn's model where ``own_model``
+    streams: int | None = None  # batches decoded at once (an engine with threads of its own: None)
 
     def supports(self, search: Search) -> None:  # noqa: B027 (runs everything, by default)
         """An AiaynError naming what this engine cannot run of ``search`` (nothing here)."""

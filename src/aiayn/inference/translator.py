@@ -144,7 +144,7 @@ class Translator:
     @property
     def streams(self) -> int | None:
         """Batches aiayn's engine decodes at once (None: ``default_streams``)."""
-        return getattr(self.engine, "streams", None)
+        return self.engine.streams
 
     @streams.setter
     def streams(self, value: int | None) -> None:
