@@ -6,6 +6,10 @@ function that calls one library function and prints what it returns; options sha
 several commands are declared once (``_add_set``, ``_add_device``, ``_add_weights``,
 ``_add_search``). Errors a user can cause are AiaynError: printed as one line, exit status
 2, no traceback; warnings (e.g. truncated sentences) as one line each.
+
+At about 820 lines this module is over the house's ~500: it is twelve small commands'
+arguments and printing, each pair short and independent, which read best beside the
+options they share.
 """
 
 from __future__ import annotations
@@ -30,14 +34,15 @@ from aiayn.evaluation.evaluate import evaluate_run
 from aiayn.export.base import QUANTIZATIONS
 from aiayn.export.base import TARGETS as EXPORT_TARGETS
 from aiayn.export.command import export_run
-from aiayn.inference.search import Sampling
-from aiayn.inference.translator import ENGINES, Translator, check_search, seeded
+from aiayn.inference.engines import ENGINES
+from aiayn.inference.settings import Sampling, check_options, resolve_search
+from aiayn.inference.translator import Translator
 from aiayn.inspect.doctor import doctor
 from aiayn.inspect.info import format_info, run_info
 from aiayn.inspect.trace import format_trace, trace_batch, trace_forward
 from aiayn.model import Transformer
 from aiayn.runs.checkpoint import average_checkpoints
-from aiayn.runs.directory import checkpoints_to_average, read_metrics
+from aiayn.runs.directory import checkpoints_to_average, read_metrics, run_decode
 from aiayn.training.admission import check_run_request
 from aiayn.training.loop import train
 from aiayn.training.transfer import prepare_from_run
@@ -77,7 +82,7 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
 
 
 def _add_search(p: argparse.ArgumentParser, beam: int | None = None,
-                max_tokens: bool = True) -> None:
+                decode_tokens: bool = True) -> None:
     """--beam and --alpha; not given (None), the run's config says (its decode section)."""
     run_default = "the run's decode.beam: 4 unless its config says otherwise"
     p.add_argument("--beam", type=int, default=beam,
@@ -85,10 +90,16 @@ def _add_search(p: argparse.ArgumentParser, beam: int | None = None,
     p.add_argument("--alpha", type=float, default=None,
                    help="length penalty (default: the run's decode.alpha: 0.6 unless its "
                    "config says otherwise)")
-    if max_tokens:
-        p.add_argument("--max-tokens", type=int, default=None,
-                       help="batch budget: padded source tokens x beam (default 8192 on a CPU; "
-                       "on a GPU what a quarter of its free memory holds, up to 262144)")
+    if decode_tokens:
+        _add_decode_tokens(p, "decoding budget: padded source tokens x beam of a batch "
+                           "(default 8192 on a CPU; on a GPU what a quarter of its free memory "
+                           "holds, up to 262144; not train.max_tokens, training's)")
+
+
+def _add_decode_tokens(p: argparse.ArgumentParser, text: str) -> None:
+    """The decoding budget: --decode-tokens, or its older name --max-tokens."""
+    p.add_argument("--decode-tokens", "--max-tokens", dest="decode_tokens", type=int,
+                   default=None, metavar="N", help=text)
 
 
 def _add_guard(p: argparse.ArgumentParser) -> None:
@@ -116,7 +127,8 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling_from_args(args) -> Sampling | None:
-    """The --sample settings (None without --sample; a seed is drawn by ``_seeded``)."""
+    """The --sample settings (None without --sample; a seed is drawn when the search is
+    resolved, and ``_say_seed`` names it)."""
     given = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
              "seed": args.seed}
     given = {key: value for key, value in given.items() if value is not None}
@@ -127,14 +139,12 @@ def _sampling_from_args(args) -> Sampling | None:
     return Sampling(**given)
 
 
-def _seeded(sampling: Sampling | None) -> Sampling | None:
-    """``sampling`` with its seed, or a random one that stderr names (to draw again)."""
-    if sampling is None or sampling.seed is not None:
-        return sampling
-    sampling = seeded(sampling)
-    print(f"aiayn: sampling with --seed {sampling.seed} (give it to draw these samples again)",
-          file=sys.stderr)
-    return sampling
+def _say_seed(args, sampling: Sampling | None) -> None:
+    """Name on stderr the random seed drawn for samples no --seed asked for (to draw them
+    again)."""
+    if sampling is not None and args.seed is None:
+        print(f"aiayn: sampling with --seed {sampling.seed} (give it to draw these samples "
+              "again)", file=sys.stderr)
 
 
 def _at_least(value: int, low: int, option: str) -> None:
@@ -315,9 +325,10 @@ def _add_translate(sub) -> None:
 
 
 def _run_translate(args) -> int:
-    sampling = _sampling_from_args(args)
-    # before waiting for stdin or loading
-    check_search(args.beam, args.nbest, args.alpha, args.no_repeat_ngram, sampling)
+    # The one resolution of the search (the run's decode section and these options),
+    # before waiting for stdin or loading; every layer below gets this very value.
+    search = resolve_search(run_decode(args.run_dir), args.beam, args.alpha, args.nbest,
+                            args.no_repeat_ngram, _sampling_from_args(args))
     if args.interactive and args.input is not None:
         raise AiaynError("--interactive reads stdin line by line; drop -i/--input")
     if args.output is not None:
@@ -328,18 +339,17 @@ def _run_translate(args) -> int:
     interactive = args.input is None and (args.interactive or terminal)
     translator = Translator.from_pretrained(args.run_dir, args.weights,
                                             device=choose_device(args.device),
-                                            max_tokens=args.max_tokens, engine=args.engine)
-    translator.check_limits(args.beam, args.nbest, args.alpha, args.no_repeat_ngram, sampling)
+                                            decode_tokens=args.decode_tokens,
+                                            engine=args.engine)
+    translator.check(search)  # what the model and the decoding budget can hold
     if args.alignments:
         translator.check_alignments()
     if interactive and terminal:
         print("aiayn: translating each line as it is entered; end with Ctrl-D", file=sys.stderr)
-    sampling = _seeded(sampling)
+    _say_seed(args, search.sampling)
     lines = _stdin_lines() if interactive else _read_lines(args.input)
-    chunks = translator.translate_lines(lines, args.beam, args.alpha, args.nbest,
-                                        chunk=1 if interactive else 2000,
-                                        no_repeat_ngram=args.no_repeat_ngram, sampling=sampling,
-                                        alignments=args.alignments)
+    chunks = translator.translate_lines(lines, chunk=1 if interactive else 2000,
+                                        alignments=args.alignments, search=search)
     if args.output is None:
         _write(chunks, sys.stdout)
         return 0
@@ -419,7 +429,7 @@ def _add_evaluate(sub) -> None:
 def _run_evaluate(args) -> int:
     r = evaluate_run(args.run_dir, args.split, args.beam, args.alpha, data_dir=args.data,
                      weights=args.weights, output=args.output, limit=args.limit,
-                     max_tokens=args.max_tokens, device=args.device, engine=args.engine,
+                     max_tokens=args.decode_tokens, device=args.device, engine=args.engine,
                      no_repeat_ngram=args.no_repeat_ngram)
     search = "greedy" if r["beam"] == 1 else f"beam {r['beam']}, alpha {r['alpha']}"
     if r["no_repeat_ngram"]:
@@ -539,7 +549,7 @@ def _add_attention(sub) -> None:
                    "(default: the last)")
     p.add_argument("--head", type=int, help="--steps: one head, from 1 (default: the mean "
                    "of the layer's heads)")
-    _add_search(p, beam=1, max_tokens=False)
+    _add_search(p, beam=1, decode_tokens=False)
     _add_weights(p)
 
 
@@ -565,7 +575,7 @@ def _attention_steps(args) -> int:
     from aiayn.runs.directory import step_weights
     from aiayn.util.progress import bar
 
-    check_search(args.beam, alpha=args.alpha)
+    check_options(args.beam, alpha=args.alpha)
     saved = step_weights(args.run_dir)
     heads = load_config(Path(args.run_dir) / "config.yaml").model.n_heads
     if args.head is not None and not 1 <= args.head <= heads:
@@ -634,10 +644,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help="the sentences decoded together, all requests and searches, hold at "
-                   "most this many source tokens x beam; a request that does not fit waits "
-                   "(default as `aiayn translate`'s batch budget: 8192 on a CPU)")
+    _add_decode_tokens(p, "decoding budget: the sentences decoded together, all requests and "
+                       "searches, hold at most this many source tokens x beam; a request that "
+                       "does not fit waits (default as `aiayn translate`'s: 8192 on a CPU)")
     p.add_argument("--max-wait-ms", type=float, default=5.0,
                    help="when nothing is being decoded, wait up to this long after the oldest "
                    "waiting request for others to start with it (0-1000; default 5)")
@@ -663,10 +672,10 @@ def _run_serve(args) -> int:
                          "pip install 'aiayn[serve]'") from None
     if not 0 <= args.port <= 65535:
         raise AiaynError(f"--port must be between 0 and 65535, got {args.port}")
-    if args.max_tokens is not None:
-        _at_least(args.max_tokens, 1, "--max-tokens")
+    if args.decode_tokens is not None:
+        _at_least(args.decode_tokens, 1, "--max-tokens")
     serve(args.run_dir, args.host, args.port, args.weights, choose_device(args.device),
-          engine=args.engine, max_tokens=args.max_tokens, max_wait_ms=args.max_wait_ms,
+          engine=args.engine, max_tokens=args.decode_tokens, max_wait_ms=args.max_wait_ms,
           batching=args.batching, lanes=args.lanes)
     return 0
 
@@ -762,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
         if not is_out_of_memory(exc):
             raise  # a bug in aiayn: keep the traceback
         return _error(f"out of memory ({str(exc).splitlines()[0][:120]}); use smaller batches "
-                      "(--max-tokens, or train.max_tokens in training)")
+                      "(--decode-tokens, or train.max_tokens in training)")
     except KeyboardInterrupt:
         print("aiayn: interrupted", file=sys.stderr)
         return 130

@@ -80,6 +80,7 @@ RANGES: dict[str, dict[str, tuple[float, float, bool]]] = {
     },
     "decode": {"beam": (1, 64, False), "alpha": (0.0, 10.0, False),
                "no_repeat_ngram": (0, 64, False),
+               "max_len_a": (0.0, 10.0, False), "max_len_b": (0, 4096, False),
                "alignment_layer": (-4096, 4096, False)},  # one of the decoder's: validate
 }
 CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
@@ -311,6 +312,13 @@ class DecodeConfig:
     """Repetition guard: no translation holds the same n-gram of pieces twice (a piece that
     would complete one already there is never chosen; CTranslate2's no_repeat_ngram_size);
     0: off, as the paper. `--no-repeat-ngram N` overrides it."""
+    max_len_a: float = 1.0
+    """Length limit, per sentence: at most floor(max_len_a x source length) + max_len_b new
+    tokens, the source counted with its EOS, never past model.max_len (the paper, 6.1:
+    "input length + 50", a = 1 and b = 50). CTranslate2 takes one limit per batch: it decodes
+    up to the longest sentence's and cuts each sentence at its own."""
+    max_len_b: int = 50
+    """The constant of the length limit (see max_len_a)."""
     alignment_layer: int = 0
     """The decoder layer whose cross-attention (its heads averaged) gives the word alignments
     of `aiayn translate --alignments` and serve's "alignments": from 1, or counted back from

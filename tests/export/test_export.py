@@ -35,6 +35,7 @@ from aiayn.evaluation.evaluate import evaluate_run
 from aiayn.export.command import export_run
 from aiayn.export.hf import HF_CODE, residual_permutation
 from aiayn.export.modelcard import CARD_FILE, model_card
+from aiayn.inference.engines import Engine
 from aiayn.inference.search import Sampling, Search, beam_search, greedy_decode
 from aiayn.inference.translator import Translator
 from aiayn.model import Transformer, sinusoid_table
@@ -197,7 +198,7 @@ def test_both_exports_keep_the_runs_search(tmp_path):
     assert generation["no_repeat_ngram_size"] == 3
     export_run(run, "ctranslate2", tmp_path / "ct2")
     theirs = Translator.from_pretrained(tmp_path / "ct2", engine="ctranslate2")
-    assert theirs.settings() == Search(3, 1.5, 3)
+    assert theirs.resolve() == Search(3, 1.5, 3)
     # Each export carries its model card, which says the same search.
     for to, out in (("hf", "hf"), ("ctranslate2", "ct2")):
         card = (tmp_path / out / CARD_FILE).read_text(encoding="utf-8")
@@ -344,6 +345,12 @@ def test_ctranslate2_float32_gives_aiayn_greedy_tokens(run_dir, tmp_path):
     short = ids(theirs.decode_ids(sources, beam=1, max_len_b=-3))
     assert short == ids(ours.decode_ids(sources, beam=1, max_len_b=-3))
     assert any(len(s[0]) < len(t[0]) for s, t in zip(short, ids(ours.decode_ids(sources, beam=1))))
+    # decode.max_len_a scales the source length: CTranslate2 takes one limit per batch, the
+    # longest sentence's, and each sentence is cut at its own, as aiayn's.
+    scaled = dataclasses.replace(ours.resolve(1), max_len_a=0.5, max_len_b=1)
+    halves = ids(theirs.decode_ids(sources, search=scaled))
+    assert halves == ids(ours.decode_ids(sources, search=scaled))
+    assert all(len(h[0]) <= len(s) // 2 + 1 for h, s in zip(halves, sources, strict=True))
     # The repetition guard is CTranslate2's no_repeat_ngram_size: the same greedy tokens.
     guarded = ids(ours.decode_ids(sources, beam=1, no_repeat_ngram=1))
     assert ids(theirs.decode_ids(sources, beam=1, no_repeat_ngram=1)) == guarded
@@ -351,6 +358,29 @@ def test_ctranslate2_float32_gives_aiayn_greedy_tokens(run_dir, tmp_path):
     # Its sampling cannot be seeded: refused in one line.
     with pytest.raises(AiaynError, match="--sample needs aiayn's own model"):
         theirs.decode_ids(sources, nbest=1, sampling=Sampling(seed=1))
+
+
+@needs_ct2
+def test_both_engines_answer_the_engine_interface_alike(run_dir, tmp_path):
+    """aiayn's search and CTranslate2's are one ``Engine``: the same call, a batch of source
+    ids and one Search, gives the same beam-search hypotheses (alpha 0: both rank by the
+    log-probability; CTranslate2's length penalty differs from GNMT's otherwise)."""
+    export_run(run_dir, "ctranslate2", tmp_path / "ct2")
+    engines = [Translator.from_pretrained(run_dir).engine,
+               Translator.from_pretrained(tmp_path / "ct2", engine="ctranslate2").engine]
+    assert [type(e).__name__ for e in engines] == ["AiaynEngine", "CTranslate2Search"]
+    assert all(isinstance(e, Engine) for e in engines)
+    sources = Translator.from_pretrained(run_dir).encode(TEXTS[1:3])[0]
+    search = Search(4, 0.0, nbest=4)
+    ours, theirs = (e.search(sources, search) for e in engines)
+    assert ids(ours) == ids(theirs) and all(len(h) == 4 for h in ours)
+    # Both best first (their scores' agreement: test_the_ctranslate2_model_gives_aiayn_...).
+    for hyps in (*ours, *theirs):
+        assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
+    # What an engine cannot run is one AiaynError, asked of the engine itself.
+    engines[0].supports(Search(2, sampling=Sampling(seed=1)))
+    with pytest.raises(AiaynError, match="--sample needs aiayn's own model"):
+        engines[1].supports(Search(2, sampling=Sampling(seed=1)))
 
 
 def ids(results) -> list[list[list[int]]]:

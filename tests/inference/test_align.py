@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -31,6 +32,7 @@ from aiayn.inference.align import (
     word_alignment,
 )
 from aiayn.inference.attention import cross_attention
+from aiayn.inference.ct2 import CTranslate2Search
 from aiayn.inference.translator import Translator
 from aiayn.runs.checkpoint import save_weights
 from aiayn.training.toy import digit_pairs, train_toy
@@ -230,7 +232,8 @@ def test_translate_alignments_prints_the_translation_a_tab_and_pharaoh_pairs(
 def test_alignments_need_aiayns_model_and_a_decoder_layer(reversal_dir, tmp_path, capsys,
                                                          monkeypatch):
     translator = Translator.from_pretrained(reversal_dir)
-    translator.engine, translator.model = object(), None  # as a CTranslate2 engine leaves it
+    # What an engine without aiayn's model answers (a class-level answer: no export needed).
+    translator.engine = SimpleNamespace(require_model=CTranslate2Search.require_model)
     with pytest.raises(AiaynError, match="aiayn's own model"):
         translator.check_alignments()
     with pytest.raises(AiaynError, match=r"decode.alignment_layer must be a decoder layer, "

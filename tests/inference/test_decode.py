@@ -10,10 +10,11 @@ from torch import nn
 
 from aiayn.config import ModelConfig
 from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from aiayn.inference.joinable import JoinableSearch
 from aiayn.inference.search import (
     NEVER_GENERATED,
-    JoinableSearch,
     Sampling,
+    Search,
     beam_search,
     greedy_decode,
     length_penalty,
@@ -96,7 +97,7 @@ def test_beam_of_one_is_greedy(alpha):
     greedy = greedy_decode(model, src, max_len_b=10)
     beam = beam_search(model, src, beam=1, alpha=alpha, max_len_b=10)
     assert [hyps[0][0] for hyps in beam] == greedy
-    limits = output_limits(model, src.eq(PAD_ID), 10).tolist()
+    limits = output_limits(model, src.eq(PAD_ID), Search(max_len_b=10)).tolist()
     assert sum(len(g) < n for g, n in zip(greedy, limits)) >= 4, "many should end by EOS"
 
 
@@ -123,7 +124,7 @@ def test_beam_scores_are_normalised_log_probs_of_the_returned_hypotheses():
     model = tiny_model()
     src = random_sources([6, 4], vocab=24)
     results = beam_search(model, src, beam=4, alpha=0.6, max_len_b=6, nbest=4)
-    limits = output_limits(model, src.eq(PAD_ID), 6).tolist()
+    limits = output_limits(model, src.eq(PAD_ID), Search(max_len_b=6)).tolist()
     for i, hyps in enumerate(results):
         assert len(hyps) == 4
         assert [s for _, s in hyps] == sorted((s for _, s in hyps), reverse=True)
@@ -243,7 +244,7 @@ def test_sentences_joining_a_running_search_get_what_beam_search_gives_them_alon
     lengths = [9, 2, 6, 4, 7, 3, 11, 5, 8]
     src = random_sources(lengths, vocab=24, seed=4)
     plan = {0: [0, 1], 1: [2], 3: [3, 4, 5], 4: [6], 7: [7], 30: [8]}
-    got, most = run_joining(JoinableSearch(model, beam, alpha, max_len_b=8), src, lengths,
+    got, most = run_joining(JoinableSearch(model, Search(beam, alpha, max_len_b=8)), src, lengths,
                             plan)
     assert most >= 4  # sentences did decode together
     outputs = []
@@ -266,7 +267,7 @@ def test_joining_sentences_stop_at_their_own_length_limit(beam):
     model = tiny_model(eos_bias=-1e4, max_len=12)  # never chooses EOS: always hits the limit
     lengths = [2, 5, 11, 3]
     src = random_sources(lengths, vocab=24)
-    got, _ = run_joining(JoinableSearch(model, beam, 0.6, max_len_b=3), src, lengths,
+    got, _ = run_joining(JoinableSearch(model, Search(beam, 0.6, max_len_b=3)), src, lengths,
                          {0: [0], 2: [1, 2], 6: [3]})
     # 2 + 3, 5 + 3, 11 + 3 capped at max_len - 1 = 11, 3 + 3 new tokens.
     assert [len(got[i][0].ids) for i in range(4)] == [5, 8, 11, 6]
@@ -282,7 +283,7 @@ def test_a_search_that_sentences_keep_joining_stays_as_long_as_its_oldest():
     model = tiny_model(seed=4, eos_bias=1.0, max_len=16)
     lengths = [4, 6, 3, 5, 9] * 8
     src = random_sources(lengths, vocab=24, seed=9)
-    search = JoinableSearch(model, 2, 0.6, max_len_b=4)
+    search = JoinableSearch(model, Search(2, 0.6, max_len_b=4))
     steps, longest, live, narrower = 0, 0, set(), 0
     for i, n in enumerate(lengths):  # one sentence joins every step
         search.add([i], src[i : i + 1, :n])
@@ -305,7 +306,7 @@ def test_sentences_taken_out_mid_search_leave_the_others_as_they_were_alone(beam
     model = tiny_model(seed=3)
     lengths = [7, 3, 9, 5, 6, 4]
     src = random_sources(lengths, vocab=24, seed=6)
-    search = JoinableSearch(model, beam, 0.6, max_len_b=8)
+    search = JoinableSearch(model, Search(beam, 0.6, max_len_b=8))
     got, removes = {}, {1: [4], 2: [1, 99], 5: [3]}
     for step in range(60):
         if step in (0, 1):
@@ -331,13 +332,13 @@ def test_sentences_taken_out_mid_search_leave_the_others_as_they_were_alone(beam
 
 def test_a_joinable_search_refuses_a_key_twice():
     model = tiny_model()
-    search = JoinableSearch(model, 2)
+    search = JoinableSearch(model, Search(2))
     src = random_sources([3, 4], vocab=24)
     search.add([0], src[:1])
     with pytest.raises(ValueError, match="key"):
         search.add([0], src[1:])
     with pytest.raises(ValueError, match="beam"):
-        JoinableSearch(model, 0)
+        JoinableSearch(model, Search(0))
 
 
 # ---------------------------------------------------------------- the repetition guard
@@ -387,7 +388,7 @@ def test_a_joined_search_with_the_guard_equals_one_by_one(beam):
     model = looping_model(seed=1)
     lengths = [6, 3, 8, 5, 7]
     src = random_sources(lengths, vocab=12, seed=5)
-    search = JoinableSearch(model, beam, 0.6, max_len_b=8, no_repeat_ngram=2)
+    search = JoinableSearch(model, Search(beam, 0.6, 2, max_len_b=8))
     got, most = run_joining(search, src, lengths, {0: [0, 1], 2: [2], 5: [3, 4]})
     assert most >= 3
     changed = 0
@@ -423,7 +424,7 @@ def test_sampling_with_a_seed_is_reproducible_and_independent_of_the_batch():
         assert [h.ids for h in alone] == [h.ids for h in first[i]]
         assert [h.score for h in alone] == pytest.approx([h.score for h in first[i]], abs=1e-5)
     # A sample's score is the model's log-probability of it, over the length penalty.
-    limits = output_limits(model, src.eq(PAD_ID), 8).tolist()
+    limits = output_limits(model, src.eq(PAD_ID), Search(max_len_b=8)).tolist()
     for i, hyps in enumerate(first):
         ids = [h.ids for h in hyps]
         ended = [len(h) < limits[i] for h in ids]
@@ -465,7 +466,7 @@ def test_a_joined_sampling_search_equals_one_by_one():
     lengths = [9, 2, 6, 4, 7, 3]
     src = random_sources(lengths, vocab=24, seed=4)
     sampling = Sampling(temperature=1.3, top_p=0.9, seed=11)
-    search = JoinableSearch(model, 3, 0.6, max_len_b=8, no_repeat_ngram=2, sampling=sampling)
+    search = JoinableSearch(model, Search(3, 0.6, 2, sampling, max_len_b=8))
     got, most = run_joining(search, src, lengths, {0: [0, 1], 1: [2], 3: [3, 4], 9: [5]})
     assert most >= 3
     for i, n in enumerate(lengths):

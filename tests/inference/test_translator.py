@@ -311,6 +311,60 @@ def test_a_run_decodes_with_its_own_search_unless_told(run_dir, tmp_path):
     assert lines == "".join(t.translate_lines(SEARCH_SENTENCES, 3, 1.5, nbest=3))
 
 
+def test_translate_resolves_its_search_once_and_every_layer_gets_that_value(
+        run_dir, tmp_path, capsys, monkeypatch):
+    """`aiayn translate` builds one Search at the edge; each batch's search receives that
+    very object (no layer rebuilds or re-resolves it); a bad option is one line, said
+    once, before any weights load."""
+    from aiayn import cli
+    from aiayn.inference import engines, settings, translator
+
+    built, received, resolved = [], [], []
+
+    def resolve(*args, **kwargs):
+        resolved.append(args)
+        built.append(settings.resolve_search(*args, **kwargs))
+        return built[-1]
+
+    def search(model, src, value, use_cache=True):
+        received.append(value)
+        return real(model, src, value, use_cache)
+
+    real = engines.decode_beam
+    monkeypatch.setattr(cli, "resolve_search", resolve)
+    monkeypatch.setattr(translator, "resolve_search", lambda *a, **k: pytest.fail("resolved twice"))
+    monkeypatch.setattr(engines, "decode_beam", search)
+    source = tmp_path / "in.txt"
+    source.write_text("".join(s + "\n" for s in SEARCH_SENTENCES * 2), encoding="utf-8")
+    code, out, _ = run_cli(["translate", str(run_dir), "-i", str(source), "--beam", "3",
+                            "--nbest", "2", "--max-tokens", "40"], capsys)
+    assert code == 0 and len(out.splitlines()) == 4 * len(SEARCH_SENTENCES)
+    assert len(resolved) == 1 and len(received) > 1  # several batches (a small budget)
+    assert all(value is built[0] for value in received)
+    assert (built[0].beam, built[0].nbest, built[0].max_len_b) == (3, 2, 50)
+
+    monkeypatch.setattr(Translator, "from_pretrained",
+                        lambda *a, **k: pytest.fail("loaded before the search was checked"))
+    code, _, err = run_cli(["translate", str(run_dir), "-i", str(source), "--beam", "0"], capsys)
+    assert code == 2 and err.count("--beam must be at least 1, got 0") == 1
+
+
+def test_the_length_limit_is_the_runs_decode_max_len_a_and_b(run_dir, tmp_path):
+    """decode.max_len_a/b set each sentence's limit, floor(a x source length) + b new tokens;
+    the defaults (1, 50) are the paper's "input length + 50"."""
+    run = copy_of(run_dir, tmp_path)
+    config = load_config(run / "config.yaml")
+    assert (config.decode.max_len_a, config.decode.max_len_b) == (1.0, 50)
+    config.decode = DecodeConfig(max_len_a=0.5, max_len_b=0)
+    save_config(config, run / "config.yaml")
+    t = Translator.from_pretrained(run)
+    sources, _ = t.encode(SEARCH_SENTENCES)
+    for hyps, ids in zip(t.decode_ids(sources, beam=2, nbest=2), sources, strict=True):
+        assert all(len(h.ids) <= max(1, len(ids) // 2) for h in hyps)  # EOS, if any, in it
+    with pytest.raises(AiaynError, match=r"decode.max_len_b must be in \[0, 4096\], got -1"):
+        load_config(run / "config.yaml", ["decode.max_len_b=-1"])
+
+
 def test_a_config_without_a_decode_section_searches_as_the_paper(run_dir, tmp_path):
     """Runs trained before the section existed: beam 4, alpha 0.6, as they decoded then."""
     run = copy_of(run_dir, tmp_path)
@@ -393,7 +447,7 @@ def test_cli_average_last_n(run_dir, tmp_path, capsys):
 
 
 def test_the_default_batch_budget_is_a_cpus_8192_and_on_a_gpu_what_its_memory_holds(monkeypatch):
-    """max_tokens=None: 8,192 on a CPU; on a GPU a quarter of its free memory at
+    """decode_tokens=None: 8,192 on a CPU; on a GPU a quarter of its free memory at
     decode_bytes_per_token, between 8,192 and 2**18 (the GPU path, with its memory query
     replaced, checked on a CPU)."""
     from aiayn.config import ModelConfig
@@ -401,12 +455,12 @@ def test_the_default_batch_budget_is_a_cpus_8192_and_on_a_gpu_what_its_memory_ho
 
     cfg = ModelConfig(d_model=256, n_decoder_layers=2, tgt_vocab_size=8000)
     per_token = budget.decode_bytes_per_token(cfg)
-    assert budget.default_max_tokens(cfg, torch.device("cpu")) == 8192
+    assert budget.default_decode_tokens(cfg, torch.device("cpu")) == 8192
     gpu = torch.device("cuda")
     for free, expected in ((2**30, 8192), (8 * 2**30, 8 * 2**30 // 4 // per_token),
                            (80 * 2**30, 2**18)):
         monkeypatch.setattr(budget, "memory_bytes", lambda device, free=free: free)
-        assert budget.default_max_tokens(cfg, gpu) == expected
+        assert budget.default_decode_tokens(cfg, gpu) == expected
     assert 8192 < 8 * 2**30 // 4 // per_token < 2**18  # the middle case is the formula's
 
 

@@ -43,7 +43,8 @@ from aiayn.config import DecodeConfig, load_config, save_config  # noqa: E402
 from aiayn.data.tokenizer import BOS_ID  # noqa: E402
 from aiayn.errors import AiaynError  # noqa: E402
 from aiayn.inference.attention import SentenceAttention, sentence_attention
-from aiayn.inference.search import JoinableSearch, Sampling, Search  # noqa: E402
+from aiayn.inference.joinable import JoinableSearch  # noqa: E402
+from aiayn.inference.search import Sampling, Search  # noqa: E402
 from aiayn.inference.translator import Translator, TruncationWarning
 from aiayn.model import Transformer  # noqa: E402
 from aiayn.runs.checkpoint import (  # noqa: E402
@@ -708,9 +709,9 @@ def test_a_request_whose_client_hangs_up_mid_search_is_taken_out_of_it(run_dir, 
     other = translator.prepare(["white tree river"])
     try:
         gone = batcher.translate(translator.prepare(["sun moon star tree river", "red green"]),
-                                 Search(4, 0.6), 1)
+                                 Search(4, 0.6))
         until(inside.is_set, "the first step")
-        kept = batcher.translate(other, Search(4, 0.6), 1)
+        kept = batcher.translate(other, Search(4, 0.6))
         batcher.forget(gone)
         assert isinstance(gone.exception(timeout=0), ClientGone)
         release.set()
@@ -735,7 +736,7 @@ def test_a_lane_process_takes_out_the_sentences_of_a_request_whose_client_hung_u
         for process in processes:
             os.kill(process.pid, signal.SIGSTOP)
         gone = batcher.translate(translator.prepare(["sun moon star tree river"]),
-                                 Search(4, 0.6), 1)
+                                 Search(4, 0.6))
         until(lambda: any(lane.owners for lane in batcher._lanes), "a lane to take it")
         batcher.forget(gone)
         for process in processes:
@@ -744,7 +745,7 @@ def test_a_lane_process_takes_out_the_sentences_of_a_request_whose_client_hung_u
         stats = service.stats()
         assert stats["abandoned"] == 1 and stats["steps"] == 0 and batcher._load == 0
         sources = translator.prepare(["red green"])
-        hyps, _ = batcher.translate(sources, Search(2, 0.6), 1).result(timeout=60)
+        hyps, _ = batcher.translate(sources, Search(2, 0.6)).result(timeout=60)
         assert translator.finish(sources, hyps, 1)[0][0][0] == \
             translator.translate(["red green"], 2, 0.6)[0]
     finally:

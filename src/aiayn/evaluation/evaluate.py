@@ -25,23 +25,26 @@ from aiayn.data.batching import Example, collate, length_multiple, token_batches
 from aiayn.data.prepared import load_prepared
 from aiayn.errors import AiaynError
 from aiayn.evaluation.metrics import STUTTER_N, Scores, score, stutter_share
-from aiayn.inference.translator import Translator, TruncationWarning, check_search
+from aiayn.inference.settings import Search, resolve_search
+from aiayn.inference.translator import Translator, TruncationWarning
 from aiayn.model import OutputKernel, Transformer
-from aiayn.runs.directory import load_run_config, read_data_dir
+from aiayn.runs.directory import load_run_config, read_data_dir, run_decode
 from aiayn.util.device import choose_device
 from aiayn.util.io import atomic_write_text, check_output_file
 from aiayn.util.threads import default_streams, parallel_map
 
 
 def translate_and_score(translator: Translator, pairs: Sequence[tuple[str, str]],
-                        beam: int | None, alpha: float | None,
+                        beam: int | None = None, alpha: float | None = None,
                         progress: Callable[[int], object] | None = None,
-                        no_repeat_ngram: int | None = None, bleu_tokenize: str = "13a"
-                        ) -> tuple[list[str], Scores]:
-    """Translate the sources of ``pairs`` and score them against the targets (BLEU
-    tokenized by ``bleu_tokenize``: aiayn.data.prepared.Prepared.bleu_tokenize)."""
-    hypotheses = translator.translate([src for src, _ in pairs], beam, alpha, progress=progress,
-                                      no_repeat_ngram=no_repeat_ngram)
+                        no_repeat_ngram: int | None = None, bleu_tokenize: str = "13a",
+                        search: Search | None = None) -> tuple[list[str], Scores]:
+    """Translate the sources of ``pairs`` with ``search`` (else the keyword settings:
+    ``Translator.resolve``) and score them against the targets (BLEU tokenized by
+    ``bleu_tokenize``: aiayn.data.prepared.Prepared.bleu_tokenize)."""
+    search = search or translator.resolve(beam, alpha, no_repeat_ngram=no_repeat_ngram)
+    hypotheses = translator.translate([src for src, _ in pairs], progress=progress,
+                                      search=search)
     return hypotheses, score(hypotheses, [tgt for _, tgt in pairs], bleu_tokenize)
 
 
@@ -102,14 +105,14 @@ def validate(model: Transformer, tokenizers, dev: list[Example], dev_pairs: list
         # Decoded in fp32 as `aiayn evaluate` decodes by default, so the BLEU logged here is
         # the one it reports for these weights on every machine (bf16 decoding, which a CPU
         # with AVX512-BF16 or AMX trains in, changes some tokens).
-        translator = Translator(model, tokenizers, max_tokens=t.max_tokens, device=device,
-                                bf16=False, kernel=kernel)
+        # Its decoding budget is training's batch budget (train.max_tokens), as it always was.
+        translator = Translator(model, tokenizers, device=device, bf16=False,
+                                decode=config.decode, decode_tokens=t.max_tokens, kernel=kernel)
+        # train.eval_beam (greedy by default), with the run's length penalty, guard and limit
+        search = translator.resolve(t.eval_beam)
         with warnings.catch_warnings():  # long dev sources: truncated, as load_data says
             warnings.simplefilter("ignore", TruncationWarning)
-            # train.eval_beam (greedy by default), with the run's length penalty and guard
-            hyps, scores = translate_and_score(translator, pairs, t.eval_beam,
-                                               config.decode.alpha,
-                                               no_repeat_ngram=config.decode.no_repeat_ngram,
+            hyps, scores = translate_and_score(translator, pairs, search=search,
                                                bleu_tokenize=bleu_tokenize)
     finally:
         model.train(was_training)
@@ -165,16 +168,16 @@ def evaluate_run(run_dir: str | Path, split: str = "test", beam: int | None = No
     summary's "repeats" gives the share of hypotheses and of references that repeat a
     4-gram of words (``aiayn.evaluation.metrics.stutter_share``).
     """
-    check_search(beam, 1, alpha, no_repeat_ngram)
+    # The search, resolved and checked once, before anything loads.
+    search = resolve_search(run_decode(run_dir), beam, alpha, 1, no_repeat_ngram)
     if limit < 0:
         raise AiaynError(f"--limit must be 0 (all) or a positive number of sentences, got {limit}")
     if output is not None:
         check_output_file(output, "--output")
     translator = Translator.from_pretrained(run_dir, weights, device=choose_device(device),
-                                            max_tokens=max_tokens, bf16=bf16, engine=engine)
-    search = translator.settings(beam, alpha, no_repeat_ngram)
+                                            decode_tokens=max_tokens, bf16=bf16, engine=engine)
+    translator.check(search)  # what the model and the decoding budget can hold
     beam, alpha, no_repeat_ngram = search.beam, search.alpha, search.no_repeat_ngram
-    translator.check_limits(beam, 1, alpha, no_repeat_ngram)
     data_dir = Path(data_dir) if data_dir else read_data_dir(run_dir)
     prepared = load_prepared(data_dir)
     pairs = prepared.split(split)
@@ -184,24 +187,24 @@ def evaluate_run(run_dir: str | Path, split: str = "test", beam: int | None = No
         raise AiaynError(f"{data_dir}: the {split} split is empty")
     loss = nll = None
     tokenize = prepared.bleu_tokenize()
-    if translator.engine is None:  # CTranslate2 scores no given targets
+    if translator.engine.own_model:  # scoring given targets needs aiayn's model
         run_config = load_run_config(Path(run_dir), [])
         tokenize = prepared.bleu_tokenize(run_config.data.bleu_tokenize)
         loss, nll = split_loss(translator.model, prepared, split, len(pairs), run_config,
                                translator.device, bf16, translator.kernel)
     with tqdm(total=len(pairs), unit="sent", dynamic_ncols=True, disable=not progress,
               desc=f"{split} beam {beam}") as bar:
-        hypotheses, scores = translate_and_score(translator, pairs, beam, alpha, bar.update,
-                                                 no_repeat_ngram, bleu_tokenize=tokenize)
+        hypotheses, scores = translate_and_score(translator, pairs, progress=bar.update,
+                                                 bleu_tokenize=tokenize, search=search)
     speed = translator.last_stats
-    weights_name = (engine if translator.engine is not None
-                    else Path(str(weights)).name.removesuffix(".safetensors"))
+    own = translator.engine.own_model  # else the engine's name stands for its weights
+    weights_name = Path(str(weights)).name.removesuffix(".safetensors") if own else engine
     output = Path(output) if output else (
         Path(run_dir) / "eval" / f"{split}.{weights_name}.{search_name(beam, alpha, no_repeat_ngram)}.txt")
     atomic_write_text(output, "".join(h + "\n" for h in hypotheses))
     summary = {
         "run_dir": str(run_dir), "data_dir": str(data_dir),
-        "weights": weights_name if translator.engine is not None else str(weights),
+        "weights": str(weights) if own else weights_name,
         "split": split, "sentences": len(pairs), "beam": beam, "alpha": alpha,
         "no_repeat_ngram": no_repeat_ngram,
         "loss": loss, "nll": nll,

@@ -56,7 +56,8 @@ logits and decoded tokens). What had to be mapped, and how:
 What differs and cannot be mapped: Transformers and CTranslate2 divide a beam hypothesis's
 log-probability by length**alpha, not by GNMT's ((5 + length) / 6)**alpha as aiayn does
 (``aiayn.inference.search``); with alpha 0 the searches agree token for token. Their output length
-limit is one number per call, not aiayn's "source length + 50" per sentence.
+limit is one number per call, not aiayn's per sentence (decode.max_len_a x source length +
+decode.max_len_b).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""How much a decoding pass may hold: the batch budget in padded source tokens x beam
-(``decode.max_tokens``, ``--max-tokens``), from the device's memory and the model's size,
-and how a budget is shared among parallel CPU streams.
+"""How much a decoding pass may hold: the decoding budget, ``decode_tokens``, in padded
+source tokens x beam (`aiayn translate|evaluate|serve --decode-tokens`, alias --max-tokens),
+from the device's memory and the model's size, and how a budget is shared among parallel
+CPU streams. (Not training's budget, train.max_tokens: tokens of a training batch.)
 """
 
 from __future__ import annotations
@@ -30,14 +31,14 @@ def memory_bytes(device: torch.device | None = None) -> int:
     return physical_memory()
 
 
-CPU_MAX_TOKENS = 8192  # a CPU's default batch budget: larger batches decode no faster there
+CPU_DECODE_TOKENS = 8192  # a CPU's default batch budget: larger batches decode no faster there
 
 
-GPU_MAX_TOKENS = 1 << 18  # a GPU's largest default: the 690 test verses x beam 4 in one batch
+GPU_DECODE_TOKENS = 1 << 18  # a GPU's largest default: the 690 test verses x beam 4 in one batch
 
 
-def default_max_tokens(cfg, device: torch.device) -> int:
-    """The batch budget ``max_tokens=None`` means on ``device``.
+def default_decode_tokens(cfg, device: torch.device) -> int:
+    """The batch budget ``decode_tokens=None`` means on ``device``.
 
     A CPU decodes no faster in larger batches than 8,192 padded source tokens x beam. A GPU
     launches the same kernels for a batch of 10 sentences as for 1,000, and a step of the
@@ -46,17 +47,17 @@ def default_max_tokens(cfg, device: torch.device) -> int:
     what a quarter of the free GPU memory holds (``decode_bytes_per_token``), up to 2**18.
     """
     if device.type != "cuda":
-        return CPU_MAX_TOKENS
+        return CPU_DECODE_TOKENS
     fits = memory_bytes(device) // 4 // decode_bytes_per_token(cfg)
-    return max(CPU_MAX_TOKENS, min(GPU_MAX_TOKENS, fits))
+    return max(CPU_DECODE_TOKENS, min(GPU_DECODE_TOKENS, fits))
 
 
-def stream_budget(widths: Sequence[int], max_tokens: int, copies: int, streams: int) -> int:
+def stream_budget(widths: Sequence[int], decode_tokens: int, copies: int, streams: int) -> int:
     """The batch budget for decoding sentences of these widths on ``streams`` streams:
-    ``max_tokens``, or less when they would not fill a batch per stream, so that a few
+    ``decode_tokens``, or less when they would not fill a batch per stream, so that a few
     sentences (a short file, the requests a server gathered) are cut into about one batch
     per stream and decode on every core rather than on one."""
     if streams <= 1 or len(widths) < 2:
-        return max_tokens
+        return decode_tokens
     per_stream = -(-len(widths) // streams)
-    return max(1, min(max_tokens, max(widths) * per_stream * copies))
+    return max(1, min(decode_tokens, max(widths) * per_stream * copies))

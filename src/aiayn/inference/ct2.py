@@ -9,8 +9,9 @@ its decode section), tokenizer/ and data_dir.txt.
 
 The search follows ``aiayn.inference.search``'s rules where CTranslate2 can: [PAD] and [BOS] are
 never generated (``suppress_sequences``), and each sentence gets at most its own limit of
-``source length + max_len_b`` tokens within max_len (decoded up to the batch's longest
-limit, then cut to the sentence's own: for greedy search that is exactly aiayn's result).
+``floor(max_len_a x source length) + max_len_b`` tokens within max_len (CTranslate2 takes
+one limit per call: it decodes up to the batch's longest limit, then each sentence is cut
+to its own; for greedy search that is exactly aiayn's result).
 CTranslate2's length penalty divides by length**alpha rather than GNMT's
 ((5 + length) / 6)**alpha, so beam search may rank finished hypotheses differently.
 The repetition guard is CTranslate2's ``no_repeat_ngram_size``. Sampling is aiayn's own:
@@ -21,12 +22,17 @@ again.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+
+import torch
 
 from aiayn.config import Config, load_config
 from aiayn.data.tokenizer import BOS, PAD, Tokenizers
 from aiayn.errors import AiaynError
-from aiayn.inference.search import Hypothesis, Search
+from aiayn.inference.engines import Engine
+from aiayn.inference.search import Hypothesis
+from aiayn.inference.settings import Search
 from aiayn.util.extras import require
 
 MODEL_FILE = "model.bin"
@@ -39,8 +45,14 @@ def is_ctranslate2_dir(path: str | Path) -> bool:
     return (Path(path) / MODEL_FILE).is_file()
 
 
-class CTranslate2Search:
-    """Greedy and beam search by a ``ctranslate2.Translator`` over aiayn's token ids."""
+class CTranslate2Search(Engine):
+    """Greedy and beam search by a ``ctranslate2.Translator`` over aiayn's token ids (an
+    ``Engine``: whole batches, on CTranslate2's own threads; no sampling)."""
+
+    name = "ctranslate2"
+    continuous = False  # CTranslate2 decodes whole batches: serve batches per pass
+    own_model = False
+    model = None
 
     def __init__(self, directory: str | Path, tokenizers: Tokenizers, max_len: int,
                  device: str = "cpu", threads: int = 0, compute_type: str = "default"):
@@ -50,24 +62,37 @@ class CTranslate2Search:
         self.translator = ctranslate2.Translator(str(directory), device=device,
                                                  compute_type=compute_type,
                                                  intra_threads=threads)
-        self.device, self.threads = device, threads
+        self.device, self.threads = torch.device(device), threads
         self.max_len = max_len
         self.tokenizers = tokenizers
+        self.tgt_vocab_size = tokenizers.tgt_vocab_size
         self.tgt_ids = tokenizers.tgt.get_vocab()  # token string -> id
 
-    def search(self, sources: list[list[int]], search: Search, nbest: int,
-               max_len_b: int) -> list[list[Hypothesis]]:
-        """Source ids (tokens + [EOS]) -> per sentence up to ``nbest`` hypotheses, best first.
-        ``search.no_repeat_ngram`` is CTranslate2's ``no_repeat_ngram_size``; sampling is
-        refused (``SAMPLING_REFUSED``)."""
+    @classmethod
+    def load(cls, run_dir: str | Path, weights: str | Path = "best",
+             device: str | torch.device | None = None, **options):
+        """An export directory's engine, tokenizers and config (``load_ctranslate2``), with
+        as many threads as torch uses; ``weights`` and bf16 are unused (the exported
+        weight type decides)."""
+        kind = torch.device(device).type if device is not None else "cpu"
+        return load_ctranslate2(run_dir, kind, torch.get_num_threads())
+
+    def supports(self, search: Search) -> None:
+        """Sampling is refused (``SAMPLING_REFUSED``)."""
+        if search.sampling is not None:
+            raise AiaynError(SAMPLING_REFUSED)
+
+    def search(self, sources: list[list[int]], search: Search, greedy_ok: bool = False
+               ) -> list[list[Hypothesis]]:
+        """``search.no_repeat_ngram`` is CTranslate2's ``no_repeat_ngram_size``."""
+        self.supports(search)
         src = self.tokenizers.src
         # CTranslate2 appends [EOS] itself (config add_source_eos), as aiayn's ids end in one.
         tokens = [[src.id_to_token(i) for i in ids[:-1]] for ids in sources]
-        limits = [max(1, min(len(ids) + max_len_b, self.max_len - 1)) for ids in sources]
-        if search.sampling is not None:
-            raise AiaynError(SAMPLING_REFUSED)
+        a, b = search.max_len_a, search.max_len_b
+        limits = [max(1, min(math.floor(a * len(ids)) + b, self.max_len - 1)) for ids in sources]
         results = self.translator.translate_batch(
-            tokens, beam_size=search.beam, num_hypotheses=nbest, length_penalty=search.alpha,
+            tokens, beam_size=search.beam, num_hypotheses=search.nbest, length_penalty=search.alpha,
             no_repeat_ngram_size=search.no_repeat_ngram,
             max_decoding_length=max(limits), max_input_length=0, return_scores=True,
             suppress_sequences=[[PAD], [BOS]])

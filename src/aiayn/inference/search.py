@@ -7,10 +7,11 @@ prefix instead, as the tutorials do: same tokens, far slower).
 
 Rules shared by both searches:
 
-- Output length limit, per sentence: ``source length + max_len_b`` new tokens (the paper,
-  6.1: "input length + 50"), and never more than ``model.cfg.max_len - 1`` (the target
-  sequence ``[BOS] + tokens + [EOS]`` must fit the model's positions). The source length
-  counts its EOS. A hypothesis that reaches the limit without EOS ends there.
+- Output length limit, per sentence: ``floor(max_len_a x source length) + max_len_b`` new
+  tokens (``decode.max_len_a``/``max_len_b``; the paper, 6.1: "input length + 50"), and
+  never more than ``model.cfg.max_len - 1`` (the target sequence ``[BOS] + tokens +
+  [EOS]`` must fit the model's positions). The source length counts its EOS. A
+  hypothesis that reaches the limit without EOS ends there.
 - PAD and BOS are never generated (their logits are set to -inf).
 - A sentence that is done leaves the batch (its cache rows are dropped), so short
   sentences in a batch cost nothing once they are finished, and the result for a sentence
@@ -29,28 +30,14 @@ length limit (its live hypotheses are then finished as they are). With ``beam=1`
 exactly greedy search; with a beam wider than the number of possible hypotheses it is
 exhaustive search (both are tests).
 
-Two options change what the searches may choose (both off by default):
-
-- ``no_repeat_ngram=n`` (``decode.no_repeat_ngram``; CTranslate2's and Transformers'
-  ``no_repeat_ngram_size``): a token that would complete an n-gram already in the
-  hypothesis gets logit -inf (``ban_repeated_ngrams``), so no hypothesis holds the same
-  n-gram twice. It acts in ``_DecoderState.next_logits``, the one step that greedy, beam,
-  joined search and sampling share; at n=0 it does nothing at all.
-- ``sampling`` (a ``Sampling``): instead of searching, each of ``beam`` rows per sentence
-  draws its next token from the model's distribution at a temperature, cut to the top-k
-  pieces and to the nucleus of mass top-p (Holtzman et al. 2020), until it draws EOS or
-  reaches the limit. The draws come from a counter-based generator keyed by the seed, the
-  sentence's source ids, the sample's number and the step (``_uniforms``), so a sample
-  depends on nothing else: not on the other sentences of its batch, their order, the batch
-  budget, the threads, or when it joined a running search. Its score is as beam search's:
-  the model's log-probability (temperature 1) divided by the length penalty.
+Two options change what the searches may choose (both off by default): the repetition
+guard ``no_repeat_ngram`` and ``sampling`` in place of search (``aiayn.inference.sampling``).
+The settings arrive as one ``Search`` value (``aiayn.inference.settings``), resolved once by
+whoever called; a sentence joining a running search: ``aiayn.inference.joinable``.
 """
 
 from __future__ import annotations
 
-import zlib
-from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -58,7 +45,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from aiayn.config import DecodeConfig
 from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from aiayn.inference.sampling import (
+    ban_repeated_ngrams,
+    sample_keys,
+    sampling_distribution,
+    seed_of,
+    uniforms,
+)
+from aiayn.inference.settings import Sampling, Search
 from aiayn.model import OutputKernel, Transformer
 
 NEVER_GENERATED = (PAD_ID, BOS_ID)
@@ -70,34 +66,14 @@ class Hypothesis(NamedTuple):
     score: float  # log-probability / length penalty (greedy search reports 0.0)
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """Random sampling instead of search (see the module docstring). Frozen: part of a
-    ``Search``, which keys the searches of `aiayn serve`."""
-
-    temperature: float = 1.0  # the logits are divided by it: < 1 sharper, > 1 flatter
-    top_k: int = 0  # draw among the k most likely pieces only (0: all)
-    top_p: float = 1.0  # ... and among the fewest whose probabilities sum to top_p (1: all)
-    seed: int | None = None  # the same seed, sentence and settings give the same samples
-
-
-@dataclass(frozen=True)
-class Search:
-    """Every setting of one search, as one hashable value: `aiayn serve` joins in one
-    ``JoinableSearch`` only sentences whose ``Search`` is equal. ``beam``: the beam's
-    width, or with ``sampling`` the samples drawn per sentence."""
-
-    beam: int = 4
-    alpha: float = 0.6
-    no_repeat_ngram: int = 0
-    sampling: Sampling | None = None
-
-
-def output_limits(model: Transformer, src_pad: Tensor, max_len_b: int = 50) -> Tensor:
-    """(B,) most new tokens (EOS included) per sentence: source length + max_len_b, capped
-    so that ``[BOS] + tokens + [EOS]`` fits in ``model.cfg.max_len`` positions."""
+def output_limits(model: Transformer, src_pad: Tensor, search: Search) -> Tensor:
+    """(B,) most new tokens (EOS included) per sentence: floor(max_len_a x source length) +
+    max_len_b, capped so that ``[BOS] + tokens + [EOS]`` fits in ``model.cfg.max_len``
+    positions."""
     src_len = (~src_pad).sum(dim=1)
-    return (src_len + max_len_b).clamp(min=1, max=max(1, model.cfg.max_len - 1))
+    a = search.max_len_a
+    scaled = src_len * int(a) if float(a).is_integer() else (src_len * a).floor().long()
+    return (scaled + search.max_len_b).clamp(min=1, max=max(1, model.cfg.max_len - 1))
 
 
 def length_penalty(length: int | Tensor, alpha: float) -> float | Tensor:
@@ -206,16 +182,11 @@ class _DecoderState:
 
 
 @torch.no_grad()
-def greedy_decode(
-    model: Transformer,
-    src: Tensor,
-    max_len_b: int = 50,
-    use_cache: bool = True,
-    no_repeat_ngram: int = 0,
-    kernel: OutputKernel | None = None,
-) -> list[list[int]]:
-    """Batched greedy search. src: (B, S) padded ids. Returns token ids without BOS/EOS.
-    ``no_repeat_ngram``: the repetition guard (module docstring; 0: off).
+def decode_greedy(model: Transformer, src: Tensor, search: Search, use_cache: bool = True,
+                  kernel: OutputKernel | None = None) -> list[list[int]]:
+    """Batched greedy search with ``search``'s length limit and repetition guard (its beam,
+    alpha and nbest are not read). src: (B, S) padded ids. Returns token ids without BOS/EOS.
+    ``kernel``: the output layer's product (``aiayn.model.OutputKernel``; None: F.linear).
 
     With ``use_cache=False`` the whole prefix is re-run through the decoder at every step,
     as the tutorials do; it gives the same tokens and exists to measure the cache's gain.
@@ -223,8 +194,8 @@ def greedy_decode(
     :class:`_Rows`).
     """
     B = src.size(0)
-    state = _DecoderState(model, src, 1, use_cache, no_repeat_ngram, kernel)
-    rows = _Rows(output_limits(model, state.src_pad, max_len_b), copies=1)
+    state = _DecoderState(model, src, 1, use_cache, search.no_repeat_ngram, kernel)
+    rows = _Rows(output_limits(model, state.src_pad, search), copies=1)
     outputs: list[list[int]] = [[] for _ in range(B)]
     next_token = torch.full((B,), BOS_ID, dtype=torch.long, device=src.device)
     for step in range(1, rows.longest + 1 if B else 1):
@@ -248,24 +219,13 @@ def greedy_decode(
 
 
 @torch.no_grad()
-def beam_search(
-    model: Transformer,
-    src: Tensor,
-    beam: int,
-    alpha: float = 0.6,
-    max_len_b: int = 50,
-    nbest: int = 1,
-    use_cache: bool = True,
-    no_repeat_ngram: int = 0,
-    sampling: Sampling | None = None,
-    kernel: OutputKernel | None = None,
-) -> list[list[Hypothesis]]:
-    """Batched beam search (see the module docstring for the exact rules).
+def decode_beam(model: Transformer, src: Tensor, search: Search, use_cache: bool = True,
+                kernel: OutputKernel | None = None) -> list[list[Hypothesis]]:
+    """Batched beam search of ``search`` (see the module docstring for the exact rules);
+    with ``search.sampling`` (seeded) it draws ``search.beam`` samples per sentence instead,
+    scored as the beam's. ``kernel``: the output layer's product (as ``decode_greedy``'s).
 
-    ``no_repeat_ngram``: the repetition guard (0: off). ``sampling``: draw ``beam`` samples
-    per sentence instead (``Sampling``; their seed must be set), scored as the beam's.
-
-    src: (B, S) padded source ids. Returns, per sentence, up to ``nbest`` hypotheses
+    src: (B, S) padded source ids. Returns, per sentence, up to ``search.nbest`` hypotheses
     ``(token ids without BOS/EOS, score)``, best first; the score is the log-probability
     divided by the GNMT length penalty.
 
@@ -275,14 +235,11 @@ def beam_search(
     (:class:`_Rows`): on a GPU, a synchronisation per sentence and step cost more than the
     model itself (docs/findings.md#decoding-on-a-gpu).
     """
-    if beam < 1:
-        raise ValueError(f"beam must be at least 1, got {beam}")
-    if not 1 <= nbest <= beam:
-        raise ValueError(f"nbest must be between 1 and the beam size {beam}, got {nbest}")
-    B, K, device = src.size(0), beam, src.device
-    state = _DecoderState(model, src, K, use_cache, no_repeat_ngram, kernel)
-    rows = _Rows(output_limits(model, state.src_pad[::K], max_len_b), copies=K,
-                 keys=None if sampling is None else sample_keys(src, _seed(sampling), K))
+    sampling, alpha, nbest = search.sampling, search.alpha, search.nbest
+    B, K, device = src.size(0), search.beam, src.device
+    state = _DecoderState(model, src, K, use_cache, search.no_repeat_ngram, kernel)
+    rows = _Rows(output_limits(model, state.src_pad[::K], search), copies=K,
+                 keys=None if sampling is None else sample_keys(src, seed_of(sampling), K))
     scores = _first_scores(B, K, sampling, device)
     token = torch.full((B, K), BOS_ID, dtype=torch.long, device=device)
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
@@ -294,7 +251,7 @@ def beam_search(
             scores, token, host = _expand(logits, scores, K, state)
         else:
             scores, token, host = _draw(logits, scores, K, state, sampling,
-                                        _uniforms(rows.keys, np.full(len(rows.keys), step)))
+                                        uniforms(rows.keys, np.full(len(rows.keys), step)))
         done = _settle(rows, finished, host, step, alpha)
         keep = np.flatnonzero(~done)
         if keep.size == 0:
@@ -304,125 +261,26 @@ def beam_search(
     return [sorted(hyps, key=lambda h: -h.score)[:nbest] for hyps in finished]
 
 
-class JoinableSearch:
-    """Beam search that sentences join at any step and leave as soon as they are done
-    (continuous batching: `aiayn serve` adds the requests that arrive while it decodes).
+def greedy_decode(model: Transformer, src: Tensor, max_len_b: int = DecodeConfig.max_len_b,
+                  use_cache: bool = True, no_repeat_ngram: int = 0,
+                  kernel: OutputKernel | None = None) -> list[list[int]]:
+    """``decode_greedy`` with its settings as keywords, for scripts that hold no run."""
+    return decode_greedy(model, src, Search(1, no_repeat_ngram=no_repeat_ngram,
+                                            max_len_b=max_len_b), use_cache, kernel)
 
-    ``add(keys, src)`` encodes sentences and adds their rows at the next step; ``step()``
-    decodes one token for every live row and returns the sentences that are done, as
-    ``(key, hypotheses)`` with up to ``beam`` hypotheses best first. Every sentence gets
-    what ``beam_search`` gives it alone (same tokens, scores up to float rounding; a test):
-    the rules of the module docstring apply to each sentence from its own first step.
-    Rows that joined later start later in the self-attention cache: their earlier columns
-    are masked and their positions count from their own start (``KVCache.start``); sources
-    of other lengths are padded on the right and masked. Columns that every live row
-    started after are dropped, so a search that never empties stays as long as its oldest
-    sentence. ``beam=1`` is greedy search. It scores with the output layer's rows as they
-    were when it started (the weights of a model being served do not change): a model
-    trained further needs a new search. ``no_repeat_ngram`` and ``sampling``: as
-    ``beam_search``'s (a sample depends on its sentence alone, not on when it joined).
-    """
 
-    def __init__(self, model: Transformer, beam: int, alpha: float = 0.6, max_len_b: int = 50,
-                 no_repeat_ngram: int = 0, sampling: Sampling | None = None,
-                 kernel: OutputKernel | None = None):
-        if beam < 1:
-            raise ValueError(f"beam must be at least 1, got {beam}")
-        self.model, self.beam, self.alpha, self.max_len_b = model, beam, alpha, max_len_b
-        self.kernel = kernel
-        self.no_repeat_ngram, self.sampling = no_repeat_ngram, sampling
-        self._start()
-
-    @classmethod
-    def of(cls, model: Transformer, search: Search, max_len_b: int = 50,
-           kernel: OutputKernel | None = None) -> JoinableSearch:
-        """The joinable search of the settings ``search``."""
-        return cls(model, search.beam, search.alpha, max_len_b, search.no_repeat_ngram,
-                   search.sampling, kernel)
-
-    def _start(self) -> None:
-        K, device = self.beam, _device(self.model)
-        self.state = _DecoderState.joinable(self.model, self.no_repeat_ngram, self.kernel)
-        self.rows = _Rows(torch.zeros(0, dtype=torch.long), copies=K,
-                          keys=None if self.sampling is None else np.zeros(0, np.uint64))
-        self.scores = torch.zeros(0, K, device=device)
-        self.token = torch.zeros(0, K, dtype=torch.long, device=device)
-        self.finished: dict[int, list[Hypothesis]] = {}
-
-    def __len__(self) -> int:
-        """Sentences being decoded."""
-        return len(self.rows.sentence)
-
-    @torch.no_grad()
-    def add(self, keys: list[int], src: Tensor) -> None:
-        """Sentences ``src`` ((n, S) padded source ids), known by ``keys``, join the search."""
-        if not keys:
-            return
-        if len(keys) != src.size(0) or set(keys) & set(self.finished):
-            raise ValueError("add needs one new key per source row")
-        K = self.beam
-        src_pad = self.state.join(src.to(self.scores.device), K)
-        limits = output_limits(self.model, src_pad, self.max_len_b).cpu().numpy()
-        self.rows.add(np.array(keys, dtype=np.int64), limits, K,
-                      None if self.sampling is None else
-                      sample_keys(src, _seed(self.sampling), K))
-        scores = _first_scores(len(keys), K, self.sampling, self.scores.device)
-        self.scores = torch.cat([self.scores, scores])
-        self.token = torch.cat([self.token, torch.full_like(scores, BOS_ID, dtype=torch.long)])
-        self.finished.update((key, []) for key in keys)
-
-    @torch.no_grad()
-    def remove(self, keys: Iterable[int]) -> None:
-        """Take the sentences ``keys`` out of the search before they are done (their
-        requester has gone); the others go on as if they had never been there. Keys not
-        in the search are ignored."""
-        gone = np.isin(self.rows.sentence, np.fromiter(keys, dtype=np.int64))
-        if not gone.any():
-            return
-        for key in self.rows.sentence[gone]:
-            del self.finished[int(key)]
-        keep = np.flatnonzero(~gone)
-        if keep.size == 0:
-            self._start()
-            return
-        K, device = self.beam, self.scores.device
-        beam_rows = (keep[:, None] * K + np.arange(K)).reshape(-1)  # every beam, in place
-        self.rows.keep(keep, beam_rows)
-        self.state.select(torch.from_numpy(beam_rows).to(device), shrinks=True)
-        index = torch.from_numpy(keep).to(device)
-        self.scores, self.token = self.scores.index_select(0, index), self.token.index_select(0, index)
-        self._trim()
-
-    @torch.no_grad()
-    def step(self) -> list[tuple[int, list[Hypothesis]]]:
-        """Decode one token of every live sentence; the sentences done, with their lists."""
-        if not len(self):
-            return []
-        rows, K = self.rows, self.beam
-        step = rows.history.shape[1] + 1  # steps so far, counted from the oldest sentence
-        logits = self.state.next_logits(self.token.reshape(-1, 1), rows.history)
-        if self.sampling is None:
-            self.scores, self.token, host = _expand(logits, self.scores, K, self.state)
-        else:  # each sentence's own step: it counts from when the sentence joined
-            own = step - np.repeat(rows.offset, K)
-            self.scores, self.token, host = _draw(logits, self.scores, K, self.state,
-                                                  self.sampling, _uniforms(rows.keys, own))
-        done = _settle(rows, self.finished, host, step, self.alpha)
-        answers = [(int(key), sorted(self.finished.pop(key), key=lambda h: -h.score)[:K])
-                   for key in rows.sentence[done]]
-        keep = np.flatnonzero(~done)
-        if keep.size == 0:
-            self._start()
-            return answers
-        self.scores, self.token = _advance(rows, self.state, host, keep, self.scores, self.token)
-        self._trim()
-        return answers
-
-    def _trim(self) -> None:
-        unused = int(self.rows.offset.min())  # columns from before every live sentence joined
-        if unused:
-            self.rows.trim(unused)
-            self.state.cache.trim(unused)
+def beam_search(model: Transformer, src: Tensor, beam: int, alpha: float = DecodeConfig.alpha,
+                max_len_b: int = DecodeConfig.max_len_b, nbest: int = 1, use_cache: bool = True,
+                no_repeat_ngram: int = 0, sampling: Sampling | None = None,
+                kernel: OutputKernel | None = None) -> list[list[Hypothesis]]:
+    """``decode_beam`` with its settings as keywords, for scripts that hold no run
+    (``sampling`` needs its seed)."""
+    if beam < 1:
+        raise ValueError(f"beam must be at least 1, got {beam}")
+    if not 1 <= nbest <= beam:
+        raise ValueError(f"nbest must be between 1 and the beam size {beam}, got {nbest}")
+    return decode_beam(model, src, Search(beam, alpha, no_repeat_ngram, sampling, nbest,
+                                          max_len_b=max_len_b), use_cache, kernel)
 
 
 def _columns(model: Transformer) -> tuple[Tensor | None, list[int]]:
@@ -439,48 +297,6 @@ def _device(model: Transformer) -> torch.device:
     return next(model.parameters()).device
 
 
-# ---------------------------------------------------------------- the repetition guard
-def ban_repeated_ngrams(logits: Tensor, history: np.ndarray, n: int,
-                        to_column: Tensor | None = None) -> None:
-    """Set to -inf, in place, the (N, V') ``logits`` of every token that would complete an
-    n-gram already in its row's ``history`` (N, t): the row's last n-1 tokens were followed
-    by that token before. ``to_column``: token id -> column, for a restricted output layer.
-
-    Vectorised on the host, where the searches keep the histories: one comparison of every
-    (n-1)-gram with the last (hypotheses are short). A joined row's history starts with
-    PAD (before it joined); PAD windows can only ban PAD, which is never generated anyway.
-    """
-    t = history.shape[1]
-    if t < n:  # no n-gram complete yet, so nothing to repeat
-        return
-    windows = np.lib.stride_tricks.sliding_window_view(history, n, axis=1)  # (N, t-n+1, n)
-    last = history[:, t - n + 1:]  # (N, n-1): what the next token would follow
-    rows, at = np.nonzero((windows[:, :, :n - 1] == last[:, None, :]).all(axis=2))
-    if rows.size == 0:
-        return
-    tokens = torch.from_numpy(windows[rows, at, n - 1]).to(logits.device)
-    columns = tokens if to_column is None else to_column[tokens]
-    logits[torch.from_numpy(rows).to(logits.device), columns] = float("-inf")
-
-
-# ---------------------------------------------------------------- sampling
-def sampling_distribution(logits: Tensor, sampling: Sampling) -> tuple[Tensor, Tensor]:
-    """(N, V') logits -> what a sample is drawn from, most likely first: (N, V')
-    probabilities of softmax(logits / temperature) cut to the top-k pieces and to the
-    fewest whose mass reaches top-p (the most likely always stays), renormalised (zero past
-    the cut), and the columns they belong to. The sort is stable, so that a tie goes to
-    the lower column, as argmax (greedy search) does."""
-    probs = torch.softmax(logits / sampling.temperature, dim=-1)
-    probs, order = probs.sort(dim=-1, descending=True, stable=True)
-    cut = probs.new_zeros(probs.shape, dtype=torch.bool)
-    if sampling.top_k:
-        cut[:, sampling.top_k:] = True
-    if sampling.top_p < 1:
-        cut |= (probs.cumsum(dim=-1) - probs) >= sampling.top_p  # mass before it: enough
-    probs = probs.masked_fill(cut, 0.0)
-    return probs / probs.sum(dim=-1, keepdim=True), order
-
-
 def next_distribution(model: Transformer, src: Tensor, prefix: list[int], sampling: Sampling,
                       no_repeat_ngram: int = 0, kernel: OutputKernel | None = None
                       ) -> tuple[Tensor, Tensor]:
@@ -495,43 +311,6 @@ def next_distribution(model: Transformer, src: Tensor, prefix: list[int], sampli
         logits = state.next_logits(tokens, np.array([prefix], dtype=np.int64).reshape(1, -1))
     probs, order = sampling_distribution(logits, sampling)
     return probs[0], state.token_ids(order[0])
-
-
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's increment (2^64 / golden ratio)
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser (Steele, Lea & Flood 2014) on a uint64 array: each output bit
-    depends on every input bit. Array arithmetic wraps modulo 2^64 by design."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * np.uint64(0xBF58476D1CE4E5B9)
-    x = x ^ (x >> np.uint64(27))
-    x = x * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-def sample_keys(src: Tensor, seed: int, copies: int) -> np.ndarray:
-    """(n * copies,) uint64: the random stream of each sample (``copies`` per sentence) of
-    the (n, S) padded sources, a function of the seed, the sentence's ids and the sample's
-    number alone."""
-    ids = src.cpu().numpy()
-    sentence = np.array([zlib.crc32(row[row != PAD_ID].astype("<i8").tobytes()) for row in ids],
-                        dtype=np.uint64)
-    base = _mix(_mix(np.full(len(ids), seed, dtype=np.uint64)) ^ sentence)
-    sample = np.tile(np.arange(1, copies + 1, dtype=np.uint64), len(ids))
-    return _mix(np.repeat(base, copies) + sample * _GOLDEN)
-
-
-def _uniforms(keys: np.ndarray, steps: np.ndarray) -> np.ndarray:
-    """(R,) floats in [0, 1): row r's draw at its own step ``steps[r]`` (53 random bits)."""
-    bits = _mix(keys ^ _mix(steps.astype(np.uint64) * _GOLDEN))
-    return (bits >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
-
-
-def _seed(sampling: Sampling) -> int:
-    if sampling.seed is None:
-        raise ValueError("sampling needs a seed (aiayn.inference.translator.Translator draws one)")
-    return sampling.seed
 
 
 def _first_scores(n: int, K: int, sampling: Sampling | None, device) -> Tensor:

@@ -28,7 +28,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from aiayn.config import Config, load_config, save_config
+from aiayn.config import Config, DecodeConfig, load_config, save_config
 from aiayn.data.tokenizer import Tokenizers
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer
@@ -167,6 +167,14 @@ def load_run_config(run_dir: Path, overrides: list[str]) -> Config:
                 f"train.* and decode.* settings can change"
             )
     return load_config(run_dir / "config.yaml", overrides)
+
+
+def run_decode(run_dir: str | Path) -> DecodeConfig:
+    """The search a run decodes with (its config.yaml's decode section), read alone, so that
+    a command resolves and checks its search before it loads any weights. Without a
+    config.yaml, the defaults: loading the run then says what is missing."""
+    path = Path(run_dir) / "config.yaml"
+    return load_config(path).decode if path.is_file() else DecodeConfig()
 
 
 def read_data_dir(run_dir: str | Path) -> Path:

@@ -73,11 +73,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from aiayn.errors import AiaynError
-from aiayn.inference.search import Sampling
-from aiayn.inference.translator import (
-    MAX_NO_REPEAT_NGRAM,
-    MAX_TEMPERATURE,
-)
+from aiayn.inference.engines import engine_class
+from aiayn.inference.settings import MAX_NO_REPEAT_NGRAM, MAX_TEMPERATURE, Sampling
 from aiayn.serving.batcher import MAX_WAIT_MS, ClientGone, check_batching, check_lanes, check_max_wait
 from aiayn.serving.lanes import LaneLost
 from aiayn.serving.service import MAX_BEAM, MAX_TOP, ModelService, ServeLimits, TooLarge, check_size
@@ -92,7 +89,8 @@ CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; c
 
 # ---------------------------------------------------------------- request bodies
 class SearchSettings(BaseModel):
-    """Beam search settings, as `aiayn translate` takes them."""
+    """Beam search settings, as `aiayn translate` takes them: the wire's shape of a request's
+    search, which ``ModelService.resolve`` turns into its one ``Search`` value."""
 
     model_config = ConfigDict(extra="forbid")
     beam: int | None = Field(None, ge=1, le=MAX_BEAM,
@@ -203,8 +201,9 @@ def create_app(service: ModelService, limits: ServeLimits | None = None) -> Fast
         if body.sample is None and body.seed is not None:
             raise AiaynError("seed goes with sample")
         sampling = None if body.sample is None else body.sample.sampling(body.seed)
-        return await service.translate(texts, body.beam, body.alpha, body.nbest,
-                                       request.is_disconnected, body.no_repeat_ngram, sampling,
+        search = service.resolve(body.beam, body.alpha, body.nbest, body.no_repeat_ngram,
+                                 sampling)  # the request's search, resolved once
+        return await service.translate(texts, search, request.is_disconnected,
                                        body.alignments)
 
     @app.post("/next", summary="The distribution of the next piece of a translation, at a "
@@ -302,10 +301,11 @@ def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
     one). ``engine``, ``max_tokens``, ``max_wait_ms``, ``batching``, ``lanes``: see
     ``ModelService.from_run``."""
     check_max_wait(max_wait_ms)  # before loading, as the port below
+    kind = engine_class(engine)  # what it can do is known before it is loaded
     if batching is not None:
-        check_batching(batching, engine)
+        check_batching(batching, kind)
     check_lanes(lanes, torch.device(device),
-                batching or ("continuous" if engine == "aiayn" else "pass"))
+                batching or ("continuous" if kind.continuous else "pass"))
     sock = listening_socket(host, port)  # before loading: a busy port is one line, at once
     service = ModelService.from_run(run_dir, weights, device, engine, max_tokens, max_wait_ms,
                                     batching, lanes)

@@ -19,13 +19,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from aiayn.errors import AiaynError
-from aiayn.inference.search import Search
+from aiayn.inference.engines import Engine
+from aiayn.inference.settings import Search
 from aiayn.inference.translator import (
     Sources,
     Translator,
@@ -45,11 +46,11 @@ MAX_WAIT_MS = 5.0  # the default wait for more requests: see Batcher
 @dataclass(eq=False)
 class Job:
     """One request waiting for the model: sentences to translate with a search (``key``:
-    its settings), or a function that needs the model to itself (``alone``)."""
+    the request's resolved ``Search``, its nbest included), or a function that needs the
+    model to itself (``alone``)."""
 
     key: Search | None
     sources: Sources | None = None
-    nbest: int = 1
     alone: Callable[[], Any] | None = None
     arrived: float = field(default_factory=time.monotonic)
     future: Future = field(default_factory=Future)
@@ -144,7 +145,8 @@ class Batcher:
     While something decodes, a new job joins at the next step. A job whose client has gone
     (``forget``) has its sentences taken out at the lane's next step.
 
-    With ``--engine ctranslate2`` (``Translator.engine``) batching stays per pass, on one
+    With an engine that cannot take sentences in mid-search (``Engine.continuous``, e.g.
+    ``--engine ctranslate2``) batching stays per pass, on one
     thread: CTranslate2's translate_batch decodes a batch to its end and cannot take
     sentences in mid-search; ``batching="pass"`` chooses it for aiayn's model too (more
     sentences per second under heavy load on a CPU, longer waits: docs/serving.md#batching).
@@ -160,13 +162,13 @@ class Batcher:
     def __init__(self, translator: Translator, max_wait_ms: float = MAX_WAIT_MS,
                  batching: str = "continuous", lanes: str | None = None):
         check_max_wait(max_wait_ms)
-        check_batching(batching, "aiayn" if translator.engine is None else "ctranslate2")
+        check_batching(batching, type(translator.engine))
         check_lanes(lanes, translator.device, batching)
         self.translator = translator
-        self.budget = translator.max_tokens
+        self.budget = translator.decode_tokens  # the decoding budget of a pass, or of a lane
         self.max_wait = max_wait_ms / 1000
         self.stats = BatchStats()
-        self.continuous = translator.engine is None and batching == "continuous"
+        self.continuous = translator.engine.continuous and batching == "continuous"
         self._queue: deque[Job] = deque()
         self._changed = threading.Condition()
         self._closed = False
@@ -202,10 +204,11 @@ class Batcher:
     def lanes(self) -> int:
         return len(self._lanes)
 
-    def translate(self, sources: Sources, search: Search, nbest: int) -> Future:
-        """A future of ``sources``' hypotheses (up to ``nbest`` or more per sentence) by the
-        search ``search`` and the seconds from the start of their decoding to their answer."""
-        return self._submit(Job(search, sources, nbest))
+    def translate(self, sources: Sources, search: Search) -> Future:
+        """A future of ``sources``' hypotheses (up to ``search.nbest`` or more per sentence)
+        by the search ``search`` and the seconds from the start of their decoding to their
+        answer."""
+        return self._submit(Job(search, sources))
 
     def forget(self, future: Future) -> None:
         """The client of ``future``'s request has hung up: a request still waiting is never
@@ -460,14 +463,13 @@ class Batcher:
         if jobs[0].alone is not None:
             _settle(jobs[0].future, jobs[0].alone)
             return
-        search, nbest = jobs[0].key, max(job.nbest for job in jobs)
+        # Equal searches but for nbest (left out of equality): one pass keeping the most.
+        search = replace(jobs[0].key, nbest=max(job.key.nbest for job in jobs))
         started = time.monotonic()
         try:
             hyps = self.translator.decode_ids(
-                [ids for job in jobs for ids in job.sources.ids],
-                None if search.sampling else search.beam, search.alpha,
-                search.beam if search.sampling else nbest, greedy_ok=False,
-                no_repeat_ngram=search.no_repeat_ngram, sampling=search.sampling)
+                [ids for job in jobs for ids in job.sources.ids], greedy_ok=False,
+                search=search)
         except Exception as exc:  # every request of the pass gets the error
             for job in jobs:
                 job.future.set_exception(exc)
@@ -492,12 +494,13 @@ def _by_key(jobs: list[Job]) -> dict[Search, list[Job]]:
 BATCHINGS = ("continuous", "pass")
 
 
-def check_batching(batching: str, engine: str) -> None:
-    """--batching: continuous (aiayn's own model, engine "aiayn", only) or per pass."""
+def check_batching(batching: str, engine: type[Engine]) -> None:
+    """--batching: continuous (an engine that takes sentences in mid-search:
+    ``Engine.continuous``) or per pass."""
     if batching not in BATCHINGS:
         raise AiaynError(f"--batching must be one of {', '.join(BATCHINGS)}, got {batching!r}")
-    if batching == "continuous" and engine != "aiayn":
-        raise AiaynError(f"--batching continuous needs aiayn's own model: the {engine} engine "
+    if batching == "continuous" and not engine.continuous:
+        raise AiaynError(f"--batching continuous needs aiayn's own model: the {engine.name} engine "
                          "decodes a batch to its end (use --batching pass)")
 
 
@@ -535,5 +538,5 @@ def _settle(future: Future, fn: Callable[[], Any]) -> None:
 
 
 def default_batching(translator: Translator) -> str:
-    """Continuous for aiayn's own model, per pass for an engine that decodes whole batches."""
-    return "continuous" if translator.engine is None else "pass"
+    """Continuous where the engine can (``Engine.continuous``), else per pass."""
+    return "continuous" if translator.engine.continuous else "pass"

@@ -27,10 +27,12 @@ from dataclasses import dataclass, field
 import torch
 
 from aiayn.data.batching import pad
-from aiayn.inference.search import Hypothesis, JoinableSearch, Search
+from aiayn.inference.joinable import JoinableSearch
+from aiayn.inference.search import Hypothesis
+from aiayn.inference.settings import Search
 from aiayn.model import OutputKernel, Transformer
 
-Key = Search  # a search's settings: only equal ones are decoded in one search
+Key = Search  # a request's resolved search: only equal ones (nbest aside) share a search
 Adds = list[tuple[Key, list[int], list[list[int]]]]  # (settings, sentence ids, source ids)
 
 
@@ -71,7 +73,7 @@ class LaneSearches:
         for key, sentences, sources in adds:
             search = self.searches.get(key)
             if search is None:
-                search = self.searches[key] = JoinableSearch.of(self.model, key, kernel=self.kernel)
+                search = self.searches[key] = JoinableSearch(self.model, key, self.kernel)
                 self.members[key] = set()
             try:
                 with self._autocast():
@@ -92,7 +94,7 @@ class LaneSearches:
                         done = search.step()
                 except Exception as exc:
                     result.failed.append((sorted(self.members[key]), exc))
-                    search, done = JoinableSearch.of(self.model, key, kernel=self.kernel), []
+                    search, done = JoinableSearch(self.model, key, self.kernel), []
                     self.searches[key], self.members[key] = search, set()
                 for sentence, hyps in done:
                     self.members[key].discard(sentence)

@@ -25,7 +25,7 @@ import torch
 from aiayn.config import Config, load_config
 from aiayn.errors import AiaynError
 from aiayn.inference.attention import SentenceAttention
-from aiayn.inference.search import Sampling
+from aiayn.inference.settings import Sampling, Search
 from aiayn.inference.translator import (
     Translator,
     truncation_message,
@@ -87,7 +87,7 @@ class ModelService:
         self.requests = 0
         # The run's saved steps (none for a CTranslate2 export): models of their own, used
         # on the batcher's thread alone.
-        self.steps = run_steps(info["run_dir"]) if translator.engine is None else {}
+        self.steps = run_steps(info["run_dir"]) if translator.engine.own_model else {}
         self.checkpoints = (CheckpointModels(translator.model.cfg, CACHED_STEPS)
                             if self.steps else None)
         info["steps"] = list(self.steps)
@@ -101,12 +101,13 @@ class ModelService:
                  batching: str | None = None, lanes: str | None = None) -> ModelService:
         """Load ``run_dir`` once (``Translator.from_pretrained``: a run directory, or with
         ``engine="ctranslate2"`` an `aiayn export --to ctranslate2` directory) and gather
-        what /info reports. ``max_tokens``: the budget of a decoding batch and of a pass (None:
-        the device's, ``aiayn.inference.budget.default_max_tokens``). ``batching``: see ``Batcher``
+        what /info reports. ``max_tokens``: the decoding budget of a batch and of a pass, in
+        source tokens x beam (None: the device's, ``aiayn.inference.budget.
+        default_decode_tokens``). ``batching``: see ``Batcher``
         (None: continuous where the engine allows it); ``lanes``: where continuous
         batching decodes, "processes" or "threads" (None: ``default_lanes``)."""
         translator = Translator.from_pretrained(run_dir, weights, device=device, engine=engine,
-                                                max_tokens=max_tokens)
+                                                decode_tokens=max_tokens)
         config = load_config(Path(run_dir) / "config.yaml")
         info = serve_info(run_dir, weights, config, translator)
         return cls(translator, config, info, max_wait_ms, batching, lanes)
@@ -114,31 +115,35 @@ class ModelService:
     def close(self) -> None:
         self.batcher.close()
 
-    async def translate(self, texts: list[str], beam: int | None, alpha: float | None,
-                        nbest: int, gone: Callable[[], Awaitable[bool]] | None = None,
-                        no_repeat_ngram: int | None = None, sampling: Sampling | None = None,
+    def resolve(self, beam: int | None = None, alpha: float | None = None, nbest: int = 1,
+                no_repeat_ngram: int | None = None, sampling: Sampling | None = None) -> Search:
+        """A request's search, resolved once over the run's (``Translator.resolve``) and
+        within this server's limit: a beam (or samples per sentence) of at most
+        ``MAX_BEAM``. A request's own beam is refused on arrival (422); only the run's, or
+        nbest samples, can be over it here."""
+        if sampling is not None and nbest > MAX_BEAM:  # the samples are the rows decoded
+            raise AiaynError(f"nbest {nbest}: at most {MAX_BEAM} samples per sentence")
+        if sampling is None and beam is None and self.translator.decode.beam > MAX_BEAM:
+            raise AiaynError(f"the run's decode.beam {self.translator.decode.beam} is over this "
+                             f"server's limit of {MAX_BEAM}; give \"beam\" in the request")
+        return self.translator.resolve(beam, alpha, nbest, no_repeat_ngram, sampling)
+
+    async def translate(self, texts: list[str], search: Search,
+                        gone: Callable[[], Awaitable[bool]] | None = None,
                         alignments: bool = False) -> dict:
         """`aiayn translate`'s answer for ``texts``: translations in input order, the n-best
         lists (an empty sentence gives "" and an empty list), the truncation warning of
-        these sentences, the search run (None: the run's, ``Translator.settings``) and the
-        seconds of the decoding pass that answered them. ``gone``: see ``answer``. With
-        ``sampling``: ``nbest`` samples per sentence, and the seed they were drawn with.
+        these sentences, the search run (``search``, as ``resolve`` gave it) and the seconds
+        of the decoding pass that answered them. ``gone``: see ``answer``. With sampling:
+        ``search.nbest`` samples per sentence, and the seed they were drawn with.
         ``alignments``: also each translation's word alignment ("alignments", and
         "alignment" in each n-best entry), from a teacher-forced pass over the hypotheses
         run while no search steps on the model (the capture sets flags on it)."""
         if alignments:
             self.translator.check_alignments()
-        if sampling is None:
-            beam, alpha = self.translator.search(beam, alpha)
-            if beam > MAX_BEAM:  # only the run's own can be: a request's is checked on arrival
-                raise AiaynError(f"the run's decode.beam {beam} is over this server's limit "
-                                 f"of {MAX_BEAM}; give \"beam\" in the request")
-        elif nbest > MAX_BEAM:  # as a beam: the samples are the rows decoded per sentence
-            raise AiaynError(f"nbest {nbest}: at most {MAX_BEAM} samples per sentence")
-        self.translator.check_limits(beam, nbest, alpha, no_repeat_ngram, sampling)
-        search = self.translator.settings(beam, alpha, no_repeat_ngram, sampling, nbest)
+        nbest, sampling = search.nbest, search.sampling
         sources = self.translator.prepare(texts)
-        future = self.batcher.translate(sources, search, nbest)
+        future = self.batcher.translate(sources, search)
         try:
             hyps, seconds = await answer(future, gone)
         except ClientGone:
@@ -195,10 +200,9 @@ class ModelService:
                          gone: Callable[[], Awaitable[bool]] | None = None) -> dict:
         """POST /next: the ``top`` likeliest pieces a sample would draw at ``step`` of the
         translation, with their probabilities (``Translator.next_piece``)."""
-        if self.translator.model is None:
-            raise AiaynError("the next piece's distribution needs aiayn's own model, not "
-                             "--engine ctranslate2")
-        guard = self.translator.settings(no_repeat_ngram=no_repeat_ngram).no_repeat_ngram
+        self.translator.engine.require_model("the next piece's distribution")
+        guard = (self.translator.decode.no_repeat_ngram if no_repeat_ngram is None
+                 else no_repeat_ngram)
         result = await answer(self.batcher.run_alone(lambda: self.translator.next_piece(
             text, target, step, sampling, top, guard)), gone)
         self.requests += 1
@@ -289,12 +293,12 @@ def serve_info(run_dir: str | Path, weights: str, config: Config, translator: Tr
     score by the run's ``train.best_metric`` (what best.safetensors holds) and the last.
     With CTranslate2 the weights are the export's model.bin."""
     run = run_info(run_dir)
-    served = (Path(run_dir) / "model.bin" if translator.engine is not None
-              else resolve_weights(run_dir, weights))
+    served = (resolve_weights(run_dir, weights) if translator.engine.own_model
+              else Path(run_dir) / "model.bin")
     return {
         "run_dir": str(run_dir),
         "weights": str(served),
-        "engine": "aiayn" if translator.engine is None else "ctranslate2",
+        "engine": translator.engine.name,
         "device": str(translator.device),
         "model": asdict(config.model),
         "parameters": run["model"]["parameters"],

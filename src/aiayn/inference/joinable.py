@@ -1,0 +1,143 @@
+"""Continuous batching: a beam search that sentences join at any step and leave when done
+(``JoinableSearch``, behind `aiayn serve`), built from ``aiayn.inference.search``'s steps so
+that each sentence gets what ``beam_search`` gives it alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from aiayn.data.tokenizer import BOS_ID
+from aiayn.inference.sampling import sample_keys, seed_of, uniforms
+from aiayn.inference.search import (
+    Hypothesis,
+    _advance,
+    _DecoderState,
+    _device,
+    _draw,
+    _expand,
+    _first_scores,
+    _Rows,
+    _settle,
+    output_limits,
+)
+from aiayn.inference.settings import Search
+from aiayn.model import OutputKernel, Transformer
+
+
+class JoinableSearch:
+    """Beam search that sentences join at any step and leave as soon as they are done
+    (continuous batching: `aiayn serve` adds the requests that arrive while it decodes).
+
+    ``add(keys, src)`` encodes sentences and adds their rows at the next step; ``step()``
+    decodes one token for every live row and returns the sentences that are done, as
+    ``(key, hypotheses)`` with up to ``beam`` hypotheses best first. Every sentence gets
+    what ``beam_search`` gives it alone (same tokens, scores up to float rounding; a test):
+    the rules of the module docstring apply to each sentence from its own first step.
+    Rows that joined later start later in the self-attention cache: their earlier columns
+    are masked and their positions count from their own start (``KVCache.start``); sources
+    of other lengths are padded on the right and masked. Columns that every live row
+    started after are dropped, so a search that never empties stays as long as its oldest
+    sentence. A ``search`` of beam 1 is greedy search; its nbest is not read (a sentence
+    gets up to ``beam`` hypotheses: `aiayn serve` keeps what each request asked for). It
+    scores with the output layer's rows as they were when it started (the weights of a
+    model being served do not change): a model trained further needs a new search.
+    The guard and sampling: as ``decode_beam``'s (a sample depends on its sentence
+    alone, not on when it joined). ``kernel``: the output layer's product (``decode_beam``'s).
+    """
+
+    def __init__(self, model: Transformer, search: Search, kernel: OutputKernel | None = None):
+        if search.beam < 1:
+            raise ValueError(f"beam must be at least 1, got {search.beam}")
+        self.model, self.search, self.kernel = model, search, kernel
+        self.beam, self.alpha, self.sampling = search.beam, search.alpha, search.sampling
+        self._start()
+
+    def _start(self) -> None:
+        K, device = self.beam, _device(self.model)
+        self.state = _DecoderState.joinable(self.model, self.search.no_repeat_ngram,
+                                            self.kernel)
+        self.rows = _Rows(torch.zeros(0, dtype=torch.long), copies=K,
+                          keys=None if self.sampling is None else np.zeros(0, np.uint64))
+        self.scores = torch.zeros(0, K, device=device)
+        self.token = torch.zeros(0, K, dtype=torch.long, device=device)
+        self.finished: dict[int, list[Hypothesis]] = {}
+
+    def __len__(self) -> int:
+        """Sentences being decoded."""
+        return len(self.rows.sentence)
+
+    @torch.no_grad()
+    def add(self, keys: list[int], src: Tensor) -> None:
+        """Sentences ``src`` ((n, S) padded source ids), known by ``keys``, join the search."""
+        if not keys:
+            return
+        if len(keys) != src.size(0) or set(keys) & set(self.finished):
+            raise ValueError("add needs one new key per source row")
+        K = self.beam
+        src_pad = self.state.join(src.to(self.scores.device), K)
+        limits = output_limits(self.model, src_pad, self.search).cpu().numpy()
+        self.rows.add(np.array(keys, dtype=np.int64), limits, K,
+                      None if self.sampling is None else
+                      sample_keys(src, seed_of(self.sampling), K))
+        scores = _first_scores(len(keys), K, self.sampling, self.scores.device)
+        self.scores = torch.cat([self.scores, scores])
+        self.token = torch.cat([self.token, torch.full_like(scores, BOS_ID, dtype=torch.long)])
+        self.finished.update((key, []) for key in keys)
+
+    @torch.no_grad()
+    def remove(self, keys: Iterable[int]) -> None:
+        """Take the sentences ``keys`` out of the search before they are done (their
+        requester has gone); the others go on as if they had never been there. Keys not
+        in the search are ignored."""
+        gone = np.isin(self.rows.sentence, np.fromiter(keys, dtype=np.int64))
+        if not gone.any():
+            return
+        for key in self.rows.sentence[gone]:
+            del self.finished[int(key)]
+        keep = np.flatnonzero(~gone)
+        if keep.size == 0:
+            self._start()
+            return
+        K, device = self.beam, self.scores.device
+        beam_rows = (keep[:, None] * K + np.arange(K)).reshape(-1)  # every beam, in place
+        self.rows.keep(keep, beam_rows)
+        self.state.select(torch.from_numpy(beam_rows).to(device), shrinks=True)
+        index = torch.from_numpy(keep).to(device)
+        self.scores, self.token = self.scores.index_select(0, index), self.token.index_select(0, index)
+        self._trim()
+
+    @torch.no_grad()
+    def step(self) -> list[tuple[int, list[Hypothesis]]]:
+        """Decode one token of every live sentence; the sentences done, with their lists."""
+        if not len(self):
+            return []
+        rows, K = self.rows, self.beam
+        step = rows.history.shape[1] + 1  # steps so far, counted from the oldest sentence
+        logits = self.state.next_logits(self.token.reshape(-1, 1), rows.history)
+        if self.sampling is None:
+            self.scores, self.token, host = _expand(logits, self.scores, K, self.state)
+        else:  # each sentence's own step: it counts from when the sentence joined
+            own = step - np.repeat(rows.offset, K)
+            self.scores, self.token, host = _draw(logits, self.scores, K, self.state,
+                                                  self.sampling, uniforms(rows.keys, own))
+        done = _settle(rows, self.finished, host, step, self.alpha)
+        answers = [(int(key), sorted(self.finished.pop(key), key=lambda h: -h.score)[:K])
+                   for key in rows.sentence[done]]
+        keep = np.flatnonzero(~done)
+        if keep.size == 0:
+            self._start()
+            return answers
+        self.scores, self.token = _advance(rows, self.state, host, keep, self.scores, self.token)
+        self._trim()
+        return answers
+
+    def _trim(self) -> None:
+        unused = int(self.rows.offset.min())  # columns from before every live sentence joined
+        if unused:
+            self.rows.trim(unused)
+            self.state.cache.trim(unused)
