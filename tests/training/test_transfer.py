@@ -184,7 +184,7 @@ EXPECTED = {"loss": (2, 4), "bleu": (4, 6), "chrf": (3, 5)}
 
 
 def scripted_validate(calls: list[int]):
-    def fake(model, tokenizers, dev, dev_pairs, config, device, full):
+    def fake(model, tokenizers, dev, dev_pairs, config, device, full, kernel=None):
         i = min(len(calls), len(SCRIPT["loss"]) - 1)
         calls.append(i)
         return {"dev_loss": SCRIPT["loss"][i], "dev_nll": SCRIPT["loss"][i],

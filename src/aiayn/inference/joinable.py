@@ -17,7 +17,6 @@ from aiayn.inference.search import (
     Hypothesis,
     _advance,
     _DecoderState,
-    _device,
     _draw,
     _expand,
     _first_scores,
@@ -27,6 +26,7 @@ from aiayn.inference.search import (
 )
 from aiayn.inference.settings import Search
 from aiayn.model import OutputKernel, Transformer
+from aiayn.util.device import parameter_device
 
 
 class JoinableSearch:
@@ -58,7 +58,7 @@ class JoinableSearch:
         self._start()
 
     def _start(self) -> None:
-        K, device = self.beam, _device(self.model)
+        K, device = self.beam, parameter_device(self.model)
         self.state = _DecoderState.joinable(self.model, self.search.no_repeat_ngram,
                                             self.kernel)
         self.rows = _Rows(torch.zeros(0, dtype=torch.long), copies=K,

@@ -56,6 +56,7 @@ from aiayn.inference.sampling import (
 )
 from aiayn.inference.settings import Sampling, Search
 from aiayn.model import OutputKernel, Transformer
+from aiayn.util.device import parameter_device
 
 NEVER_GENERATED = (PAD_ID, BOS_ID)
 
@@ -132,7 +133,7 @@ class _DecoderState:
         state.ids, state._never = _columns(model)
         with torch.no_grad():  # a search's rows are constants, not part of a graph
             state.rows = model.generator.allowed_rows()
-        state.src_pad = torch.zeros(0, 0, dtype=torch.bool, device=_device(model))
+        state.src_pad = torch.zeros(0, 0, dtype=torch.bool, device=parameter_device(model))
         state.cache = model.new_cache()
         return state
 
@@ -291,10 +292,6 @@ def _columns(model: Transformer) -> tuple[Tensor | None, list[int]]:
         return None, list(NEVER_GENERATED)
     positions = generator.positions[list(NEVER_GENERATED)].tolist()
     return generator.output_ids, [p for p in positions if p != generator.IGNORE]
-
-
-def _device(model: Transformer) -> torch.device:
-    return next(model.parameters()).device
 
 
 def next_distribution(model: Transformer, src: Tensor, prefix: list[int], sampling: Sampling,
