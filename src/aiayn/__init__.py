@@ -4,10 +4,9 @@ The commands are reachable from Python too (imported on first use, so ``import a
 stays light)::
 
     import aiayn
-    from aiayn.training.loop import train                      # `aiayn train` (also --init-from)
 
     aiayn.prepare_from_run("runs/web", "data/kjv-spa", corpus="bible:kjv-spa")
-    train(None, "data/kjv-spa", "runs/ft", init_from="runs/web:best")
+    aiayn.train(None, "data/kjv-spa", "runs/ft", init_from="runs/web:best")  # `aiayn train`
     print(aiayn.doctor("runs/ft"))                     # `aiayn doctor`; .ok is the verdict
     aiayn.run_info("runs/ft")["best"]                  # `aiayn info --json`
     aiayn.Translator.from_pretrained("runs/ft").translate(["In the beginning."])
@@ -20,9 +19,10 @@ from aiayn.errors import AiaynError
 from aiayn.model import Transformer
 
 # name -> module that defines it (loaded by __getattr__ when first asked for)
-_LAZY = {"doctor": "aiayn.inspect.doctor", "run_info": "aiayn.inspect.info",
-         "prepare_from_run": "aiayn.training.transfer", "Translator": "aiayn.inference.translator",
-         "load_run": "aiayn.runs.directory", "evaluate_run": "aiayn.evaluation.evaluate"}
+_LAZY = {"train": "aiayn.training.loop", "doctor": "aiayn.inspect.doctor",
+         "run_info": "aiayn.inspect.info", "prepare_from_run": "aiayn.training.transfer",
+         "Translator": "aiayn.inference.translator", "load_run": "aiayn.runs.directory",
+         "evaluate_run": "aiayn.evaluation.evaluate"}
 
 __all__ = ["AiaynError", "Config", "DataConfig", "ModelConfig", "TrainConfig", "Transformer",
            *_LAZY]

@@ -326,7 +326,7 @@ def test_translate_resolves_its_search_once_and_every_layer_gets_that_value(
         built.append(settings.resolve_search(*args, **kwargs))
         return built[-1]
 
-    def search(model, src, value, use_cache=True):
+    def search(model, src, value, use_cache=True, kernel=None):
         received.append(value)
         return real(model, src, value, use_cache)
 

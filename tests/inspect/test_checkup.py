@@ -24,7 +24,7 @@ from aiayn.config import load_config
 from aiayn.data.prepared import load_prepared
 from aiayn.data.tokenizer import Tokenizers
 from aiayn.evaluation.evaluate import dev_loss
-from aiayn.inspect.doctor import doctor as checkup
+from aiayn.inspect import doctor as checkup
 from aiayn.model import Transformer
 from aiayn.runs.checkpoint import load_train_state, read_metadata
 from aiayn.runs.directory import load_run, read_data_dir

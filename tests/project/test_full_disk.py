@@ -237,7 +237,7 @@ def test_export_is_refused_before_it_starts_when_the_model_does_not_fit(world, s
 # The check above passes (an estimate, or another process filled the disk since): the
 # writes themselves fail, and the new directory goes.
 def test_prepare_stopped_by_a_full_disk_leaves_nothing(world, small_fs, monkeypatch, capsys):
-    from aiayn.data.prepare import prepare
+    from aiayn.data import prepare
 
     monkeypatch.setattr(prepare, "check_room", lambda *args: None)
     fill(small_fs, leave=16 << 10)

@@ -974,10 +974,23 @@ def test_serve_without_the_extra_says_how_to_install_it(run_dir, monkeypatch, ca
     from aiayn import cli
 
     monkeypatch.setitem(sys.modules, "fastapi", None)  # as if FastAPI were not installed
-    monkeypatch.delitem(sys.modules, "aiayn.serving.service")
+    monkeypatch.delitem(sys.modules, "aiayn.serving.app", raising=False)
     assert cli.main(["serve", str(run_dir)]) == 2
     assert capsys.readouterr().err == ("aiayn: error: aiayn serve needs FastAPI and uvicorn "
                                        "(fastapi is missing): pip install 'aiayn[serve]'\n")
+
+
+def test_the_batcher_and_the_service_need_no_web_library():
+    """Only aiayn.serving.app is FastAPI's: the batcher and the model service import (and
+    can be driven) without FastAPI, uvicorn, starlette or pydantic."""
+    script = ("import sys\n"
+              "for name in ('fastapi', 'uvicorn', 'starlette', 'pydantic'):\n"
+              "    sys.modules[name] = None\n"
+              "import aiayn.serving.batcher, aiayn.serving.lanes, aiayn.serving.service\n"
+              "print('ok')")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
 # ---------------------------------------------------------------- a real server process

@@ -5,9 +5,7 @@ the validation during training (``aiayn.evaluation.evaluate``) and attention pic
     >>> t = Translator.from_pretrained("runs/demo")           # best.safetensors
     >>> t.translate(["The Lord is my shepherd."])      # the run's search (config.yaml's decode)
     ['El Señor es mi pastor.']
-    >>> t.translate(["The Lord is my shepherd."], beam=4, alpha=0.6)   # the paper's (6.1)
-    ['El Señor es mi pastor.']
-    >>> t.translate(["The Lord is my shepherd."], no_repeat_ngram=3)   # no 3-gram twice
+    >>> t.translate(["The Lord is my shepherd."], beam=4, alpha=0.6, no_repeat_ngram=3)
     ['El Señor es mi pastor.']
     >>> t.translate_nbest(["The Lord is my shepherd."], nbest=3,      # 3 samples each
     ...                   sampling=Sampling(temperature=0.8, top_p=0.9, seed=1))
@@ -19,11 +17,9 @@ every method as ``search=``; the keyword arguments (``beam=``, ``alpha=``, ``nbe
 searches is the ``engine`` (``aiayn.inference.engines``: aiayn's own or CTranslate2's).
 
 Behind ``translate`` the sentences are tokenized, sorted by length, cut into batches of at
-most ``decode_tokens`` padded source tokens x beam (the decoding budget,
-``aiayn.data.batching.token_batches``; fewer sentences than fill a batch per stream are cut
-into about one batch per stream), decoded with the KV cache (``aiayn.inference.search``) on
-one CPU thread per batch, several batches at once (``aiayn.util.threads.parallel_map``: a
-busy core then slows one stream, not every op), and put back in their input order.
+most ``decode_tokens`` padded source tokens x beam (``aiayn.data.batching.token_batches``),
+decoded by the engine (aiayn's: on one CPU thread per batch, several batches at once, a
+busy core then slowing one stream, not every op) and put back in their input order.
 
 Rules for awkward input (never a crash):
 
