@@ -980,6 +980,7 @@ def test_serve_without_the_extra_says_how_to_install_it(run_dir, monkeypatch, ca
                                        "(fastapi is missing): pip install 'aiayn[serve]'\n")
 
 
+@pytest.mark.slow  # a process of its own
 def test_the_batcher_and_the_service_need_no_web_library():
     """Only aiayn.serving.app is FastAPI's: the batcher and the model service import (and
     can be driven) without FastAPI, uvicorn, starlette or pydantic."""
