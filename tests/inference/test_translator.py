@@ -299,7 +299,8 @@ def with_search(run_dir: Path, tmp_path: Path, beam: int, alpha: float) -> Path:
 
 def test_a_run_decodes_with_its_own_search_unless_told(run_dir, tmp_path):
     t = Translator.from_pretrained(with_search(run_dir, tmp_path, 3, 1.5))
-    assert t.search() == (3, 1.5) and t.search(1, 0.2) == (1, 0.2) and t.search(2) == (2, 1.5)
+    pairs = [(s.beam, s.alpha) for s in (t.resolve(), t.resolve(1, 0.2), t.resolve(2))]
+    assert pairs == [(3, 1.5), (1, 0.2), (2, 1.5)]
     # n-best scores are divided by the length penalty: alpha shows in them, the beam in
     # how many hypotheses there can be
     ours = t.translate_nbest(SEARCH_SENTENCES, nbest=3)
@@ -373,7 +374,8 @@ def test_a_config_without_a_decode_section_searches_as_the_paper(run_dir, tmp_pa
     assert sep
     (run / "config.yaml").write_text(head, encoding="utf-8")
     assert load_config(run / "config.yaml").decode == DecodeConfig(beam=4, alpha=0.6)
-    assert Translator.from_pretrained(run).search() == (4, 0.6)
+    search = Translator.from_pretrained(run).resolve()
+    assert (search.beam, search.alpha) == (4, 0.6)
 
 
 def test_a_resumed_run_may_change_its_search_but_not_its_model(run_dir):

@@ -177,10 +177,6 @@ class Translator:
         self.check(search)
         return search
 
-    def search(self, beam: int | None = None, alpha: float | None = None) -> tuple[int, float]:
-        """The beam and alpha of ``resolve``: those given, else the run's."""
-        return (search := self.resolve(beam, alpha)).beam, search.alpha
-
     def check(self, search: Search) -> None:
         """What the engine cannot run (``Engine.supports``), and a beam the model and the
         decoding budget can hold: at most the target vocabulary (more hypotheses than tokens
