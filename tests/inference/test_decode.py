@@ -12,15 +12,13 @@ from aiayn.config import ModelConfig
 from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from aiayn.inference.joinable import JoinableSearch
 from aiayn.inference.search import (
-    NEVER_GENERATED,
     Sampling,
     Search,
     beam_search,
     greedy_decode,
-    length_penalty,
     next_distribution,
-    output_limits,
 )
+from aiayn.inference.steps import NEVER_GENERATED, length_penalty, output_limits
 from aiayn.model import Transformer
 
 

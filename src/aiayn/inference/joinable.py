@@ -1,6 +1,6 @@
 """Continuous batching: a beam search that sentences join at any step and leave when done
-(``JoinableSearch``, behind `aiayn serve`), built from ``aiayn.inference.search``'s steps so
-that each sentence gets what ``beam_search`` gives it alone.
+(``JoinableSearch``, behind `aiayn serve`), driving the steps ``decode_beam`` drives
+(``aiayn.inference.steps``) so that each sentence gets what ``beam_search`` gives it alone.
 """
 
 from __future__ import annotations
@@ -12,19 +12,18 @@ import torch
 from torch import Tensor
 
 from aiayn.data.tokenizer import BOS_ID
-from aiayn.inference.sampling import sample_keys, seed_of, uniforms
-from aiayn.inference.search import (
-    Hypothesis,
-    _advance,
-    _DecoderState,
-    _draw,
-    _expand,
-    _first_scores,
-    _Rows,
-    _settle,
-    output_limits,
-)
+from aiayn.inference.sampling import sample_keys, seed_of
 from aiayn.inference.settings import Search
+from aiayn.inference.steps import (
+    DecoderState,
+    Hypothesis,
+    Rows,
+    advance,
+    choose,
+    first_scores,
+    output_limits,
+    settle,
+)
 from aiayn.model import OutputKernel, Transformer
 from aiayn.util.device import parameter_device
 
@@ -59,9 +58,9 @@ class JoinableSearch:
 
     def _start(self) -> None:
         K, device = self.beam, parameter_device(self.model)
-        self.state = _DecoderState.joinable(self.model, self.search.no_repeat_ngram,
+        self.state = DecoderState.joinable(self.model, self.search.no_repeat_ngram,
                                             self.kernel)
-        self.rows = _Rows(torch.zeros(0, dtype=torch.long), copies=K,
+        self.rows = Rows(torch.zeros(0, dtype=torch.long), copies=K,
                           keys=None if self.sampling is None else np.zeros(0, np.uint64))
         self.scores = torch.zeros(0, K, device=device)
         self.token = torch.zeros(0, K, dtype=torch.long, device=device)
@@ -84,7 +83,7 @@ class JoinableSearch:
         self.rows.add(np.array(keys, dtype=np.int64), limits, K,
                       None if self.sampling is None else
                       sample_keys(src, seed_of(self.sampling), K))
-        scores = _first_scores(len(keys), K, self.sampling, self.scores.device)
+        scores = first_scores(len(keys), K, self.sampling, self.scores.device)
         self.scores = torch.cat([self.scores, scores])
         self.token = torch.cat([self.token, torch.full_like(scores, BOS_ID, dtype=torch.long)])
         self.finished.update((key, []) for key in keys)
@@ -119,20 +118,16 @@ class JoinableSearch:
         rows, K = self.rows, self.beam
         step = rows.history.shape[1] + 1  # steps so far, counted from the oldest sentence
         logits = self.state.next_logits(self.token.reshape(-1, 1), rows.history)
-        if self.sampling is None:
-            self.scores, self.token, host = _expand(logits, self.scores, K, self.state)
-        else:  # each sentence's own step: it counts from when the sentence joined
-            own = step - np.repeat(rows.offset, K)
-            self.scores, self.token, host = _draw(logits, self.scores, K, self.state,
-                                                  self.sampling, uniforms(rows.keys, own))
-        done = _settle(rows, self.finished, host, step, self.alpha)
+        self.scores, self.token, host = choose(step, logits, self.scores, self.state, rows,
+                                               self.sampling)
+        done = settle(rows, self.finished, host, step, self.alpha)
         answers = [(int(key), sorted(self.finished.pop(key), key=lambda h: -h.score)[:K])
                    for key in rows.sentence[done]]
         keep = np.flatnonzero(~done)
         if keep.size == 0:
             self._start()
             return answers
-        self.scores, self.token = _advance(rows, self.state, host, keep, self.scores, self.token)
+        self.scores, self.token = advance(rows, self.state, host, keep, self.scores, self.token)
         self._trim()
         return answers
 

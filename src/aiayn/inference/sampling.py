@@ -4,8 +4,8 @@ repetition guard and random sampling (both off by default).
 - ``no_repeat_ngram=n`` (``decode.no_repeat_ngram``; CTranslate2's and Transformers'
   ``no_repeat_ngram_size``): a token that would complete an n-gram already in the
   hypothesis gets logit -inf (``ban_repeated_ngrams``), so no hypothesis holds the same
-  n-gram twice. It acts in ``_DecoderState.next_logits``, the one step that greedy, beam,
-  joined search and sampling share; at n=0 it does nothing at all.
+  n-gram twice. It acts in ``aiayn.inference.steps.DecoderState.next_logits``, the one
+  step that greedy, beam, joined search and sampling share; at n=0 it does nothing at all.
 - ``sampling`` (a ``Sampling``): instead of searching, each of ``beam`` rows per sentence
   draws its next token from the model's distribution at a temperature, cut to the top-k
   pieces and to the nucleus of mass top-p (Holtzman et al. 2020), until it draws EOS or

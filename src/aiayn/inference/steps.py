@@ -1,0 +1,373 @@
+"""The steps of a search, the public piece that the batch searches (``decode_beam``,
+``decode_greedy``: ``aiayn.inference.search``) and the joinable search (``JoinableSearch``:
+``aiayn.inference.joinable``) both drive, so that a sentence gets the same tokens and scores
+whichever search it is in.
+
+A beam search's step, as fairseq splits it (its ``Search.step(step, lprobs, scores)`` answers
+the best 2 x beam candidates; the generator around it finishes the EOS ones and carries on
+the beam best others), is three calls here, each on every live sentence at once:
+
+1. ``choose(step, logits, scores, state, rows, sampling)``: from the (A*K, V') logits of the
+   ``DecoderState`` (``next_logits``) and the (A, K) live scores, the 2K best candidates
+   and the K that stay alive (``expand``; with ``sampling`` each row draws its own:
+   ``draw``), copied to the host in one transfer as ``Candidates``.
+2. ``settle(rows, finished, candidates, step, alpha)``: the hypotheses that end this step
+   move to their sentence's finished list (scored by ``length_penalty``); which sentences
+   are done.
+3. ``advance(rows, state, candidates, keep, scores, token)``: the sentences ``keep`` go on,
+   their host rows (``Rows``), device rows and cache following the beams they chose.
+
+``DecoderState`` holds the encoder output and the decoder's KV cache of the live rows (a
+joinable one starts empty and sentences ``join`` it); ``Rows`` holds the host's side (each
+row's tokens so far, each sentence's limit, ``output_limits``, and the step it joined at).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from aiayn.inference.sampling import ban_repeated_ngrams, sampling_distribution, uniforms
+from aiayn.inference.settings import Sampling, Search
+from aiayn.model import OutputKernel, Transformer
+from aiayn.util.device import parameter_device
+
+NEVER_GENERATED = (PAD_ID, BOS_ID)
+
+
+class Hypothesis(NamedTuple):
+    """One search result; a tuple, so ``ids, score = hypothesis`` works."""
+
+    ids: list[int]  # token ids, without BOS and EOS
+    score: float  # log-probability / length penalty (greedy search reports 0.0)
+
+
+def output_limits(model: Transformer, src_pad: Tensor, search: Search) -> Tensor:
+    """(B,) most new tokens (EOS included) per sentence: floor(max_len_a x source length) +
+    max_len_b, capped so that ``[BOS] + tokens + [EOS]`` fits in ``model.cfg.max_len``
+    positions."""
+    src_len = (~src_pad).sum(dim=1)
+    a = search.max_len_a
+    scaled = src_len * int(a) if float(a).is_integer() else (src_len * a).floor().long()
+    return (scaled + search.max_len_b).clamp(min=1, max=max(1, model.cfg.max_len - 1))
+
+
+def length_penalty(length: int | Tensor, alpha: float) -> float | Tensor:
+    """GNMT length penalty lp(Y) = ((5 + |Y|) / 6) ** alpha; alpha = 0 means no penalty."""
+    return ((5 + length) / 6) ** alpha
+
+
+class DecoderState:
+    """The encoder output and decoder cache for the rows still being decoded.
+
+    Rows are sentences (greedy) or sentence-major beams (``row = sentence * beam + k``).
+    """
+
+    def __init__(self, model: Transformer, src: Tensor, copies: int, use_cache: bool,
+                 no_repeat_ngram: int = 0, kernel: OutputKernel | None = None):
+        self.model, self.kernel = model, kernel  # the output layer's product (model.py)
+        self.no_repeat_ngram = no_repeat_ngram
+        src_pad = model.src_pad_mask(src)
+        memory = model.encode(src, src_pad)  # encode once, then copy to the beams
+        if copies > 1:
+            memory = memory.repeat_interleave(copies, dim=0)
+            src_pad = src_pad.repeat_interleave(copies, dim=0)
+        self.memory, self.src_pad = memory, src_pad
+        self.cache = model.new_cache() if use_cache else None
+        self.ids, self._never = _columns(model)
+        self.rows = model.generator.allowed_rows()  # once per search: the weights are fixed
+
+    def next_logits(self, tokens: Tensor, history: np.ndarray | None = None) -> Tensor:
+        """(N, t) prefixes starting with BOS -> (N, V') float logits of the next token over
+        the pieces the output layer can score: the vocabulary, or with a restricted layer
+        only its pieces (column j is token ``ids[j]``; see ``token_ids``). Searching those
+        alone skips spreading every row over the whole vocabulary at each step.
+        ``history``: each row's tokens so far (host), for the repetition guard."""
+        step_input = tokens[:, -1:] if self.cache is not None else tokens
+        hidden = self.model.decode(step_input, self.memory, self.src_pad, self.cache)
+        logits = self.model.generator.output_logits(hidden[:, -1], self.rows, self.kernel).float()
+        logits[:, self._never] = float("-inf")
+        if self.no_repeat_ngram:
+            generator = self.model.generator
+            ban_repeated_ngrams(logits, history, self.no_repeat_ngram,
+                                generator.positions if generator.restricted else None)
+        return logits
+
+    def token_ids(self, columns: Tensor) -> Tensor:
+        """The token ids of columns of ``next_logits``."""
+        return columns if self.ids is None else self.ids[columns]
+
+    @classmethod
+    def joinable(cls, model: Transformer, no_repeat_ngram: int = 0,
+                 kernel: OutputKernel | None = None) -> DecoderState:
+        """No rows yet: sentences ``join`` it. The cross-attention K/V of every row are
+        computed when it joins, so the memory itself is not kept."""
+        state = cls.__new__(cls)
+        state.model, state.memory, state.kernel = model, None, kernel
+        state.no_repeat_ngram = no_repeat_ngram
+        state.ids, state._never = _columns(model)
+        with torch.no_grad():  # a search's rows are constants, not part of a graph
+            state.rows = model.generator.allowed_rows()
+        state.src_pad = torch.zeros(0, 0, dtype=torch.bool, device=parameter_device(model))
+        state.cache = model.new_cache()
+        return state
+
+    def join(self, src: Tensor, copies: int) -> Tensor:
+        """Encode ``src`` (n, S) and add its rows (``copies`` per sentence) at the next
+        step; returns their (n, S) source padding mask."""
+        src_pad = self.model.src_pad_mask(src)
+        memory = self.model.encode(src, src_pad).repeat_interleave(copies, dim=0)
+        self.cache.join(self.model.new_cache(memory))
+        width = max(self.src_pad.size(1), src.size(1))  # padded on the right, masked
+        self.src_pad = torch.cat([
+            F.pad(self.src_pad, (0, width - self.src_pad.size(1)), value=True),
+            F.pad(src_pad.repeat_interleave(copies, dim=0), (0, width - src.size(1)), value=True)])
+        return src_pad
+
+    def select(self, rows: Tensor, shrinks: bool) -> None:
+        """Keep (and reorder) rows ``rows``.
+
+        The beams of one sentence share one memory and so the same cross-attention K/V:
+        a reorder within sentences leaves those unchanged, and only the self-attention K/V
+        (which differ per beam) need following; the rest is copied only when sentences
+        leave the batch. (Copying the cross-attention cache every step took a third of
+        beam search's time.)
+        """
+        if shrinks:
+            if self.cache is not None:
+                self.cache.reorder(rows)
+            if self.memory is not None:
+                self.memory = self.memory.index_select(0, rows)
+            self.src_pad = self.src_pad.index_select(0, rows)
+            self._narrow()
+        elif self.cache is not None:
+            self.cache.reorder(rows, kinds=("self",))
+
+    def _narrow(self) -> None:
+        """Drop the source positions that are padding in every row left (sources are
+        padded on the right). Sentences leave and join a running search (``JoinableSearch``)
+        at will: without this, its cross-attention would span the longest source it has
+        ever held, where a batch of ``beam_search`` spans the longest of its own."""
+        width = int((~self.src_pad).sum(1).max()) if self.src_pad.size(0) else 0
+        if width < self.src_pad.size(1):
+            self.src_pad = self.src_pad[:, :width]
+            if self.memory is not None:
+                self.memory = self.memory[:, :width]
+            if self.cache is not None:
+                self.cache.narrow_memory(width)
+
+
+def _columns(model: Transformer) -> tuple[Tensor | None, list[int]]:
+    """The token id of each column of the model's logits (None: column = id), and the
+    columns of the pieces never generated (PAD, BOS) among them."""
+    generator = model.generator
+    if not generator.restricted:
+        return None, list(NEVER_GENERATED)
+    positions = generator.positions[list(NEVER_GENERATED)].tolist()
+    return generator.output_ids, [p for p in positions if p != generator.IGNORE]
+
+
+def first_scores(n: int, K: int, sampling: Sampling | None, device) -> Tensor:
+    """(n, K) scores of new sentences: every sample row is live; of a beam only the first,
+    so that the K copies of BOS do not become K copies of the same hypothesis."""
+    if sampling is not None:
+        return torch.zeros(n, K, device=device)
+    scores = torch.full((n, K), float("-inf"), device=device)
+    scores[:, 0] = 0.0
+    return scores
+
+
+def draw(logits: Tensor, scores: Tensor, K: int, state: DecoderState, sampling: Sampling,
+          uniforms: np.ndarray) -> tuple[Tensor, Tensor, Candidates]:
+    """One step of sampling, in the shape of ``expand``'s answer so that the searches'
+    bookkeeping (``settle``, ``advance``) serves it unchanged: row k of a sentence draws
+    its token (inverse CDF at ``uniforms[row]``) and stays row k; a row that draws EOS is
+    finished and stays dead (score -inf) until its sentence's other rows end too."""
+    A = scores.size(0)
+    log_probs = torch.log_softmax(logits, dim=-1)  # the model's: a sample's score
+    probs, order = sampling_distribution(logits, sampling)
+    cdf = probs.cumsum(dim=-1)
+    u = torch.from_numpy(uniforms).to(cdf.device, cdf.dtype)[:, None]
+    pick = torch.searchsorted(cdf, (u * cdf[:, -1:]).contiguous(), right=True)
+    pick = torch.minimum(pick, (probs > 0).sum(dim=-1, keepdim=True) - 1)  # u rounded to 1
+    column = order.gather(1, pick)  # (A*K, 1)
+    token = state.token_ids(column.squeeze(1)).view(A, K)
+    drawn = scores + log_probs.gather(1, column).view(A, K)
+    alive = drawn.masked_fill(token.eq(EOS_ID), float("-inf"))
+    host = torch.cat([drawn.double(), token.double(), alive.double()], dim=1).cpu().numpy()
+    beam_of = np.broadcast_to(np.arange(K), (A, K))
+    h_token = host[:, K:2 * K].astype(np.int64)
+    return alive, token, Candidates(host[:, :K], beam_of, h_token, host[:, 2 * K:], beam_of,
+                                     h_token)
+
+
+class Candidates(NamedTuple):
+    """A beam step's choices on the host (A live sentences): the 2K best candidates by
+    log-probability (score, beam, token), and the K that stay alive (score, beam, token)."""
+
+    top_scores: np.ndarray  # (A, 2K) float
+    top_beam: np.ndarray  # (A, 2K) int
+    top_token: np.ndarray
+    scores: np.ndarray  # (A, K) float
+    beam_of: np.ndarray  # (A, K) int
+    token: np.ndarray
+
+
+def expand(logits: Tensor, scores: Tensor, K: int, state: DecoderState
+            ) -> tuple[Tensor, Tensor, Candidates]:
+    """One step of beam search on the device: (A*K, V') logits (``next_logits``) and (A, K)
+    live scores -> the survivors' (A, K) scores and tokens, and the step's choices copied
+    to the host."""
+    A = scores.size(0)
+    log_probs = torch.log_softmax(logits, dim=-1)  # (A*K, V')
+    V = log_probs.size(-1)
+    candidates = (scores[:, :, None] + log_probs.view(A, K, V)).view(A, K * V)
+    top_scores, top_index = candidates.topk(min(2 * K, K * V), dim=1)  # (A, 2K) best first
+    top_beam, top_token = top_index // V, state.token_ids(top_index % V)
+    # The K best candidates that do not end in EOS stay alive (a stable sort keeps rank).
+    alive = top_token.ne(EOS_ID).to(torch.int8).argsort(dim=1, descending=True, stable=True)
+    alive = alive[:, :K]
+    scores = top_scores.gather(1, alive)
+    beam_of, token = top_beam.gather(1, alive), top_token.gather(1, alive)
+    # One transfer: float64 holds the float32 scores and the ids exactly.
+    host = torch.cat([t.double() for t in (top_scores, top_beam, top_token, scores,
+                                           beam_of, token)], dim=1).cpu().numpy()
+    c = top_scores.size(1)
+    h_top_scores, h_top_beam, h_top_token = (host[:, i * c:(i + 1) * c] for i in range(3))
+    h_scores, h_beam_of, h_token = (host[:, 3 * c + i * K:3 * c + (i + 1) * K]
+                                    for i in range(3))
+    return scores, token, Candidates(h_top_scores, h_top_beam.astype(np.int64),
+                                      h_top_token.astype(np.int64), h_scores,
+                                      h_beam_of.astype(np.int64), h_token.astype(np.int64))
+
+
+def choose(step: int, logits: Tensor, scores: Tensor, state: DecoderState, rows: Rows,
+           sampling: Sampling | None) -> tuple[Tensor, Tensor, Candidates]:
+    """One step's choice (fairseq's ``Search.step``): (A*K, V') logits and (A, K) live scores
+    -> the survivors' (A, K) scores and tokens on the device, and the step's ``Candidates``
+    on the host. Beam search: ``expand``; sampling: ``draw``, each row at its sentence's
+    own step (counted from when the sentence joined: a sample does not depend on it)."""
+    K = scores.size(1)
+    if sampling is None:
+        return expand(logits, scores, K, state)
+    own = step - np.repeat(rows.offset, K)
+    return draw(logits, scores, K, state, sampling, uniforms(rows.keys, own))
+
+
+def settle(rows: Rows, finished, c: Candidates, step: int, alpha: float) -> np.ndarray:
+    """Move this step's finished hypotheses to ``finished[sentence]``; (A,) which sentences
+    are done: ``beam`` hypotheses finished, or at their length limit, or nothing alive."""
+    K = c.scores.shape[1]
+    ends = (c.top_token == EOS_ID) & np.isfinite(c.top_scores)
+    ends[:, K:] = False  # only EOS candidates that rank among the first K are finished
+    rows.finish(finished, ends, c.top_scores, c.top_beam, None, step, alpha)
+    at_limit = rows.at_limit(step)
+    if at_limit.any():  # live hypotheses that reached the limit end as they are
+        cut = at_limit[:, None] & np.isfinite(c.scores)
+        rows.finish(finished, cut, c.scores, c.beam_of, c.token, step, alpha)
+    done = at_limit | ~np.isfinite(c.scores).any(axis=1)  # (sampling: rows in place)
+    done |= np.array([len(finished[s]) >= K for s in rows.sentence], dtype=bool)
+    return done
+
+
+def advance(rows: Rows, state: DecoderState, c: Candidates, keep: np.ndarray,
+             scores: Tensor, token: Tensor) -> tuple[Tensor, Tensor]:
+    """Keep the sentences ``keep`` (host rows, device rows and cache follow their chosen
+    beams); their (A', K) scores and tokens."""
+    K = c.scores.shape[1]
+    beam_rows = (keep[:, None] * K + c.beam_of[keep]).reshape(-1)  # sentence-major
+    rows.keep(keep, beam_rows)
+    rows.grow(c.token[keep].reshape(-1))
+    device = scores.device
+    index = torch.from_numpy(keep).to(device)
+    state.select(torch.from_numpy(beam_rows).to(device), shrinks=keep.size < c.scores.shape[0])
+    return scores.index_select(0, index), token.index_select(0, index)
+
+
+class Rows:
+    """The host's side of a search: for each live sentence its original index and output
+    limit, and for each live row (sentence-major, ``copies`` rows a sentence) the tokens
+    generated so far. The model's device only ever needs the newest token of each row
+    (the KV cache holds the rest), or, without a cache, the whole prefix (copied over).
+
+    In a ``JoinableSearch`` a sentence joins after ``offset`` steps of the search: its
+    history's first ``offset`` columns are padding and its limit counts the search's steps
+    (its own limit + offset), so that one step number serves every sentence.
+    """
+
+    def __init__(self, limits: Tensor, copies: int, keys: np.ndarray | None = None):
+        self.keys = keys  # (A*K,) sampling: each row's random stream (``sample_keys``)
+        self.limits = limits.cpu().numpy()  # (A,) most new tokens of each live sentence
+        self.sentence = np.arange(len(self.limits))  # (A,) original index of each
+        self.offset = np.zeros(len(self.limits), dtype=np.int64)  # (A,) steps before it joined
+        self.history = np.zeros((len(self.limits) * copies, 0), dtype=np.int64)  # (A*K, t)
+        self.longest = int(self.limits.max()) if len(self.limits) else 0
+
+    def add(self, sentences: np.ndarray, limits: np.ndarray, copies: int,
+            keys: np.ndarray | None = None) -> None:
+        """Sentences joining after the ``t`` steps so far: offset t, history padded."""
+        t = self.history.shape[1]
+        if keys is not None:
+            self.keys = np.concatenate([self.keys, keys])
+        self.sentence = np.concatenate([self.sentence, sentences])
+        self.limits = np.concatenate([self.limits, limits + t])
+        self.offset = np.concatenate([self.offset, np.full(len(sentences), t)])
+        padding = np.full((len(sentences) * copies, t), PAD_ID, dtype=np.int64)
+        self.history = np.concatenate([self.history, padding])
+
+    def trim(self, columns: int) -> None:
+        """Forget the first ``columns`` steps (before every live sentence joined)."""
+        self.history = self.history[:, columns:]
+        self.limits, self.offset = self.limits - columns, self.offset - columns
+
+    def at_limit(self, step: int) -> np.ndarray:
+        return self.limits == step
+
+    def grow(self, new_tokens: np.ndarray) -> None:
+        """Append one token to every row."""
+        self.history = np.concatenate([self.history, new_tokens[:, None]], axis=1)
+
+    def keep(self, sentences: np.ndarray, rows: np.ndarray | None = None) -> None:
+        """Keep the live ``sentences`` and (reordered) history ``rows`` (default: the same)."""
+        self.sentence, self.limits = self.sentence[sentences], self.limits[sentences]
+        self.offset = self.offset[sentences]
+        self.history = self.history[sentences if rows is None else rows]
+        if self.keys is not None:
+            self.keys = self.keys[sentences if rows is None else rows]
+
+    def decoder_input(self, newest: Tensor, use_cache: bool) -> Tensor:
+        """(N, 1) newest tokens with a cache; else (N, 1 + t) BOS and the whole prefix."""
+        if use_cache or self.history.shape[1] == 0:
+            return newest.reshape(-1, 1)
+        bos = np.full((self.history.shape[0], 1), BOS_ID, dtype=np.int64)
+        return torch.from_numpy(np.concatenate([bos, self.history], axis=1)).to(newest.device)
+
+    def finish(self, finished: list[list[Hypothesis]], chosen: np.ndarray, scores: np.ndarray,
+               beam_of: np.ndarray, last_token: np.ndarray | None, step: int,
+               alpha: float) -> None:
+        """Move the chosen (A, C) candidates to their sentence's finished list.
+
+        A candidate is row ``beam_of[a, c]`` of sentence ``a`` followed by EOS
+        (``last_token`` None) or by ``last_token[a, c]``; either way it has ``step`` (minus
+        the sentence's offset) generated tokens.
+        """
+        if not chosen.any():
+            return
+        K = self.history.shape[0] // len(self.sentence)
+        for a, c in zip(*np.nonzero(chosen), strict=True):
+            start = int(self.offset[a])
+            ids = self.history[a * K + beam_of[a, c], start:].tolist()
+            if last_token is not None:
+                ids.append(int(last_token[a, c]))
+            penalty = length_penalty(step - start, alpha)
+            finished[self.sentence[a]].append(Hypothesis(ids, float(scores[a, c]) / penalty))
+
+
+def strip_special(ids: list[int]) -> list[int]:
+    """Cut a hypothesis at its first EOS."""
+    return ids[: ids.index(EOS_ID)] if EOS_ID in ids else ids
