@@ -35,7 +35,7 @@ from aiayn.evaluation.evaluate import evaluate_run
 from aiayn.export.command import export_run
 from aiayn.export.hf import HF_CODE, residual_permutation
 from aiayn.export.modelcard import CARD_FILE, model_card
-from aiayn.inference.engines import Engine
+from aiayn.inference.engine import Engine
 from aiayn.inference.search import Sampling, Search, beam_search, greedy_decode
 from aiayn.inference.translator import Translator
 from aiayn.model import Transformer, sinusoid_table
@@ -368,7 +368,7 @@ def test_both_engines_answer_the_engine_interface_alike(run_dir, tmp_path):
     export_run(run_dir, "ctranslate2", tmp_path / "ct2")
     engines = [Translator.from_pretrained(run_dir).engine,
                Translator.from_pretrained(tmp_path / "ct2", engine="ctranslate2").engine]
-    assert [type(e).__name__ for e in engines] == ["AiaynEngine", "CTranslate2Search"]
+    assert [type(e).__name__ for e in engines] == ["AiaynEngine", "CTranslate2Engine"]
     assert all(isinstance(e, Engine) for e in engines)
     sources = Translator.from_pretrained(run_dir).encode(TEXTS[1:3])[0]
     search = Search(4, 0.0, nbest=4)

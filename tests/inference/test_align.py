@@ -32,7 +32,7 @@ from aiayn.inference.align import (
     word_alignment,
 )
 from aiayn.inference.attention import cross_attention
-from aiayn.inference.ct2 import CTranslate2Search
+from aiayn.inference.ct2 import CTranslate2Engine
 from aiayn.inference.translator import Translator
 from aiayn.runs.checkpoint import save_weights
 from aiayn.training.toy import digit_pairs, train_toy
@@ -233,7 +233,7 @@ def test_alignments_need_aiayns_model_and_a_decoder_layer(reversal_dir, tmp_path
                                                          monkeypatch):
     translator = Translator.from_pretrained(reversal_dir)
     # What an engine without aiayn's model answers (a class-level answer: no export needed).
-    translator.engine = SimpleNamespace(require_model=CTranslate2Search.require_model)
+    translator.engine = SimpleNamespace(require_model=CTranslate2Engine.require_model)
     with pytest.raises(AiaynError, match="aiayn's own model"):
         translator.check_alignments()
     with pytest.raises(AiaynError, match=r"decode.alignment_layer must be a decoder layer, "

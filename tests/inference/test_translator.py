@@ -318,7 +318,7 @@ def test_translate_resolves_its_search_once_and_every_layer_gets_that_value(
     very object (no layer rebuilds or re-resolves it); a bad option is one line, said
     once, before any weights load."""
     from aiayn import cli
-    from aiayn.inference import engines, settings, translator
+    from aiayn.inference import aiayn_engine, settings, translator
 
     built, received, resolved = [], [], []
 
@@ -331,10 +331,10 @@ def test_translate_resolves_its_search_once_and_every_layer_gets_that_value(
         received.append(value)
         return real(model, src, value, use_cache)
 
-    real = engines.decode_beam
+    real = aiayn_engine.decode_beam
     monkeypatch.setattr(cli, "resolve_search", resolve)
     monkeypatch.setattr(translator, "resolve_search", lambda *a, **k: pytest.fail("resolved twice"))
-    monkeypatch.setattr(engines, "decode_beam", search)
+    monkeypatch.setattr(aiayn_engine, "decode_beam", search)
     source = tmp_path / "in.txt"
     source.write_text("".join(s + "\n" for s in SEARCH_SENTENCES * 2), encoding="utf-8")
     code, out, _ = run_cli(["translate", str(run_dir), "-i", str(source), "--beam", "3",

@@ -625,12 +625,12 @@ def test_temp_files_of_an_interrupted_write_are_removed_by_atomic_path(tmp_path,
 
 
 def test_out_of_memory_in_decoding_names_max_tokens(world, tmp_path, monkeypatch, capsys):
-    from aiayn.inference import engines
+    from aiayn.inference import aiayn_engine
 
     def no_memory(*args, **kwargs):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1")
 
-    monkeypatch.setattr(engines, "decode_beam", no_memory)
+    monkeypatch.setattr(aiayn_engine, "decode_beam", no_memory)
     code = cli.main(["translate", str(world["run"]), "-i", str(_write(tmp_path / "in.txt")),
                      "--beam", "2", "--max-tokens", "512"])
     err = capsys.readouterr().err.strip().splitlines()

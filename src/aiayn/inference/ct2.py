@@ -30,9 +30,9 @@ import torch
 from aiayn.config import Config, load_config
 from aiayn.data.tokenizer import BOS, PAD, Tokenizers
 from aiayn.errors import AiaynError
-from aiayn.inference.engines import Engine
-from aiayn.inference.search import Hypothesis
+from aiayn.inference.engine import Engine
 from aiayn.inference.settings import Search
+from aiayn.inference.steps import Hypothesis
 from aiayn.util.extras import require
 
 MODEL_FILE = "model.bin"
@@ -45,7 +45,7 @@ def is_ctranslate2_dir(path: str | Path) -> bool:
     return (Path(path) / MODEL_FILE).is_file()
 
 
-class CTranslate2Search(Engine):
+class CTranslate2Engine(Engine):
     """Greedy and beam search by a ``ctranslate2.Translator`` over aiayn's token ids (an
     ``Engine``: whole batches, on CTranslate2's own threads; no sampling)."""
 
@@ -102,7 +102,7 @@ class CTranslate2Search(Engine):
 
 
 def load_ctranslate2(directory: str | Path, device: str = "cpu", threads: int = 0
-                     ) -> tuple[CTranslate2Search, Tokenizers, Config]:
+                     ) -> tuple[CTranslate2Engine, Tokenizers, Config]:
     """Read an export directory: its search engine, aiayn's tokenizers and the run's config
     (its ``decode`` section is the search a Translator runs when not told)."""
     directory = Path(directory)
@@ -116,5 +116,5 @@ def load_ctranslate2(directory: str | Path, device: str = "cpu", threads: int = 
             raise AiaynError(f"{directory}: no {piece} here; was it written by `aiayn export`?")
     config = load_config(directory / "config.yaml")
     tokenizers = Tokenizers.load(directory / "tokenizer")
-    search = CTranslate2Search(directory, tokenizers, config.model.max_len, device, threads)
+    search = CTranslate2Engine(directory, tokenizers, config.model.max_len, device, threads)
     return search, tokenizers, config

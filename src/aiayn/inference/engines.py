@@ -1,190 +1,22 @@
-"""Who searches: one interface, ``Engine``, that aiayn's own search (``AiaynEngine``, over
-``aiayn.inference.search``) and CTranslate2's (``aiayn.inference.ct2.CTranslate2Search``)
-both implement, so that the Translator, `aiayn serve` and `aiayn evaluate` never ask which
-one they hold: they ask the engine what it can do (``supports``, ``continuous``,
-``own_model``) and give it batches of source ids with one ``Search`` value.
-
-An engine searches a batch of source id lists (tokens + EOS) with a search and answers, per
-sentence, up to ``search.nbest`` hypotheses with their scores, best first (``search``), and
-decodes many batches of a budget (``decode``: aiayn's several at once on CPU streams,
-CTranslate2's one after another, on its own threads).
+"""Which engines there are: the names --engine takes (``ENGINES``) and the class each means
+(``engine_class``). The registry sits one floor above the engines it names (the base
+``aiayn.inference.engine``, aiayn's ``aiayn.inference.aiayn_engine`` and CTranslate2's
+``aiayn.inference.ct2``), so that no engine's module imports another's.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Iterable
-from contextlib import nullcontext
-from pathlib import Path
-from typing import ClassVar
-
-import torch
-
-from aiayn.data.batching import pad, token_batches
-from aiayn.errors import AiaynError, is_out_of_memory
-from aiayn.inference.budget import decode_bytes_per_token, default_decode_tokens, memory_bytes
-from aiayn.inference.kernels import choose_output_kernel
-from aiayn.inference.search import Hypothesis, decode_beam, decode_greedy
-from aiayn.inference.settings import Search
-from aiayn.model import OutputKernel, Transformer
-from aiayn.util.device import parameter_device
-from aiayn.util.threads import default_streams, parallel_map
+from aiayn.errors import AiaynError
+from aiayn.inference.aiayn_engine import AiaynEngine
+from aiayn.inference.ct2 import CTranslate2Engine
+from aiayn.inference.engine import Engine
 
 ENGINES = ("aiayn", "ctranslate2")  # the names --engine takes (``engine_class``)
-
-# Rows of a decoding step the output layer's kernel is chosen for (aiayn.inference.kernels): a beam
-# of 4-6 over the ~50 sentences of an 8,192-token batch.
-DECODE_PROBE_ROWS = 256
-
-
-class Engine(ABC):
-    """A search engine. Class-level answers, known before one is loaded: ``continuous``
-    (sentences can join a running search: serve's continuous batching) and ``own_model``
-    (it holds aiayn's Transformer, which teacher-forced passes need: attention maps, word
-    alignments, scores of given targets, next-piece distributions)."""
-
-    name: ClassVar[str]
-    continuous: ClassVar[bool]
-    own_model: ClassVar[bool]
-    device: torch.device
-    max_len: int  # the model's positions: sources and outputs are cut to fit
-    tgt_vocab_size: int
-    model: Transformer | None  # aiayn's model where ``own_model``
-    streams: int | None = None  # batches decoded at once (an engine with threads of its own: None)
-    kernel: OutputKernel | None = None  # the output layer's product aiayn's model computes with
-
-    def supports(self, search: Search) -> None:  # noqa: B027 (runs everything, by default)
-        """An AiaynError naming what this engine cannot run of ``search`` (nothing here)."""
-
-    @classmethod
-    def require_model(cls, what: str) -> None:
-        """An AiaynError unless the engine holds aiayn's model, which ``what`` needs."""
-        if not cls.own_model:
-            raise AiaynError(f"{what} need aiayn's own model, not --engine {cls.name}")
-
-    def default_budget(self) -> int:
-        """The decoding budget (padded source tokens x beam) ``decode_tokens=None`` means."""
-        return default_decode_tokens(None, torch.device("cpu"))
-
-    def check_budget(self, decode_tokens: int) -> None:
-        """An AiaynError if the decoding budget cannot be held."""
-        if decode_tokens < 1:
-            raise AiaynError(f"--max-tokens must be at least 1, got {decode_tokens}")
-
-    @abstractmethod
-    def search(self, sources: list[list[int]], search: Search, greedy_ok: bool = False
-               ) -> list[list[Hypothesis]]:
-        """One batch of source ids (tokens + EOS) -> per sentence up to ``search.nbest``
-        hypotheses, best first. ``greedy_ok``: a greedy ``search`` may skip the scores
-        (reported as 0.0)."""
-
-    def decode(self, sources: list[list[int]], search: Search, decode_tokens: int,
-               greedy_ok: bool = False
-               ) -> tuple[list[list[int]], Iterable[list[list[Hypothesis]]]]:
-        """Every source, in batches of at most ``decode_tokens`` padded source tokens x beam
-        (``token_batches``): the batches (indices into ``sources``) and, lazily, each one's
-        hypotheses. This default decodes the batches one after another."""
-        batches = token_batches([len(s) for s in sources], decode_tokens, copies=search.beam)
-        return batches, (self.search([sources[i] for i in batch], search, greedy_ok)
-                         for batch in batches)
-
-
-class AiaynEngine(Engine):
-    """aiayn's own search (``aiayn.inference.search``) over a Transformer, several batches at
-    once, each on one CPU thread (``aiayn.util.threads``)."""
-
-    name = "aiayn"
-    continuous = True
-    own_model = True
-
-    def __init__(self, model: Transformer, device: str | torch.device | None = None,
-                 bf16: bool = False, streams: int | None = None, threads_per_stream: int = 1,
-                 kernel: OutputKernel | None = None):
-        """``bf16``: decode under bfloat16 autocast (as training validates under train.bf16).
-        ``streams``: batches decoded at once (None: ``default_streams``, as many as torch
-        has threads when decoding starts); ``threads_per_stream`` > 1 only to measure the
-        barriers that one thread avoids. ``kernel``: the output layer's product
-        (``aiayn.inference.kernels``: a Trainer's choice for its model); None: chosen here."""
-        self.device = torch.device(device) if device is not None else parameter_device(model)
-        self.model = model.to(self.device).eval()
-        self.kernel = kernel  # the searches compute with it; the model keeps none
-        if kernel is None:  # not chosen yet (a Trainer chooses for its own)
-            self.kernel = choose_output_kernel(model.generator, DECODE_PROBE_ROWS,
-                                               enabled=not bf16)[0]
-        self.max_len, self.tgt_vocab_size = model.cfg.max_len, model.cfg.tgt_vocab_size
-        self.bf16 = bf16
-        self.streams, self.threads_per_stream = streams, threads_per_stream
-
-    @classmethod
-    def load(cls, run_dir: str | Path, weights: str | Path = "best",
-             device: str | torch.device | None = None, **options):
-        """A run directory's engine, tokenizers and config (``load_run``)."""
-        from aiayn.runs.directory import load_run
-
-        if (Path(run_dir) / "model.bin").is_file() and not any(Path(run_dir).glob("*.safetensors")):
-            raise AiaynError(f"{run_dir}: a CTranslate2 export, not a run directory; "
-                             "`aiayn translate|evaluate` read it with --engine ctranslate2")
-        config, model, tokenizers = load_run(run_dir, weights)
-        return cls(model, device or "cpu", **options), tokenizers, config
-
-    def default_budget(self) -> int:
-        return default_decode_tokens(self.model.cfg, self.device)
-
-    def check_budget(self, decode_tokens: int) -> None:
-        """At most what half of the device's memory holds (``decode_bytes_per_token``)."""
-        per_token = decode_bytes_per_token(self.model.cfg)
-        limit = memory_bytes(self.device) // 2 // per_token
-        where = "the GPU's free memory" if self.device.type == "cuda" else "this machine's memory"
-        if not 1 <= decode_tokens <= limit:
-            raise AiaynError(f"--max-tokens must be between 1 and {limit} for this model "
-                             f"(half of {where} at {per_token} bytes per padded token), got "
-                             f"{decode_tokens}")
-
-    @torch.no_grad()
-    def search(self, sources: list[list[int]], search: Search, greedy_ok: bool = False
-               ) -> list[list[Hypothesis]]:
-        """On a stream's thread: grad mode and autocast are per thread, so both are set here."""
-        src = pad(sources).to(self.device)
-        autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16
-                    else nullcontext())
-        with autocast:
-            if greedy_ok and search.greedy:
-                return [[Hypothesis(ids, 0.0)]
-                        for ids in decode_greedy(self.model, src, search, kernel=self.kernel)]
-            return decode_beam(self.model, src, search, kernel=self.kernel)
-
-    def decode(self, sources, search, decode_tokens, greedy_ok=False):
-        """Batches cut for the streams (``stream_budget``: a few sentences still fill each
-        stream), decoded several at once (``parallel_map``)."""
-        from aiayn.inference.budget import stream_budget
-
-        streams = self.streams or default_streams(self.device)
-        widths = [len(s) for s in sources]
-        batches = token_batches(widths, stream_budget(widths, decode_tokens, search.beam,
-                                                      streams), copies=search.beam)
-
-        def one(batch: list[int]) -> list[list[Hypothesis]]:
-            rows = [sources[i] for i in batch]
-            try:
-                return self.search(rows, search, greedy_ok)
-            except (RuntimeError, MemoryError) as exc:
-                if not is_out_of_memory(exc):
-                    raise
-                tokens = len(rows) * max(map(len, rows)) * search.beam
-                raise AiaynError(
-                    f"out of memory decoding a batch of {len(rows)} sentence(s) x beam "
-                    f"{search.beam} ({tokens} padded tokens) on {self.device}; give a smaller "
-                    f"--max-tokens (now {decode_tokens})") from None
-
-        return batches, parallel_map(one, batches, streams, self.threads_per_stream)
+_CLASSES: dict[str, type[Engine]] = {"aiayn": AiaynEngine, "ctranslate2": CTranslate2Engine}
 
 
 def engine_class(name: str) -> type[Engine]:
     """The engine --engine ``name`` means (an AiaynError naming the choices)."""
-    if name == "aiayn":
-        return AiaynEngine
-    if name == "ctranslate2":
-        from aiayn.inference.ct2 import CTranslate2Search
-
-        return CTranslate2Search
-    raise AiaynError(f"--engine must be one of {', '.join(ENGINES)}, got {name!r}")
+    if name not in _CLASSES:
+        raise AiaynError(f"--engine must be one of {', '.join(ENGINES)}, got {name!r}")
+    return _CLASSES[name]

@@ -4,7 +4,7 @@ repetition guard, sampling), resolved and checked once, at the edge, by ``resolv
 Every command builds it once from the run's ``decode`` section (``aiayn.config.
 DecodeConfig``) and what the caller gave (`aiayn translate|evaluate` flags, a serve request,
 train.eval_beam): a setting not given (None) takes the run's. The Translator, the engines
-(``aiayn.inference.engines``), the searches (``aiayn.inference.search``) and serve's batcher
+(``aiayn.inference.engine``), the searches (``aiayn.inference.search``) and serve's batcher
 then pass that very value down unchanged; none of them resolves or checks it again. The
 checks here need no model; ``Translator.check`` adds the bounds a model and a batch budget
 set (beam <= target vocabulary, rows <= half the budget), and an engine says what it

@@ -14,7 +14,7 @@ The search is one ``Search`` value (``aiayn.inference.settings``): a command res
 once (``resolve_search``: its options over the run's ``decode`` section) and hands it to
 every method as ``search=``; the keyword arguments (``beam=``, ``alpha=``, ``nbest=``,
 ``sampling=``...) are a convenience that builds it once (``Translator.resolve``). Who
-searches is the ``engine`` (``aiayn.inference.engines``: aiayn's own or CTranslate2's).
+searches is the ``engine`` (``aiayn.inference.engine``: aiayn's own or CTranslate2's).
 
 Behind ``translate`` the sentences are tokenized, sorted by length, cut into batches of at
 most ``decode_tokens`` padded source tokens x beam (``aiayn.data.batching.token_batches``),
@@ -44,9 +44,11 @@ from aiayn.config import DecodeConfig, alignment_layer_index
 from aiayn.data.batching import token_batches
 from aiayn.data.tokenizer import EOS_ID
 from aiayn.errors import AiaynError
+from aiayn.inference.aiayn_engine import AiaynEngine
 from aiayn.inference.align import Alignment, pharaoh, piece_words, text_words, word_alignment
 from aiayn.inference.attention import SentenceAttention, cross_attention, sentence_attention
-from aiayn.inference.engines import ENGINES, AiaynEngine, Engine, engine_class
+from aiayn.inference.engine import Engine
+from aiayn.inference.engines import ENGINES, engine_class
 from aiayn.inference.search import Hypothesis, next_distribution
 from aiayn.inference.settings import Sampling, Search, check_options, resolve_search
 from aiayn.model import OutputKernel, Transformer
@@ -118,7 +120,7 @@ class Translator:
                  engine: Engine | None = None, streams: int | None = None,
                  threads_per_stream: int = 1, decode: DecodeConfig | None = None,
                  decode_tokens: int | None = None, kernel: OutputKernel | None = None):
-        """``engine``: who searches (``aiayn.inference.engines``; None: aiayn's own search over
+        """``engine``: who searches (``aiayn.inference.engine``; None: aiayn's own search over
         ``model`` on ``device``, with ``bf16``, ``streams`` and ``threads_per_stream``: see
         ``AiaynEngine``). ``decode_tokens`` (or its older name ``max_tokens``): the decoding
         budget in padded source tokens x beam (``token_batches``; None: the engine's default,

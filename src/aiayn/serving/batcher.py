@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from aiayn.errors import AiaynError
-from aiayn.inference.engines import Engine
+from aiayn.inference.engine import Engine
 from aiayn.inference.settings import Search
 from aiayn.inference.translator import (
     Sources,

@@ -1,0 +1,80 @@
+"""Who searches: one interface, ``Engine``, that aiayn's own search
+(``aiayn.inference.aiayn_engine.AiaynEngine``) and CTranslate2's
+(``aiayn.inference.ct2.CTranslate2Engine``) both implement, so that the Translator, `aiayn
+serve` and `aiayn evaluate` never ask which one they hold: they ask the engine what it can do
+(``supports``, ``continuous``, ``own_model``) and give it batches of source ids with one
+``Search`` value. Which engines there are, by the name --engine takes, is
+``aiayn.inference.engines`` (one floor up: this base names none of them).
+
+An engine searches a batch of source id lists (tokens + EOS) with a search and answers, per
+sentence, up to ``search.nbest`` hypotheses with their scores, best first (``search``), and
+decodes many batches of a budget (``decode``: aiayn's several at once on CPU streams,
+CTranslate2's one after another, on its own threads).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from typing import ClassVar
+
+import torch
+
+from aiayn.data.batching import token_batches
+from aiayn.errors import AiaynError
+from aiayn.inference.budget import default_decode_tokens
+from aiayn.inference.settings import Search
+from aiayn.inference.steps import Hypothesis
+from aiayn.model import OutputKernel, Transformer
+
+
+class Engine(ABC):
+    """A search engine. Class-level answers, known before one is loaded: ``continuous``
+    (sentences can join a running search: serve's continuous batching) and ``own_model``
+    (it holds aiayn's Transformer, which teacher-forced passes need: attention maps, word
+    alignments, scores of given targets, next-piece distributions)."""
+
+    name: ClassVar[str]
+    continuous: ClassVar[bool]
+    own_model: ClassVar[bool]
+    device: torch.device
+    max_len: int  # the model's positions: sources and outputs are cut to fit
+    tgt_vocab_size: int
+    model: Transformer | None  # aiayn's model where ``own_model``
+    streams: int | None = None  # batches decoded at once (an engine with threads of its own: None)
+    kernel: OutputKernel | None = None  # the output layer's product aiayn's model computes with
+
+    def supports(self, search: Search) -> None:  # noqa: B027 (runs everything, by default)
+        """An AiaynError naming what this engine cannot run of ``search`` (nothing here)."""
+
+    @classmethod
+    def require_model(cls, what: str) -> None:
+        """An AiaynError unless the engine holds aiayn's model, which ``what`` needs."""
+        if not cls.own_model:
+            raise AiaynError(f"{what} need aiayn's own model, not --engine {cls.name}")
+
+    def default_budget(self) -> int:
+        """The decoding budget (padded source tokens x beam) ``decode_tokens=None`` means."""
+        return default_decode_tokens(None, torch.device("cpu"))
+
+    def check_budget(self, decode_tokens: int) -> None:
+        """An AiaynError if the decoding budget cannot be held."""
+        if decode_tokens < 1:
+            raise AiaynError(f"--max-tokens must be at least 1, got {decode_tokens}")
+
+    @abstractmethod
+    def search(self, sources: list[list[int]], search: Search, greedy_ok: bool = False
+               ) -> list[list[Hypothesis]]:
+        """One batch of source ids (tokens + EOS) -> per sentence up to ``search.nbest``
+        hypotheses, best first. ``greedy_ok``: a greedy ``search`` may skip the scores
+        (reported as 0.0)."""
+
+    def decode(self, sources: list[list[int]], search: Search, decode_tokens: int,
+               greedy_ok: bool = False
+               ) -> tuple[list[list[int]], Iterable[list[list[Hypothesis]]]]:
+        """Every source, in batches of at most ``decode_tokens`` padded source tokens x beam
+        (``token_batches``): the batches (indices into ``sources``) and, lazily, each one's
+        hypotheses. This default decodes the batches one after another."""
+        batches = token_batches([len(s) for s in sources], decode_tokens, copies=search.beam)
+        return batches, (self.search([sources[i] for i in batch], search, greedy_ok)
+                         for batch in batches)
