@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from aiayn import cli
 from aiayn.config import DataConfig, ModelConfig
 from aiayn.data.batching import pad
-from aiayn.data.corpora import SPLITS, CorpusStream, Pair
+from aiayn.data.corpora import CorpusStream
+from aiayn.data.pairs import SPLITS, Pair
 from aiayn.data.prepare import prepare, read_pairs
 from aiayn.data.tokenizer import Tokenizers
 from aiayn.model import Transformer

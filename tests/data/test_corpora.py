@@ -22,6 +22,7 @@ from aiayn.data.bible import (
     read_bible_pairs,
 )
 from aiayn.data.corpora import SPEC_FORMS
+from aiayn.data.pairs import Pair
 from aiayn.errors import AiaynError
 
 GENESIS_1_1 = "In the beginning, God created the heavens and the earth."
@@ -123,8 +124,8 @@ def test_a_second_english_bible_adds_training_verses_only(bible_stream):
     kjv_train = [p for p in read_bible_pairs("kjv-spa")[0]
                  if book(p) not in BIBLE_DEV_BOOKS + BIBLE_TEST_BOOKS]
     assert len(extra) > 0.95 * len(kjv_train)  # a few dropped by the length filters
-    assert extra[0] == corpora.Pair("In the beginning God created the heaven and the earth.",
-                                    web_train[0].tgt, "Gen.1.1@kjv-spa")
+    assert extra[0] == Pair("In the beginning God created the heaven and the earth.",
+                            web_train[0].tgt, "Gen.1.1@kjv-spa")
     # every extra verse's Spanish is the same verse's Spanish in the WEB pairs
     spanish = {p.ref: p.tgt for p in web_train}
     shared = [p for p in extra if p.ref.split("@")[0] in spanish]

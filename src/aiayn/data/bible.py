@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from aiayn.config import DataConfig
-from aiayn.data.corpora import SPLITS, Pair, RawCorpus, normalize_text
+from aiayn.data.pairs import SPLITS, Pair, RawCorpus, normalize_text
 from aiayn.errors import AiaynError
 from aiayn.util.progress import bar as progress_bar
 

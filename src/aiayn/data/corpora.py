@@ -27,7 +27,9 @@ A file path may contain ``{split}``: ``tsv:data/{split}.tsv`` reads ``data/train
 where they exist, ``data/dev.tsv`` and ``data/test.tsv``. A split without its own file is
 held out of train at random under ``data.split_seed`` (``data.dev_fraction`` and
 ``data.test_fraction`` of the pairs). The Bible has a fixed split by whole books; its reader
-is ``aiayn.data.bible``.
+is ``aiayn.data.bible``. Every reader answers a ``RawCorpus`` of ``Pair``s
+(``aiayn.data.pairs``, the floor below the readers); the spec registry here, one floor
+above them, names each reader by its prefix.
 
 Every text is normalized the same way: Unicode NFC, every run of whitespace one space, no
 leading or trailing space. Then pairs are dropped, each under the first reason that holds:
@@ -46,48 +48,25 @@ import math
 import os
 import re
 import socket
-import unicodedata
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from aiayn.config import DataConfig
+from aiayn.data.bible import read_bible
 from aiayn.data.languages import length_units
+from aiayn.data.pairs import SPLITS, Pair, RawCorpus, normalize_text
 from aiayn.errors import AiaynError
 from aiayn.util.progress import bar as progress_bar
 
-SPLITS = ("train", "dev", "test")
 DROP_REASONS = ("empty", "versification", "too_long", "length_ratio")
 SPEC_FORMS = (
     "bible:eng-spa", "bible:spa-eng", "bible:kjv-spa", "bible:spa-kjv", "bible:eng+kjv-spa",
     "hf:NAME[:CONFIG]", "tsv:PATH",
     "jsonl:PATH", "parallel:SRC_PATH,TGT_PATH",
 )
-
-
-@dataclass(frozen=True)
-class Pair:
-    """One sentence pair and where it came from (``Gen.1.1``, ``data.tsv:12``, ...)."""
-
-    src: str
-    tgt: str
-    ref: str
-
-
-@dataclass
-class RawCorpus:
-    """What a reader returns: the splits it has (``given``: "train" alone for a lone file),
-    its pairs with their split, read lazily, and the pairs it dropped itself (the Bible's
-    versification differences)."""
-
-    description: str
-    given: set[str]
-    pairs: Iterable[tuple[Pair, str]] = ()
-    split_rule: str = ""
-    dropped: dict[str, int] = field(default_factory=dict)
 
 
 class CorpusStream:
@@ -100,9 +79,6 @@ class CorpusStream:
 
     def __init__(self, spec: str, cfg: DataConfig, progress: bool = False):
         kind, _, arg = spec.partition(":")
-        # The Bible's reader builds on this module's Pair and RawCorpus: imported here.
-        from aiayn.data.bible import read_bible
-
         readers: dict[str, Callable[[str, DataConfig, bool], RawCorpus]] = {
             "bible": read_bible, "hf": _read_hf, "tsv": _read_tsv, "jsonl": _read_jsonl,
             "parallel": _read_parallel,
@@ -149,12 +125,6 @@ class CorpusStream:
 
 
 # ------------------------------------------------------------------ cleaning and filtering
-
-
-def normalize_text(text: str) -> str:
-    """Unicode NFC, whitespace runs collapsed to one space, stripped."""
-    # str.split() splits at the characters that regex \s matches (str.isspace), 8x faster.
-    return " ".join(unicodedata.normalize("NFC", text).split())
 
 
 def drop_reason(src: str, tgt: str, cfg: DataConfig) -> str | None:

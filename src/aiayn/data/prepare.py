@@ -31,8 +31,9 @@ import numpy as np
 
 from aiayn.config import DataConfig
 from aiayn.data.batching import TokenBatchSampler
-from aiayn.data.corpora import SPLITS, CorpusStream, held_out_positions
+from aiayn.data.corpora import CorpusStream, held_out_positions
 from aiayn.data.languages import bleu_tokenize, resolve_languages
+from aiayn.data.pairs import SPLITS
 from aiayn.data.prepared import (
     ENCODE_CHUNK,
     IDS_DIR,

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from aiayn.data.batching import Batch, Example, collate
-from aiayn.data.corpora import SPLITS
 from aiayn.data.languages import bleu_tokenize, resolve_languages
+from aiayn.data.pairs import SPLITS
 from aiayn.data.tokenids import RaggedIds
 from aiayn.data.tokenizer import EOS_ID, Tokenizers, tokenizer_fingerprint
 from aiayn.errors import AiaynError

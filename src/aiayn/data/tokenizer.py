@@ -5,7 +5,7 @@ Special tokens have the same ids everywhere; the model's pad_id is PAD_ID.
 Both kinds share one text pipeline, chosen so that decoding gives the text back:
 
 - normalizer: Unicode NFC (the corpora are NFC with single spaces already, see
-  ``aiayn.data.corpora.normalize_text``; this also normalizes what users type at translate time);
+  ``aiayn.data.pairs.normalize_text``; this also normalizes what users type at translate time);
 - pre-tokenizer: ``Metaspace`` (each space becomes ``▁``, the start of the next word, as in
   SentencePiece) then ``Punctuation`` (every punctuation mark is its own piece, so "earth."
   and "earth" share "▁earth");
