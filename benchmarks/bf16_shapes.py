@@ -34,10 +34,11 @@ def one_arm(data_dir: str, multiple: int, steps: int, threads: int, precision: s
 
     from aiayn.config import load_config
     from aiayn.data.batching import collate
+    from aiayn.runs.directory import build_model
     from aiayn.training.distributed import Dist
     from aiayn.training.loop import train_step
     from aiayn.training.optim import build_optimizer
-    from aiayn.training.stream import build_model, load_data, resolve_config
+    from aiayn.training.stream import load_data, resolve_config
 
     torch.set_num_threads(threads)
     config = load_config(REPO / "configs" / "demo.yaml")

@@ -31,6 +31,7 @@ from aiayn.cli import main
 from aiayn.config import load_config
 from aiayn.errors import AiaynError
 from aiayn.runs.checkpoint import load_train_state
+from aiayn.runs.directory import build_model
 from aiayn.training import loop as train
 from aiayn.training import stream
 from aiayn.training.optim import learning_rate
@@ -368,7 +369,7 @@ def test_gradient_accumulation_equals_one_batch_of_the_same_tokens(data_dir):
     results = []
     for micro in ([collate(short), collate(long)], [collate(short + long)]):
         torch.manual_seed(0)
-        model = stream.build_model(config, world.device)
+        model = build_model(config, world.device)
         before = {k: v.clone() for k, v in model.state_dict().items()}
         sgd = torch.optim.SGD(model.parameters(), lr=0.0)
         step = train.train_step(model, None, sgd, micro, 1, config, world)
@@ -400,7 +401,7 @@ def test_padding_lengths_to_a_multiple_changes_no_update(data_dir):
         collated = collate(batch, config.model.pad_id, multiple)
         assert collated.src.size(1) % multiple == 0
         torch.manual_seed(0)
-        model = stream.build_model(config, world.device)
+        model = build_model(config, world.device)
         grads = {}  # each parameter's gradient as backward leaves it (train_step clears them)
         for name, p in model.named_parameters():
             p.register_post_accumulate_grad_hook(

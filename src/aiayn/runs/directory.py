@@ -13,9 +13,10 @@
       train_state.pt            optimizer, schedule, step, RNG, sampler position
       metrics.jsonl, tb/        logs (MetricsLog)
 
-Creating one (``create_run_dir``), reading it back (``load_run``, ``read_data_dir``,
-``load_run_config``, ``resolve_weights``), its metrics log, and its step checkpoints
-(list, prune, choose for averaging).
+Creating one (``create_run_dir``), the model its config describes (``build_model``: a
+fresh one for training, the one its weights load into), reading it back (``load_run``,
+``read_data_dir``, ``load_run_config``, ``resolve_weights``), its metrics log, and its step
+checkpoints (list, prune, choose for averaging).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import time
 import warnings
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from aiayn.config import Config, DecodeConfig, load_config, save_config
 from aiayn.data.tokenizer import Tokenizers
@@ -203,6 +206,11 @@ def resolve_weights(run_dir: str | Path, weights: str | Path = "best") -> Path:
                      f"{path}); {hint}")
 
 
+def build_model(config: Config, device: torch.device) -> Transformer:
+    """The Transformer ``config.model`` describes, freshly initialized, on ``device``."""
+    return Transformer(config.model).to(device)
+
+
 def load_run(run_dir: str | Path, weights: str | Path = "best"):
     """Load a run directory: ``(Config, Transformer in eval mode on the CPU, Tokenizers)``.
 
@@ -225,7 +233,7 @@ def load_run(run_dir: str | Path, weights: str | Path = "best"):
     config = load_config(config_path)
     tokenizers = Tokenizers.load(tokenizer_dir)
     check_vocabularies(config, tokenizers, tokenizer_dir)
-    model = Transformer(config.model)
+    model = build_model(config, torch.device("cpu"))
     load_weights(model, weights_path)
     return config, model.eval(), tokenizers
 

@@ -58,6 +58,7 @@ from aiayn.runs.checkpoint import (
 )
 from aiayn.runs.directory import (
     MetricsLog,
+    build_model,
     prune_step_checkpoints,
     step_checkpoint_path,
 )
@@ -79,7 +80,6 @@ from aiayn.training.early_stopping import BestTracker
 from aiayn.training.optim import build_optimizer, schedule_lr, set_learning_rate
 from aiayn.training.stream import (
     BatchStream,
-    build_model,
     collates_ahead,
     load_data,
     resolve_config,

@@ -1,7 +1,9 @@
 """What a training run reads: the prepared data and the stream of batches drawn from it.
 
-    resolve_config, build_model, restrict_outputs   the model the data sets (vocabulary
-                                                    sizes, the pieces it may output)
+    resolve_config, restrict_outputs                the model the data sets (vocabulary
+                                                    sizes, the pieces it may output; the
+                                                    model itself: aiayn.runs.directory's
+                                                    build_model)
     TrainData, load_data                            the encoded splits and this rank's sampler
     BatchStream, collates_ahead                     micro-batches epoch after epoch, their
                                                     position saved with the train state
@@ -43,10 +45,6 @@ def resolve_config(config: Config, tokenizers, data_dir: Path) -> Config:
     config.model.src_vocab_size = int(tokenizers.src_vocab_size)
     config.model.tgt_vocab_size = int(tokenizers.tgt_vocab_size)
     return config.validate(f"{data_dir} (vocabulary sizes)")
-
-
-def build_model(config: Config, device: torch.device) -> Transformer:
-    return Transformer(config.model).to(device)
 
 
 def restrict_outputs(model: Transformer, train: EncodedSplit, log=print) -> None:
