@@ -103,3 +103,49 @@ def test_a_module_over_500_lines_says_why(name):
     if lines > MAX_LINES:
         doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
         assert "500" in doc, f"{name}: {lines} lines and no word in its docstring on why"
+
+
+def test_no_module_imports_another_in_a_circle():
+    """Between aiayn's modules, counting the imports inside functions (a late import only
+    hides a circle): a base module that names its own subclasses, or two halves of one
+    module cut apart, show up here as a cycle."""
+    edges = {name: targets & modules().keys() for name, targets in generate.module_edges().items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def connect(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if nxt not in index:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+            if len(component) > 1 or node in edges.get(node, ()):
+                cycles.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            connect(node)
+    assert cycles == [], "modules that import each other: " + "; ".join(" <-> ".join(c)
+                                                                         for c in cycles)
+
+
+def test_no_module_imports_a_private_name_from_another():
+    """A name with a leading underscore belongs to its module: what another module needs
+    is made public where it lives (or moved where both can reach it)."""
+    crossed = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "")
+                                                     .split(".")[0] == "aiayn"):
+                crossed += [f"{name} imports {node.module}.{a.name}" for a in node.names
+                            if a.name.startswith("_") and not a.name.startswith("__")]
+    assert crossed == []
