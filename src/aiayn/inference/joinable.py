@@ -33,20 +33,21 @@ class JoinableSearch:
     (continuous batching: `aiayn serve` adds the requests that arrive while it decodes).
 
     ``add(keys, src)`` encodes sentences and adds their rows at the next step; ``step()``
-    decodes one token for every live row and returns the sentences that are done, as
-    ``(key, hypotheses)`` with up to ``beam`` hypotheses best first. Every sentence gets
-    what ``beam_search`` gives it alone (same tokens, scores up to float rounding; a test):
-    the rules of the module docstring apply to each sentence from its own first step.
-    Rows that joined later start later in the self-attention cache: their earlier columns
-    are masked and their positions count from their own start (``KVCache.start``); sources
-    of other lengths are padded on the right and masked. Columns that every live row
-    started after are dropped, so a search that never empties stays as long as its oldest
-    sentence. A ``search`` of beam 1 is greedy search; its nbest is not read (a sentence
-    gets up to ``beam`` hypotheses: `aiayn serve` keeps what each request asked for). It
-    scores with the output layer's rows as they were when it started (the weights of a
-    model being served do not change): a model trained further needs a new search.
-    The guard and sampling: as ``decode_beam``'s (a sample depends on its sentence
-    alone, not on when it joined). ``kernel``: the output layer's product (``decode_beam``'s).
+    decodes one token for every live row and returns the sentences that are done, as ``(key,
+    hypotheses)`` with up to ``beam`` hypotheses best first. Every sentence gets what
+    ``beam_search`` gives it alone (same tokens, scores up to float rounding; a test): the
+    rules of ``aiayn.inference.search``'s docstring apply to each sentence from its own
+    first step. Rows that joined later start later in the self-attention cache: their
+    earlier columns are masked and their positions count from their own start
+    (``KVCache.start``); sources of other lengths are padded on the right and masked.
+    Columns that every live row started after are dropped, so a search that never empties
+    stays as long as its oldest sentence. A ``search`` of beam 1 is greedy search; its nbest
+    is not read (a sentence gets up to ``beam`` hypotheses: `aiayn serve` keeps what each
+    request asked for). It scores with the output layer's rows as they were when it started
+    (the weights of a model being served do not change): a model trained further needs a new
+    search. The guard and sampling: as ``decode_beam``'s (a sample depends on its sentence
+    alone, not on when it joined). ``kernel``: the output layer's product
+    (``decode_beam``'s).
     """
 
     def __init__(self, model: Transformer, search: Search, kernel: OutputKernel | None = None):

@@ -183,7 +183,7 @@ def first_scores(n: int, K: int, sampling: Sampling | None, device) -> Tensor:
 
 
 def draw(logits: Tensor, scores: Tensor, K: int, state: DecoderState, sampling: Sampling,
-          uniforms: np.ndarray) -> tuple[Tensor, Tensor, Candidates]:
+         uniforms: np.ndarray) -> tuple[Tensor, Tensor, Candidates]:
     """One step of sampling, in the shape of ``expand``'s answer so that the searches'
     bookkeeping (``settle``, ``advance``) serves it unchanged: row k of a sentence draws
     its token (inverse CDF at ``uniforms[row]``) and stays row k; a row that draws EOS is
@@ -203,7 +203,7 @@ def draw(logits: Tensor, scores: Tensor, K: int, state: DecoderState, sampling: 
     beam_of = np.broadcast_to(np.arange(K), (A, K))
     h_token = host[:, K:2 * K].astype(np.int64)
     return alive, token, Candidates(host[:, :K], beam_of, h_token, host[:, 2 * K:], beam_of,
-                                     h_token)
+                                    h_token)
 
 
 class Candidates(NamedTuple):
@@ -219,7 +219,7 @@ class Candidates(NamedTuple):
 
 
 def expand(logits: Tensor, scores: Tensor, K: int, state: DecoderState
-            ) -> tuple[Tensor, Tensor, Candidates]:
+           ) -> tuple[Tensor, Tensor, Candidates]:
     """One step of beam search on the device: (A*K, V') logits (``next_logits``) and (A, K)
     live scores -> the survivors' (A, K) scores and tokens, and the step's choices copied
     to the host."""
@@ -242,8 +242,8 @@ def expand(logits: Tensor, scores: Tensor, K: int, state: DecoderState
     h_scores, h_beam_of, h_token = (host[:, 3 * c + i * K:3 * c + (i + 1) * K]
                                     for i in range(3))
     return scores, token, Candidates(h_top_scores, h_top_beam.astype(np.int64),
-                                      h_top_token.astype(np.int64), h_scores,
-                                      h_beam_of.astype(np.int64), h_token.astype(np.int64))
+                                     h_top_token.astype(np.int64), h_scores,
+                                     h_beam_of.astype(np.int64), h_token.astype(np.int64))
 
 
 def choose(step: int, logits: Tensor, scores: Tensor, state: DecoderState, rows: Rows,
@@ -276,7 +276,7 @@ def settle(rows: Rows, finished, c: Candidates, step: int, alpha: float) -> np.n
 
 
 def advance(rows: Rows, state: DecoderState, c: Candidates, keep: np.ndarray,
-             scores: Tensor, token: Tensor) -> tuple[Tensor, Tensor]:
+            scores: Tensor, token: Tensor) -> tuple[Tensor, Tensor]:
     """Keep the sentences ``keep`` (host rows, device rows and cache follow their chosen
     beams); their (A', K) scores and tokens."""
     K = c.scores.shape[1]
