@@ -45,8 +45,8 @@ lint: venv
 	$(BIN)/ruff check src tests benchmarks docs
 
 # The pages made from the code and the results files: docs/configuration.md, docs/cli.md,
-# docs/results.md and the module map of docs/architecture.md (tests/project/test_docs.py
-# fails when they are not current).
+# docs/results.md, the module map of docs/architecture.md and the signatures of
+# docs/interfaces.md (tests/project/test_docs.py fails when they are not current).
 docs: venv
 	$(BIN)/python docs/generate.py
 

@@ -9,13 +9,18 @@
 - the module map of docs/architecture.md (between its MAP_BEGIN and MAP_END markers; the
   prose around it is written by hand): every package and module of src/aiayn with the first
   sentence of its docstring and its length, and which parts import which, read from the
-  code; the same reading serves tests/project/test_layout.py's import rules.
+  code; the same reading serves tests/project/test_layout.py's import rules;
+- the signatures of docs/interfaces.md (each block between a ``SIGNATURES`` marker and
+  ``END SIGNATURES``; the contracts around them are written by hand): ``inspect.signature``
+  of the names INTERFACES lists.
 
     python docs/generate.py            # write the pages
     python docs/generate.py --check    # exit 1 if any page differs from what it would write
 
-tests/project/test_docs.py runs the check, so a setting, option, figure or module changed
-without `make docs` fails the tests.
+tests/project/test_docs.py runs the check, so a setting, option, figure, module or
+signature changed without `make docs` fails the tests. One script over 500 lines: one
+section per page, sharing the table helpers and one `make docs`; a page that cannot be
+drawn (a listed name gone) is one line and leaves the others written.
 """
 
 from __future__ import annotations
@@ -23,10 +28,13 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
+import importlib
 import inspect
 import json
 import re
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -428,8 +436,208 @@ def architecture_page() -> str:
     return text[:begin] + module_map() + text[end + len(MAP_END):]
 
 
+# ----------------------------------------------------------------------------------------
+# docs/interfaces.md: the signatures
+
+# What each SIGNATURES block of docs/interfaces.md shows, in order: a function, a class (its
+# constructor and every public member it defines) or one member (``Class.method``).
+INTERFACES = {
+    "tokenizers": ["aiayn.data.tokenizer.Tokenizers", "aiayn.data.tokenizer.train_tokenizers",
+                   "aiayn.data.tokenizer.tokenizer_fingerprint"],
+    "prepared": ["aiayn.data.prepare.prepare", "aiayn.data.prepared.load_prepared",
+                 "aiayn.data.prepared.Prepared", "aiayn.data.prepared.EncodedSplit",
+                 "aiayn.data.prepared.encode_split", "aiayn.data.prepared.sample_batch"],
+    "batching": ["aiayn.data.batching.Example", "aiayn.data.batching.TokenBatchSampler",
+                 "aiayn.data.batching.token_batches", "aiayn.data.batching.pad",
+                 "aiayn.data.batching.collate", "aiayn.data.batching.Batch"],
+    "run-directory": ["aiayn.runs.directory.load_run", "aiayn.runs.directory.read_data_dir",
+                      "aiayn.runs.directory.resolve_weights",
+                      "aiayn.runs.directory.list_step_checkpoints",
+                      "aiayn.runs.directory.prune_step_checkpoints",
+                      "aiayn.runs.directory.checkpoints_to_average",
+                      "aiayn.runs.directory.step_weights", "aiayn.runs.directory.MetricsLog",
+                      "aiayn.runs.directory.read_metrics", "aiayn.runs.checkpoint.save_weights",
+                      "aiayn.runs.checkpoint.load_weights"],
+    "schedule": ["aiayn.training.optim.learning_rate", "aiayn.training.optim.linear_decay",
+                 "aiayn.training.optim.budget_fraction", "aiayn.training.optim.schedule_lr"],
+    "precision": ["aiayn.util.device.resolve_bf16", "aiayn.util.threads.ThreadTuner"],
+    "kernels": ["aiayn.inference.kernels.choose_output_kernel",
+                "aiayn.inference.kernels.output_kernel_name", "aiayn.inference.kernels.output_kernel",
+                "aiayn.model.Generator.output_logits"],
+    "search": ["aiayn.inference.settings.Search", "aiayn.inference.settings.Sampling",
+               "aiayn.inference.settings.resolve_search", "aiayn.inference.search.Hypothesis",
+               "aiayn.inference.search.decode_greedy", "aiayn.inference.search.decode_beam",
+               "aiayn.inference.search.greedy_decode", "aiayn.inference.search.beam_search"],
+    "engines": ["aiayn.inference.engine.Engine", "aiayn.inference.aiayn_engine.AiaynEngine",
+                "aiayn.inference.ct2.CTranslate2Engine", "aiayn.inference.ct2.load_ctranslate2"],
+    "translator": ["aiayn.inference.budget.default_decode_tokens",
+                   "aiayn.inference.translator.Translator", "aiayn.inference.align.word_alignment",
+                   "aiayn.inference.align.pharaoh", "aiayn.inference.align.parse_pharaoh",
+                   "aiayn.inference.align.alignment_error_rate"],
+    "evaluation": ["aiayn.evaluation.evaluate.evaluate_run", "aiayn.evaluation.evaluate.validate",
+                   "aiayn.evaluation.evaluate.translate_and_score"],
+    "attention": ["aiayn.inference.attention.capture_attention",
+                  "aiayn.inference.attention.cross_attention",
+                  "aiayn.inference.attention.sentence_attention",
+                  "aiayn.inference.attention.SentenceAttention",
+                  "aiayn.inspect.attention_steps.attention_over_steps",
+                  "aiayn.inspect.attention_steps.StepAttention",
+                  "aiayn.inspect.attention_steps.CheckpointModels",
+                  "aiayn.inspect.attention_plots.attention_figures",
+                  "aiayn.inspect.attention_plots.attention_steps_figure",
+                  "aiayn.inspect.attention_plots.save_attention_steps"],
+    "serving": ["aiayn.serving.service.ModelService", "aiayn.serving.service.ServeLimits",
+                "aiayn.serving.service.serve_info", "aiayn.serving.service.attention_json",
+                "aiayn.serving.app.create_app", "aiayn.serving.app.serve"],
+    "export": ["aiayn.export.command.export_run", "aiayn.export.modelcard.model_card",
+               "aiayn.export.hf.marian_state_dict", "aiayn.export.hf.residual_permutation",
+               "aiayn.export.ctranslate2.ctranslate2_spec"],
+}
+SIGNATURES = re.compile(r"(<!-- SIGNATURES ([\w-]+):[^>]*-->\n)(.*?)(<!-- END SIGNATURES -->)", re.S)
+WIDTH = 96
+
+
+def find_object(block: str, name: str) -> tuple[str, Any]:
+    """The module and the object ``aiayn.x.y.Name[.member]`` names; the reason, in one line,
+    where it names nothing (a name renamed or gone: edit INTERFACES)."""
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        module = ".".join(parts[:cut])
+        try:
+            obj: Any = importlib.import_module(module)
+        except ModuleNotFoundError as error:
+            if error.name and not error.name.startswith("aiayn"):
+                raise SystemExit(f"docs/generate.py: {module} (INTERFACES[{block!r}]) needs "
+                                 f"{error.name}, which is not installed") from None
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                raise SystemExit(f"docs/generate.py: INTERFACES[{block!r}] names {name}, which "
+                                 f"the code no longer has ({module} has no {attr!r}): rename "
+                                 "or drop it there") from None
+            obj = getattr(obj, attr)
+        return module, obj
+    raise SystemExit(f"docs/generate.py: INTERFACES[{block!r}] names {name}: no such module")
+
+
+def _annotation(value: Any) -> Any:
+    if isinstance(value, str):
+        return _Text(value)
+    if isinstance(value, typing.ForwardRef):  # a NamedTuple's fields under future annotations
+        return _Text(value.__forward_arg__)
+    return value
+
+
+class _Text(str):
+    """Shown as written: a string annotation without quotes, a default as code."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _default(value: Any) -> str:
+    if inspect.isfunction(value) or inspect.isbuiltin(value) or inspect.isclass(value):
+        return value.__qualname__
+    if isinstance(value, Path):  # not PosixPath(...): the page is the same on every system
+        return f"Path({str(value)!r})"
+    text = repr(value)
+    return f"{type(value).__name__}(...)" if " at 0x" in text else text
+
+
+def _wrap(head: str, params: list[str], tail: str, indent: str) -> str:
+    """``head(params)tail`` on one line, or filled to WIDTH with continuation lines."""
+    one = f"{indent}{head}({', '.join(params)}){tail}"
+    if len(one) <= WIDTH:
+        return one
+    lines, line = [], f"{indent}{head}("
+    for i, param in enumerate(params):
+        piece = param + (", " if i < len(params) - 1 else f"){tail}")
+        if len(line) + len(piece.rstrip()) > WIDTH and line.strip():
+            lines.append(line.rstrip())
+            line = indent + "        "
+        line += piece
+    return "\n".join([*lines, line])
+
+
+def signature_line(kind: str, name: str, obj: Any, indent: str = "", drop_first=False) -> str:
+    """``def name(a: int = 1) -> str`` from ``inspect.signature(obj)``, annotations as the
+    source writes them."""
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):  # a builtin or C type without one
+        return f"{indent}{kind} {name}"
+    params = list(sig.parameters.values())[1 if drop_first else 0:]
+    if kind == "class" and not params:  # no constructor of its own to speak of
+        return f"{indent}class {name}:"
+    shown = [str(p.replace(annotation=_annotation(p.annotation),
+                           default=p.default if p.default is p.empty else _Text(_default(p.default))))
+             for p in params]
+    ret = sig.return_annotation
+    tail = "" if ret is sig.empty else " -> " + (ret if isinstance(ret, str)
+                                                 else inspect.formatannotation(ret))
+    return _wrap(f"{kind} {name}", shown, ":" if kind == "class" else tail, indent)
+
+
+def class_lines(cls: type) -> list[str]:
+    """The constructor, then each public member the class itself defines."""
+    lines = [signature_line("class", cls.__name__, cls)]
+    fields = set(getattr(cls, "_fields", ())) | (
+        {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set())
+    for name, member in list(vars(cls).items()):
+        if name.startswith("_") or name in fields:
+            continue
+        if isinstance(member, (property, functools.cached_property)):
+            ret = inspect.signature(getattr(member, "fget", None) or member.func).return_annotation
+            lines.append(f"    @{type(member).__name__} {name}"
+                         + ("" if ret is inspect.Signature.empty else f" -> {ret}"))
+        elif isinstance(member, (classmethod, staticmethod)):
+            lines.append(signature_line(f"@{type(member).__name__} def", name,
+                                        member.__func__, "    ",
+                                        drop_first=isinstance(member, classmethod)))
+        elif inspect.isfunction(member):
+            lines.append(signature_line("def", name, member, "    ", drop_first=True))
+        elif not callable(member):
+            note = cls.__dict__.get("__annotations__", {}).get(name)
+            lines.append(f"    {name}{'' if note is None else f': {note}'} = {_default(member)}")
+    if len(lines) == 1:  # nothing under the constructor: no colon
+        lines[0] = lines[0].removesuffix(":")
+    return lines
+
+
+def signatures(block: str) -> str:
+    """A SIGNATURES block's code: its names grouped under their module."""
+    out, last = [], None
+    for name in INTERFACES[block]:
+        module, obj = find_object(block, name)
+        if module != last:
+            out += [""] * (last is not None) + [f"# {module}"]
+            last = module
+        if inspect.isclass(obj):
+            out += class_lines(obj)
+        else:
+            method = inspect.isclass(getattr(inspect.getmodule(obj), name.split(".")[-2], None))
+            label = ".".join(name.split(".")[-2:]) if method else obj.__name__
+            out.append(signature_line("def", label, obj, drop_first=method))
+    return "\n".join(out)
+
+
+def interfaces_page(text: str | None = None) -> str:
+    """docs/interfaces.md with each SIGNATURES block drawn anew from the code."""
+    text = (DOCS / "interfaces.md").read_text(encoding="utf-8") if text is None else text
+    blocks = [m[2] for m in SIGNATURES.finditer(text)]
+    for block in blocks:
+        if block not in INTERFACES:
+            raise SystemExit(f"docs/interfaces.md: SIGNATURES {block} is not in "
+                             "docs/generate.py's INTERFACES")
+    for block in INTERFACES:
+        if block not in blocks:
+            raise SystemExit(f"docs/interfaces.md has no SIGNATURES {block} block for "
+                             "docs/generate.py's INTERFACES")
+    return SIGNATURES.sub(lambda m: f"{m[1]}```python\n{signatures(m[2])}\n```\n{m[4]}", text)
+
+
 PAGES = {"configuration.md": configuration_page, "cli.md": cli_page, "results.md": results_page,
-         "architecture.md": architecture_page}
+         "architecture.md": architecture_page, "interfaces.md": interfaces_page}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -437,9 +645,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 if a page is not what it would write")
     args = parser.parse_args(argv)
-    stale = []
+    stale, failed = [], []
     for name, make in PAGES.items():
-        path, text = DOCS / name, make().rstrip("\n") + "\n"
+        try:  # one page that cannot be drawn (a name gone) leaves the others written
+            path, text = DOCS / name, make().rstrip("\n") + "\n"
+        except SystemExit as error:
+            failed.append(str(error))
+            continue
         current = path.read_text(encoding="utf-8") if path.exists() else None
         if current == text:
             continue
@@ -450,8 +662,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote docs/{name}")
     if stale:
         print(f"{', '.join(stale)} not current: run `make docs`", file=sys.stderr)
-        return 1
-    return 0
+    for message in failed:
+        print(message, file=sys.stderr)
+    return 1 if stale or failed else 0
 
 
 if __name__ == "__main__":

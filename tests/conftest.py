@@ -58,33 +58,8 @@ def bible_prepared(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """A real (tiny) run directory: data prepared by `aiayn prepare` (sentences paired with
-    themselves, a word-level tokenizer), a model trained for a few seconds to copy its
-    input (helpers.train_copy_model), config.yaml, best/last weights, step checkpoints."""
-    import random
-    import shutil
+    """A real (tiny) run directory (helpers.copy_run): a model trained for a few seconds to
+    copy its input. tests/serving/ and tests/export/ share one across their files."""
+    from helpers import copy_run
 
-    from helpers import prepare_splits, random_sentence, train_copy_model
-
-    from aiayn.config import Config, DataConfig, save_config
-    from aiayn.data.tokenizer import Tokenizers
-    from aiayn.runs.checkpoint import save_weights
-
-    root = tmp_path_factory.mktemp("copy")
-    rng = random.Random(0)
-    splits = {name: [(s, s) for s in (random_sentence(rng) for _ in range(n))]
-              for name, n in (("train", 300), ("dev", 20), ("test", 40))}
-    data = DataConfig(tokenizer="wordlevel", vocab_size=100, min_frequency=1)
-    data_dir = prepare_splits(root / "data", splits, data)
-    run = root / "run"
-    run.mkdir()
-    tokenizers = Tokenizers.load(data_dir / "tokenizer")
-    model = train_copy_model(tokenizers, run)
-    config = Config(model=model.cfg, data=data)
-    config.train.max_tokens = 256
-    save_config(config.validate(), run / "config.yaml")
-    shutil.copytree(data_dir / "tokenizer", run / "tokenizer")
-    save_weights(model, run / "best.safetensors")
-    save_weights(model, run / "last.safetensors")
-    (run / "data_dir.txt").write_text(str(data_dir) + "\n", encoding="utf-8")
-    return run
+    return copy_run(tmp_path_factory.mktemp("copy"))

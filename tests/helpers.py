@@ -18,6 +18,7 @@ import io
 import itertools
 import json
 import random
+import shutil
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from aiayn import cli
-from aiayn.config import DataConfig, ModelConfig
+from aiayn.config import Config, DataConfig, ModelConfig, save_config
 from aiayn.data.batching import pad
 from aiayn.data.corpora import CorpusStream
 from aiayn.data.pairs import SPLITS, Pair
@@ -233,3 +234,26 @@ def tiny_model(seed: int = 0, **settings) -> Transformer:
 
     torch.manual_seed(seed)
     return Transformer(replace(load_config(TINY).model, **settings))
+
+
+def copy_run(root: Path) -> Path:
+    """A real (tiny) run directory under ``root``: data prepared by `aiayn prepare` (sentences
+    paired with themselves, a word-level tokenizer), a model trained for a few seconds to
+    copy its input (train_copy_model), config.yaml, best/last weights, step checkpoints."""
+    rng = random.Random(0)
+    splits = {name: [(s, s) for s in (random_sentence(rng) for _ in range(n))]
+              for name, n in (("train", 300), ("dev", 20), ("test", 40))}
+    data = DataConfig(tokenizer="wordlevel", vocab_size=100, min_frequency=1)
+    data_dir = prepare_splits(root / "data", splits, data)
+    run = root / "run"
+    run.mkdir()
+    tokenizers = Tokenizers.load(data_dir / "tokenizer")
+    model = train_copy_model(tokenizers, run)
+    config = Config(model=model.cfg, data=data)
+    config.train.max_tokens = 256
+    save_config(config.validate(), run / "config.yaml")
+    shutil.copytree(data_dir / "tokenizer", run / "tokenizer")
+    save_weights(model, run / "best.safetensors")
+    save_weights(model, run / "last.safetensors")
+    (run / "data_dir.txt").write_text(str(data_dir) + "\n", encoding="utf-8")
+    return run

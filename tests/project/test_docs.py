@@ -1,7 +1,8 @@
 """The documentation tells the truth about the repository it stands in.
 
-- The generated pages (configuration, command line, results) are what docs/generate.py
-  writes from the code and benchmarks/results/ today.
+- The generated pages (configuration, command line, results, the module map and the
+  signatures of the interfaces page) are what docs/generate.py writes from the code and
+  benchmarks/results/ today.
 - Every relative link, #anchor, backticked repository path and cited section title in the
   README, docs/, benchmarks/*.md, configs/ and src/ resolves.
 - Every `aiayn ...` command line in the code blocks of the README and docs is accepted by
@@ -109,6 +110,48 @@ def _target_problem(source: Path, target: str, base: Path) -> str | None:
 
 def test_generated_pages_are_current():
     assert generate.main(["--check"]) == 0, "docs/*.md generated pages are stale: run `make docs`"
+
+
+def test_interfaces_signatures_are_the_codes_and_a_stale_one_is_caught(tmp_path, monkeypatch,
+                                                                        capsys):
+    """Each SIGNATURES block of docs/interfaces.md is inspect.signature of what INTERFACES
+    lists: a hand edit of one (a signature that no longer matches) makes the check fail."""
+    page = (ROOT / "docs" / "interfaces.md").read_text(encoding="utf-8")
+    assert generate.interfaces_page(page) == page
+    for names in generate.INTERFACES.values():
+        for name in names:
+            shown = rf"^\s*(class|def|@\w+ def) ({name.split('.')[-2]}\.)?{name.split('.')[-1]}[(:]"
+            assert re.search(shown, page, re.M), f"docs/interfaces.md leaves out {name}"
+    line = next(x for x in page.splitlines() if x.startswith("def load_run("))
+    stale = page.replace(line, "def load_run(run_dir, weights='last', device='cpu')")
+    assert generate.interfaces_page(stale) == page  # drawn anew from the code
+    for path in (ROOT / "docs").glob("*.md"):  # the docs with that one edit
+        shutil.copy(path, tmp_path)
+    (tmp_path / "interfaces.md").write_text(stale, encoding="utf-8")
+    monkeypatch.setattr(generate, "DOCS", tmp_path)
+    assert generate.main(["--check"]) == 1
+    assert capsys.readouterr().err == "docs/interfaces.md not current: run `make docs`\n"
+
+
+def test_a_name_the_interfaces_page_lists_and_the_code_lost_is_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(generate.INTERFACES, "engines",
+                        ["aiayn.inference.ct2.NoSuchEngine", "aiayn.inference.gone.Engine"])
+    with pytest.raises(SystemExit, match=r"^docs/generate.py: INTERFACES\['engines'\] names "
+                       r"aiayn.inference.ct2.NoSuchEngine, which the code no longer has "
+                       r"\(aiayn.inference.ct2 has no 'NoSuchEngine'\)") as raised:
+        generate.interfaces_page()
+    assert "\n" not in str(raised.value)
+    monkeypatch.setitem(generate.INTERFACES, "engines", ["aiayn.inference.gone.Engine"])
+    with pytest.raises(SystemExit, match="names aiayn.inference.gone.Engine, which the code no "
+                                         "longer has \\(aiayn.inference has no 'gone'\\)"):
+        generate.interfaces_page()
+    # The other pages are still checked (written, without --check), the failure said last.
+    assert generate.main(["--check"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "docs/generate.py: INTERFACES['engines'] names aiayn.inference.gone.Engine")
+    monkeypatch.setitem(generate.INTERFACES, "no-such-block", [])
+    with pytest.raises(SystemExit, match="has no SIGNATURES no-such-block block"):
+        generate.interfaces_page()
 
 
 def test_configuration_page_covers_every_setting_with_its_meaning():

@@ -1,18 +1,28 @@
 """The house rules of src/aiayn, as its docstrings state them: each package's ``__init__``
-(and each top-level module that has one) says in a "May import:" line which parts of aiayn
-its modules may import; the model's files depend on torch alone; a module over ~500 lines
-says why in its docstring. docs/architecture.md is drawn from the same facts."""
+names every module of the package and says in a "May import:" line (as each top-level
+module that has one does) which parts of aiayn its modules may import; the model's files
+depend on torch alone; a module over ~500 lines says why in its docstring.
+docs/architecture.md is drawn from the same facts. And the tests follow the rooms: each
+file under tests/PACKAGE/ is named after the module it tests."""
 
 from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+TESTS = ROOT / "tests"
+# Test files under tests/PACKAGE/ named after no module, each with what it tests instead.
+# tests/project/ tests the project as a whole and has no rule.
+NOT_A_MODULE = {
+    "serving/test_server.py": "the app under uvicorn, and `aiayn serve` as a process",
+    "serving/test_page.py": "the page (aiayn/serving/static/) in a real Chromium",
+}
 TORCH_ALONE = ("model", "cache", "loss")  # what an export with aiayn's own code ships
 MAX_LINES = 500
 
@@ -45,6 +55,60 @@ def test_every_package_states_what_it_owns_and_may_import():
         if path.name == "__init__.py" and name != "aiayn":
             doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
             assert doc and allowed(doc) is not None, f"{name}/__init__.py has no 'May import:' line"
+
+
+def modules_named(docstring: str) -> set[str]:
+    """The words inside a docstring's parentheses: where a package's docstring names its
+    modules ("the loop (loop), Adam and the schedule (optim)")."""
+    return {w for inside in re.findall(r"\(([^()]*)\)", docstring) for w in re.findall(r"\w+", inside)}
+
+
+def test_every_package_docstring_names_each_of_its_modules():
+    missing = []
+    for name, path in modules().items():
+        if path.name == "__init__.py" and name != "aiayn":
+            named = modules_named(ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))))
+            missing += [f"{path.relative_to(ROOT)} does not name ({sub.rpartition('.')[2]})"
+                        for sub in modules() if sub.rpartition(".")[0] == name
+                        and sub.rpartition(".")[2] not in named]
+    assert missing == [], "\n".join(missing)
+    assert modules_named("the loop (loop), the schedule (optim; and: early_stopping)") == {
+        "loop", "optim", "and", "early_stopping"}
+
+
+def misnamed_tests(tests: Path, package: Path, allowed: dict[str, str]) -> list[str]:
+    """The test files under ``tests`` that no module of ``package`` names: under tests/PART/
+    (PART a package of it, or a module at its top) each file is test_MODULE.py for a module
+    of that part, or listed in ``allowed``; tests/project/ is the project's own."""
+    wrong = []
+    for path in sorted(tests.rglob("test_*.py")):
+        where = path.relative_to(tests).as_posix()
+        part = path.relative_to(tests).parts[0]
+        if part == "project" or where in allowed:
+            continue
+        if (package / part / "__init__.py").exists():
+            names = {p.stem for p in (package / part).glob("*.py")} - {"__init__"}
+        else:
+            names = {part} if (package / f"{part}.py").exists() else set()
+        if path.parent != tests / part or path.stem.removeprefix("test_") not in names:
+            wrong.append(f"tests/{where}")
+    return wrong
+
+
+def test_each_test_file_is_named_after_the_module_it_tests(tmp_path):
+    assert misnamed_tests(TESTS, PACKAGE, NOT_A_MODULE) == [], (
+        "name it test_MODULE.py after a module of its package (or list it in NOT_A_MODULE)")
+    assert all((TESTS / where).exists() for where in NOT_A_MODULE), "NOT_A_MODULE names a gone file"
+    # A file named after a module that was renamed, or after none, is caught.
+    for where in ("training/test_loop.py", "training/test_train.py", "model/test_model.py",
+                  "model/test_other.py", "nowhere/test_x.py", "project/test_anything.py"):
+        (tmp_path / "tests" / where).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "tests" / where).touch()
+    for module in ("training/__init__.py", "training/loop.py", "model.py"):
+        (tmp_path / "aiayn" / module).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "aiayn" / module).touch()
+    assert misnamed_tests(tmp_path / "tests", tmp_path / "aiayn", {}) == [
+        "tests/model/test_other.py", "tests/nowhere/test_x.py", "tests/training/test_train.py"]
 
 
 def test_imports_follow_the_rules_the_docstrings_state():

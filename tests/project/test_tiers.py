@@ -4,11 +4,16 @@ fixture must not carry its costly tests into the edit-run loop unnoticed."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
 
-from conftest import SLOW_FIXTURES
-
 TESTS = Path(__file__).resolve().parents[1]
+# tests/conftest.py by its path: ``import conftest`` finds whichever conftest.py pytest loaded
+# last (tests/serving/ has one of its own).
+_spec = importlib.util.spec_from_file_location("tests_conftest", TESTS / "conftest.py")
+_conftest = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_conftest)
+SLOW_FIXTURES = _conftest.SLOW_FIXTURES
 
 
 def fixtures_defined() -> set[str]:

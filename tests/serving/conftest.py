@@ -12,6 +12,7 @@ import urllib.error
 from typing import TYPE_CHECKING
 
 import pytest
+from helpers import copy_run
 from serve_helpers import free_port, http_json
 
 from aiayn.inference.translator import Translator
@@ -42,9 +43,10 @@ def client(service) -> TestClient:
     return TestClient(create_app(service, limits))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(run_dir):
-    """`aiayn serve RUN_DIR --port P` as a subprocess; its base URL once /health answers."""
+    """`aiayn serve RUN_DIR --port P` as a subprocess, one for test_server.py and test_page.py;
+    its base URL once /health answers."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen([sys.executable, "-m", "aiayn", "serve", str(run_dir),
@@ -64,3 +66,10 @@ def server(run_dir):
     yield url
     process.terminate()
     process.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def run_dir(tmp_path_factory):
+    """One trained run for every serve test file, as when they were one file: none of them
+    writes into it (those that change a run change a copy)."""
+    return copy_run(tmp_path_factory.mktemp("copy"))

@@ -1,19 +1,17 @@
-"""Prepared data: identical files on a second run, stats, the max_len rule, length-bucketed
-token-budget batches (padding, sharding, exact resume), collate, and `aiayn prepare`."""
+"""`aiayn prepare` (aiayn.data.prepare) and what it wrote read back: identical files on a
+second run, stats, the max_len rule (encode_split), a sample batch, and the command."""
 
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
-import torch
 from helpers import snapshot, toy_tsv
 
 from aiayn.cli import main
 from aiayn.config import Config, DataConfig
-from aiayn.data.batching import Example, TokenBatchSampler, collate, length_multiple, token_batches
+from aiayn.data.batching import TokenBatchSampler, collate
 from aiayn.data.prepare import percentiles, prepare
 from aiayn.data.prepared import encode_split, load_prepared, read_split, sample_batch
 from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_tokenizers
@@ -146,130 +144,7 @@ def test_bad_long_policy(toy_tokenizers):
         encode_split([("a", "b")], toy_tokenizers, 8, "wrap")
 
 
-# ------------------------------------------------------------------ TokenBatchSampler
-def random_lengths(n: int, seed: int = 0) -> tuple[list[int], list[int]]:
-    rng = random.Random(seed)
-    src = [rng.randint(2, 60) for _ in range(n)]
-    tgt = [max(3, s + rng.randint(-8, 8)) for s in src]
-    return src, tgt
-
-
-def test_batches_respect_the_budget_and_cover_every_example_once():
-    src, tgt = random_lengths(1000)
-    sampler = TokenBatchSampler(src, tgt, max_tokens=500, seed=3)
-    batches = list(sampler)
-    assert len(batches) == len(sampler)
-    for batch in batches:
-        assert len(batch) * max(max(src[i], tgt[i]) for i in batch) <= 500
-    flat = [i for batch in batches for i in batch]
-    assert sorted(flat) == list(range(1000))
-
-
-def test_epochs_shuffle_batch_order_not_contents():
-    src, tgt = random_lengths(500)
-    sampler = TokenBatchSampler(src, tgt, max_tokens=400, seed=3)
-    first, second = list(sampler), list(sampler)  # the iterator moves to epoch 1 by itself
-    assert sampler.epoch == 2
-    assert first != second and sorted(map(tuple, first)) == sorted(map(tuple, second))
-    again = TokenBatchSampler(src, tgt, max_tokens=400, seed=3)
-    assert list(again) == first  # same seed, same epoch: same order
-    other_seed = TokenBatchSampler(src, tgt, max_tokens=400, seed=4)
-    assert list(other_seed) != first
-    ordered = TokenBatchSampler(src, tgt, max_tokens=400, shuffle=False)
-    widths = [max(max(src[i], tgt[i]) for i in b) for b in ordered]
-    assert widths == sorted(widths)
-
-
-@pytest.mark.parametrize("world_size", [2, 3, 4, 7])
-def test_sharding_sees_every_example_once_with_equal_batch_counts(world_size):
-    src, tgt = random_lengths(997, seed=world_size)
-    samplers = [TokenBatchSampler(src, tgt, max_tokens=700, seed=5, rank=r,
-                                  world_size=world_size) for r in range(world_size)]
-    for epoch in (0, 1):
-        per_rank = []
-        for sampler in samplers:
-            sampler.set_epoch(epoch)
-            per_rank.append(list(sampler))
-        assert len({len(batches) for batches in per_rank}) == 1
-        assert all(len(b) == len(s) for b, s in zip(per_rank, samplers, strict=True))
-        flat = [i for batches in per_rank for batch in batches for i in batch]
-        assert sorted(flat) == list(range(997))
-        for batches in per_rank:
-            for batch in batches:
-                assert len(batch) * max(max(src[i], tgt[i]) for i in batch) <= 700
-
-
-def test_sharding_splits_batches_until_the_count_divides():
-    src, tgt = [10] * 30, [10] * 30  # 3 batches of 10 at max_tokens=100
-    assert len(TokenBatchSampler(src, tgt, 100)) == 3
-    samplers = [TokenBatchSampler(src, tgt, 100, rank=r, world_size=4) for r in range(4)]
-    assert [len(s) for s in samplers] == [1, 1, 1, 1]
-    assert sorted(i for s in samplers for b in s for i in b) == list(range(30))
-    with pytest.raises(AiaynError, match="cannot"):
-        TokenBatchSampler([5, 5], [5, 5], 100, rank=0, world_size=3)
-
-
-def test_resume_continues_exactly():
-    src, tgt = random_lengths(800)
-    full = TokenBatchSampler(src, tgt, 300, seed=9)
-    epoch0, epoch1 = list(full), list(full)
-
-    sampler = TokenBatchSampler(src, tgt, 300, seed=9)
-    sampler.set_epoch(0)
-    it = iter(sampler)
-    seen = [next(it) for _ in range(5)]
-    state = sampler.state_dict()
-    assert state["epoch"] == 0 and state["batches_yielded"] == 5
-
-    resumed = TokenBatchSampler(src, tgt, 300, seed=9)
-    resumed.load_state_dict(json.loads(json.dumps(state)))
-    resumed.set_epoch(0)  # a training loop's usual call keeps the restored position
-    assert seen + list(resumed) == epoch0
-    resumed.set_epoch(1)
-    assert list(resumed) == epoch1
-
-
-def test_resume_refuses_another_layout():
-    src, tgt = random_lengths(300)
-    state = TokenBatchSampler(src, tgt, 300).state_dict()
-    with pytest.raises(AiaynError, match="world_size"):
-        TokenBatchSampler(src, tgt, 300, rank=0, world_size=2).load_state_dict(state)
-
-
-def test_example_longer_than_the_budget_is_refused_up_front():
-    with pytest.raises(AiaynError, match="train.max_tokens=50"):
-        TokenBatchSampler([10, 60], [10, 10], 50)
-
-
-# ------------------------------------------------------------------ collate
-def test_collate_pads_and_shifts():
-    examples = [Example([5, 6, 7, EOS_ID], [BOS_ID, 8, 9, EOS_ID], 4),
-                Example([5, EOS_ID], [BOS_ID, 8, 9, 10, 11, EOS_ID], 7)]
-    batch = collate(examples)
-    assert batch.src.tolist() == [[5, 6, 7, EOS_ID], [5, EOS_ID, PAD_ID, PAD_ID]]
-    assert batch.tgt_in.tolist() == [[BOS_ID, 8, 9, PAD_ID, PAD_ID],
-                                     [BOS_ID, 8, 9, 10, 11]]
-    assert batch.tgt_out.tolist() == [[8, 9, EOS_ID, PAD_ID, PAD_ID],
-                                      [8, 9, 10, 11, EOS_ID]]
-    assert batch.n_tokens == 8 and batch.index.tolist() == [4, 7]
-    assert batch.src.dtype == batch.tgt_in.dtype == batch.index.dtype == torch.long
-    assert len(batch) == 2 and batch.to("cpu").src.equal(batch.src)
-
-
-def test_collate_rounds_lengths_up_to_a_multiple_with_padding_only():
-    examples = [Example([5, 6, 7, EOS_ID], [BOS_ID, 8, 9, EOS_ID], 4),
-                Example([5, EOS_ID], [BOS_ID, 8, 9, 10, 11, EOS_ID], 7)]
-    plain, padded = collate(examples), collate(examples, multiple=16)
-    assert padded.src.shape == padded.tgt_in.shape == padded.tgt_out.shape == (2, 16)
-    for name in ("src", "tgt_in", "tgt_out"):
-        a, b = getattr(plain, name), getattr(padded, name)
-        assert b[:, : a.size(1)].equal(a) and (b[:, a.size(1):] == PAD_ID).all()
-    assert padded.n_tokens == plain.n_tokens == 8
-    # a length already on the multiple is left as it is
-    assert collate(examples, multiple=4).src.shape == (2, 4)
-    assert length_multiple(bf16=False) == 1 and length_multiple(bf16=True) % 8 == 0
-
-
+# ------------------------------------------------------------------ sample_batch
 def test_sample_batch(tmp_path):
     cfg = toy_cfg(toy_tsv(tmp_path / "c.tsv", WORDS), vocab_size=60)
     prepare(cfg, tmp_path / "out", model_max_len=64)
@@ -311,14 +186,3 @@ def test_cli_prepare_errors_are_one_line(tmp_path, capsys):
     assert main(["prepare", "--corpus", f"tsv:{toy_tsv(tmp_path / 'c.tsv', WORDS)}",
                  "--out", str(tmp_path / "a-file")]) == 2
     assert "is not a directory" in capsys.readouterr().err
-
-
-def test_token_batches_cover_every_sentence_once_within_the_padded_budget():
-    rng = random.Random(0)
-    lengths = [rng.randint(1, 30) for _ in range(200)] + [100]
-    batches = token_batches(lengths, max_tokens=120, copies=2)
-    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
-    for batch in batches:
-        longest = max(lengths[i] for i in batch)
-        assert len(batch) == 1 or len(batch) * longest * 2 <= 120
-    assert [len(b) for b in batches if lengths[b[0]] == 100] == [1]

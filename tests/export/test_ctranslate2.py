@@ -1,0 +1,174 @@
+"""`aiayn export --to ctranslate2` (aiayn.export.ctranslate2): the CTranslate2 model computes
+aiayn's log-probabilities and greedy tokens, and as an engine (aiayn.inference.ct2) answers
+the engine interface as aiayn's own does, in `aiayn translate` and `aiayn evaluate`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from export_helpers import (
+    PRESETS,
+    TEXTS,
+    needs_ct2,
+    one_line_error,
+    preset_switches,
+    random_run,
+    teacher_forced,
+)
+from helpers import random_sentence, run_cli
+
+from aiayn.errors import AiaynError
+from aiayn.evaluation.evaluate import evaluate_run
+from aiayn.export.command import export_run
+from aiayn.inference.engine import Engine
+from aiayn.inference.search import Sampling, Search
+from aiayn.inference.translator import Translator
+
+
+def assert_ct2_log_probs_are_aiayns(run: Path, ct2_dir: Path) -> None:
+    """CTranslate2's score_batch gives aiayn's teacher-forced log-probabilities (1e-4)."""
+    import ctranslate2
+
+    model, tokenizers, src, tgt = teacher_forced(run)
+    with torch.no_grad():
+        log_probs = torch.log_softmax(model(src, tgt[:, :-1]), dim=-1)
+    source = [tokenizers.src_tokens(t)[:-1] for t in TEXTS]  # CTranslate2 appends [EOS]
+    target = [tokenizers.tgt_tokens(t[::-1])[1:-1] for t in TEXTS]
+    results = ctranslate2.Translator(str(ct2_dir)).score_batch(source, target)
+    for b, result in enumerate(results):
+        expected = [log_probs[b, t, tgt[b, t + 1]].item() for t in range(len(target[b]) + 1)]
+        assert result.log_probs == pytest.approx(expected, abs=1e-4)
+
+
+@needs_ct2
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+def test_every_presets_architecture_leaves_for_ctranslate2_exactly_or_is_refused(tmp_path,
+                                                                                 capsys, preset):
+    """The same log-probabilities (float32), or, for QK-norm, a one-line refusal."""
+    switches = preset_switches(preset)
+    run = random_run(tmp_path, "run", **switches)
+    code, _, err = run_cli(["export", str(run), "--to", "ctranslate2", str(tmp_path / "ct2")],
+                           capsys)
+    if switches["qk_norm"] and switches["qk_norm_cross"]:
+        assert one_line_error(code, err, "model.qk_norm_cross: true")
+        return
+    assert code == 0
+    assert_ct2_log_probs_are_aiayns(run, tmp_path / "ct2")
+
+
+@needs_ct2
+@pytest.mark.parametrize("quantization", [None, "int8", "float16", "bfloat16"])
+def test_a_restricted_output_layer_leaves_for_ctranslate2_as_a_bias(tmp_path, quantization):
+    """Excluded pieces get bias -inf: float32 gives aiayn's greedy and beam-4 tokens (its
+    log-probabilities: the preset test); no weight type ever emits an excluded piece or a
+    non-finite score."""
+    run = random_run(tmp_path, "run", norm_first=True, output_vocab="targets")
+    export_run(run, "ctranslate2", tmp_path / "ct2", quantization=quantization)
+    ours = Translator.from_pretrained(run)
+    theirs = Translator.from_pretrained(tmp_path / "ct2", engine="ctranslate2")
+    sources, _ = ours.encode(TEXTS)
+    allowed = ours.model.generator.output_mask
+    for beam in (1, 4):
+        got = theirs.decode_ids(sources, beam=beam, alpha=0.0, nbest=beam)
+        assert all(allowed[i] for hyps in got for h in hyps for i in h.ids)
+        assert all(math.isfinite(h.score) for hyps in got for h in hyps)
+        if quantization is None:
+            want = ours.decode_ids(sources, beam=beam, alpha=0.0, nbest=beam)
+            assert ids(got) == ids(want)
+
+
+@needs_ct2
+@pytest.mark.parametrize("tie, norm_first, qk_norm", [
+    ("all", False, False), ("decoder", False, False), ("none", False, False),
+    ("all", True, False), ("all", True, True)])  # the last: QK-norm in self-attention only
+def test_the_ctranslate2_model_gives_aiayn_log_probabilities(tmp_path, tie, norm_first,
+                                                             qk_norm):
+    run = random_run(tmp_path, "run", tie=tie, norm_first=norm_first, qk_norm=qk_norm,
+                     qk_norm_cross=False)
+    export_run(run, "ctranslate2", tmp_path / "ct2")
+    assert_ct2_log_probs_are_aiayns(run, tmp_path / "ct2")
+
+
+@needs_ct2
+def test_ctranslate2_float32_gives_aiayn_greedy_tokens(run_dir, tmp_path):
+    export_run(run_dir, "ctranslate2", tmp_path / "ct2")
+    ours = Translator.from_pretrained(run_dir)
+    theirs = Translator.from_pretrained(tmp_path / "ct2", engine="ctranslate2")
+    sentences = [random_sentence(random.Random(i)) for i in range(30)]
+    sources, _ = ours.encode(sentences)
+    assert ids(theirs.decode_ids(sources, beam=1)) == ids(ours.decode_ids(sources, beam=1))
+    # The per-sentence output limit (source length + max_len_b), cut as aiayn cuts.
+    short = ids(theirs.decode_ids(sources, beam=1, max_len_b=-3))
+    assert short == ids(ours.decode_ids(sources, beam=1, max_len_b=-3))
+    assert any(len(s[0]) < len(t[0]) for s, t in zip(short, ids(ours.decode_ids(sources, beam=1))))
+    # decode.max_len_a scales the source length: CTranslate2 takes one limit per batch, the
+    # longest sentence's, and each sentence is cut at its own, as aiayn's.
+    scaled = dataclasses.replace(ours.resolve(1), max_len_a=0.5, max_len_b=1)
+    halves = ids(theirs.decode_ids(sources, search=scaled))
+    assert halves == ids(ours.decode_ids(sources, search=scaled))
+    assert all(len(h[0]) <= len(s) // 2 + 1 for h, s in zip(halves, sources, strict=True))
+    # The repetition guard is CTranslate2's no_repeat_ngram_size: the same greedy tokens.
+    guarded = ids(ours.decode_ids(sources, beam=1, no_repeat_ngram=1))
+    assert ids(theirs.decode_ids(sources, beam=1, no_repeat_ngram=1)) == guarded
+    assert guarded != ids(ours.decode_ids(sources, beam=1))
+    # Its sampling cannot be seeded: refused in one line.
+    with pytest.raises(AiaynError, match="--sample needs aiayn's own model"):
+        theirs.decode_ids(sources, nbest=1, sampling=Sampling(seed=1))
+
+
+@needs_ct2
+def test_both_engines_answer_the_engine_interface_alike(run_dir, tmp_path):
+    """aiayn's search and CTranslate2's are one ``Engine``: the same call, a batch of source
+    ids and one Search, gives the same beam-search hypotheses (alpha 0: both rank by the
+    log-probability; CTranslate2's length penalty differs from GNMT's otherwise)."""
+    export_run(run_dir, "ctranslate2", tmp_path / "ct2")
+    engines = [Translator.from_pretrained(run_dir).engine,
+               Translator.from_pretrained(tmp_path / "ct2", engine="ctranslate2").engine]
+    assert [type(e).__name__ for e in engines] == ["AiaynEngine", "CTranslate2Engine"]
+    assert all(isinstance(e, Engine) for e in engines)
+    sources = Translator.from_pretrained(run_dir).encode(TEXTS[1:3])[0]
+    search = Search(4, 0.0, nbest=4)
+    ours, theirs = (e.search(sources, search) for e in engines)
+    assert ids(ours) == ids(theirs) and all(len(h) == 4 for h in ours)
+    # Both best first (their scores' agreement: test_the_ctranslate2_model_gives_aiayn_...).
+    for hyps in (*ours, *theirs):
+        assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
+    # What an engine cannot run is one AiaynError, asked of the engine itself.
+    engines[0].supports(Search(2, sampling=Sampling(seed=1)))
+    with pytest.raises(AiaynError, match="--sample needs aiayn's own model"):
+        engines[1].supports(Search(2, sampling=Sampling(seed=1)))
+
+
+def ids(results) -> list[list[list[int]]]:
+    return [[h.ids for h in hyps] for hyps in results]
+
+
+@needs_ct2
+def test_translate_and_evaluate_with_the_ctranslate2_engine(run_dir, tmp_path, capsys,
+                                                            monkeypatch):
+    out = tmp_path / "ct2"
+    code, printed, _ = run_cli(["export", str(run_dir), "--to", "ctranslate2", str(out)], capsys)
+    assert code == 0 and printed == f"wrote {out}\n"
+    lines = "red sun\n\nmoon tree river star\nblack\n"
+    _, ours, _ = run_cli(["translate", str(run_dir), "--beam", "1"], capsys, lines, monkeypatch)
+    code, theirs, err = run_cli(["translate", str(out), "--engine", "ctranslate2", "--beam", "1"],
+                                capsys, lines, monkeypatch)
+    assert code == 0 and theirs == ours and err == ""
+    ours = evaluate_run(run_dir, beam=1, output=tmp_path / "a.txt", progress=False)
+    code, printed, _ = run_cli(["evaluate", str(out), "--engine", "ctranslate2", "--beam", "1",
+                                "-o", str(tmp_path / "b.txt")], capsys)
+    assert code == 0 and f"BLEU  {ours['bleu']:.2f}" in printed and "ctranslate2" in printed
+    assert (tmp_path / "b.txt").read_text() == (tmp_path / "a.txt").read_text()
+    # An int8 model still copies the test sentences.
+    code, _, _ = run_cli(["export", str(run_dir), "--to", "ctranslate2", str(tmp_path / "int8"),
+                          "--quantization", "int8"], capsys)
+    assert code == 0
+    summary = evaluate_run(tmp_path / "int8", beam=4, engine="ctranslate2", progress=False)
+    assert summary["bleu"] > 80 and summary["engine"] == "ctranslate2"
+    assert json.loads((tmp_path / "int8" / "config.json").read_text())["decoder_start_token"] == "[BOS]"

@@ -1,0 +1,85 @@
+"""The model card every export writes (aiayn.export.modelcard): the run's own figures, and
+loading code that translates."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from export_helpers import needs_ct2
+
+from aiayn.export.command import export_run
+from aiayn.export.modelcard import CARD_FILE, model_card
+from aiayn.inference.translator import Translator
+from aiayn.runs.checkpoint import STATE_VERSION, save_train_state, save_weights
+from aiayn.runs.directory import load_run
+
+
+def section(card: str, title: str) -> str:
+    """The text of one ``## title`` section of a card."""
+    return card.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_model_card_shows_the_runs_own_figures(run_dir, tmp_path):
+    """Every figure on the card is the run's: a run with known training, dev and test
+    figures shows exactly them; without a test evaluation it says so, with no figure."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    config, model, _ = load_run(run)
+    save_weights(model, run / "best.safetensors",
+                 metadata={"step": "300", "best_metric": "bleu", "best_value": "11.11"})
+    save_train_state({"version": STATE_VERSION, "step": 400, "epoch": 3, "tokens": 12345,
+                      "elapsed_s": 754.2, "world_size": 1}, run / "train_state.pt")
+    (run / "metrics.jsonl").write_text(json.dumps(
+        {"kind": "dev", "step": 300, "bleu": 11.11, "chrf": 33.33, "dev_loss": 2.5,
+         "n_sentences": 20}) + "\n")
+    card = model_card(run, "ctranslate2")
+    evaluation = section(card, "Evaluation")
+    assert "Not evaluated on the test split" in evaluation
+    assert not re.search(r"\d", evaluation.replace("eval/test.*.json", ""))  # no figure at all
+    stats = json.loads((Path((run / "data_dir.txt").read_text().strip()) / "stats.json")
+                       .read_text())
+    assert f"| parameters | {model.num_parameters():,} |" in card
+    assert (f"| {config.model.n_encoder_layers} encoder + {config.model.n_decoder_layers} "
+            "decoder |") in card
+    for split, count in stats["splits"].items():
+        tokens = stats["tokens"][split]
+        assert f"| {split} | {count:,} | {tokens['src']:,} | {tokens['tgt']:,} |" in card
+    assert "400 steps (3 epochs, 12,345 target tokens) in 12.6 minutes" in card
+    assert "Exported weights: `best` (step 300)" in card
+    assert "at step 300: BLEU 11.11, chrF 33.33 on 20 dev sentences" in card
+    # A test evaluation, as `aiayn evaluate --split test` writes it, and one of other weights.
+    signatures = {"bleu_signature": "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0",
+                  "chrf_signature": "nrefs:1|case:mixed|eff:yes|nc:6|nw:0|space:no|version:2.6.0"}
+    (run / "eval").mkdir()
+    for name, weights, beam, bleu, chrf in (("test.best.beam4.alpha0.6", "best", 4, 23.45, 51.2),
+                                             ("test.last.beam1", "last", 1, 19.87, 47.65)):
+        (run / "eval" / f"{name}.json").write_text(json.dumps(
+            {"split": "test", "weights": weights, "beam": beam, "alpha": 0.6, "sentences": 40,
+             "bleu": bleu, "chrf": chrf, **signatures}))
+    (run / "eval" / "dev.best.beam1.json").write_text(json.dumps(
+        {"split": "dev", "weights": "best", "beam": 1, "alpha": 0.6, "sentences": 20,
+         "bleu": 99.0, "chrf": 99.0}))  # the dev split: not a test figure
+    evaluation = section(model_card(run, "hf"), "Evaluation")
+    assert "| best (exported) | beam 4, alpha 0.6 | 40 | 23.45 | 51.20 |" in evaluation
+    assert "| last | greedy | 40 | 19.87 | 47.65 |" in evaluation
+    assert "99" not in evaluation and "Not evaluated" not in evaluation
+    assert all(f"`{sig}`" in evaluation for sig in signatures.values())
+
+
+@needs_ct2
+def test_the_ctranslate2_cards_loading_code_translates(run_dir, tmp_path):
+    """The card's Python for CTranslate2 and `tokenizers` alone gives what `aiayn translate
+    --engine ctranslate2` gives."""
+    out = export_run(run_dir, "ctranslate2", tmp_path / "ct2")
+    card = (out / CARD_FILE).read_text(encoding="utf-8")
+    code = section(card, "How to load").split("```python\n", 1)[1].split("```", 1)[0]
+    code = code.replace("THIS_DIR", str(out)).replace("A sentence to translate.", "red green blue")
+    printed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True).stdout
+    expected = Translator.from_pretrained(out, engine="ctranslate2").translate(["red green blue"])
+    assert printed.splitlines() == expected
