@@ -37,10 +37,11 @@ from aiayn.export.hf import HF_CODE, residual_permutation
 from aiayn.export.modelcard import CARD_FILE, model_card
 from aiayn.inference.engines import Engine
 from aiayn.inference.search import Sampling, Search, beam_search, greedy_decode
+from aiayn.inference.settings import resolve_search
 from aiayn.inference.translator import Translator
 from aiayn.model import Transformer, sinusoid_table
 from aiayn.runs.checkpoint import STATE_VERSION, save_train_state, save_weights
-from aiayn.runs.directory import load_run
+from aiayn.runs.directory import load_run, run_decode
 
 needs_hf = pytest.mark.skipif(find_spec("transformers") is None,
                               reason="pip install 'aiayn[export]'")
@@ -313,11 +314,11 @@ def test_a_restricted_output_layer_leaves_for_ctranslate2_as_a_bias(tmp_path, qu
     sources, _ = ours.encode(TEXTS)
     allowed = ours.model.generator.output_mask
     for beam in (1, 4):
-        got = theirs.decode_ids(sources, beam=beam, alpha=0.0, nbest=beam)
+        got = theirs.decode_ids(sources, theirs.resolve(beam=beam, alpha=0.0, nbest=beam))
         assert all(allowed[i] for hyps in got for h in hyps for i in h.ids)
         assert all(math.isfinite(h.score) for hyps in got for h in hyps)
         if quantization is None:
-            want = ours.decode_ids(sources, beam=beam, alpha=0.0, nbest=beam)
+            want = ours.decode_ids(sources, ours.resolve(beam=beam, alpha=0.0, nbest=beam))
             assert ids(got) == ids(want)
 
 
@@ -340,24 +341,25 @@ def test_ctranslate2_float32_gives_aiayn_greedy_tokens(run_dir, tmp_path):
     theirs = Translator.from_pretrained(tmp_path / "ct2", engine="ctranslate2")
     sentences = [random_sentence(random.Random(i)) for i in range(30)]
     sources, _ = ours.encode(sentences)
-    assert ids(theirs.decode_ids(sources, beam=1)) == ids(ours.decode_ids(sources, beam=1))
+    greedy = ids(ours.decode_ids(sources, ours.resolve(beam=1)))
+    assert ids(theirs.decode_ids(sources, theirs.resolve(beam=1))) == greedy
     # The per-sentence output limit (source length + max_len_b), cut as aiayn cuts.
-    short = ids(theirs.decode_ids(sources, beam=1, max_len_b=-3))
-    assert short == ids(ours.decode_ids(sources, beam=1, max_len_b=-3))
-    assert any(len(s[0]) < len(t[0]) for s, t in zip(short, ids(ours.decode_ids(sources, beam=1))))
+    short = ids(theirs.decode_ids(sources, theirs.resolve(beam=1, max_len_b=-3)))
+    assert short == ids(ours.decode_ids(sources, ours.resolve(beam=1, max_len_b=-3)))
+    assert any(len(s[0]) < len(t[0]) for s, t in zip(short, greedy))
     # decode.max_len_a scales the source length: CTranslate2 takes one limit per batch, the
     # longest sentence's, and each sentence is cut at its own, as aiayn's.
-    scaled = dataclasses.replace(ours.resolve(1), max_len_a=0.5, max_len_b=1)
+    scaled = ours.resolve(beam=1, max_len_a=0.5, max_len_b=1)
     halves = ids(theirs.decode_ids(sources, search=scaled))
     assert halves == ids(ours.decode_ids(sources, search=scaled))
     assert all(len(h[0]) <= len(s) // 2 + 1 for h, s in zip(halves, sources, strict=True))
     # The repetition guard is CTranslate2's no_repeat_ngram_size: the same greedy tokens.
-    guarded = ids(ours.decode_ids(sources, beam=1, no_repeat_ngram=1))
-    assert ids(theirs.decode_ids(sources, beam=1, no_repeat_ngram=1)) == guarded
-    assert guarded != ids(ours.decode_ids(sources, beam=1))
+    guarded = ids(ours.decode_ids(sources, ours.resolve(beam=1, no_repeat_ngram=1)))
+    assert ids(theirs.decode_ids(sources, theirs.resolve(beam=1, no_repeat_ngram=1))) == guarded
+    assert guarded != greedy
     # Its sampling cannot be seeded: refused in one line.
     with pytest.raises(AiaynError, match="--sample needs aiayn's own model"):
-        theirs.decode_ids(sources, nbest=1, sampling=Sampling(seed=1))
+        theirs.decode_ids(sources, theirs.resolve(nbest=1, sampling=Sampling(seed=1)))
 
 
 @needs_ct2
@@ -398,7 +400,8 @@ def test_translate_and_evaluate_with_the_ctranslate2_engine(run_dir, tmp_path, c
     code, theirs, err = run_cli(["translate", str(out), "--engine", "ctranslate2", "--beam", "1"],
                                 capsys, lines, monkeypatch)
     assert code == 0 and theirs == ours and err == ""
-    ours = evaluate_run(run_dir, beam=1, output=tmp_path / "a.txt", progress=False)
+    ours = evaluate_run(run_dir, search=resolve_search(run_decode(run_dir), beam=1),
+                        output=tmp_path / "a.txt", progress=False)
     code, printed, _ = run_cli(["evaluate", str(out), "--engine", "ctranslate2", "--beam", "1",
                                 "-o", str(tmp_path / "b.txt")], capsys)
     assert code == 0 and f"BLEU  {ours['bleu']:.2f}" in printed and "ctranslate2" in printed
@@ -407,7 +410,8 @@ def test_translate_and_evaluate_with_the_ctranslate2_engine(run_dir, tmp_path, c
     code, _, _ = run_cli(["export", str(run_dir), "--to", "ctranslate2", str(tmp_path / "int8"),
                           "--quantization", "int8"], capsys)
     assert code == 0
-    summary = evaluate_run(tmp_path / "int8", beam=4, engine="ctranslate2", progress=False)
+    summary = evaluate_run(tmp_path / "int8", search=resolve_search(DecodeConfig(), beam=4),
+                           engine="ctranslate2", progress=False)
     assert summary["bleu"] > 80 and summary["engine"] == "ctranslate2"
     assert json.loads((tmp_path / "int8" / "config.json").read_text())["decoder_start_token"] == "[BOS]"
 

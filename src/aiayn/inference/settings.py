@@ -25,7 +25,9 @@ from dataclasses import dataclass, field, replace
 from aiayn.config import RANGES, DecodeConfig
 from aiayn.errors import SettingError
 
-MAX_SAMPLES = RANGES["decode"]["beam"][1]  # samples per sentence, as the widest beam
+# The samples per sentence a user may ask for: as many as the widest beam a run's config may
+# hold (the search itself takes more: a test's exhaustive draw).
+MAX_SAMPLES = RANGES["decode"]["beam"][1]
 
 
 @dataclass(frozen=True)
@@ -70,10 +72,10 @@ class Search:
     def __post_init__(self) -> None:
         if not isinstance(self.nbest, int) or isinstance(self.nbest, bool):
             raise SettingError("{nbest} must be an integer, got {got!r}", got=self.nbest)
-        if self.sampling is not None and not 1 <= self.nbest <= MAX_SAMPLES:
-            raise SettingError("{nbest} (samples per sentence with {sampling}) must be "
-                               "between 1 and {top}, got {got}", top=MAX_SAMPLES, got=self.nbest)
-        within("decode", "beam", self.beam, "at most {high}", below="at least {low}")
+        # A beam's only bound here is its low end: decode.beam's top (a config's) is no
+        # limit of the search's (a test's exhaustive beam is wider); ``Translator.check``
+        # bounds it by the model and the budget.
+        within("decode", "beam", self.beam, "at least {low}", top=False)
         if not 1 <= self.nbest <= self.beam:
             raise SettingError("{nbest} must be between 1 and the beam ({beam} {width}), "
                                "got {got}", width=self.beam, got=self.nbest)
@@ -100,6 +102,9 @@ def resolve_search(decode: DecodeConfig, *, beam: int | None = None,
     if sampling is not None and beam is not None:
         raise SettingError("{beam} is for beam search; {sampling} draws {nbest} samples per "
                            "sentence instead")
+    if sampling is not None and not (isinstance(nbest, int) and 1 <= nbest <= MAX_SAMPLES):
+        raise SettingError("{nbest} (samples per sentence with {sampling}) must be between 1 "
+                           "and {top}, got {got}", top=MAX_SAMPLES, got=nbest)
     return Search(nbest if sampling is not None else decode.beam if beam is None else beam,
                   decode.alpha if alpha is None else alpha,
                   decode.no_repeat_ngram if no_repeat_ngram is None else no_repeat_ngram,
@@ -108,12 +113,14 @@ def resolve_search(decode: DecodeConfig, *, beam: int | None = None,
                   decode.max_len_b if max_len_b is None else max_len_b)
 
 
-def within(section: str, name: str, value, rule: str, below: str | None = None) -> None:
+def within(section: str, name: str, value, rule: str, below: str | None = None,
+           top: bool = True) -> None:
     """A SettingError unless ``value`` is a number of ``RANGES[section][name]``'s kind (an
     integer where its low end is one) in that range. ``rule`` says the range in the
     message, with ``{low}``, ``{high}`` and ``{range}`` ("[0, 10]", "(0, 1]"); ``below``
-    instead, for a value under it."""
+    instead, for a value under it. ``top`` False: no upper bound."""
     low, high, open_low = RANGES[section][name]
+    high = high if top else math.inf
     integer = isinstance(low, int)
     if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
         raise SettingError(f"{{{name}}} must be {'an integer' if integer else 'a number'}, "
