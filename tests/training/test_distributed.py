@@ -1,4 +1,4 @@
-"""The device's precision (train.bf16: auto). (CPU threads: test_threads.py.)"""
+"""The device's precision (train.bf16: auto). (CPU threads: tests/util/test_threads.py.)"""
 
 from __future__ import annotations
 
