@@ -25,7 +25,7 @@ import torch
 from aiayn.config import Config, load_config
 from aiayn.errors import AiaynError, SettingError
 from aiayn.inference.attention import SentenceAttention
-from aiayn.inference.settings import Sampling, Search
+from aiayn.inference.settings import Sampling, Search, resolve_search
 from aiayn.inference.translator import (
     Translator,
     truncation_message,
@@ -116,18 +116,19 @@ class ModelService:
         self.batcher.close()
 
     def resolve(self, **settings) -> Search:
-        """A request's search, resolved once over the run's (``Translator.resolve``, its
+        """A request's search, resolved once over the run's (as ``Translator.resolve``, its
         keywords) and within this server's limit: a beam (or samples per sentence) of at
         most ``MAX_BEAM``. A request's own beam is refused on arrival (422); only the run's,
         or nbest samples, can be over it here."""
-        search = self.translator.resolve(**settings)
-        if search.beam <= MAX_BEAM:
-            return search
-        if search.sampling is not None:  # the samples are the rows decoded
+        search = resolve_search(self.translator.decode, **settings)
+        if search.beam > MAX_BEAM and search.sampling is not None:  # the samples are the rows
             raise SettingError("{nbest} {got}: at most {top} samples per sentence on this "
                                "server", got=search.nbest, top=MAX_BEAM)
-        raise SettingError("the run's decode.beam {got} is over this server's limit of {top}; "
-                           "give {beam} in the request", got=search.beam, top=MAX_BEAM)
+        if search.beam > MAX_BEAM:  # before the model's bounds: the request's fix is here
+            raise SettingError("the run's decode.beam {got} is over this server's limit of "
+                               "{top}; give {beam} in the request", got=search.beam, top=MAX_BEAM)
+        self.translator.check(search)  # as Translator.resolve does
+        return search
 
     async def translate(self, texts: list[str], search: Search,
                         gone: Callable[[], Awaitable[bool]] | None = None,
