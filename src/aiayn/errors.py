@@ -1,7 +1,9 @@
 """The one exception type for mistakes a user can make (bad file, spec, setting, checkpoint).
 
 The CLI prints its message as one line (``aiayn: error: ...``) and exits with status 2;
-anything else that escapes is a bug in aiayn and keeps its traceback.
+anything else that escapes is a bug in aiayn and keeps its traceback. A setting out of its
+bounds is the kind ``SettingError``, whose message each edge (the command line, the HTTP
+API) spells with its own names for the settings.
 """
 
 
