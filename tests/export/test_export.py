@@ -343,9 +343,11 @@ def test_ctranslate2_float32_gives_aiayn_greedy_tokens(run_dir, tmp_path):
     sources, _ = ours.encode(sentences)
     greedy = ids(ours.decode_ids(sources, ours.resolve(beam=1)))
     assert ids(theirs.decode_ids(sources, theirs.resolve(beam=1))) == greedy
-    # The per-sentence output limit (source length + max_len_b), cut as aiayn cuts.
-    short = ids(theirs.decode_ids(sources, theirs.resolve(beam=1, max_len_b=-3)))
-    assert short == ids(ours.decode_ids(sources, ours.resolve(beam=1, max_len_b=-3)))
+    # The per-sentence output limit (floor(max_len_a x source length) + max_len_b), cut as
+    # aiayn cuts.
+    cut = ours.resolve(beam=1, max_len_a=0.75, max_len_b=0)
+    short = ids(theirs.decode_ids(sources, cut))
+    assert short == ids(ours.decode_ids(sources, cut))
     assert any(len(s[0]) < len(t[0]) for s, t in zip(short, greedy))
     # decode.max_len_a scales the source length: CTranslate2 takes one limit per batch, the
     # longest sentence's, and each sentence is cut at its own, as aiayn's.
@@ -358,7 +360,7 @@ def test_ctranslate2_float32_gives_aiayn_greedy_tokens(run_dir, tmp_path):
     assert ids(theirs.decode_ids(sources, theirs.resolve(beam=1, no_repeat_ngram=1))) == guarded
     assert guarded != greedy
     # Its sampling cannot be seeded: refused in one line.
-    with pytest.raises(AiaynError, match="--sample needs aiayn's own model"):
+    with pytest.raises(AiaynError, match="^sampling needs aiayn's own model"):
         theirs.decode_ids(sources, theirs.resolve(nbest=1, sampling=Sampling(seed=1)))
 
 
@@ -381,7 +383,7 @@ def test_both_engines_answer_the_engine_interface_alike(run_dir, tmp_path):
         assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
     # What an engine cannot run is one AiaynError, asked of the engine itself.
     engines[0].supports(Search(2, sampling=Sampling(seed=1)))
-    with pytest.raises(AiaynError, match="--sample needs aiayn's own model"):
+    with pytest.raises(AiaynError, match="^sampling needs aiayn's own model"):
         engines[1].supports(Search(2, sampling=Sampling(seed=1)))
 
 

@@ -113,12 +113,11 @@ def resolve_search(decode: DecodeConfig, *, beam: int | None = None,
                   decode.max_len_b if max_len_b is None else max_len_b)
 
 
-def within(section: str, name: str, value, rule: str, below: str | None = None,
-           top: bool = True) -> None:
+def within(section: str, name: str, value, rule: str, top: bool = True) -> None:
     """A SettingError unless ``value`` is a number of ``RANGES[section][name]``'s kind (an
     integer where its low end is one) in that range. ``rule`` says the range in the
-    message, with ``{low}``, ``{high}`` and ``{range}`` ("[0, 10]", "(0, 1]"); ``below``
-    instead, for a value under it. ``top`` False: no upper bound."""
+    message, with ``{low}``, ``{high}`` and ``{range}`` ("[0, 10]", "(0, 1]"). ``top``
+    False: no upper bound."""
     low, high, open_low = RANGES[section][name]
     high = high if top else math.inf
     integer = isinstance(low, int)
@@ -127,8 +126,6 @@ def within(section: str, name: str, value, rule: str, below: str | None = None,
                            "got {got!r}", got=value)
     if math.isfinite(value) and (low < value if open_low else low <= value) and value <= high:
         return
-    if below is not None and value < low:
-        rule = below
     bounds = {"low": _number(low), "high": _number(high)}
     bounds["range"] = f"{'(' if open_low else '['}{bounds['low']}, {bounds['high']}]"
     raise SettingError(f"{{{name}}} must be {rule}, got {{got}}", got=value, **bounds)
