@@ -56,11 +56,12 @@ def add_run_options(p: argparse.ArgumentParser, required: bool = True,
 
 
 def add_search_options(p: argparse.ArgumentParser, alpha: bool = True) -> None:
-    """--beam, --alpha and --max-tokens, at the paper's search and aiayn's CPU budget."""
+    """--beam, --alpha and --decode-tokens, at the paper's search and aiayn's CPU budget."""
     p.add_argument("--beam", type=int, default=4)
     if alpha:
         p.add_argument("--alpha", type=float, default=0.6)
-    p.add_argument("--max-tokens", type=int, default=8192, help="batch budget (x beam)")
+    p.add_argument("--decode-tokens", type=int, default=8192,
+                   help="decoding budget: padded source tokens x beam of a batch")
 
 
 def add_threads_option(p: argparse.ArgumentParser, default: int = 0,

@@ -88,17 +88,17 @@ def trained_setup(args) -> tuple[Transformer, list[list[int]], str]:
     return model, sources, f"trained run {args.run_dir} ({args.weights}), its test split"
 
 
-def methods(model: Transformer, sources: list[list[int]], beam: int, max_tokens: int
+def methods(model: Transformer, sources: list[list[int]], beam: int, decode_tokens: int
             ) -> dict[str, Callable[[], list[list[int]]]]:
     """Name -> a function decoding every source and returning the best token ids."""
     singles = [pad([ids]) for ids in sources]
-    translator = Translator(model, tokenizers=None, max_tokens=max_tokens)
+    translator = Translator(model, tokenizers=None, decode_tokens=decode_tokens)
 
     def one_by_one(search):
         return lambda: [search(src)[0] for src in singles]
 
     def batched(b):
-        return lambda: [hyps[0][0] for hyps in translator.decode_ids(sources, beam=b)]
+        return lambda: [hyps[0][0] for hyps in translator.decode_ids(sources, translator.resolve(beam=b))]
 
     def best_of_beam(use_cache):
         return lambda src: [beam_search(model, src, beam, use_cache=use_cache)[0][0][0]]
@@ -118,7 +118,7 @@ def run(args) -> None:
     set_threads(args.threads)
     note_load()
     model, sources, what = trained_setup(args) if args.run_dir else random_setup(args)
-    table = methods(model, sources, args.beam, args.max_tokens)
+    table = methods(model, sources, args.beam, args.decode_tokens)
     times: dict[str, list[float]] = {name: [] for name in table}
     outputs: dict[str, list[list[int]]] = {}
     names = list(table)

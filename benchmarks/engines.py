@@ -9,7 +9,7 @@ restricted output layer exports as a bias.
 
 The run is exported twice with `aiayn.export.command.export_run` (CTranslate2 float32 and int8)
 into a temporary directory. Each engine then translates the same sentences through the same
-``Translator`` (tokenization, truncation, length-sorted batches of --max-tokens x beam,
+``Translator`` (tokenization, truncation, length-sorted batches of --decode-tokens x beam,
 detokenization) and is scored by the same code as `aiayn evaluate`
 (``aiayn.evaluation.evaluate.translate_and_score``): only the search differs. The engines take turns
 within each repetition (the order alternating, ``common.interleave``), so a change in the
@@ -71,23 +71,25 @@ def main(argv: list[str] | None = None) -> None:
     note_load()
     with tempfile.TemporaryDirectory() as tmp:
         translators = {f"aiayn (PyTorch {torch.__version__})": Translator.from_pretrained(
-            args.run_dir, args.weights, max_tokens=args.max_tokens)}
+            args.run_dir, args.weights, decode_tokens=args.decode_tokens)}
         for quantization in ("float32", "int8"):
             out = Path(tmp) / quantization
             export_run(args.run_dir, "ctranslate2", out, args.weights, quantization)
             translators[f"CTranslate2 {quantization}"] = Translator.from_pretrained(
-                out, engine="ctranslate2", max_tokens=args.max_tokens)
+                out, engine="ctranslate2", decode_tokens=args.decode_tokens)
         outputs: dict[str, list] = {name: [] for name in translators}
 
         def contender(name: str):
             def run() -> None:
-                outputs[name].append(translate_and_score(translators[name], pairs, args.beam,
-                                                         args.alpha))
+                translator = translators[name]
+                search = translator.resolve(beam=args.beam, alpha=args.alpha)
+                outputs[name].append(translate_and_score(translator, pairs, search))
             return run
 
         # An untimed pass over a few sentences each: thread pools, allocators, caches.
         for translator in translators.values():
-            translator.translate([src for src, _ in pairs[:16]], args.beam, args.alpha)
+            translator.translate([src for src, _ in pairs[:16]],
+                                 translator.resolve(beam=args.beam, alpha=args.alpha))
         times = interleave({name: contender(name) for name in translators}, args.repeats,
                            warmup=0)
     report(args, pairs, translators, outputs, times)
@@ -110,8 +112,8 @@ def report(args, pairs, translators, outputs, times) -> None:
                      f"{scores.bleu:.2f}", f"{scores.chrf:.2f}",
                      f"{same}/{len(pairs)}"])
     conditions = (f"{len(pairs)} {args.split} sentences of {args.run_dir} ({args.weights}), "
-                  f"beam {args.beam}, alpha {args.alpha}, {args.threads} threads, max_tokens "
-                  f"{args.max_tokens}; median of {args.repeats} interleaved repetitions\n"
+                  f"beam {args.beam}, alpha {args.alpha}, {args.threads} threads, decode_tokens "
+                  f"{args.decode_tokens}; median of {args.repeats} interleaved repetitions\n"
                   f"device: {device_description()}\n"
                   f"BLEU signature: {outputs[names[0]][0][1].bleu_signature}")
     print_table(["engine", "sentences/s", "speed-up", "BLEU", "chrF",

@@ -245,12 +245,12 @@ def bench_decode(label: str, model: Transformer, tokenizers, sources: list[str],
                 translator_module.beam_search, translator_module.greedy_decode = \
                     old.beam_search, old.greedy_decode
             try:
-                t = Translator(model, tokenizers, max_tokens=max_tokens, device=device,
+                t = Translator(model, tokenizers, decode_tokens=max_tokens, device=device,
                                bf16=name.endswith("bf16"))
-                t.translate(sources[:32], beam=beam, alpha=0.6)  # warm-up
+                t.translate(sources[:32], t.resolve(beam=beam, alpha=0.6))  # warm-up
                 sync(device)
                 start = time.perf_counter()
-                out = t.translate(sources, beam=beam, alpha=0.6)
+                out = t.translate(sources, t.resolve(beam=beam, alpha=0.6))
                 sync(device)
                 seconds = time.perf_counter() - start
             finally:
@@ -262,7 +262,7 @@ def bench_decode(label: str, model: Transformer, tokenizers, sources: list[str],
                          "seconds": seconds, "sentences_per_s": len(sources) / seconds,
                          "mean_output_words": words})
             print(f"  decode {label} beam {beam} [{name}]: {len(sources) / seconds:,.0f} "
-                  f"sentences/s (budget {t.max_tokens})", flush=True)
+                  f"sentences/s (budget {t.decode_tokens})", flush=True)
         first = next(iter(outputs.values()))
         for name, out in outputs.items():
             same = sum(a == b for a, b in zip(first, out, strict=True)) / len(first)
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         result["profile"] = {}
         t = Translator(demo_model, demo_tokenizers, device=device)
         result["profile"]["decode_demo_beam4"] = profile(
-            lambda: t.translate(sources, beam=4, alpha=0.6), device,
+            lambda: t.translate(sources, t.resolve(beam=4, alpha=0.6)), device,
             out_dir / "profile_decode.txt")
         cfg = load_config(REPO / "configs" / ("tiny.yaml" if args.quick else "base.yaml")).model
         groups = bucket(sentence_lengths(100_000, max_len=cfg.max_len, seed=0),

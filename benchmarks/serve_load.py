@@ -76,7 +76,8 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     command = [sys.executable, "-m", "aiayn", "serve", args.run_dir, "--port", str(port),
                "--weights", args.weights, "--device", args.device, "--engine", args.engine,
-               "--max-tokens", str(args.max_tokens), "--max-wait-ms", str(args.max_wait_ms)]
+               "--decode-tokens", str(args.decode_tokens),
+               "--max-wait-ms", str(args.max_wait_ms)]
     if args.batching:
         command += ["--batching", args.batching]
     if args.lanes:
@@ -229,7 +230,7 @@ def soak(url: str, pid: int, sentences: list[str], expected: dict[str, str], arg
 def offline_rate(translator: Translator, sentences: list[str], args) -> float:
     """The reference: sentences/s of all of them decoded as one batch, in-process."""
     start = time.perf_counter()
-    translator.translate(sentences, args.beam, args.alpha)
+    translator.translate(sentences, translator.resolve(beam=args.beam, alpha=args.alpha))
     return len(sentences) / (time.perf_counter() - start)
 
 
@@ -304,7 +305,7 @@ def main() -> None:
     parser.add_argument("--engine", default="aiayn", choices=["aiayn", "ctranslate2"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="the server's and the reference's")
-    parser.add_argument("--max-tokens", type=int, default=8192, help="the server's")
+    parser.add_argument("--decode-tokens", type=int, default=8192, help="the server's")
     parser.add_argument("--max-wait-ms", type=float, default=5.0, help="the server's")
     parser.add_argument("--batching", choices=["continuous", "pass"],
                         help="the server's (default: its own)")
@@ -337,14 +338,16 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     translator = Translator.from_pretrained(args.run_dir, args.weights, device=args.device,
-                                            engine=args.engine, max_tokens=args.max_tokens)
-    translator.translate(sentences[:8], args.beam, args.alpha)  # warm-up
-    expected = translator.translate(sentences, args.beam, args.alpha)
+                                            engine=args.engine,
+                                            decode_tokens=args.decode_tokens)
+    search = translator.resolve(beam=args.beam, alpha=args.alpha)
+    translator.translate(sentences[:8], search)  # warm-up
+    expected = translator.translate(sentences, search)
     offline = offline_rate(translator, sentences, args)
 
     print(f"aiayn serve load test: {args.run_dir} ({args.weights}, {args.engine}), beam "
           f"{args.beam}, alpha {args.alpha}, {args.threads} torch thread(s), server "
-          f"--max-tokens {args.max_tokens} --max-wait-ms {args.max_wait_ms:g}; "
+          f"--decode-tokens {args.decode_tokens} --max-wait-ms {args.max_wait_ms:g}; "
           f"{device_name(args.device)}")
     process, url = start_server(args)
     rows, failed = [], False

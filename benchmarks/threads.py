@@ -115,7 +115,7 @@ def decoders(args, tmp: Path) -> dict[str, Translator]:
     translators = {}
     for name, (streams, per_stream) in AIAYN.items():
         translators[name] = Translator.from_pretrained(
-            args.run_dir, args.weights, max_tokens=args.max_tokens, streams=streams,
+            args.run_dir, args.weights, decode_tokens=args.decode_tokens, streams=streams,
             threads_per_stream=per_stream)
     if not args.no_ct2:
         from aiayn.export.command import export_run
@@ -124,7 +124,7 @@ def decoders(args, tmp: Path) -> dict[str, Translator]:
         export_run(args.run_dir, "ctranslate2", out, args.weights, "float32")
         torch.set_num_threads(2)  # CTranslate2's intra_threads follow torch's count
         translators["CTranslate2 float32, 2 threads"] = Translator.from_pretrained(
-            out, engine="ctranslate2", max_tokens=args.max_tokens)
+            out, engine="ctranslate2", decode_tokens=args.decode_tokens)
     return translators
 
 
@@ -133,8 +133,9 @@ def time_decoding(args, translators, pairs) -> tuple[dict[str, float], dict[str,
 
     def contender(name: str):
         def run() -> None:
-            outputs[name].append(translate_and_score(translators[name], pairs, args.beam,
-                                                     args.alpha)[0])
+            translator = translators[name]
+            search = translator.resolve(beam=args.beam, alpha=args.alpha)
+            outputs[name].append(translate_and_score(translator, pairs, search)[0])
         return run
 
     times = interleave({name: contender(name) for name in translators}, args.repeats,
@@ -168,7 +169,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         translators = {} if args.no_decode else decoders(args, Path(tmp))
         for translator in translators.values():  # untimed: thread pools, allocators
-            translator.translate([src for src, _ in pairs[:16]], args.beam, args.alpha)
+            translator.translate([src for src, _ in pairs[:16]],
+                                 translator.resolve(beam=args.beam, alpha=args.alpha))
         for load in args.loads:
             with background(LOADS[load], args.core):
                 if translators:
@@ -197,7 +199,8 @@ def report(args, pairs, rates, train) -> None:
         return f"{value:.1f}" + (f" ({value / floor:.2f}x)" if floor else "")
 
     print(f"\n{len(pairs)} {args.split} sentences of {args.run_dir} ({args.weights}), beam "
-          f"{args.beam}, alpha {args.alpha}, max_tokens {args.max_tokens}; sentences/s, median "
+          f"{args.beam}, alpha {args.alpha}, decode_tokens {args.decode_tokens}; sentences/s, "
+          f"median "
           f"of {args.repeats}; (x) = against quiet '{REFERENCE}'; load pinned to core "
           f"{args.core}")
     print(f"device: {device_description()}\n")

@@ -27,15 +27,15 @@ from pathlib import Path
 
 import torch
 
-from aiayn.config import Config, load_config
+from aiayn.config import Config, DecodeConfig, load_config
 from aiayn.data.prepare import drop_warnings, prepare
-from aiayn.errors import AiaynError, is_out_of_memory
+from aiayn.errors import AiaynError, SettingError, is_out_of_memory
 from aiayn.evaluation.evaluate import evaluate_run
 from aiayn.export.base import QUANTIZATIONS
 from aiayn.export.base import TARGETS as EXPORT_TARGETS
 from aiayn.export.command import export_run
 from aiayn.inference.engines import ENGINES
-from aiayn.inference.settings import Sampling, check_options, resolve_search
+from aiayn.inference.settings import Sampling, resolve_search
 from aiayn.inference.translator import Translator
 from aiayn.inspect.doctor import doctor
 from aiayn.inspect.info import format_info, run_info
@@ -97,9 +97,51 @@ def _add_search(p: argparse.ArgumentParser, beam: int | None = None,
 
 
 def _add_decode_tokens(p: argparse.ArgumentParser, text: str) -> None:
-    """The decoding budget: --decode-tokens, or its older name --max-tokens."""
+    """The decoding budget: --decode-tokens, or its older name --max-tokens (the one place
+    the alias lives; ``_Given`` keeps which of the two was typed, for the messages)."""
     p.add_argument("--decode-tokens", "--max-tokens", dest="decode_tokens", type=int,
-                   default=None, metavar="N", help=text)
+                   default=None, metavar="N", action=_Given,
+                   help=f"{text}; --max-tokens is its older name")
+
+
+class _Given(argparse.Action):
+    """Store the value, and the option string typed for it (``_flag``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given_flags = {**getattr(namespace, "given_flags", {}),
+                                 self.dest: option_string}
+
+
+# The settings whose flag is not their Python name with dashes; in `aiayn train`, the
+# config keys that set the validation's search and budget.
+FLAGS = {"sampling": "--sample"}
+TRAIN_KEYS = {"beam": "train.eval_beam", "decode_tokens": "train.max_tokens"}
+
+
+def _flag(name: str, args) -> str:
+    """A setting as the command line names it (``SettingError.spelled``): its flag, as typed
+    (--max-tokens for --decode-tokens if so); a setting without a flag in this command, as
+    the config names it (decode.max_len_b; train.eval_beam in `aiayn train`)."""
+    typed = getattr(args, "given_flags", {}).get(name)
+    if typed:
+        return typed
+    if name in FLAGS:
+        return FLAGS[name]
+    if hasattr(args, name):
+        return "--" + name.replace("_", "-")
+    if args.command == "train" and name in TRAIN_KEYS:
+        return TRAIN_KEYS[name]
+    return f"decode.{name}" if hasattr(DecodeConfig, name) else "--" + name.replace("_", "-")
+
+
+def _setting_line(exc: SettingError, args) -> str:
+    """A SettingError in the command line's names; an alias typed is named with the
+    option it stands for."""
+    line = exc.spelled(lambda name: _flag(name, args))
+    if getattr(args, "given_flags", {}).get("decode_tokens") == "--max-tokens":
+        line += " (--max-tokens is --decode-tokens' older name)"
+    return line
 
 
 def _add_guard(p: argparse.ArgumentParser) -> None:
@@ -327,8 +369,9 @@ def _add_translate(sub) -> None:
 def _run_translate(args) -> int:
     # The one resolution of the search (the run's decode section and these options),
     # before waiting for stdin or loading; every layer below gets this very value.
-    search = resolve_search(run_decode(args.run_dir), args.beam, args.alpha, args.nbest,
-                            args.no_repeat_ngram, _sampling_from_args(args))
+    search = resolve_search(run_decode(args.run_dir), beam=args.beam, alpha=args.alpha,
+                            nbest=args.nbest, no_repeat_ngram=args.no_repeat_ngram,
+                            sampling=_sampling_from_args(args))
     if args.interactive and args.input is not None:
         raise AiaynError("--interactive reads stdin line by line; drop -i/--input")
     if args.output is not None:
@@ -427,10 +470,11 @@ def _add_evaluate(sub) -> None:
 
 
 def _run_evaluate(args) -> int:
-    r = evaluate_run(args.run_dir, args.split, args.beam, args.alpha, data_dir=args.data,
+    search = resolve_search(run_decode(args.run_dir), beam=args.beam, alpha=args.alpha,
+                            no_repeat_ngram=args.no_repeat_ngram)
+    r = evaluate_run(args.run_dir, args.split, search, data_dir=args.data,
                      weights=args.weights, output=args.output, limit=args.limit,
-                     max_tokens=args.decode_tokens, device=args.device, engine=args.engine,
-                     no_repeat_ngram=args.no_repeat_ngram)
+                     decode_tokens=args.decode_tokens, device=args.device, engine=args.engine)
     search = "greedy" if r["beam"] == 1 else f"beam {r['beam']}, alpha {r['alpha']}"
     if r["no_repeat_ngram"]:
         search += f", no repeated {r['no_repeat_ngram']}-gram"
@@ -562,7 +606,8 @@ def _run_attention(args) -> int:
         if getattr(args, option) is not None:
             raise AiaynError(f"--{option} goes with --steps")
     translator = Translator.from_pretrained(args.run_dir, weights=args.weights)
-    att = translator.attention(args.sentence, beam=args.beam, alpha=args.alpha)
+    att = translator.attention(args.sentence,
+                               translator.resolve(beam=args.beam, alpha=args.alpha))
     print(f"translation: {att.translation}")
     for path in save_attention_figures(att, args.out):
         print(f"wrote {path}")
@@ -575,7 +620,7 @@ def _attention_steps(args) -> int:
     from aiayn.runs.directory import step_weights
     from aiayn.util.progress import bar
 
-    check_options(args.beam, alpha=args.alpha)
+    search = resolve_search(run_decode(args.run_dir), beam=args.beam, alpha=args.alpha)
     saved = step_weights(args.run_dir)
     heads = load_config(Path(args.run_dir) / "config.yaml").model.n_heads
     if args.head is not None and not 1 <= args.head <= heads:
@@ -583,7 +628,7 @@ def _attention_steps(args) -> int:
                          f"got {args.head}")
     with bar(desc="checkpoints", total=len(saved), unit="") as progress:
         att = attention_over_steps(args.run_dir, args.sentence, args.target, args.layer,
-                                   args.weights, args.beam, args.alpha, progress.update)
+                                   args.weights, search, progress.update)
     print(f"target: {att.translation}")
     print(f"steps: {', '.join('last' if s is None else str(s) for s in att.steps)}")
     head = None if args.head is None else args.head - 1
@@ -672,10 +717,11 @@ def _run_serve(args) -> int:
                          "pip install 'aiayn[serve]'") from None
     if not 0 <= args.port <= 65535:
         raise AiaynError(f"--port must be between 0 and 65535, got {args.port}")
-    if args.decode_tokens is not None:
-        _at_least(args.decode_tokens, 1, "--max-tokens")
+    if args.decode_tokens is not None and args.decode_tokens < 1:
+        raise SettingError("{decode_tokens} must be at least 1, got {got}",
+                           got=args.decode_tokens)
     serve(args.run_dir, args.host, args.port, args.weights, choose_device(args.device),
-          engine=args.engine, max_tokens=args.decode_tokens, max_wait_ms=args.max_wait_ms,
+          engine=args.engine, decode_tokens=args.decode_tokens, max_wait_ms=args.max_wait_ms,
           batching=args.batching, lanes=args.lanes)
     return 0
 
@@ -760,6 +806,8 @@ def main(argv: list[str] | None = None) -> int:
             return run(args) or 0
     except DiskError as exc:
         return _error(_disk_error_line(exc, args))
+    except SettingError as exc:
+        return _error(_setting_line(exc, args))
     except AiaynError as exc:
         return _error(str(exc))
     except OSError as exc:  # a file the user named, a full disk, a permission

@@ -82,6 +82,10 @@ RANGES: dict[str, dict[str, tuple[float, float, bool]]] = {
                "no_repeat_ngram": (0, 64, False),
                "max_len_a": (0.0, 10.0, False), "max_len_b": (0, 4096, False),
                "alignment_layer": (-4096, 4096, False)},  # one of the decoder's: validate
+    # Not a config section: the settings of random sampling instead of the search
+    # (`aiayn translate --sample`, a request's "sample"; aiayn.inference.settings.Sampling).
+    "sample": {"temperature": (0.0, 100.0, True), "top_k": (0, INF, False),
+               "top_p": (0.0, 1.0, True), "seed": (0, 2 ** 63 - 1, False)},
 }
 CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
     "model": {"tie_embeddings": TIE_CHOICES, "embedding_init": EMBEDDING_INITS,
@@ -357,8 +361,8 @@ class Config:
     def validate(self, source: str = "config") -> Config:
         """Refuse every value out of its range (``RANGES``) or that cannot build a model,
         naming the setting, the value and what is allowed."""
-        for section, rules in RANGES.items():
-            for name, (low, high, open_low) in rules.items():
+        for section in SECTIONS:
+            for name, (low, high, open_low) in RANGES[section].items():
                 _check_range(f"{source}: {section}.{name}", getattr(getattr(self, section), name),
                              low, high, open_low)
         for section, rules in CHOICES.items():

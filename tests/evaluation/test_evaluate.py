@@ -11,6 +11,8 @@ from helpers import TINY, run_train, sets, write_prepared
 
 from aiayn.cli import main
 from aiayn.evaluation.evaluate import eval_subset, evaluate_run
+from aiayn.inference.settings import resolve_search
+from aiayn.runs.directory import run_decode
 
 
 @pytest.mark.parametrize("beam", [1, 2])
@@ -28,7 +30,8 @@ def test_validation_during_training_and_aiayn_evaluate_give_the_same_scores(tmp_
     lines = (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
     dev = [r for r in map(json.loads, lines) if r["kind"] == "dev"][-1]
     assert dev["step"] == 100 and dev["n_sentences"] == 16  # the final, whole-dev evaluation
-    summary = evaluate_run(run, split="dev", beam=beam, weights="last", progress=False)
+    search = resolve_search(run_decode(run), beam=beam)
+    summary = evaluate_run(run, "dev", search, weights="last", progress=False)
     assert summary["sentences"] == 16
     assert summary["bleu"] == dev["bleu"] and summary["chrf"] == dev["chrf"]
     assert summary["bleu_signature"] == dev["bleu_signature"]
@@ -79,7 +82,8 @@ def test_evaluate_reports_the_stutter_of_hypotheses_and_references(run_dir, tmp_
 
     refs = [tgt for _, tgt in load_prepared(Path((run_dir / "data_dir.txt").read_text(
         encoding="utf-8").strip())).split("test")]
-    plain = evaluate_run(run_dir, beam=2, output=tmp_path / "plain.txt", progress=False)
+    plain = evaluate_run(run_dir, search=resolve_search(run_decode(run_dir), beam=2),
+                         output=tmp_path / "plain.txt", progress=False)
     assert plain["no_repeat_ngram"] == 0 and plain["repeats"]["n"] == 4
     assert plain["repeats"]["references"] == stutter_share(refs)
     hyps = (tmp_path / "plain.txt").read_text(encoding="utf-8").splitlines()

@@ -4,7 +4,6 @@ the engine interface as aiayn's own does, in `aiayn translate` and `aiayn evalua
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import random
@@ -23,12 +22,15 @@ from export_helpers import (
 )
 from helpers import random_sentence, run_cli
 
+from aiayn.config import DecodeConfig
 from aiayn.errors import AiaynError
 from aiayn.evaluation.evaluate import evaluate_run
 from aiayn.export.command import export_run
 from aiayn.inference.engine import Engine
 from aiayn.inference.search import Sampling, Search
+from aiayn.inference.settings import resolve_search
 from aiayn.inference.translator import Translator
+from aiayn.runs.directory import run_decode
 
 
 def assert_ct2_log_probs_are_aiayns(run: Path, ct2_dir: Path) -> None:
@@ -75,11 +77,11 @@ def test_a_restricted_output_layer_leaves_for_ctranslate2_as_a_bias(tmp_path, qu
     sources, _ = ours.encode(TEXTS)
     allowed = ours.model.generator.output_mask
     for beam in (1, 4):
-        got = theirs.decode_ids(sources, beam=beam, alpha=0.0, nbest=beam)
+        got = theirs.decode_ids(sources, theirs.resolve(beam=beam, alpha=0.0, nbest=beam))
         assert all(allowed[i] for hyps in got for h in hyps for i in h.ids)
         assert all(math.isfinite(h.score) for hyps in got for h in hyps)
         if quantization is None:
-            want = ours.decode_ids(sources, beam=beam, alpha=0.0, nbest=beam)
+            want = ours.decode_ids(sources, ours.resolve(beam=beam, alpha=0.0, nbest=beam))
             assert ids(got) == ids(want)
 
 
@@ -102,24 +104,27 @@ def test_ctranslate2_float32_gives_aiayn_greedy_tokens(run_dir, tmp_path):
     theirs = Translator.from_pretrained(tmp_path / "ct2", engine="ctranslate2")
     sentences = [random_sentence(random.Random(i)) for i in range(30)]
     sources, _ = ours.encode(sentences)
-    assert ids(theirs.decode_ids(sources, beam=1)) == ids(ours.decode_ids(sources, beam=1))
-    # The per-sentence output limit (source length + max_len_b), cut as aiayn cuts.
-    short = ids(theirs.decode_ids(sources, beam=1, max_len_b=-3))
-    assert short == ids(ours.decode_ids(sources, beam=1, max_len_b=-3))
-    assert any(len(s[0]) < len(t[0]) for s, t in zip(short, ids(ours.decode_ids(sources, beam=1))))
+    greedy = ids(ours.decode_ids(sources, ours.resolve(beam=1)))
+    assert ids(theirs.decode_ids(sources, theirs.resolve(beam=1))) == greedy
+    # The per-sentence output limit (floor(max_len_a x source length) + max_len_b), cut as
+    # aiayn cuts.
+    cut = ours.resolve(beam=1, max_len_a=0.75, max_len_b=0)
+    short = ids(theirs.decode_ids(sources, cut))
+    assert short == ids(ours.decode_ids(sources, cut))
+    assert any(len(s[0]) < len(t[0]) for s, t in zip(short, greedy))
     # decode.max_len_a scales the source length: CTranslate2 takes one limit per batch, the
     # longest sentence's, and each sentence is cut at its own, as aiayn's.
-    scaled = dataclasses.replace(ours.resolve(1), max_len_a=0.5, max_len_b=1)
+    scaled = ours.resolve(beam=1, max_len_a=0.5, max_len_b=1)
     halves = ids(theirs.decode_ids(sources, search=scaled))
     assert halves == ids(ours.decode_ids(sources, search=scaled))
     assert all(len(h[0]) <= len(s) // 2 + 1 for h, s in zip(halves, sources, strict=True))
     # The repetition guard is CTranslate2's no_repeat_ngram_size: the same greedy tokens.
-    guarded = ids(ours.decode_ids(sources, beam=1, no_repeat_ngram=1))
-    assert ids(theirs.decode_ids(sources, beam=1, no_repeat_ngram=1)) == guarded
-    assert guarded != ids(ours.decode_ids(sources, beam=1))
+    guarded = ids(ours.decode_ids(sources, ours.resolve(beam=1, no_repeat_ngram=1)))
+    assert ids(theirs.decode_ids(sources, theirs.resolve(beam=1, no_repeat_ngram=1))) == guarded
+    assert guarded != greedy
     # Its sampling cannot be seeded: refused in one line.
-    with pytest.raises(AiaynError, match="--sample needs aiayn's own model"):
-        theirs.decode_ids(sources, nbest=1, sampling=Sampling(seed=1))
+    with pytest.raises(AiaynError, match="^sampling needs aiayn's own model"):
+        theirs.decode_ids(sources, theirs.resolve(nbest=1, sampling=Sampling(seed=1)))
 
 
 @needs_ct2
@@ -141,7 +146,7 @@ def test_both_engines_answer_the_engine_interface_alike(run_dir, tmp_path):
         assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
     # What an engine cannot run is one AiaynError, asked of the engine itself.
     engines[0].supports(Search(2, sampling=Sampling(seed=1)))
-    with pytest.raises(AiaynError, match="--sample needs aiayn's own model"):
+    with pytest.raises(AiaynError, match="^sampling needs aiayn's own model"):
         engines[1].supports(Search(2, sampling=Sampling(seed=1)))
 
 
@@ -160,7 +165,8 @@ def test_translate_and_evaluate_with_the_ctranslate2_engine(run_dir, tmp_path, c
     code, theirs, err = run_cli(["translate", str(out), "--engine", "ctranslate2", "--beam", "1"],
                                 capsys, lines, monkeypatch)
     assert code == 0 and theirs == ours and err == ""
-    ours = evaluate_run(run_dir, beam=1, output=tmp_path / "a.txt", progress=False)
+    ours = evaluate_run(run_dir, search=resolve_search(run_decode(run_dir), beam=1),
+                        output=tmp_path / "a.txt", progress=False)
     code, printed, _ = run_cli(["evaluate", str(out), "--engine", "ctranslate2", "--beam", "1",
                                 "-o", str(tmp_path / "b.txt")], capsys)
     assert code == 0 and f"BLEU  {ours['bleu']:.2f}" in printed and "ctranslate2" in printed
@@ -169,6 +175,7 @@ def test_translate_and_evaluate_with_the_ctranslate2_engine(run_dir, tmp_path, c
     code, _, _ = run_cli(["export", str(run_dir), "--to", "ctranslate2", str(tmp_path / "int8"),
                           "--quantization", "int8"], capsys)
     assert code == 0
-    summary = evaluate_run(tmp_path / "int8", beam=4, engine="ctranslate2", progress=False)
+    summary = evaluate_run(tmp_path / "int8", search=resolve_search(DecodeConfig(), beam=4),
+                           engine="ctranslate2", progress=False)
     assert summary["bleu"] > 80 and summary["engine"] == "ctranslate2"
     assert json.loads((tmp_path / "int8" / "config.json").read_text())["decoder_start_token"] == "[BOS]"

@@ -225,7 +225,7 @@ def test_translate_alignments_prints_the_translation_a_tab_and_pharaoh_pairs(
                             "--nbest", "2"], capsys, lines[0] + "\n\n", monkeypatch)
     rows = [row.split("\t") for row in out.splitlines()]
     assert [row[0] for row in rows] == ["0", "0", "1"] and rows[-1] == ["1", "", "", ""]
-    best, = translator.translate_aligned(lines[:1], beam=2)
+    best, = translator.translate_aligned(lines[:1], translator.resolve(beam=2))
     assert rows[0][2:] == [best[0], pharaoh(best[1])]
 
 

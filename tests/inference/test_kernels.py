@@ -167,7 +167,8 @@ def test_a_translator_keeps_the_choice_it_is_given_and_searches_with_it():
     plain = Translator(model, tokenizers=None)
     for beam in (1, 3):
         counted.calls = 0
-        assert given.decode_ids(sources, beam=beam) == plain.decode_ids(sources, beam=beam)
+        search = plain.resolve(beam=beam)
+        assert given.decode_ids(sources, search) == plain.decode_ids(sources, search)
         assert counted.calls > 0  # every step of the search went through the given product
     assert not hasattr(model.generator, "kernel")  # the model keeps no choice of anyone's
 

@@ -134,25 +134,26 @@ def test_the_copy_model_translates_by_copying(translator):
     rng = random.Random(7)
     sentences = [random_sentence(rng) for _ in range(30)]
     for beam in (1, 4):
-        out = translator.translate(sentences, beam=beam)
+        out = translator.translate(sentences, translator.resolve(beam=beam))
         assert sum(o == s for o, s in zip(out, sentences)) >= 27
 
 
 def test_translations_keep_the_input_order_whatever_the_batching(translator):
     rng = random.Random(3)
     sentences = [random_sentence(rng, longest=10) for _ in range(25)]
-    together = translator.translate(sentences, beam=3)
-    alone = [translator.translate([s], beam=3)[0] for s in sentences]
-    small = Translator(translator.model, translator.tokenizers, max_tokens=40)
-    assert small.translate(sentences, beam=3) == together == alone
+    together = translator.translate(sentences, translator.resolve(beam=3))
+    alone = [translator.translate([s], translator.resolve(beam=3))[0] for s in sentences]
+    small = Translator(translator.model, translator.tokenizers, decode_tokens=40)
+    assert small.translate(sentences, small.resolve(beam=3)) == together == alone
 
 
 def test_beam_one_translates_like_greedy_search(translator):
     sentences = ["red sun", "moon tree river blue", "star"]
     src = pad(translator.tokenizers.encode_src(sentences))
     greedy = translator.tokenizers.decode_tgt(greedy_decode(translator.model, src))
-    assert translator.translate(sentences, beam=1) == greedy
-    assert [h[0][0] for h in translator.translate_nbest(sentences, beam=1)] == greedy
+    assert translator.translate(sentences, translator.resolve(beam=1)) == greedy
+    nbest = translator.translate_nbest(sentences, translator.resolve(beam=1))
+    assert [h[0][0] for h in nbest] == greedy
 
 
 def test_a_translator_without_tokenizers_decodes_ids_as_one_with_them(translator):
@@ -160,18 +161,18 @@ def test_a_translator_without_tokenizers_decodes_ids_as_one_with_them(translator
     beam wider than the target vocabulary refused all the same (the model says its size)."""
     sources = translator.tokenizers.encode_src(["red sun", "moon tree river blue", "star"])
     bare = Translator(translator.model, tokenizers=None)
-    assert bare.decode_ids(sources, beam=3, nbest=2) == translator.decode_ids(sources, beam=3,
-                                                                              nbest=2)
+    search = translator.resolve(beam=3, nbest=2)
+    assert bare.decode_ids(sources, search) == translator.decode_ids(sources, search)
     vocab = translator.model.cfg.tgt_vocab_size
     for t in (bare, translator):
-        with pytest.raises(AiaynError, match=f"at most {min(vocab, t.max_tokens // 2)}"):
-            t.decode_ids(sources, beam=vocab + 1)
+        with pytest.raises(AiaynError, match=f"at most {min(vocab, t.decode_tokens // 2)}"):
+            t.decode_ids(sources, t.resolve(beam=vocab + 1))
 
 
 def test_empty_sentences_give_empty_translations_without_decoding(translator):
-    out = translator.translate(["", "red sun", "   ", "moon"], beam=2)
+    out = translator.translate(["", "red sun", "   ", "moon"], translator.resolve(beam=2))
     assert out[0] == "" and out[2] == ""
-    assert out[1:4:2] == translator.translate(["red sun", "moon"], beam=2)
+    assert out[1:4:2] == translator.translate(["red sun", "moon"], translator.resolve(beam=2))
     assert translator.last_stats.sentences == 2
     assert translator.translate([]) == []
 
@@ -180,7 +181,7 @@ def test_a_sentence_longer_than_max_len_is_truncated_with_a_warning(translator):
     max_len = translator.model.cfg.max_len
     long = " ".join(["red", "green"] * max_len)
     with pytest.warns(TruncationWarning, match="1 sentence"):
-        out = translator.translate([long, "sun"], beam=2)
+        out = translator.translate([long, "sun"], translator.resolve(beam=2))
     assert len(out[0].split()) <= max_len - 1
     assert translator.last_stats.truncated == 1
     assert truncate_source([5] * 20 + [EOS_ID], 16) == [5] * 15 + [EOS_ID]
@@ -188,15 +189,15 @@ def test_a_sentence_longer_than_max_len_is_truncated_with_a_warning(translator):
 
 def test_nbest_gives_distinct_scored_hypotheses_best_first(translator):
     sentences = ["red green blue", "", "sun"]
-    nbest = translator.translate_nbest(sentences, beam=4, nbest=3)
+    nbest = translator.translate_nbest(sentences, translator.resolve(beam=4, nbest=3))
     assert nbest[1] == []
     for hyps in (nbest[0], nbest[2]):
         assert len(hyps) == 3 and len({text for text, _ in hyps}) == 3
         assert [s for _, s in hyps] == sorted((s for _, s in hyps), reverse=True)
     best = [hyps[0][0] if hyps else "" for hyps in nbest]
-    assert best == translator.translate(sentences, beam=4)
+    assert best == translator.translate(sentences, translator.resolve(beam=4))
     with pytest.raises(AiaynError, match="nbest"):
-        translator.translate_nbest(sentences, beam=2, nbest=3)
+        translator.translate_nbest(sentences, translator.resolve(beam=2, nbest=3))
 
 
 # ---------------------------------------------------------------- averaging
@@ -246,7 +247,7 @@ def test_cli_translate_keeps_order_and_empty_lines(run_dir, capsys, monkeypatch,
     code, out, _ = run_cli(["translate", str(run_dir), "--beam", "2"], capsys,
                            "\n".join(lines) + "\n", monkeypatch)
     assert code == 0
-    assert out.split("\n")[:-1] == translator.translate(lines, beam=2)
+    assert out.split("\n")[:-1] == translator.translate(lines, translator.resolve(beam=2))
     assert out.split("\n")[1] == ""
 
 
@@ -280,7 +281,10 @@ def test_cli_translate_warns_about_truncation_in_one_line(run_dir, capsys, monke
     (["--sample", "--seed", "-1"], "--seed must be between 0 and 2**63 - 1, got -1"),
     (["--sample", "--nbest", "65"], "--nbest (samples per sentence with --sample) must be"),
     (["--beam", "0"], "--beam must be at least 1"),
-    (["--beam", "2", "--nbest", "3"], "--nbest must be between"),
+    (["--beam", "2", "--nbest", "3"], "--nbest must be between 1 and the beam (--beam 2), got 3"),
+    (["--decode-tokens", "0"], "--decode-tokens must be between 1 and"),
+    # the alias typed is named, and the option it stands for
+    (["--max-tokens", "0"], "(--max-tokens is --decode-tokens' older name)"),
     (["--weights", "nope"], "no weights 'nope'"),
     (["-i", "/nonexistent/in.txt"], "input file not found"),
 ])
@@ -305,17 +309,19 @@ def with_search(run_dir: Path, tmp_path: Path, beam: int, alpha: float) -> Path:
 
 def test_a_run_decodes_with_its_own_search_unless_told(run_dir, tmp_path):
     t = Translator.from_pretrained(with_search(run_dir, tmp_path, 3, 1.5))
-    pairs = [(s.beam, s.alpha) for s in (t.resolve(), t.resolve(1, 0.2), t.resolve(2))]
+    pairs = [(s.beam, s.alpha) for s in (t.resolve(), t.resolve(beam=1, alpha=0.2),
+                                               t.resolve(beam=2))]
     assert pairs == [(3, 1.5), (1, 0.2), (2, 1.5)]
     # n-best scores are divided by the length penalty: alpha shows in them, the beam in
     # how many hypotheses there can be
-    ours = t.translate_nbest(SEARCH_SENTENCES, nbest=3)
-    assert ours == t.translate_nbest(SEARCH_SENTENCES, 3, 1.5, nbest=3)
-    assert ours != t.translate_nbest(SEARCH_SENTENCES, 3, 0.6, nbest=3)
-    with pytest.raises(AiaynError, match=r"--nbest must be between 1 and the beam \(3\), got 4"):
-        t.translate_nbest(SEARCH_SENTENCES, nbest=4)
-    lines = "".join(t.translate_lines(SEARCH_SENTENCES, nbest=3))
-    assert lines == "".join(t.translate_lines(SEARCH_SENTENCES, 3, 1.5, nbest=3))
+    ours = t.translate_nbest(SEARCH_SENTENCES, t.resolve(nbest=3))
+    assert ours == t.translate_nbest(SEARCH_SENTENCES, t.resolve(beam=3, alpha=1.5, nbest=3))
+    assert ours != t.translate_nbest(SEARCH_SENTENCES, t.resolve(beam=3, alpha=0.6, nbest=3))
+    with pytest.raises(AiaynError, match=r"^nbest must be between 1 and the beam \(beam 3\), got 4"):
+        t.translate_nbest(SEARCH_SENTENCES, t.resolve(nbest=4))
+    lines = "".join(t.translate_lines(SEARCH_SENTENCES, t.resolve(nbest=3)))
+    assert lines == "".join(t.translate_lines(SEARCH_SENTENCES,
+                                              t.resolve(beam=3, alpha=1.5, nbest=3)))
 
 
 def test_translate_resolves_its_search_once_and_every_layer_gets_that_value(
@@ -366,7 +372,7 @@ def test_the_length_limit_is_the_runs_decode_max_len_a_and_b(run_dir, tmp_path):
     save_config(config, run / "config.yaml")
     t = Translator.from_pretrained(run)
     sources, _ = t.encode(SEARCH_SENTENCES)
-    for hyps, ids in zip(t.decode_ids(sources, beam=2, nbest=2), sources, strict=True):
+    for hyps, ids in zip(t.decode_ids(sources, t.resolve(beam=2, nbest=2)), sources, strict=True):
         assert all(len(h.ids) <= max(1, len(ids) // 2) for h in hyps)  # EOS, if any, in it
     with pytest.raises(AiaynError, match=r"decode.max_len_b must be in \[0, 4096\], got -1"):
         load_config(run / "config.yaml", ["decode.max_len_b=-1"])
@@ -397,10 +403,12 @@ def test_cli_translate_and_evaluate_use_the_runs_search(run_dir, tmp_path, capsy
     text = "\n".join(SEARCH_SENTENCES) + "\n"
     code, out, _ = run_cli(["translate", str(run), "--nbest", "3"], capsys, text, monkeypatch)
     assert code == 0
-    assert out == "".join(t.translate_lines(SEARCH_SENTENCES, 3, 1.5, nbest=3))
+    assert out == "".join(t.translate_lines(SEARCH_SENTENCES,
+                                            t.resolve(beam=3, alpha=1.5, nbest=3)))
     code, told, _ = run_cli(["translate", str(run), "--nbest", "3", "--alpha", "0.6"], capsys,
                             text, monkeypatch)
-    assert code == 0 and told == "".join(t.translate_lines(SEARCH_SENTENCES, 3, 0.6, nbest=3))
+    assert code == 0 and told == "".join(t.translate_lines(
+        SEARCH_SENTENCES, t.resolve(beam=3, alpha=0.6, nbest=3)))
     assert told != out
     code, out, _ = run_cli(["evaluate", str(run), "--limit", "5"], capsys)
     assert code == 0 and "beam 3, alpha 1.5" in out
@@ -478,10 +486,10 @@ REPEATING = ["red red red sun sun", "moon tree moon tree moon", "star"]
 
 def test_the_guard_keeps_every_translation_free_of_repeated_ngrams(translator, run_dir,
                                                                     tmp_path):
-    plain = translator.translate(REPEATING, beam=3)
+    plain = translator.translate(REPEATING, translator.resolve(beam=3))
     assert plain[:2] == REPEATING[:2]  # the copy model copies the repeats
     for n in (1, 2):
-        guarded = translator.translate(REPEATING, beam=3, no_repeat_ngram=n)
+        guarded = translator.translate(REPEATING, translator.resolve(beam=3, no_repeat_ngram=n))
         for text in guarded:
             words = text.split()
             assert len({tuple(words[i:i + n]) for i in range(len(words) - n + 1)}) == \
@@ -493,28 +501,29 @@ def test_the_guard_keeps_every_translation_free_of_repeated_ngrams(translator, r
     config.decode = DecodeConfig(no_repeat_ngram=2)
     save_config(config, run / "config.yaml")
     guarded = Translator.from_pretrained(run)
-    assert guarded.translate(REPEATING, beam=3) == translator.translate(REPEATING, beam=3,
-                                                                         no_repeat_ngram=2)
-    assert guarded.translate(REPEATING, beam=3, no_repeat_ngram=0) == plain
+    assert guarded.translate(REPEATING, guarded.resolve(beam=3)) == translator.translate(
+        REPEATING, translator.resolve(beam=3, no_repeat_ngram=2))
+    assert guarded.translate(REPEATING, guarded.resolve(beam=3, no_repeat_ngram=0)) == plain
 
 
 def test_sampling_through_the_translator_is_reproducible_for_a_seed(translator):
     sentences = ["red green blue sun", "", "moon tree river star black"]
     hot = Sampling(temperature=3.0, seed=5)
-    drawn = translator.translate_nbest(sentences, nbest=4, sampling=hot)
-    assert drawn == translator.translate_nbest(sentences, nbest=4, sampling=hot)
+    drawn = translator.translate_nbest(sentences, translator.resolve(nbest=4, sampling=hot))
+    assert drawn == translator.translate_nbest(sentences,
+                                               translator.resolve(nbest=4, sampling=hot))
     assert drawn[1] == [] and all(len(hyps) == 4 for hyps in (drawn[0], drawn[2]))
     assert len({text for hyps in drawn for text, _ in hyps}) >= 4  # hot samples differ
     assert [s for _, s in drawn[0]] == sorted((s for _, s in drawn[0]), reverse=True)
     # Each sentence's samples are its own: alone, in another batch, the same.
-    alone = translator.translate_nbest(sentences[2:], nbest=4, sampling=hot)
+    alone = translator.translate_nbest(sentences[2:], translator.resolve(nbest=4, sampling=hot))
     assert alone[0] == drawn[2]
     # Keeping only the likeliest piece is greedy search; translate gives one sample.
-    greedy = translator.translate(sentences, beam=1)
-    assert translator.translate(sentences, sampling=Sampling(top_k=1, seed=1)) == greedy
-    assert translator.translate(sentences, sampling=Sampling(top_p=1e-6)) == greedy
-    with pytest.raises(AiaynError, match="--beam is for beam search"):
-        translator.translate(sentences, beam=2, sampling=hot)
+    greedy = translator.translate(sentences, translator.resolve(beam=1))
+    for sampling in (Sampling(top_k=1, seed=1), Sampling(top_p=1e-6)):
+        assert translator.translate(sentences, translator.resolve(sampling=sampling)) == greedy
+    with pytest.raises(AiaynError, match="^beam is for beam search"):
+        translator.translate(sentences, translator.resolve(beam=2, sampling=hot))
 
 
 def test_cli_translate_samples_with_a_seed(run_dir, capsys, monkeypatch, translator):
@@ -528,13 +537,90 @@ def test_cli_translate_samples_with_a_seed(run_dir, capsys, monkeypatch, transla
     assert [r[0] for r in rows] == ["0"] * 3 + ["1"] * 3
     again = run_cli([*argv, "--seed", seed], capsys, lines, monkeypatch)
     assert again == (0, out, "")
-    expected = translator.translate_nbest(lines.splitlines(), nbest=3, sampling=Sampling(
-        temperature=3.0, top_k=5, seed=int(seed)))
+    expected = translator.translate_nbest(lines.splitlines(), translator.resolve(
+        nbest=3, sampling=Sampling(temperature=3.0, top_k=5, seed=int(seed))))
     assert [r[2] for r in rows] == [text for hyps in expected for text, _ in hyps]
     code, out, _ = run_cli(["translate", str(run_dir), "--beam", "2", "--no-repeat-ngram",
                             "1"], capsys, "red red sun\n", monkeypatch)
-    assert code == 0 and out == translator.translate(["red red sun"], beam=2,
-                                                     no_repeat_ngram=1)[0] + "\n"
+    guarded = translator.resolve(beam=2, no_repeat_ngram=1)
+    assert code == 0 and out == translator.translate(["red red sun"], guarded)[0] + "\n"
+
+
+# ---------------------------------------------------------------- the Search value
+@pytest.mark.parametrize("method", ["translate", "translate_nbest", "translate_aligned",
+                                    "translate_lines"])
+def test_a_str_where_a_list_of_sentences_is_wanted_is_refused(method):
+    """A str is iterable: it was translated one character at a time, silently."""
+    from helpers import tiny_model
+
+    translator = Translator(tiny_model(), tokenizers=None)
+    with pytest.raises(TypeError, match=rf"^{method}\(\) takes a list of sentences; got a str: "
+                                        rf"use {method}\(\[text\]\)$"):
+        list(getattr(translator, method)("God is love."))
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"beam": 0}, "beam must be at least 1, got 0"),
+    ({"beam": "4"}, "beam must be an integer, got '4'"),
+    ({"beam": True}, "beam must be an integer, got True"),
+    ({"alpha": -1.0}, "alpha must be in [0, 10], got -1.0"),
+    ({"alpha": float("nan")}, "alpha must be in [0, 10], got nan"),
+    ({"beam": 2, "nbest": 3}, "nbest must be between 1 and the beam (beam 2), got 3"),
+    ({"nbest": 0}, "nbest must be between 1 and the beam (beam 4), got 0"),
+    ({"no_repeat_ngram": 65}, "no_repeat_ngram must be between 0 (off) and 64, got 65"),
+    ({"max_len_a": -0.5}, "max_len_a must be in [0, 10], got -0.5"),
+    ({"max_len_b": 5000}, "max_len_b must be between 0 and 4096, got 5000"),
+    ({"beam": 2, "sampling": Sampling()}, "beam is for beam search; sampling draws nbest"),
+    ({"nbest": 65, "sampling": Sampling()},
+     "nbest (samples per sentence with sampling) must be between 1 and 64, got 65"),
+])
+def test_the_search_value_checks_its_settings_once_from_the_configs_ranges(settings, message):
+    """Bounds from aiayn.config.RANGES, a SettingError naming the Python keyword (each edge
+    spells it its own way: ``SettingError.spelled``)."""
+    from aiayn.errors import SettingError
+    from aiayn.inference.settings import Search, resolve_search
+
+    with pytest.raises(SettingError) as caught:
+        resolve_search(DecodeConfig(), **settings)
+    assert str(caught.value).startswith(message)
+    assert caught.value.spelled(lambda name: f"<{name}>").startswith("<")
+    # Built directly, the value checks the same (no second list of bounds)
+    if "sampling" not in settings:
+        with pytest.raises(SettingError, match="^" + message.split(" ")[0]):
+            Search(**{"beam": 4, **settings})
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"temperature": 0.0}, "temperature must be in (0, 100] (towards 0: greedy search)"),
+    ({"top_k": -2}, "top_k must be 0 (every piece) or more, got -2"),
+    ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
+    ({"seed": -1}, "seed must be between 0 and 2**63 - 1, got -1"),
+    ({"seed": 2 ** 63}, "seed must be between 0 and 2**63 - 1"),
+])
+def test_sampling_checks_its_settings_when_built(settings, message):
+    from aiayn.errors import SettingError
+
+    with pytest.raises(SettingError) as caught:
+        Sampling(**settings)
+    assert str(caught.value).startswith(message)
+
+
+def test_the_search_value_stays_hashable_with_nbest_out_of_equality():
+    from aiayn.inference.settings import Search
+
+    assert Search(4, nbest=1) == Search(4, nbest=3)
+    assert hash(Search(4, nbest=1)) == hash(Search(4, nbest=3))
+    assert len({Search(4, 0.6), Search(4, 0.6, nbest=2), Search(4, 1.0)}) == 2
+
+
+def test_the_decoding_budget_has_one_name():
+    """decode_tokens, not max_tokens: the Translator's keyword and property are gone."""
+    from helpers import tiny_model
+
+    translator = Translator(tiny_model(), tokenizers=None, decode_tokens=64)
+    assert translator.decode_tokens == 64 and not hasattr(translator, "max_tokens")
+    with pytest.raises(TypeError):
+        Translator(tiny_model(), tokenizers=None, max_tokens=64)
 
 
 # ---------------------------------------------------------------- aiayn translate, line by line
@@ -567,7 +653,7 @@ def test_translate_interactive_answers_each_line_before_the_next(run_dir, transl
         for line in ("red green blue\r", "", "sun\u2028moon", "white star"):
             process.stdin.write(line.encode() + b"\n")
             process.stdin.flush()  # and nothing more until the answer is back
-            want = translator.translate([line.removesuffix("\r")], beam=2)[0]
+            want = translator.translate([line.removesuffix("\r")], translator.resolve(beam=2))[0]
             assert read_lines(out, 1) == [want]
         process.stdin.close()
         assert process.wait(timeout=30) == 0
@@ -586,7 +672,7 @@ def test_translate_reads_a_terminal_line_by_line(run_dir, translator):
         for number, line in enumerate(["black sun", "white moon star"]):
             os.write(controller, line.encode() + b"\n")
             rows = read_lines(out, 2)
-            want = translator.translate_nbest([line], beam=2, nbest=2)[0]
+            want = translator.translate_nbest([line], translator.resolve(beam=2, nbest=2))[0]
             assert [r.split("\t")[0] for r in rows] == [str(number)] * 2
             assert [r.split("\t")[2] for r in rows] == [text for text, _ in want]
         os.write(controller, b"\x04")  # Ctrl-D: end of input

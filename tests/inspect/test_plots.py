@@ -268,7 +268,7 @@ def test_trained_word_for_word_model_has_diagonal_cross_attention(trained_run):
     translator = Translator.from_pretrained(trained_run)
     sentence = "red dog eats old fish"
     sources, _ = translator.encode([sentence])
-    hypothesis = translator.decode_ids(sources, beam=1)[0][0][0]
+    hypothesis = translator.decode_ids(sources, translator.resolve(beam=1))[0][0][0]
     att = sentence_attention(translator.model, translator.tokenizers, sentence,
                                    hypothesis)
     assert att.translation == "rojo perro come viejo pez"

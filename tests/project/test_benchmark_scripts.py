@@ -62,10 +62,10 @@ def test_the_scripts_on_a_run_read_its_options_alike(monkeypatch):
     for name in ("engines.py", "threads.py", "decode.py"):
         parse_args = runpy.run_path(str(BENCHMARKS / name))["parse_args"]
         parsed[name] = vars(parse_args(["--run-dir", "runs/x", "--beam", "2"]))
-    shared = ("run_dir", "weights", "beam", "max_tokens", "repeats")
+    shared = ("run_dir", "weights", "beam", "decode_tokens", "repeats")
     assert parsed["engines.py"]["split"] == parsed["threads.py"]["split"] == "test"
     assert {n: {k: a[k] for k in shared} for n, a in parsed.items() if n != "decode.py"} == {
-        n: {"run_dir": "runs/x", "weights": "best", "beam": 2, "max_tokens": 8192, "repeats": 2}
+        n: {"run_dir": "runs/x", "weights": "best", "beam": 2, "decode_tokens": 8192, "repeats": 2}
         for n in ("engines.py", "threads.py")}
     assert parsed["decode.py"]["run_dir"] == "runs/x" and parsed["decode.py"]["beam"] == 2
 

@@ -104,8 +104,9 @@ def test_the_cli_runs_without_fcntl_and_fork(tmp_path):
         service = ModelService.from_run({str(run_dir)!r}, lanes="processes")
         try:
             texts = ["I read a book.", "She likes green tea every day."]
-            served = asyncio.run(service.translate(texts, service.resolve(1, 0.6)))["translations"]
-            alone = service.translator.translate(texts, beam=1)
+            search = service.resolve(beam=1, alpha=0.6)
+            served = asyncio.run(service.translate(texts, search))["translations"]
+            alone = service.translator.translate(texts, search)
             print(json.dumps([aiayn.util.lock.fcntl is None, hasattr(os, "fork"),
                               service.stats()["lanes"], served == alone]))
         finally:

@@ -87,7 +87,9 @@ def expected_answer(translator, body: dict, search) -> tuple[list, list[str]]:
     texts = [body["text"]] if isinstance(body["text"], str) else body["text"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", TruncationWarning)
-        hyps = translator.translate_nbest(texts, *search, nbest=body.get("nbest", 1))
+        beam, alpha = search
+        hyps = translator.translate_nbest(texts, translator.resolve(beam=beam, alpha=alpha,
+                                                                    nbest=body.get("nbest", 1)))
     return hyps, [str(w.message) for w in caught if w.category is TruncationWarning]
 
 
@@ -104,7 +106,7 @@ def attention_by_hand(run_dir, translator, sentence: str, step: int, beam: int =
                       ) -> SentenceAttention:
     """The maps of step ``step``'s weights, loaded by hand, over the served translation."""
     sources, _ = translator.encode([sentence])
-    target = translator.decode_ids(sources, beam=beam)[0][0].ids
+    target = translator.decode_ids(sources, translator.resolve(beam=beam))[0][0].ids
     model = Transformer(translator.model.cfg)
     load_weights(model, run_dir / "checkpoints" / f"step_{step:07d}.safetensors")
     return sentence_attention(model.eval(), translator.tokenizers, sentence, target)

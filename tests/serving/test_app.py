@@ -43,8 +43,9 @@ def test_translate_equals_the_translator(client, translator, beam):
     body = {"text": SENTENCES + [LONG], "beam": beam, "alpha": 0.6, "nbest": beam}
     answer = client.post("/translate", json=body).json()
     with pytest.warns(TruncationWarning):  # the same warning as the answer's
-        assert answer["translations"] == translator.translate(SENTENCES + [LONG], beam, 0.6)
-        expected = translator.translate_nbest(SENTENCES + [LONG], beam, 0.6, nbest=beam)
+        search = translator.resolve(beam=beam, alpha=0.6, nbest=beam)
+        assert answer["translations"] == translator.translate(SENTENCES + [LONG], search)
+        expected = translator.translate_nbest(SENTENCES + [LONG], search)
     got = [[(h["text"], h["score"]) for h in hyps] for hyps in answer["nbest"]]
     assert [[t for t, _ in hyps] for hyps in got] == [[t for t, _ in h] for h in expected]
     assert np.allclose([s for h in got for _, s in h], [s for h in expected for _, s in h])
@@ -58,14 +59,15 @@ def test_translate_takes_one_string_and_keeps_the_order(client, translator):
     rng = random.Random(3)
     texts = [random_sentence(rng) for _ in range(8)]
     answer = client.post("/translate", json={"text": texts, "beam": 2}).json()
-    assert answer["translations"] == [translator.translate([t], 2)[0] for t in texts]
+    assert answer["translations"] == [translator.translate([t], translator.resolve(beam=2))[0]
+                                    for t in texts]
     assert answer["warnings"] == []
 
 
 def test_translate_with_alignments_gives_the_translators_word_pairs(client, translator):
     body = {"text": SENTENCES, "beam": 2, "nbest": 2, "alignments": True}
     answer = client.post("/translate", json=body).json()
-    expected = translator.translate_aligned(SENTENCES, beam=2)
+    expected = translator.translate_aligned(SENTENCES, translator.resolve(beam=2))
     assert answer["translations"] == [text for text, _ in expected]
     assert answer["alignments"] == [[list(pair) for pair in links] for _, links in expected]
     assert answer["alignments"][1] == [] and answer["nbest"][1] == []  # the empty line
@@ -95,7 +97,7 @@ def test_a_request_without_a_search_gets_the_runs_own(run_dir, tmp_path):
                                                          "no_repeat_ngram": 0}
         answer = client.post("/translate", json={"text": SENTENCES, "nbest": 3}).json()
         assert (answer["beam"], answer["alpha"]) == (3, 1.5)
-        want = ours.translate_nbest(SENTENCES, 3, 1.5, nbest=3)
+        want = ours.translate_nbest(SENTENCES, ours.resolve(beam=3, alpha=1.5, nbest=3))
         assert [[(h["text"], h["score"]) for h in hyps] for hyps in answer["nbest"]] == \
             [[(text, score) for text, score in hyps] for hyps in want]
         told = client.post("/translate",
@@ -121,14 +123,16 @@ def test_a_request_without_a_search_gets_the_runs_own(run_dir, tmp_path):
 def test_translate_takes_the_guard_and_samples_as_the_translator(client, translator):
     answer = client.post("/translate", json={"text": REPEATING, "beam": 3,
                                              "no_repeat_ngram": 1}).json()
-    assert answer["translations"] == translator.translate(REPEATING, 3, no_repeat_ngram=1)
+    assert answer["translations"] == translator.translate(
+        REPEATING, translator.resolve(beam=3, no_repeat_ngram=1))
     assert answer["no_repeat_ngram"] == 1 and answer["sample"] is None
-    assert answer["translations"] != translator.translate(REPEATING, 3)
+    assert answer["translations"] != translator.translate(REPEATING, translator.resolve(beam=3))
     body = {"text": SENTENCES, "nbest": 3, "sample": {"temperature": 3.0, "top_p": 0.95}}
     drawn = client.post("/translate", json={**body, "seed": 5}).json()
     assert drawn["sample"] == {"temperature": 3.0, "top_k": 0, "top_p": 0.95, "seed": 5}
     assert drawn["beam"] is None
-    want = translator.translate_nbest(SENTENCES, nbest=3, sampling=Sampling(3.0, 0, 0.95, 5))
+    want = translator.translate_nbest(SENTENCES, translator.resolve(
+        nbest=3, sampling=Sampling(3.0, 0, 0.95, 5)))
     assert [[h["text"] for h in hyps] for hyps in drawn["nbest"]] == \
         [[text for text, _ in hyps] for hyps in want]
     # Without a seed: a random one, given in the answer, that draws the same samples again.
@@ -139,7 +143,8 @@ def test_translate_takes_the_guard_and_samples_as_the_translator(client, transla
 
 @pytest.mark.parametrize("body, words", [
     ({"text": "red", "seed": 3}, "seed goes with sample"),
-    ({"text": "red", "beam": 2, "sample": {}}, "--beam is for beam search"),
+    ({"text": "red", "beam": 2, "sample": {}},
+     "beam is for beam search; sample draws nbest samples per sentence instead"),
     ({"text": "red", "sample": {"temperature": 0}}, "body.sample.temperature"),
     ({"text": "red", "sample": {"top_p": 0}}, "body.sample.top_p"),
     ({"text": "red", "no_repeat_ngram": -1}, "body.no_repeat_ngram"),
@@ -193,8 +198,10 @@ def test_next_gives_the_distribution_a_sample_draws_from(client, translator):
 def test_attention_maps_are_those_of_aiayn_attention(client, translator, beam):
     sentence = "sun moon star tree"
     answer = client.post("/attention", json={"text": sentence, "beam": beam}).json()
-    expected = translator.attention(sentence, beam=beam)
-    assert answer["translation"] == expected.translation == translator.translate([sentence], beam)[0]
+    search = translator.resolve(beam=beam)
+    expected = translator.attention(sentence, search)
+    assert answer["translation"] == expected.translation == translator.translate([sentence],
+                                                                                 search)[0]
     assert answer["src_tokens"] == expected.src_tokens
     assert answer["tgt_tokens"] == expected.tgt_tokens
     n_src, n_tgt = len(expected.src_tokens), len(expected.tgt_tokens)
@@ -277,13 +284,46 @@ def test_requests_over_the_limits_get_413_with_a_message(client):
     ("/translate", '{"text": ["red"], "beam": 99}', "body.beam"),
     ("/translate", '{"text": ["red"], "alpha": "high"}', "body.alpha"),
     ("/translate", '{"text": [1, 2]}', "body.text"),
-    ("/translate", '{"text": ["red"], "beam": 2, "nbest": 3}', "--nbest must be between 1 and"),
+    ("/translate", '{"text": ["red"], "beam": 2, "nbest": 3}',
+     "nbest must be between 1 and the beam (beam 2), got 3"),
     ("/attention", '{"text": "   "}', "the sentence to translate is empty"),
     ("/attention", '{"text": ["red"]}', "body.text"),
 ])
 def test_malformed_requests_get_422_with_one_line(client, path, body, words):
     response = client.post(path, content=body, headers={"Content-Type": "application/json"})
     assert_clean_error(response, 422, words)
+
+
+@pytest.mark.parametrize("path, body, words", [
+    # strict types: a string or a boolean is not converted to a number
+    ("/translate", '{"text": ["red"], "beam": "4"}', "body.beam: Input should be a valid integer"),
+    ("/translate", '{"text": ["red"], "beam": true}', "body.beam: Input should be a valid integer"),
+    ("/translate", '{"text": ["red"], "nbest": "2"}', "body.nbest"),
+    ("/translate", '{"text": ["red"], "alignments": "yes"}', "body.alignments"),
+    ("/attention", '{"text": "red", "beam": true}', "body.beam"),
+    ("/next", '{"text": "red", "top": "3"}', "body.top"),
+    # NaN and infinity (Python's JSON reads them) are no numbers here
+    ("/translate", '{"text": ["red"], "alpha": NaN}', "body.alpha: Input should be a finite "
+                                                      "number"),
+    ("/translate", '{"text": ["red"], "sample": {"temperature": Infinity}}',
+     "body.sample.temperature: Input should be a finite number"),
+])
+def test_the_api_takes_json_numbers_strictly(client, path, body, words):
+    response = client.post(path, content=body, headers={"Content-Type": "application/json"})
+    assert_clean_error(response, 422, words)
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"text": ["red"], "beam": 2, "nbest": 3},
+     "nbest must be between 1 and the beam (beam 2), got 3"),
+    ({"text": ["red"], "beam": 2, "sample": {}},
+     "beam is for beam search; sample draws nbest samples per sentence instead"),
+    ({"text": ["red"], "nbest": 65, "sample": {}},
+     "nbest (samples per sentence with sample) must be between 1 and 64, got 65"),
+])
+def test_search_errors_name_the_json_fields_not_the_command_lines_flags(client, body, message):
+    response = client.post("/translate", json=body)
+    assert response.status_code == 422 and response.json() == {"error": message}
 
 
 def test_an_unexpected_failure_is_a_500_without_traceback(run_dir, monkeypatch):

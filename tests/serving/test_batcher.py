@@ -36,9 +36,9 @@ from aiayn.serving.batcher import ClientGone  # noqa: E402
 from aiayn.serving.service import ModelService, ServeLimits, serve_info  # noqa: E402
 
 
-def one_lane_service(run_dir, max_tokens: int | None = None) -> ModelService:
+def one_lane_service(run_dir, decode_tokens: int | None = None) -> ModelService:
     """A service whose batcher has one lane: where each request goes is then known."""
-    translator = Translator.from_pretrained(run_dir, streams=1, max_tokens=max_tokens)
+    translator = Translator.from_pretrained(run_dir, streams=1, decode_tokens=decode_tokens)
     config = load_config(run_dir / "config.yaml")
     return ModelService(translator, config, serve_info(run_dir, "best", config, translator))
 
@@ -93,9 +93,9 @@ def test_requests_with_other_guards_and_samples_decoded_together_each_get_theirs
         assert response.status_code == 200, response.text
         sampling = (Sampling(body["sample"]["temperature"], seed=body["seed"])
                     if "sample" in body else None)
-        want = translator.translate_nbest(body["text"], body.get("beam"),
-                                          nbest=body.get("nbest", 1), sampling=sampling,
-                                          no_repeat_ngram=body.get("no_repeat_ngram"))
+        want = translator.translate_nbest(body["text"], translator.resolve(
+            beam=body.get("beam"), nbest=body.get("nbest", 1), sampling=sampling,
+            no_repeat_ngram=body.get("no_repeat_ngram")))
         assert [[h["text"] for h in hyps] for hyps in response.json()["nbest"]] == \
             [[text for text, _ in hyps] for hyps in want]
 
@@ -121,7 +121,7 @@ def test_per_pass_batching_of_aiayn_model_answers_each_request_as_alone(run_dir,
 def test_the_budget_bounds_the_sentences_decoded_together(run_dir, translator):
     """A budget of 8 tokens x beam: requests of 4 source tokens (3 words and EOS) at beam
     2 are decoded one at a time, those of 2 tokens two at a time; each answered as alone."""
-    service = one_lane_service(run_dir, max_tokens=8)
+    service = one_lane_service(run_dir, decode_tokens=8)
     client = TestClient(create_app(service))
     texts = ["red green blue", "sun moon star", "white tree river", "black sun moon",
              "red", "blue", "tree", "sun"]
@@ -138,7 +138,8 @@ def test_the_budget_bounds_the_sentences_decoded_together(run_dir, translator):
                 answers = [f.result().json() for f in sent]
         finally:
             gate.set()
-        assert [a["translations"][0] for a in answers] == translator.translate(texts, 2, 0.6)
+        assert [a["translations"][0] for a in answers] == translator.translate(
+            texts, translator.resolve(beam=2, alpha=0.6))
         stats = service.stats()
         assert stats["most_tokens"] == 8  # reached, never passed
         assert stats["step_sentences"] > stats["steps"]  # some steps decoded two
@@ -215,7 +216,8 @@ def test_a_function_run_alone_never_overlaps_a_decoding_step(service, translator
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(send, range(len(texts))))
     assert seen == [0] * len(texts)
-    assert [a["translations"][0] for a in answers] == translator.translate(texts, 1, 0.6)
+    assert [a["translations"][0] for a in answers] == translator.translate(
+        texts, translator.resolve(beam=1, alpha=0.6))
 
 
 def test_health_info_and_stats_answer_while_a_long_pass_runs(run_dir, translator,
@@ -229,7 +231,7 @@ def test_health_info_and_stats_answer_while_a_long_pass_runs(run_dir, translator
                 answer = pool.submit(client.post, "/translate", json={"text": ["red sun"]})
                 until(inside.is_set, "the decoding to start")
                 assert client.get("/health").json()["status"] == "ok"
-                assert client.get("/info").json()["batching"] == {"max_tokens": 8192,
+                assert client.get("/info").json()["batching"] == {"decode_tokens": 8192,
                                                                  "max_wait_ms": 5.0}
                 queued = pool.submit(client.post, "/translate", json={"text": ["blue"]})
                 until(lambda: client.get("/stats").json()["waiting"] == 1,
@@ -254,8 +256,10 @@ def test_attention_waits_for_no_pass_and_runs_alone(service, client, translator)
             maps = pool.submit(client.post, "/attention", json={"text": "black sun"})
             until(lambda: service.batcher.waiting == 2, "the requests to queue")
             gate.set()
-            assert first.result().json()["translations"] == translator.translate(["red"], 2)
-            assert maps.result().json()["translation"] == translator.translate(["black sun"], 1)[0]
+            assert first.result().json()["translations"] == translator.translate(
+                ["red"], translator.resolve(beam=2))
+            assert maps.result().json()["translation"] == translator.translate(
+                ["black sun"], translator.resolve(beam=1))[0]
     finally:
         gate.set()
 
@@ -290,7 +294,8 @@ def test_a_request_whose_client_hangs_up_mid_search_is_taken_out_of_it(run_dir, 
         release.set()
         hyps, _ = kept.result(timeout=60)
         assert translator.finish(other, hyps, 1)[0][0][0] == \
-            translator.translate(["white tree river"], 4, 0.6)[0]
+            translator.translate(["white tree river"],
+                                translator.resolve(beam=4, alpha=0.6))[0]
         assert sizes[0] == 2 and set(sizes[1:]) == {1}
         assert service.stats()["abandoned"] == 1 and batcher._load == 0
     finally:
@@ -303,7 +308,9 @@ def test_a_request_whose_client_hangs_up_mid_search_is_taken_out_of_it(run_dir, 
 @pytest.mark.parametrize("args, words", [
     (["--max-wait-ms", "2000"], "--max-wait-ms must be between 0 and 1000, got 2000"),
     (["--max-wait-ms", "nan"], "--max-wait-ms must be between 0 and 1000, got nan"),
-    (["--max-tokens", "0"], "--max-tokens must be at least 1, got 0"),
+    (["--max-tokens", "0"], "--max-tokens must be at least 1, got 0 (--max-tokens is "
+                            "--decode-tokens' older name)"),
+    (["--decode-tokens", "0"], "--decode-tokens must be at least 1, got 0"),
     (["--engine", "ctranslate2", "--batching", "continuous"],
      "--batching continuous needs aiayn's own model: the ctranslate2 engine decodes a batch "
      "to its end (use --batching pass)"),

@@ -87,7 +87,8 @@ def test_a_lane_process_that_dies_is_replaced_and_costs_only_its_requests_a_503(
     while it decodes a request costs that request a 503 with one line, and is replaced."""
     service = process_lanes_service(run_dir)
     client = TestClient(create_app(service), raise_server_exceptions=False)
-    body, expected = {"text": ["red green"], "beam": 2}, translator.translate(["red green"], 2)
+    body = {"text": ["red green"], "beam": 2}
+    expected = translator.translate(["red green"], translator.resolve(beam=2))
     try:
         lanes = [lane.searches for lane in service.batcher._lanes]
         ended = [lane.process for lane in lanes]
@@ -142,7 +143,7 @@ def test_a_lane_process_takes_out_the_sentences_of_a_request_whose_client_hung_u
         sources = translator.prepare(["red green"])
         hyps, _ = batcher.translate(sources, Search(2, 0.6)).result(timeout=60)
         assert translator.finish(sources, hyps, 1)[0][0][0] == \
-            translator.translate(["red green"], 2, 0.6)[0]
+            translator.translate(["red green"], translator.resolve(beam=2, alpha=0.6))[0]
     finally:
         for process in processes:
             with contextlib.suppress(ProcessLookupError):

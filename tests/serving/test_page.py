@@ -75,10 +75,10 @@ def test_the_page_translates_and_draws_the_attention_in_chromium(server, transla
         wait.until(lambda d: d.find_element(By.ID, "status").text.startswith("done")
                    or d.find_element(By.ID, "error").text)
         assert driver.find_element(By.ID, "error").text == ""
-        translation = translator.translate([sentence], beam=4)[0]
+        translation = translator.translate([sentence], translator.resolve(beam=4))[0]
         assert driver.find_element(By.ID, "translation").text == translation
         items = driver.find_elements(By.CSS_SELECTOR, "ol#nbest > li")
-        want = translator.translate_nbest([sentence], beam=4, nbest=4)[0]
+        want = translator.translate_nbest([sentence], translator.resolve(beam=4, nbest=4))[0]
         assert all(li.is_displayed() for li in items)
         shown = [(li.find_element(By.CLASS_NAME, "text").text,
                   float(li.find_element(By.CLASS_NAME, "score").text)) for li in items]
@@ -102,7 +102,7 @@ def test_the_page_translates_and_draws_the_attention_in_chromium(server, transla
             assert shown_pieces() == [(p, f"{q:.3f}") for p, q in want["pieces"]]
         assert float(shown_pieces()[0][1]) > 0.99  # cold: the likeliest piece takes it all
 
-        att = translator.attention(sentence, beam=4)
+        att = translator.attention(sentence, translator.resolve(beam=4))
         for kind, rows, cols in (("cross", att.tgt_tokens, att.src_tokens),
                                  ("decoder_self", att.tgt_tokens, att.tgt_tokens)):
             Select(driver.find_element(By.ID, "kind")).select_by_value(kind)

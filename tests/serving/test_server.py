@@ -68,7 +68,7 @@ def test_a_real_server_answers_concurrent_clients_correctly(server, translator):
     """A small load test: 40 requests from 8 clients at once, each answer the right one."""
     rng = random.Random(7)
     texts = [random_sentence(rng) for _ in range(40)]
-    expected = translator.translate(texts, beam=2)
+    expected = translator.translate(texts, translator.resolve(beam=2))
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda t: http_json(f"{server}/translate",
                                                      {"text": [t], "beam": 2}), texts))

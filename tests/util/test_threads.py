@@ -79,7 +79,7 @@ def random_translator() -> Translator:
                       tgt_vocab_size=tokenizers.tgt_vocab_size, d_model=32, n_heads=4,
                       d_ff=64, n_encoder_layers=2, n_decoder_layers=2, dropout=0.0,
                       max_len=40)
-    return Translator(Transformer(cfg), tokenizers, max_tokens=64)
+    return Translator(Transformer(cfg), tokenizers, decode_tokens=64)
 
 
 def sources(n: int, seed: int = 0) -> list[list[int]]:
@@ -94,7 +94,8 @@ def test_translations_do_not_depend_on_the_number_of_streams(random_translator, 
     by_streams = {}
     for streams in (1, 2, 4):
         random_translator.streams = streams
-        by_streams[streams] = random_translator.decode_ids(ids, beam=beam, nbest=beam)
+        by_streams[streams] = random_translator.decode_ids(
+            ids, random_translator.resolve(beam=beam, nbest=beam))
     random_translator.streams = None
     assert len(by_streams[1]) == 60 and any(len(h[0].ids) > 3 for h in by_streams[1])
     assert by_streams[2] == by_streams[1] and by_streams[4] == by_streams[1]  # scores too
@@ -110,7 +111,7 @@ def test_streams_decode_without_autograd_and_leave_the_caller_alone(random_trans
     random_translator.streams = 2
     try:
         with torch.enable_grad():
-            random_translator.decode_ids(sources(20), beam=2)
+            random_translator.decode_ids(sources(20), random_translator.resolve(beam=2))
             assert torch.is_grad_enabled()
     finally:
         random_translator.streams = None

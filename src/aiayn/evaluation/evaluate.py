@@ -35,16 +35,13 @@ from aiayn.util.threads import default_streams, parallel_map
 
 
 def translate_and_score(translator: Translator, pairs: Sequence[tuple[str, str]],
-                        beam: int | None = None, alpha: float | None = None,
+                        search: Search | None = None,
                         progress: Callable[[int], object] | None = None,
-                        no_repeat_ngram: int | None = None, bleu_tokenize: str = "13a",
-                        search: Search | None = None) -> tuple[list[str], Scores]:
-    """Translate the sources of ``pairs`` with ``search`` (else the keyword settings:
-    ``Translator.resolve``) and score them against the targets (BLEU tokenized by
-    ``bleu_tokenize``: aiayn.data.prepared.Prepared.bleu_tokenize)."""
-    search = search or translator.resolve(beam, alpha, no_repeat_ngram=no_repeat_ngram)
-    hypotheses = translator.translate([src for src, _ in pairs], progress=progress,
-                                      search=search)
+                        bleu_tokenize: str = "13a") -> tuple[list[str], Scores]:
+    """Translate the sources of ``pairs`` with ``search`` (``Translator.resolve``; None: the
+    run's) and score them against the targets (BLEU tokenized by ``bleu_tokenize``:
+    aiayn.data.prepared.Prepared.bleu_tokenize)."""
+    hypotheses = translator.translate([src for src, _ in pairs], search, progress)
     return hypotheses, score(hypotheses, [tgt for _, tgt in pairs], bleu_tokenize)
 
 
@@ -109,7 +106,7 @@ def validate(model: Transformer, tokenizers, dev: list[Example], dev_pairs: list
         translator = Translator(model, tokenizers, device=device, bf16=False,
                                 decode=config.decode, decode_tokens=t.max_tokens, kernel=kernel)
         # train.eval_beam (greedy by default), with the run's length penalty, guard and limit
-        search = translator.resolve(t.eval_beam)
+        search = translator.resolve(beam=t.eval_beam)
         with warnings.catch_warnings():  # long dev sources: truncated, as load_data says
             warnings.simplefilter("ignore", TruncationWarning)
             hyps, scores = translate_and_score(translator, pairs, search=search,
@@ -141,43 +138,45 @@ def split_loss(model: Transformer, prepared, split: str, limit: int, config: Con
     return dev_loss(model, examples, config, device, kernel)
 
 
-def search_name(beam: int, alpha: float, no_repeat_ngram: int = 0) -> str:
+def search_name(search: Search) -> str:
     """The search in a file name: "beam1" (greedy: no length penalty), else "beam6.alpha1";
     with the repetition guard ".norepeat3" after it."""
-    name = "beam1" if beam == 1 else f"beam{beam}.alpha{alpha:g}"
-    return f"{name}.norepeat{no_repeat_ngram}" if no_repeat_ngram else name
+    name = "beam1" if search.beam == 1 else f"beam{search.beam}.alpha{search.alpha:g}"
+    guard = search.no_repeat_ngram
+    return f"{name}.norepeat{guard}" if guard else name
 
 
-def evaluate_run(run_dir: str | Path, split: str = "test", beam: int | None = None,
-                 alpha: float | None = None, data_dir: str | Path | None = None,
-                 weights: str | Path = "best", output: str | Path | None = None,
-                 limit: int = 0, max_tokens: int | None = None, device: str | None = "auto",
-                 bf16: bool = False, progress: bool = True, engine: str = "aiayn",
-                 no_repeat_ngram: int | None = None) -> dict[str, Any]:
+def evaluate_run(run_dir: str | Path, split: str = "test", search: Search | None = None,
+                 data_dir: str | Path | None = None, weights: str | Path = "best",
+                 output: str | Path | None = None, limit: int = 0,
+                 decode_tokens: int | None = None, device: str | None = "auto",
+                 bf16: bool = False, progress: bool = True, engine: str = "aiayn"
+                 ) -> dict[str, Any]:
     """Translate a split of the run's prepared data, write the hypotheses (one per line)
     and a .json of the scores beside them; returns that summary.
 
-    ``beam``, ``alpha``: None takes the run's (its config's decode section: the paper's beam
-    4, alpha 0.6 unless the run says otherwise). ``data_dir``: default the run's
+    ``search``: the ``Search`` to run (``resolve_search`` over the run's ``decode`` section,
+    as `aiayn evaluate` builds it from its flags; None: the run's own, the paper's beam 4,
+    alpha 0.6 unless the run says otherwise). ``data_dir``: default the run's
     data_dir.txt. ``output``: default
-    RUN_DIR/eval/SPLIT.WEIGHTS.beamK.alphaA.txt (greedy: SPLIT.WEIGHTS.beam1.txt), so
-    searches that differ in alpha alone keep their own files. ``limit``: only the first N sentences (0: all).
-    ``engine="ctranslate2"``: ``run_dir`` is an `aiayn export --to ctranslate2` directory,
-    decoded by CTranslate2 (WEIGHTS in the file name is then "ctranslate2").
-    ``no_repeat_ngram``: the repetition guard (None: the run's decode.no_repeat_ngram). The
-    summary's "repeats" gives the share of hypotheses and of references that repeat a
-    4-gram of words (``aiayn.evaluation.metrics.stutter_share``).
+    RUN_DIR/eval/SPLIT.WEIGHTS.beamK.alphaA.txt (greedy: SPLIT.WEIGHTS.beam1.txt; with a
+    repetition guard .norepeatN before .txt: ``search_name``), so searches that differ in
+    alpha alone keep their own files. ``limit``: only the first N sentences (0: all).
+    ``decode_tokens``: the decoding budget (``Translator``'s). ``engine="ctranslate2"``:
+    ``run_dir`` is an `aiayn export --to ctranslate2` directory, decoded by CTranslate2
+    (WEIGHTS in the file name is then "ctranslate2"). The summary's "repeats" gives the
+    share of hypotheses and of references that repeat a 4-gram of words
+    (``aiayn.evaluation.metrics.stutter_share``).
     """
     # The search, resolved and checked once, before anything loads.
-    search = resolve_search(run_decode(run_dir), beam, alpha, 1, no_repeat_ngram)
+    search = search or resolve_search(run_decode(run_dir))
     if limit < 0:
         raise AiaynError(f"--limit must be 0 (all) or a positive number of sentences, got {limit}")
     if output is not None:
         check_output_file(output, "--output")
     translator = Translator.from_pretrained(run_dir, weights, device=choose_device(device),
-                                            decode_tokens=max_tokens, bf16=bf16, engine=engine)
+                                            decode_tokens=decode_tokens, bf16=bf16, engine=engine)
     translator.check(search)  # what the model and the decoding budget can hold
-    beam, alpha, no_repeat_ngram = search.beam, search.alpha, search.no_repeat_ngram
     data_dir = Path(data_dir) if data_dir else read_data_dir(run_dir)
     prepared = load_prepared(data_dir)
     pairs = prepared.split(split)
@@ -193,20 +192,20 @@ def evaluate_run(run_dir: str | Path, split: str = "test", beam: int | None = No
         loss, nll = split_loss(translator.model, prepared, split, len(pairs), run_config,
                                translator.device, bf16, translator.kernel)
     with tqdm(total=len(pairs), unit="sent", dynamic_ncols=True, disable=not progress,
-              desc=f"{split} beam {beam}") as bar:
-        hypotheses, scores = translate_and_score(translator, pairs, progress=bar.update,
-                                                 bleu_tokenize=tokenize, search=search)
+              desc=f"{split} beam {search.beam}") as bar:
+        hypotheses, scores = translate_and_score(translator, pairs, search, bar.update,
+                                                 tokenize)
     speed = translator.last_stats
     own = translator.engine.own_model  # else the engine's name stands for its weights
     weights_name = Path(str(weights)).name.removesuffix(".safetensors") if own else engine
     output = Path(output) if output else (
-        Path(run_dir) / "eval" / f"{split}.{weights_name}.{search_name(beam, alpha, no_repeat_ngram)}.txt")
+        Path(run_dir) / "eval" / f"{split}.{weights_name}.{search_name(search)}.txt")
     atomic_write_text(output, "".join(h + "\n" for h in hypotheses))
     summary = {
         "run_dir": str(run_dir), "data_dir": str(data_dir),
         "weights": str(weights) if own else weights_name,
-        "split": split, "sentences": len(pairs), "beam": beam, "alpha": alpha,
-        "no_repeat_ngram": no_repeat_ngram,
+        "split": split, "sentences": len(pairs), "beam": search.beam, "alpha": search.alpha,
+        "no_repeat_ngram": search.no_repeat_ngram,
         "loss": loss, "nll": nll,
         "bleu": scores.bleu, "bleu_signature": scores.bleu_signature, "bleu_tokenize": tokenize,
         "chrf": scores.chrf, "chrf_signature": scores.chrf_signature,

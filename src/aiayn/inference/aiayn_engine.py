@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from aiayn.data.batching import pad, token_batches
-from aiayn.errors import AiaynError, is_out_of_memory
+from aiayn.errors import AiaynError, SettingError, is_out_of_memory
 from aiayn.inference.budget import (
     decode_bytes_per_token,
     default_decode_tokens,
@@ -79,9 +79,10 @@ class AiaynEngine(Engine):
         limit = memory_bytes(self.device) // 2 // per_token
         where = "the GPU's free memory" if self.device.type == "cuda" else "this machine's memory"
         if not 1 <= decode_tokens <= limit:
-            raise AiaynError(f"--max-tokens must be between 1 and {limit} for this model "
-                             f"(half of {where} at {per_token} bytes per padded token), got "
-                             f"{decode_tokens}")
+            raise SettingError("{decode_tokens} must be between 1 and {limit} for this model "
+                               "(half of {where} at {per_token} bytes per padded token), got "
+                               "{got}", limit=limit, where=where, per_token=per_token,
+                               got=decode_tokens)
 
     @torch.no_grad()
     def search(self, sources: list[list[int]], search: Search, greedy_ok: bool = False
@@ -112,9 +113,10 @@ class AiaynEngine(Engine):
                 if not is_out_of_memory(exc):
                     raise
                 tokens = len(rows) * max(map(len, rows)) * search.beam
-                raise AiaynError(
-                    f"out of memory decoding a batch of {len(rows)} sentence(s) x beam "
-                    f"{search.beam} ({tokens} padded tokens) on {self.device}; give a smaller "
-                    f"--max-tokens (now {decode_tokens})") from None
+                raise SettingError(
+                    "out of memory decoding a batch of {rows} sentence(s) x beam {width} "
+                    "({tokens} padded tokens) on {device}; give a smaller {decode_tokens} "
+                    "(now {budget})", rows=len(rows), width=search.beam, tokens=tokens,
+                    device=self.device, budget=decode_tokens) from None
 
         return batches, parallel_map(one, batches, streams, self.threads_per_stream)

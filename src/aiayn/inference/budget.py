@@ -1,5 +1,5 @@
 """How much a decoding pass may hold: the decoding budget, ``decode_tokens``, in padded
-source tokens x beam (`aiayn translate|evaluate|serve --decode-tokens`, alias --max-tokens),
+source tokens x beam (`aiayn translate|evaluate|serve --decode-tokens`),
 from the device's memory and the model's size, and how a budget is shared among parallel
 CPU streams. (Not training's budget, train.max_tokens: tokens of a training batch.)
 """

@@ -29,14 +29,14 @@ import torch
 
 from aiayn.config import Config, load_config
 from aiayn.data.tokenizer import BOS, PAD, Tokenizers
-from aiayn.errors import AiaynError
+from aiayn.errors import AiaynError, SettingError
 from aiayn.inference.engine import Engine
 from aiayn.inference.settings import Search
 from aiayn.inference.steps import Hypothesis
 from aiayn.util.extras import require
 
 MODEL_FILE = "model.bin"
-SAMPLING_REFUSED = ("--sample needs aiayn's own model: CTranslate2's sampling cannot be seeded "
+SAMPLING_REFUSED = ("{sampling} needs aiayn's own model: CTranslate2's sampling cannot be seeded "
                     "(translate the run directory with --engine aiayn)")
 
 
@@ -80,7 +80,7 @@ class CTranslate2Engine(Engine):
     def supports(self, search: Search) -> None:
         """Sampling is refused (``SAMPLING_REFUSED``)."""
         if search.sampling is not None:
-            raise AiaynError(SAMPLING_REFUSED)
+            raise SettingError(SAMPLING_REFUSED)
 
     def search(self, sources: list[list[int]], search: Search, greedy_ok: bool = False
                ) -> list[list[Hypothesis]]:

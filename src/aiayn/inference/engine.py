@@ -21,7 +21,7 @@ from typing import ClassVar
 import torch
 
 from aiayn.data.batching import token_batches
-from aiayn.errors import AiaynError
+from aiayn.errors import AiaynError, SettingError
 from aiayn.inference.budget import default_decode_tokens
 from aiayn.inference.settings import Search
 from aiayn.inference.steps import Hypothesis
@@ -60,7 +60,7 @@ class Engine(ABC):
     def check_budget(self, decode_tokens: int) -> None:
         """An AiaynError if the decoding budget cannot be held."""
         if decode_tokens < 1:
-            raise AiaynError(f"--max-tokens must be at least 1, got {decode_tokens}")
+            raise SettingError("{decode_tokens} must be at least 1, got {got}", got=decode_tokens)
 
     @abstractmethod
     def search(self, sources: list[list[int]], search: Search, greedy_ok: bool = False

@@ -51,8 +51,6 @@ class JoinableSearch:
     """
 
     def __init__(self, model: Transformer, search: Search, kernel: OutputKernel | None = None):
-        if search.beam < 1:
-            raise ValueError(f"beam must be at least 1, got {search.beam}")
         self.model, self.search, self.kernel = model, search, kernel
         self.beam, self.alpha, self.sampling = search.beam, search.alpha, search.sampling
         self._start()

@@ -152,11 +152,8 @@ def beam_search(model: Transformer, src: Tensor, beam: int, alpha: float = Decod
                 no_repeat_ngram: int = 0, sampling: Sampling | None = None,
                 kernel: OutputKernel | None = None) -> list[list[Hypothesis]]:
     """``decode_beam`` with its settings as keywords, for scripts that hold no run
-    (``sampling`` needs its seed)."""
-    if beam < 1:
-        raise ValueError(f"beam must be at least 1, got {beam}")
-    if not 1 <= nbest <= beam:
-        raise ValueError(f"nbest must be between 1 and the beam size {beam}, got {nbest}")
+    (``sampling`` needs its seed; ``Search`` checks the settings: a SettingError, a
+    ValueError too)."""
     return decode_beam(model, src, Search(beam, alpha, no_repeat_ngram, sampling, nbest,
                                           max_len_b=max_len_b), use_cache, kernel)
 

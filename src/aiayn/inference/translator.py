@@ -5,16 +5,17 @@ the validation during training (``aiayn.evaluation.evaluate``) and attention pic
     >>> t = Translator.from_pretrained("runs/demo")           # best.safetensors
     >>> t.translate(["The Lord is my shepherd."])      # the run's search (config.yaml's decode)
     ['El Señor es mi pastor.']
-    >>> t.translate(["The Lord is my shepherd."], beam=4, alpha=0.6, no_repeat_ngram=3)
+    >>> t.translate(["The Lord is my shepherd."], t.resolve(beam=4, no_repeat_ngram=3))
     ['El Señor es mi pastor.']
-    >>> t.translate_nbest(["The Lord is my shepherd."], nbest=3,      # 3 samples each
-    ...                   sampling=Sampling(temperature=0.8, top_p=0.9, seed=1))
+    >>> t.translate_nbest(["The Lord is my shepherd."],               # 3 samples each
+    ...                   t.resolve(nbest=3, sampling=Sampling(temperature=0.8, seed=1)))
 
-The search is one ``Search`` value (``aiayn.inference.settings``): a command resolves it
-once (``resolve_search``: its options over the run's ``decode`` section) and hands it to
-every method as ``search=``; the keyword arguments (``beam=``, ``alpha=``, ``nbest=``,
-``sampling=``...) are a convenience that builds it once (``Translator.resolve``). Who
-searches is the ``engine`` (``aiayn.inference.engine``: aiayn's own or CTranslate2's).
+The search is one ``Search`` value (``aiayn.inference.settings``), every method's
+``search`` (None: the run's). ``Translator.resolve(beam=..., alpha=..., nbest=...,
+no_repeat_ngram=..., sampling=..., max_len_a=..., max_len_b=...)`` builds it, the settings
+not given taking the run's ``decode`` section; a command resolves it once and hands that
+value to every call. Who searches is the ``engine`` (``aiayn.inference.engine``: aiayn's
+own or CTranslate2's).
 
 Behind ``translate`` the sentences are tokenized, sorted by length, cut into batches of at
 most ``decode_tokens`` padded source tokens x beam (``aiayn.data.batching.token_batches``),
@@ -23,6 +24,8 @@ busy core then slowing one stream, not every op) and put back in their input ord
 
 Rules for awkward input (never a crash):
 
+- A ``str`` where a list of sentences is wanted is refused (a ``TypeError``): a string is
+  iterable, and each of its characters would be translated as a sentence.
 - An empty (or all-whitespace) sentence is not decoded; its translation is ``""``.
 - A sentence whose source ids (tokens + EOS) are longer than the model's ``max_len`` keeps
   its first ``max_len - 1`` tokens and its EOS; a ``TruncationWarning`` says how many were
@@ -43,14 +46,14 @@ import torch
 from aiayn.config import DecodeConfig, alignment_layer_index
 from aiayn.data.batching import token_batches
 from aiayn.data.tokenizer import EOS_ID
-from aiayn.errors import AiaynError
+from aiayn.errors import AiaynError, SettingError
 from aiayn.inference.aiayn_engine import AiaynEngine
 from aiayn.inference.align import Alignment, pharaoh, piece_words, text_words, word_alignment
 from aiayn.inference.attention import SentenceAttention, cross_attention, sentence_attention
 from aiayn.inference.engine import Engine
 from aiayn.inference.engines import ENGINES, engine_class
 from aiayn.inference.search import Hypothesis, next_distribution
-from aiayn.inference.settings import Sampling, Search, check_options, resolve_search
+from aiayn.inference.settings import Sampling, Search, resolve_search
 from aiayn.model import OutputKernel, Transformer
 from aiayn.util.threads import on_one_thread
 
@@ -115,31 +118,30 @@ class Translator:
     """A search engine and its tokenizers, translating lists of sentences in length-sorted
     batches."""
 
-    def __init__(self, model: Transformer | None, tokenizers, max_tokens: int | None = None,
+    def __init__(self, model: Transformer | None, tokenizers, decode_tokens: int | None = None,
                  device: str | torch.device | None = None, bf16: bool = False,
                  engine: Engine | None = None, streams: int | None = None,
                  threads_per_stream: int = 1, decode: DecodeConfig | None = None,
-                 decode_tokens: int | None = None, kernel: OutputKernel | None = None):
+                 kernel: OutputKernel | None = None):
         """``engine``: who searches (``aiayn.inference.engine``; None: aiayn's own search over
         ``model`` on ``device``, with ``bf16``, ``streams`` and ``threads_per_stream``: see
-        ``AiaynEngine``). ``decode_tokens`` (or its older name ``max_tokens``): the decoding
-        budget in padded source tokens x beam (``token_batches``; None: the engine's default,
-        8,192 on a CPU). ``decode``: the search that settings left out mean (the run's config
-        section; default the paper's beam 4, alpha 0.6). ``kernel``: the output layer's product
-        for aiayn's engine (``AiaynEngine``; None: chosen there)."""
+        ``AiaynEngine``). ``decode_tokens``: the decoding budget in padded source tokens x
+        beam (``token_batches``; None: the engine's default, 8,192 on a CPU). ``decode``: the
+        search that settings left out mean (the run's config section; default the paper's
+        beam 4, alpha 0.6). ``kernel``: the output layer's product for aiayn's engine
+        (``AiaynEngine``; None: chosen there)."""
         self.engine = engine or AiaynEngine(model, device, bf16, streams, threads_per_stream,
                                             kernel)
         self.model, self.device = self.engine.model, self.engine.device
         self.max_len = self.engine.max_len
         self.decode = decode or DecodeConfig()
-        budget = decode_tokens if decode_tokens is not None else max_tokens
-        self.decode_tokens = self.engine.default_budget() if budget is None else budget
+        self.decode_tokens = (self.engine.default_budget() if decode_tokens is None
+                              else decode_tokens)
         self.engine.check_budget(self.decode_tokens)
         self.tokenizers = tokenizers
         self.bf16 = bf16
         self.last_stats = DecodeStats()
 
-    max_tokens = property(lambda self: self.decode_tokens, doc="``decode_tokens``' older name")
     kernel = property(lambda self: self.engine.kernel,
                       doc="the output layer's product the searches compute with (the engine's)")
 
@@ -168,14 +170,12 @@ class Translator:
         return cls(searcher.model, tokenizers, engine=searcher,
                    bf16=options.get("bf16", False), **kwargs)
 
-    def resolve(self, beam: int | None = None, alpha: float | None = None, nbest: int = 1,
-                no_repeat_ngram: int | None = None, sampling: Sampling | None = None,
-                max_len_b: int | None = None) -> Search:
-        """The search of these settings over the run's (``resolve_search`` on
-        ``self.decode``), checked against this translator too (``check``): what the keyword
-        arguments of the methods below mean."""
-        search = resolve_search(self.decode, beam, alpha, nbest, no_repeat_ngram, sampling,
-                                max_len_b=max_len_b)
+    def resolve(self, **settings) -> Search:
+        """The search of these settings (``resolve_search``'s keywords: beam, alpha, nbest,
+        no_repeat_ngram, sampling, max_len_a, max_len_b) over the run's (``self.decode``),
+        checked against this translator too (``check``); with none, the run's search, the
+        one every method's ``search=None`` means."""
+        search = resolve_search(self.decode, **settings)
         self.check(search)
         return search
 
@@ -189,64 +189,57 @@ class Translator:
         half = self.decode_tokens // 2
         if search.sampling is not None:
             if search.beam > half:
-                raise AiaynError(f"--nbest (samples) must be at most {half} for --max-tokens "
-                                 f"{self.decode_tokens} (half the decoding budget), got "
-                                 f"{search.beam}")
+                raise SettingError("{nbest} (samples) must be at most {half} for "
+                                   "{decode_tokens} {budget} (half the decoding budget), got "
+                                   "{got}", half=half, budget=self.decode_tokens, got=search.beam)
             return
         limit = min(self.engine.tgt_vocab_size, half)
         if search.beam > limit:
-            raise AiaynError(f"--beam must be at most {limit} for this model and --max-tokens "
-                             f"{self.decode_tokens} (the target vocabulary, and half the "
-                             f"decoding budget), got {search.beam}")
+            raise SettingError("{beam} must be at most {limit} for this model and "
+                               "{decode_tokens} {budget} (the target vocabulary, and half the "
+                               "decoding budget), got {got}", limit=limit,
+                               budget=self.decode_tokens, got=search.beam)
 
-    def translate(self, sentences: Sequence[str], beam: int | None = None,
-                  alpha: float | None = None, max_len_b: int | None = None,
-                  progress: Callable[[int], object] | None = None,
-                  no_repeat_ngram: int | None = None, sampling: Sampling | None = None,
-                  search: Search | None = None) -> list[str]:
-        """One translation per sentence, in input order (``beam=1``: greedy search).
-        ``search``: the resolved search; else the keyword settings (``resolve``: None takes
-        the run's; ``sampling``: one sample per sentence instead of the search)."""
-        search = search or self.resolve(beam, alpha, 1, no_repeat_ngram, sampling, max_len_b)
-        hyps = self._translate(sentences, search, progress, scored=False)
+    def translate(self, sentences: Sequence[str], search: Search | None = None,
+                  progress: Callable[[int], object] | None = None) -> list[str]:
+        """One translation per sentence, in input order. ``search``: the ``Search`` to run
+        (``resolve``; None: the run's), its best hypothesis kept (with sampling: one
+        sample per sentence)."""
+        hyps = self._translate(_sentence_list(sentences, "translate"), search, progress,
+                               scored=False)
         return [h[0][0] if h else "" for h in hyps]
 
-    def translate_nbest(self, sentences: Sequence[str], beam: int | None = None,
-                        alpha: float | None = None, nbest: int = 1,
-                        max_len_b: int | None = None,
-                        progress: Callable[[int], object] | None = None,
-                        no_repeat_ngram: int | None = None, sampling: Sampling | None = None,
-                        search: Search | None = None) -> list[list[tuple[str, float]]]:
-        """Up to ``nbest`` (translation, score) pairs per sentence, best first (with
-        ``sampling``: ``nbest`` samples, best first). ``search``: as ``translate``'s.
+    def translate_nbest(self, sentences: Sequence[str], search: Search | None = None,
+                        progress: Callable[[int], object] | None = None
+                        ) -> list[list[tuple[str, float]]]:
+        """Up to ``search.nbest`` (translation, score) pairs per sentence, best first (with
+        sampling: ``nbest`` samples, best first). ``search``: as ``translate``'s.
 
         The score is the length-normalised log-probability (see ``aiayn.inference.search``); an empty
         sentence gets an empty list.
         """
-        search = search or self.resolve(beam, alpha, nbest, no_repeat_ngram, sampling,
-                                        max_len_b)
-        return self._translate(sentences, search, progress, scored=True)
+        return self._translate(_sentence_list(sentences, "translate_nbest"), search, progress,
+                               scored=True)
 
-    def translate_aligned(self, sentences: Sequence[str], beam: int | None = None,
-                          alpha: float | None = None, max_len_b: int | None = None,
-                          progress: Callable[[int], object] | None = None,
-                          no_repeat_ngram: int | None = None, search: Search | None = None
+    def translate_aligned(self, sentences: Sequence[str], search: Search | None = None,
+                          progress: Callable[[int], object] | None = None
                           ) -> list[tuple[str, Alignment]]:
         """One (translation, word alignment) per sentence, in input order: the alignment
         links each word of the translation to a word of the sentence, (i, j) pairs of
         ``sentence.split()[i]`` and ``translation.split()[j]`` (``aiayn.inference.align``; write them
         with ``aiayn.inference.align.pharaoh``). An empty sentence gives ("", [])."""
-        search = search or self.resolve(beam, alpha, 1, no_repeat_ngram, None, max_len_b)
-        hyps = self._translate(sentences, search, progress, scored=False, aligned=True)
+        hyps = self._translate(_sentence_list(sentences, "translate_aligned"), search,
+                               progress, scored=False, aligned=True)
         return [(h[0][0], h[0][2]) if h else ("", []) for h in hyps]
 
-    def _translate(self, sentences, search: Search, progress, scored, aligned=False):
+    def _translate(self, sentences, search: Search | None, progress, scored, aligned=False):
         """Tokenize the non-empty sentences, decode them, detokenize, keep the input order.
 
         ``progress(n)`` is called after each batch with its number of sentences (e.g. a
         tqdm bar's ``update``); ``self.last_stats`` describes the pass afterwards.
         ``aligned``: each (text, score) gets its word alignment as a third item.
         """
+        search = search or self.resolve()
         if aligned:
             self.check_alignments()
         sources = self.prepare(sentences)
@@ -287,19 +280,17 @@ class Translator:
             results[i] = [(text, score) for text, (_, score) in zip(texts, kept)]
         return results
 
-    def translate_lines(self, lines: Iterable[str], beam: int | None = None,
-                        alpha: float | None = None, nbest: int = 1, chunk: int = 2000,
-                        no_repeat_ngram: int | None = None, sampling: Sampling | None = None,
-                        alignments: bool = False, search: Search | None = None
-                        ) -> Iterator[str]:
+    def translate_lines(self, lines: Iterable[str], search: Search | None = None,
+                        chunk: int = 2000, alignments: bool = False) -> Iterator[str]:
         """`aiayn translate`'s output, ``chunk`` lines at a time (so output appears as it is
         ready and memory stays bounded; ``chunk=1`` answers each line of a lazy iterable,
         e.g. a terminal, as soon as it arrives): one translation per line, or with
-        ``nbest > 1`` rows 'LINE<TAB>SCORE<TAB>TRANSLATION' (an empty line gives
+        ``search.nbest > 1`` rows 'LINE<TAB>SCORE<TAB>TRANSLATION' (an empty line gives
         'LINE<TAB><TAB>'). ``search``: as ``translate``'s (one seed for every chunk).
         ``alignments``: each row ends with a tab and the translation's word alignment in the
         Pharaoh format ('0-0 1-2', ``aiayn.inference.align.pharaoh``)."""
-        search = search or self.resolve(beam, alpha, nbest, no_repeat_ngram, sampling)
+        lines = _sentence_list(lines, "translate_lines")
+        search = search or self.resolve()
         if alignments:
             self.check_alignments()
         nbest = search.nbest
@@ -336,11 +327,8 @@ class Translator:
         return [truncate_source(ids, max_len) for ids in sources], truncated
 
     @torch.no_grad()
-    def decode_ids(self, sources: list[list[int]], beam: int | None = None,
-                   alpha: float | None = None, nbest: int = 1, max_len_b: int | None = None,
-                   progress: Callable[[int], object] | None = None,
-                   greedy_ok: bool = True, no_repeat_ngram: int | None = None,
-                   sampling: Sampling | None = None, search: Search | None = None
+    def decode_ids(self, sources: list[list[int]], search: Search | None = None,
+                   progress: Callable[[int], object] | None = None, greedy_ok: bool = True
                    ) -> list[list[Hypothesis]]:
         """Decode source id lists with the engine (``Engine.decode``: length-sorted batches
         of the decoding budget); results in input order. ``search``: as ``translate``'s.
@@ -349,8 +337,7 @@ class Translator:
         search, which returns the same tokens as a beam of 1 more cheaply but no score
         (reported as 0.0).
         """
-        search = search or self.resolve(beam, alpha, nbest, no_repeat_ngram, sampling,
-                                        max_len_b)
+        search = search or self.resolve()
         results: list[list[Hypothesis]] = [[] for _ in sources]
         batches, decoded = self.engine.decode(sources, search, self.decode_tokens, greedy_ok)
         for batch, hyps in zip(batches, decoded, strict=True):
@@ -360,16 +347,17 @@ class Translator:
                 progress(len(batch))
         return results
 
-    def attention(self, sentence: str, beam: int = 1, alpha: float | None = None
-                  ) -> SentenceAttention:
-        """Translate ``sentence`` and capture every attention map of that translation."""
-        hypothesis = self.target_ids(sentence, beam=beam, alpha=alpha)
+    def attention(self, sentence: str, search: Search | None = None) -> SentenceAttention:
+        """Translate ``sentence`` with ``search`` (None: the run's; `aiayn attention` gives
+        ``resolve(beam=1)``, greedy) and capture every attention map of that translation."""
+        hypothesis = self.target_ids(sentence, search=search)
         return self.attention_of(self.model, sentence, hypothesis)
 
-    def target_ids(self, sentence: str, target: str | None = None, beam: int = 1,
-                   alpha: float | None = None) -> list[int]:
+    def target_ids(self, sentence: str, target: str | None = None,
+                   search: Search | None = None) -> list[int]:
         """The target ids (no BOS, no EOS) a teacher-forced pass over ``sentence`` is given:
-        ``target`` tokenized, or else this translator's translation of ``sentence``."""
+        ``target`` tokenized, or else this translator's translation of ``sentence`` by
+        ``search`` (None: the run's)."""
         if not sentence.strip():
             raise AiaynError("the sentence to translate is empty")
         self.engine.require_model("attention maps")
@@ -379,19 +367,19 @@ class Translator:
             return self.tokenizers.encode_tgt([_one_line(target)])[0][1:-1]
         # Decode ids (not text) so that the teacher-forced pass sees the exact hypothesis.
         sources, _ = self.encode([_one_line(sentence)])
-        return self.decode_ids(sources, beam=beam, alpha=alpha)[0][0].ids
+        return self.decode_ids(sources, search)[0][0].ids
 
     def next_piece(self, sentence: str, target: str | None = None, step: int | None = None,
-                   sampling: Sampling | None = None, top: int = 10, no_repeat_ngram: int = 0
-                   ) -> NextPiece:
-        """The ``top`` likeliest pieces that a sample (``sampling``: temperature, top-k,
-        top-p) would draw as piece number ``step`` of ``target`` (None: this translator's
-        greedy translation), given the source and the pieces before it, with their
-        probabilities (``aiayn.inference.search.next_distribution``); ``step`` None: after the whole
-        target."""
-        sampling = sampling or Sampling()
-        check_options(None, 1, None, no_repeat_ngram, sampling)
-        ids = self.target_ids(sentence, target)
+                   search: Search | None = None, top: int = 10) -> NextPiece:
+        """The ``top`` likeliest pieces that a sample of ``search`` (its sampling: temperature,
+        top-k, top-p, and its repetition guard; None: the run's search, drawing at
+        temperature 1) would draw as piece number ``step`` of ``target`` (None: this
+        translator's greedy translation), given the source and the pieces before it, with
+        their probabilities (``aiayn.inference.search.next_distribution``); ``step`` None:
+        after the whole target."""
+        search = search or self.resolve(sampling=Sampling())
+        sampling = search.sampling or Sampling()
+        ids = self.target_ids(sentence, target, self.resolve(beam=1))
         step = len(ids) if step is None else step
         if not 0 <= step <= len(ids):
             raise AiaynError(f"step must be between 0 and {len(ids)} (the target's pieces), "
@@ -399,7 +387,7 @@ class Translator:
         sources, _ = self.encode([_one_line(sentence)])
         src = torch.tensor(sources, dtype=torch.long, device=self.device)
         probs, tokens = on_one_thread(lambda: next_distribution(
-            self.model, src, ids[:step], sampling, no_repeat_ngram, self.kernel))
+            self.model, src, ids[:step], sampling, search.no_repeat_ngram, self.kernel))
         piece = self.tokenizers.tgt_id_to_token
         chosen = ids[step] if step < len(ids) else EOS_ID
         return NextPiece([piece(i) for i in ids], step, piece(chosen),
@@ -480,6 +468,15 @@ def _aligned_rows(results: list[list[tuple[str, float, Alignment]]], nbest: int,
             yield f"{i}\t{score:.4f}\t{text}\t{pharaoh(links)}\n"
         if not hyps:
             yield f"{i}\t\t\t\n"
+
+
+def _sentence_list(sentences, method: str):
+    """``sentences``, unless a bare string was given where a list is wanted: iterated, it
+    would be translated one character at a time (a TypeError, naming the list wanted)."""
+    if isinstance(sentences, str):
+        raise TypeError(f"{method}() takes a list of sentences; got a str: use "
+                        f"{method}([text])")
+    return sentences
 
 
 def _one_line(sentence: str) -> str:

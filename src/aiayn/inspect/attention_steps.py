@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from aiayn.errors import AiaynError
+from aiayn.inference.settings import Search
 from aiayn.inference.translator import Translator
 from aiayn.model import Transformer
 from aiayn.runs.checkpoint import load_weights
@@ -72,20 +73,22 @@ def check_layer(layer: int | None, n_layers: int) -> int:
 
 def attention_over_steps(run_dir: str | Path, sentence: str, target: str | None = None,
                          layer: int | None = None, weights: str | Path = "best",
-                         beam: int = 1, alpha: float | None = None,
+                         search: Search | None = None,
                          progress: Callable[[int], object] | None = None) -> StepAttention:
     """The cross-attention of ``sentence`` at each of the run's saved steps (``step_weights``:
     its step checkpoints and last.safetensors), in step order. The target is the same in
-    every checkpoint: ``target`` if given, else the translation by ``weights`` (search
-    ``beam``, ``alpha``). ``layer``: the decoder layer, from 1 (None: the last).
-    ``progress(1)`` is called after each checkpoint."""
+    every checkpoint: ``target`` if given, else the translation by ``weights`` with
+    ``search`` (``Translator.resolve``; None: the run's). ``layer``: the decoder layer, from
+    1 (None: the last). ``progress(1)`` is called after each checkpoint."""
     if not sentence.strip():
         raise AiaynError("the sentence to translate is empty")
     saved = step_weights(run_dir)  # before loading anything: a run without them says so
     translator = Translator.from_pretrained(run_dir, weights=weights)
     n_layers = translator.model.cfg.n_decoder_layers
     index = check_layer(layer, n_layers)
-    hypothesis = translator.target_ids(sentence, target, beam=beam, alpha=alpha)
+    if search is not None:
+        translator.check(search)  # what this model can hold
+    hypothesis = translator.target_ids(sentence, target, search)
     models = CheckpointModels(translator.model.cfg, size=1)
     maps, first = [], None
     for _, path in saved:

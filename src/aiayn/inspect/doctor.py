@@ -364,7 +364,7 @@ class _Doctor:
         load_state(model, self.tensors[path], str(path))
         chosen = [self.dev[i] for i in eval_subset(len(self.dev), self.sentences)]
         translator = Translator(model.eval(), self.tokenizers, device="cpu")
-        hyps = translator.translate([s for s, _ in chosen], beam=1)
+        hyps = translator.translate([s for s, _ in chosen], translator.resolve(beam=1))
         scores = score(hyps, [t for _, t in chosen])
         notes = []
         for (src, ref), hyp in zip(chosen, hyps, strict=True):

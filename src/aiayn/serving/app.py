@@ -36,7 +36,7 @@ One process loads the run's model once (``Translator.from_pretrained``) and serv
 Rules a client can rely on:
 
 - Batching is continuous (``Batcher``): a translate request joins the running search of
-  its settings (beam, alpha) at its next step, within a token budget (--max-tokens; an idle
+  its settings (beam, alpha) at its next step, within a token budget (--decode-tokens; an idle
   server first waits --max-wait-ms for more), and is answered as soon as its last sentence
   is done; each answer is the one the request would get alone (``JoinableSearch``). With
   --engine ctranslate2 it is per pass. Attention capture (which sets flags on the model's
@@ -46,9 +46,11 @@ Rules a client can rely on:
   for, the last few kept: ``CheckpointModels``): the served weights never change.
   /health and /info never wait for the model.
 - Requests over the limits (``ServeLimits``: body bytes, sentences, characters) get 413
-  with a message; malformed JSON or values out of range get 422; a problem with the input
-  that the library finds (``AiaynError``) gets 422 with its one line; anything else a 500
-  with one line and no traceback (the traceback goes to the server's log).
+  with a message; malformed JSON, a value of the wrong type (strict: ``"beam": "4"`` or
+  ``true`` is no number), NaN or infinity, or values out of range get 422; a problem with
+  the input that the library finds (``AiaynError``) gets 422 with its one line, a setting
+  named by its JSON field (``json_field``); anything else a 500 with one line and no
+  traceback (the traceback goes to the server's log).
 - Only the files of ``static/`` are served, by their names (no paths from the URL reach the
   file system).
 
@@ -72,9 +74,10 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from aiayn.errors import AiaynError
+from aiayn.config import INF, RANGES
+from aiayn.errors import AiaynError, SettingError
 from aiayn.inference.engines import engine_class
-from aiayn.inference.settings import MAX_NO_REPEAT_NGRAM, MAX_TEMPERATURE, Sampling
+from aiayn.inference.settings import Sampling
 from aiayn.serving.batcher import MAX_WAIT_MS, ClientGone, check_batching, check_lanes, check_max_wait
 from aiayn.serving.lanes import LaneLost
 from aiayn.serving.service import MAX_BEAM, MAX_TOP, ModelService, ServeLimits, TooLarge, check_size
@@ -88,26 +91,39 @@ CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; c
 
 
 # ---------------------------------------------------------------- request bodies
+# Strict: a number is a JSON number ("4" and true are refused, not converted), never NaN
+# or infinity; nothing the model does not name.
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def bounds(section: str, name: str, high: float | None = None) -> dict:
+    """A field's bounds, ``aiayn.config.RANGES``' (``high``: a lower limit of this server's)."""
+    low, top, open_low = RANGES[section][name]
+    top = top if high is None else high
+    return {"gt" if open_low else "ge": low, **({} if top == INF else {"le": top})}
+
+
 class SearchSettings(BaseModel):
     """Beam search settings, as `aiayn translate` takes them: the wire's shape of a request's
     search, which ``ModelService.resolve`` turns into its one ``Search`` value."""
 
-    model_config = ConfigDict(extra="forbid")
-    beam: int | None = Field(None, ge=1, le=MAX_BEAM,
+    model_config = STRICT
+    beam: int | None = Field(None, **bounds("decode", "beam", MAX_BEAM),
                              description="beam size (1: greedy; default: the run's decode.beam)")
-    alpha: float | None = Field(None, ge=0.0, le=10.0, description="length penalty (GNMT; "
-                                "default: the run's decode.alpha)")
+    alpha: float | None = Field(None, **bounds("decode", "alpha"), description="length penalty "
+                                "(GNMT; default: the run's decode.alpha)")
 
 
 class SamplingSettings(BaseModel):
     """Random sampling, as `aiayn translate --sample` takes it (aiayn.inference.search.Sampling)."""
 
-    model_config = ConfigDict(extra="forbid")
-    temperature: float = Field(1.0, gt=0.0, le=MAX_TEMPERATURE,
+    model_config = STRICT
+    temperature: float = Field(1.0, **bounds("sample", "temperature"),
                                description="the logits are divided by it (towards 0: greedy)")
-    top_k: int = Field(0, ge=0, description="draw among the k likeliest pieces only (0: all)")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="draw among the fewest likeliest "
-                         "pieces whose probabilities sum to top_p (1: all)")
+    top_k: int = Field(0, **bounds("sample", "top_k"),
+                       description="draw among the k likeliest pieces only (0: all)")
+    top_p: float = Field(1.0, **bounds("sample", "top_p"), description="draw among the fewest "
+                         "likeliest pieces whose probabilities sum to top_p (1: all)")
 
     def sampling(self, seed: int | None = None) -> Sampling:
         return Sampling(self.temperature, self.top_k, self.top_p, seed)
@@ -117,15 +133,15 @@ class TranslateRequest(SearchSettings):
     text: list[str] | str = Field(description="sentences (or one sentence) to translate")
     nbest: int = Field(1, ge=1, description="hypotheses per sentence, at most beam (with "
                        "sample: the samples per sentence)")
-    no_repeat_ngram: int | None = Field(None, ge=0, le=MAX_NO_REPEAT_NGRAM,
+    no_repeat_ngram: int | None = Field(None, **bounds("decode", "no_repeat_ngram"),
                                         description="repetition guard: no translation holds "
                                         "an n-gram of pieces twice (0: off; default: the run's "
                                         "decode.no_repeat_ngram)")
     sample: SamplingSettings | None = Field(None, description="draw nbest random samples per "
                                             "sentence instead of searching (no beam then)")
-    seed: int | None = Field(None, ge=0, lt=2 ** 63, description="with sample: the same seed, "
-                             "sentence and settings draw the same samples (default: a random "
-                             "one, given in the answer)")
+    seed: int | None = Field(None, **bounds("sample", "seed"), description="with sample: the "
+                             "same seed, sentence and settings draw the same samples (default: "
+                             "a random one, given in the answer)")
     alignments: bool = Field(False, description="also the word alignment of each "
                              "translation: [source word, target word] pairs (whitespace-"
                              "separated words, from 0), as `aiayn translate --alignments`")
@@ -139,13 +155,13 @@ class NextPieceRequest(SamplingSettings):
                              "number step (from 0), given the pieces before it (default: the "
                              "piece after the whole target)")
     top: int = Field(10, ge=1, le=MAX_TOP, description="how many of the likeliest pieces")
-    no_repeat_ngram: int | None = Field(None, ge=0, le=MAX_NO_REPEAT_NGRAM,
+    no_repeat_ngram: int | None = Field(None, **bounds("decode", "no_repeat_ngram"),
                                         description="the repetition guard's bans included")
 
 
 class AttentionRequest(SearchSettings):
     text: str = Field(description="one sentence")
-    beam: int = Field(1, ge=1, le=MAX_BEAM,
+    beam: int = Field(1, **bounds("decode", "beam", MAX_BEAM),
                       description="beam size (1, greedy, as `aiayn attention`)")
     step: int | None = Field(None, description="the maps of this step checkpoint (one of "
                              "/info's steps) over the served model's translation; default: "
@@ -185,7 +201,7 @@ def create_app(service: ModelService, limits: ServeLimits | None = None) -> Fast
 
     @app.exception_handler(AiaynError)
     async def bad_input(request: Request, exc: AiaynError):
-        return _error(422, str(exc))
+        return _error(422, exc.spelled(json_field) if isinstance(exc, SettingError) else str(exc))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
@@ -201,8 +217,9 @@ def create_app(service: ModelService, limits: ServeLimits | None = None) -> Fast
         if body.sample is None and body.seed is not None:
             raise AiaynError("seed goes with sample")
         sampling = None if body.sample is None else body.sample.sampling(body.seed)
-        search = service.resolve(body.beam, body.alpha, body.nbest, body.no_repeat_ngram,
-                                 sampling)  # the request's search, resolved once
+        search = service.resolve(beam=body.beam, alpha=body.alpha, nbest=body.nbest,
+                                 no_repeat_ngram=body.no_repeat_ngram,
+                                 sampling=sampling)  # the request's search, resolved once
         return await service.translate(texts, search, request.is_disconnected,
                                        body.alignments)
 
@@ -210,15 +227,15 @@ def create_app(service: ModelService, limits: ServeLimits | None = None) -> Fast
               "temperature")
     async def next_piece(body: NextPieceRequest, request: Request) -> dict:
         check_size([body.text, body.target or ""], limits)
-        return await service.next_piece(body.text, body.target, body.step,
-                                        body.sampling(), body.top, body.no_repeat_ngram,
+        search = service.resolve(no_repeat_ngram=body.no_repeat_ngram, sampling=body.sampling())
+        return await service.next_piece(body.text, body.target, body.step, search, body.top,
                                         request.is_disconnected)
 
     @app.post("/attention", summary="Translate one sentence and return every attention map")
     async def attention(body: AttentionRequest, request: Request) -> dict:
         check_size([body.text], limits)
-        return await service.attention(body.text, body.beam, body.alpha,
-                                       request.is_disconnected, body.step)
+        search = service.resolve(beam=body.beam, alpha=body.alpha)
+        return await service.attention(body.text, search, request.is_disconnected, body.step)
 
     @app.get("/health", summary="Is the model loaded?")
     async def health() -> dict:
@@ -227,7 +244,7 @@ def create_app(service: ModelService, limits: ServeLimits | None = None) -> Fast
     @app.get("/info", summary="The model, its vocabulary and its training so far")
     async def info() -> dict:
         return {**service.info, "limits": asdict(limits), "max_beam": MAX_BEAM,
-                "batching": {"max_tokens": service.batcher.budget,
+                "batching": {"decode_tokens": service.batcher.decode_tokens,
                              "max_wait_ms": service.batcher.max_wait * 1000}}
 
     @app.get("/stats", summary="The decoding passes so far: requests per pass, waits")
@@ -282,6 +299,14 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
+def json_field(name: str) -> str:
+    """A setting as a request names it (``SettingError.spelled``): its JSON field; those a
+    request cannot set, as the server's run or command line does."""
+    return {"sampling": "sample", "decode_tokens": "the server's --decode-tokens",
+            "max_len_a": "the run's decode.max_len_a",
+            "max_len_b": "the run's decode.max_len_b"}.get(name, name)
+
+
 def _validation_line(errors) -> str:
     """Pydantic's list of errors as one line: 'body.beam: Input should be ...; ...'."""
     parts = []
@@ -295,10 +320,10 @@ def _validation_line(errors) -> str:
 def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
           weights: str = "best", device: str | torch.device = "cpu",
           limits: ServeLimits | None = None, engine: str = "aiayn",
-          max_tokens: int | None = None, max_wait_ms: float = MAX_WAIT_MS,
+          decode_tokens: int | None = None, max_wait_ms: float = MAX_WAIT_MS,
           batching: str | None = None, lanes: str | None = None) -> None:
     """Load the run once and serve it until interrupted (`aiayn serve`; port 0: any free
-    one). ``engine``, ``max_tokens``, ``max_wait_ms``, ``batching``, ``lanes``: see
+    one). ``engine``, ``decode_tokens``, ``max_wait_ms``, ``batching``, ``lanes``: see
     ``ModelService.from_run``."""
     check_max_wait(max_wait_ms)  # before loading, as the port below
     kind = engine_class(engine)  # what it can do is known before it is loaded
@@ -307,8 +332,8 @@ def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
     check_lanes(lanes, torch.device(device),
                 batching or ("continuous" if kind.continuous else "pass"))
     sock = listening_socket(host, port)  # before loading: a busy port is one line, at once
-    service = ModelService.from_run(run_dir, weights, device, engine, max_tokens, max_wait_ms,
-                                    batching, lanes)
+    service = ModelService.from_run(run_dir, weights, device, engine, decode_tokens,
+                                    max_wait_ms, batching, lanes)
     app = create_app(service, limits)
     info = service.info
     port = sock.getsockname()[1]
@@ -317,7 +342,7 @@ def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
                 f"lane{'s' * (batcher.lanes > 1)}, {batcher.lane_kind})"
                 if batcher.continuous else "requests batched per pass")
     print(f"aiayn serve: {info['weights']} ({info['parameters']:,} parameters, "
-          f"{info['engine']}) on {info['device']}; {batching}, up to {service.batcher.budget} "
+          f"{info['engine']}) on {info['device']}; {batching}, up to {batcher.decode_tokens} "
           f"tokens x beam, an idle server waiting up to {max_wait_ms:g} ms; open "
           f"http://{_url_host(host)}:{port}/", flush=True)
     try:

@@ -130,7 +130,7 @@ class Batcher:
     the default on a CPU of two or more cores: threads would take turns on Python's lock).
     Before each round of steps (a process: whenever jobs wait) a lane takes the waiting
     jobs, oldest first, while they fit: every lane's sentences together stay within
-    ``budget`` source tokens x beam (a job comes whole; the first when nothing decodes
+    ``decode_tokens`` source tokens x beam (a job comes whole; the first when nothing decodes
     always goes, however large), and a lane takes a job only while no other lane holds
     fewer (so the cores share the work).
     A job's sentences join the lane's search of its settings at its next step (or start
@@ -151,7 +151,7 @@ class Batcher:
     sentences in mid-search; ``batching="pass"`` chooses it for aiayn's model too (more
     sentences per second under heavy load on a CPU, longer waits: docs/serving.md#batching).
     The oldest job takes every later one with the same settings
-    while they fit ``budget`` and are decoded as one ``Translator.decode_ids`` pass after the
+    while they fit ``decode_tokens`` and are decoded as one ``Translator.decode_ids`` pass after the
     same wait; jobs with other settings wait for a later pass.
 
     A function run ``alone`` (attention capture sets flags on the model's modules) waits its
@@ -165,7 +165,7 @@ class Batcher:
         check_batching(batching, type(translator.engine))
         check_lanes(lanes, translator.device, batching)
         self.translator = translator
-        self.budget = translator.decode_tokens  # the decoding budget of a pass, or of a lane
+        self.decode_tokens = translator.decode_tokens  # the budget of a pass, or of a lane
         self.max_wait = max_wait_ms / 1000
         self.stats = BatchStats()
         self.continuous = translator.engine.continuous and batching == "continuous"
@@ -326,7 +326,7 @@ class Batcher:
             if job.alone is not None:
                 return True  # what comes before it is all that can start now
             tokens += job.cost
-        return tokens >= self.budget
+        return tokens >= self.decode_tokens
 
     def _admit(self, lane: _Lane) -> list[Job]:
         """Take the oldest jobs for this lane while they fit (see the class docstring)."""
@@ -335,7 +335,7 @@ class Batcher:
             job = self._queue[0]
             if any(other.load < lane.load for other in self._lanes):
                 break  # a lane with less to do takes it
-            if self._load and self._load + job.cost > self.budget:
+            if self._load and self._load + job.cost > self.decode_tokens:
                 break
             self._queue.popleft()
             if not job.future.set_running_or_notify_cancel():  # its client has gone
@@ -451,7 +451,7 @@ class Batcher:
         for job in self._queue:
             if job.key != head.key:
                 continue
-            if jobs and tokens + job.cost > self.budget:
+            if jobs and tokens + job.cost > self.decode_tokens:
                 return jobs, True
             jobs.append(job)
             tokens += job.cost

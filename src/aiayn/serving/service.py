@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from aiayn.config import Config, load_config
-from aiayn.errors import AiaynError
+from aiayn.errors import AiaynError, SettingError
 from aiayn.inference.attention import SentenceAttention
-from aiayn.inference.settings import Sampling, Search
+from aiayn.inference.settings import Sampling, Search, resolve_search
 from aiayn.inference.translator import (
     Translator,
     truncation_message,
@@ -97,17 +97,17 @@ class ModelService:
     @classmethod
     def from_run(cls, run_dir: str | Path, weights: str = "best",
                  device: str | torch.device = "cpu", engine: str = "aiayn",
-                 max_tokens: int | None = None, max_wait_ms: float = MAX_WAIT_MS,
+                 decode_tokens: int | None = None, max_wait_ms: float = MAX_WAIT_MS,
                  batching: str | None = None, lanes: str | None = None) -> ModelService:
         """Load ``run_dir`` once (``Translator.from_pretrained``: a run directory, or with
         ``engine="ctranslate2"`` an `aiayn export --to ctranslate2` directory) and gather
-        what /info reports. ``max_tokens``: the decoding budget of a batch and of a pass, in
+        what /info reports. ``decode_tokens``: the decoding budget of a batch and of a pass, in
         source tokens x beam (None: the device's, ``aiayn.inference.budget.
         default_decode_tokens``). ``batching``: see ``Batcher``
         (None: continuous where the engine allows it); ``lanes``: where continuous
         batching decodes, "processes" or "threads" (None: ``default_lanes``)."""
         translator = Translator.from_pretrained(run_dir, weights, device=device, engine=engine,
-                                                decode_tokens=max_tokens)
+                                                decode_tokens=decode_tokens)
         config = load_config(Path(run_dir) / "config.yaml")
         info = serve_info(run_dir, weights, config, translator)
         return cls(translator, config, info, max_wait_ms, batching, lanes)
@@ -115,18 +115,20 @@ class ModelService:
     def close(self) -> None:
         self.batcher.close()
 
-    def resolve(self, beam: int | None = None, alpha: float | None = None, nbest: int = 1,
-                no_repeat_ngram: int | None = None, sampling: Sampling | None = None) -> Search:
-        """A request's search, resolved once over the run's (``Translator.resolve``) and
-        within this server's limit: a beam (or samples per sentence) of at most
-        ``MAX_BEAM``. A request's own beam is refused on arrival (422); only the run's, or
-        nbest samples, can be over it here."""
-        if sampling is not None and nbest > MAX_BEAM:  # the samples are the rows decoded
-            raise AiaynError(f"nbest {nbest}: at most {MAX_BEAM} samples per sentence")
-        if sampling is None and beam is None and self.translator.decode.beam > MAX_BEAM:
-            raise AiaynError(f"the run's decode.beam {self.translator.decode.beam} is over this "
-                             f"server's limit of {MAX_BEAM}; give \"beam\" in the request")
-        return self.translator.resolve(beam, alpha, nbest, no_repeat_ngram, sampling)
+    def resolve(self, **settings) -> Search:
+        """A request's search, resolved once over the run's (as ``Translator.resolve``, its
+        keywords) and within this server's limit: a beam (or samples per sentence) of at
+        most ``MAX_BEAM``. A request's own beam is refused on arrival (422); only the run's,
+        or nbest samples, can be over it here."""
+        search = resolve_search(self.translator.decode, **settings)
+        if search.beam > MAX_BEAM and search.sampling is not None:  # the samples are the rows
+            raise SettingError("{nbest} {got}: at most {top} samples per sentence on this "
+                               "server", got=search.nbest, top=MAX_BEAM)
+        if search.beam > MAX_BEAM:  # before the model's bounds: the request's fix is here
+            raise SettingError("the run's decode.beam {got} is over this server's limit of "
+                               "{top}; give {beam} in the request", got=search.beam, top=MAX_BEAM)
+        self.translator.check(search)  # as Translator.resolve does
+        return search
 
     async def translate(self, texts: list[str], search: Search,
                         gone: Callable[[], Awaitable[bool]] | None = None,
@@ -174,11 +176,12 @@ class ModelService:
                     entry["alignment"] = [list(pair) for pair in alignment]
         return answered
 
-    async def attention(self, text: str, beam: int, alpha: float | None,
+    async def attention(self, text: str, search: Search,
                         gone: Callable[[], Awaitable[bool]] | None = None,
                         step: int | None = None) -> dict:
-        """`aiayn attention`'s maps for one sentence, as nested lists (see ``attention_json``);
-        with ``step``, those of that step checkpoint over the served model's translation."""
+        """`aiayn attention`'s maps for one sentence translated by ``search`` (``resolve``),
+        as nested lists (see ``attention_json``); with ``step``, those of that step
+        checkpoint over the served model's translation."""
         if step is not None and step not in self.steps:
             have = (f"this run has {', '.join(map(str, self.steps))}" if self.steps
                     else "this run has no step checkpoints")
@@ -186,8 +189,8 @@ class ModelService:
 
         def work() -> SentenceAttention:
             if step is None:
-                return self.translator.attention(text, beam=beam, alpha=alpha)
-            target = self.translator.target_ids(text, beam=beam, alpha=alpha)
+                return self.translator.attention(text, search)
+            target = self.translator.target_ids(text, search=search)
             return self.translator.attention_of(self.checkpoints.get(self.steps[step]), text,
                                                 target)
 
@@ -196,18 +199,19 @@ class ModelService:
         return {**attention_json(att), "step": step}
 
     async def next_piece(self, text: str, target: str | None, step: int | None,
-                         sampling: Sampling, top: int, no_repeat_ngram: int | None = None,
+                         search: Search, top: int,
                          gone: Callable[[], Awaitable[bool]] | None = None) -> dict:
-        """POST /next: the ``top`` likeliest pieces a sample would draw at ``step`` of the
-        translation, with their probabilities (``Translator.next_piece``)."""
+        """POST /next: the ``top`` likeliest pieces a sample of ``search`` (``resolve``, with
+        its sampling) would draw at ``step`` of the translation, with their probabilities
+        (``Translator.next_piece``)."""
         self.translator.engine.require_model("the next piece's distribution")
-        guard = (self.translator.decode.no_repeat_ngram if no_repeat_ngram is None
-                 else no_repeat_ngram)
         result = await answer(self.batcher.run_alone(lambda: self.translator.next_piece(
-            text, target, step, sampling, top, guard)), gone)
+            text, target, step, search, top)), gone)
         self.requests += 1
+        sampling = search.sampling or Sampling()
         return {**asdict(result), "temperature": sampling.temperature,
-                "top_k": sampling.top_k, "top_p": sampling.top_p, "no_repeat_ngram": guard}
+                "top_k": sampling.top_k, "top_p": sampling.top_p,
+                "no_repeat_ngram": search.no_repeat_ngram}
 
     def stats(self) -> dict:
         """GET /stats: the batcher's counters (``BatchStats``), the mean sentences decoded
@@ -217,7 +221,7 @@ class ModelService:
         steps = stats["steps"]
         return {**stats, "sentences_per_step": stats["step_sentences"] / steps if steps else 0.0,
                 "batching": "continuous" if self.batcher.continuous else "per pass",
-                "lanes": self.batcher.lanes, "max_tokens": self.batcher.budget,
+                "lanes": self.batcher.lanes, "decode_tokens": self.batcher.decode_tokens,
                 "max_wait_ms": self.batcher.max_wait * 1000, "waiting": self.batcher.waiting}
 
     def figure(self, name: str) -> bytes:
