@@ -33,13 +33,19 @@ browser:
 	  $(SUDO) apt-get update -qq && \
 	  $(SUDO) apt-get install -y -qq $(BROWSER_PACKAGES); fi
 
+# Both tiers spread the test files over the cores (pytest-xdist; TEST_WORKERS=0 runs them in
+# this one process): each worker runs torch on one thread (tests/conftest.py), and a file's
+# tests stay on one worker, so a module's trained run or server is built once.
+TEST_WORKERS ?= auto
+PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+
 test: venv sword browser
-	$(BIN)/python -m pytest
+	$(PYTEST)
 
 # The fast tier for the edit-run loop: the tests marked slow (tests/conftest.py) left out,
 # about a minute on two cores; needs neither the Bible nor a browser.
 test-fast: venv
-	$(BIN)/python -m pytest -m "not slow"
+	$(PYTEST) -m "not slow"
 
 lint: venv
 	$(BIN)/ruff check src tests benchmarks docs
