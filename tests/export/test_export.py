@@ -399,15 +399,17 @@ def test_translate_and_evaluate_with_the_ctranslate2_engine(run_dir, tmp_path, c
                                 capsys, lines, monkeypatch)
     assert code == 0 and theirs == ours and err == ""
     ours = evaluate_run(run_dir, beam=1, output=tmp_path / "a.txt", progress=False)
+    data = (run_dir / "data_dir.txt").read_text(encoding="utf-8").strip()
     code, printed, _ = run_cli(["evaluate", str(out), "--engine", "ctranslate2", "--beam", "1",
-                                "-o", str(tmp_path / "b.txt")], capsys)
+                                "-o", str(tmp_path / "b.txt"), "--data", data], capsys)
     assert code == 0 and f"BLEU  {ours['bleu']:.2f}" in printed and "ctranslate2" in printed
     assert (tmp_path / "b.txt").read_text() == (tmp_path / "a.txt").read_text()
     # An int8 model still copies the test sentences.
     code, _, _ = run_cli(["export", str(run_dir), "--to", "ctranslate2", str(tmp_path / "int8"),
                           "--quantization", "int8"], capsys)
     assert code == 0
-    summary = evaluate_run(tmp_path / "int8", beam=4, engine="ctranslate2", progress=False)
+    summary = evaluate_run(tmp_path / "int8", beam=4, engine="ctranslate2", progress=False,
+                           data_dir=data)
     assert summary["bleu"] > 80 and summary["engine"] == "ctranslate2"
     assert json.loads((tmp_path / "int8" / "config.json").read_text())["decoder_start_token"] == "[BOS]"
 
@@ -563,3 +565,48 @@ def test_the_ctranslate2_cards_loading_code_translates(run_dir, tmp_path):
                              check=True).stdout
     expected = Translator.from_pretrained(out, engine="ctranslate2").translate(["red green blue"])
     assert printed.splitlines() == expected
+
+
+# ---------------------------------------------------------------- what leaves the machine
+@needs_hf
+@needs_ct2
+def test_an_export_holds_no_local_path_and_every_file_is_readable_by_all(run_dir, tmp_path):
+    """An export is meant to be published (its card becomes a hub page): no file it writes
+    names the run, the prepared data, the corpus files or the home folder; and every file
+    has the umask's mode (0644 under 022), the weights too, so a service user can read them."""
+    run = tmp_path / "home-of-the-run" / "mine"
+    shutil.copytree(run_dir, run)
+    data_dir = Path((run / "data_dir.txt").read_text(encoding="utf-8").strip())
+    config = load_config(run / "config.yaml")
+    config.data.corpus = f"tsv:{data_dir}.corpus/{{split}}.tsv"  # as the data was prepared
+    save_config(config, run / "config.yaml")
+    local = {str(run), str(run.resolve()), str(data_dir), str(data_dir.resolve()),
+             str(data_dir.parent), str(tmp_path)}
+    if Path.home() != Path("/"):
+        local.add(str(Path.home()))
+    old = os.umask(0o022)
+    try:
+        outs = [export_run(run, "hf", tmp_path / "hf"),
+                export_run(run, "ctranslate2", tmp_path / "ct2")]
+    finally:
+        os.umask(old)
+    for out in outs:
+        files = [p for p in out.rglob("*") if p.is_file()]
+        assert {"README.md", "aiayn_export.json"} <= {p.name for p in files}
+        for path in files:
+            assert oct(path.stat().st_mode & 0o777) == oct(0o644), path
+            data = path.read_bytes()
+            leaks = [where for where in local if where.encode() in data]
+            assert not leaks, f"{path.relative_to(out)} names {leaks}"
+
+
+def test_the_advice_before_trust_remote_code_names_every_python_file_shipped(run_dir):
+    """The card and docs/export.md name each Python file an export of aiayn's own model
+    ships (and trust_remote_code runs): model.py imports cache.py and loss.py."""
+    assert {"model.py", "hf_model.py", "cache.py", "loss.py"} <= set(HF_CODE)
+    card = model_card(run_dir, "hf", marian=False)
+    advice = card.split("`trust_remote_code=True` runs", 1)[1].split("\n\n", 1)[0]
+    assert all(f"`{name}`" in advice for name in HF_CODE), advice
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "export.md").read_text()
+    advice = docs.split("`trust_remote_code=True` means", 1)[1].split("\n\n", 1)[0]
+    assert all(f"`{name}`" in advice for name in HF_CODE), advice

@@ -61,7 +61,7 @@ def export_run(run_dir: str | Path, to: str, out_dir: str | Path, weights: str |
         else:
             write_ctranslate2(model, tokenizers, tmp, quantization)
             write_aiayn_side(config, run_dir, tmp)
-        info = {"format": 1, "target": to, "run_dir": str(run_dir.resolve()),
+        info = {"format": 1, "target": to, "run_dir": run_dir.resolve().name,
                 "weights": str(weights), "quantization": quantization}
         atomic_write_text(tmp / EXPORT_INFO, json.dumps(info, indent=2) + "\n")
         card = model_card(run_dir, to, weights, quantization, marian=is_marian(model.cfg))

@@ -135,8 +135,11 @@ def atomic_path(path: str | Path, need: int | None = None,
         os.close(fd)
         tmp = Path(tmp_name)
         try:
-            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual mode
             yield tmp
+            # mkstemp makes 0600, and a writer that replaces the path (safetensors' does)
+            # keeps that: give the file the umask's mode, as any other file, so that a
+            # service user other than the trainer can read the weights.
+            os.chmod(tmp, 0o666 & ~_umask())
             with open(tmp, "rb") as fh:
                 os.fsync(fh.fileno())
             os.replace(tmp, path)
@@ -282,6 +285,7 @@ def atomic_directory(path: str | Path, need: int | None = None,
             try:
                 os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700: the usual mode
                 yield tmp
+                _usual_file_modes(tmp)
                 if os.name == "nt" and path.is_dir():  # Windows renames onto no directory,
                     path.rmdir()  # even an empty one (this one is: see above)
                 os.replace(tmp, path)
@@ -295,6 +299,16 @@ def atomic_directory(path: str | Path, need: int | None = None,
             except OSError:
                 break
         raise
+
+
+def _usual_file_modes(directory: Path) -> None:
+    """Give every file under ``directory`` the umask's mode, as any other file: a library
+    that writes through a temporary file of its own (safetensors' writer, which
+    Transformers' save_pretrained uses) leaves 0600, which other users cannot read."""
+    mode = 0o666 & ~_umask()
+    for path in directory.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, mode)
 
 
 def _missing_parents(path: Path) -> list[Path]:
