@@ -69,13 +69,26 @@ def test_training_tests_run_on_the_memory_mapped_ids_users_get(data_dir):
 # ---------------------------------------------------------------- the run directory
 def test_run_directory_layout_metrics_and_dev_scores(data_dir, tmp_path):
     run = tmp_path / "run"
-    run_train("--config", TINY, "--data", str(data_dir), "--out", str(run),
-              *sets(max_steps=10, eval_every=5, save_every=5, log_every=5, keep_checkpoints=1))
+    old_umask = os.umask(0o022)
+    try:
+        run_train("--config", TINY, "--data", str(data_dir), "--out", str(run),
+                  *sets(max_steps=10, eval_every=5, save_every=5, log_every=5,
+                        keep_checkpoints=1, keep_steps="[3]"))
+    finally:
+        os.umask(old_umask)
+    # Every file has the umask's mode, the weights too: a service user other than the
+    # trainer reads them (docs/serving.md).
+    modes = {str(p.relative_to(run)): oct(p.stat().st_mode & 0o777)
+             for p in run.rglob("*") if p.is_file()}
+    assert {"best.safetensors", "last.safetensors", "checkpoints/step_0000003.safetensors",
+            "checkpoints/step_0000010.safetensors", "train_state.pt"} <= modes.keys()
+    assert {name: mode for name, mode in modes.items() if mode != oct(0o644)} == {}
     assert (run / "config.yaml").is_file() and (run / "tokenizer").is_dir()
     assert (run / "data_dir.txt").read_text().strip() == str(data_dir.resolve())
     for name in ("last.safetensors", "best.safetensors", "train_state.pt"):
         assert (run / name).is_file(), name
-    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_0000010.safetensors"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step_0000003.safetensors", "step_0000010.safetensors"]
     assert any((run / "tb").iterdir())
     config = load_config(run / "config.yaml")
     from aiayn.data.tokenizer import Tokenizers
