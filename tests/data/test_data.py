@@ -322,3 +322,22 @@ def test_token_batches_cover_every_sentence_once_within_the_padded_budget():
         longest = max(lengths[i] for i in batch)
         assert len(batch) == 1 or len(batch) * longest * 2 <= 120
     assert [len(b) for b in batches if lengths[b[0]] == 100] == [1]
+
+
+def test_a_failed_prepare_or_train_leaves_no_folder_it_made(tmp_path, capsys):
+    """`prepare --out data/mine` and `train --out runs/x` make their parent folders; when
+    the command fails, they go again (and a folder that was there before stays)."""
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("a line without a tab\n", encoding="utf-8")
+    assert main(["prepare", "--corpus", f"tsv:{bad}", "--config", "tiny",
+                 "--out", str(tmp_path / "data" / "mine")]) == 2
+    (tmp_path / "not-prepared").mkdir()
+    assert main(["train", "--config", "tiny", "--data", str(tmp_path / "not-prepared"),
+                 "--out", str(tmp_path / "runs" / "deeper" / "x")]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.tsv", "not-prepared"]
+    (tmp_path / "runs").mkdir()  # a folder the user made stays
+    assert main(["train", "--config", "tiny", "--data", str(tmp_path / "not-prepared"),
+                 "--out", str(tmp_path / "runs" / "x")]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.tsv", "not-prepared", "runs"]
+    assert not any((tmp_path / "runs").iterdir())
+    capsys.readouterr()

@@ -234,7 +234,7 @@ def staged_directory(out: str | Path, force: bool, what: str, marker: str,
     from aiayn.util.lock import PID_FILE, locked  # aiayn.util.lock imports nothing of ours but errors
 
     out = check_writable_dir(out, "--out")
-    created = not out.exists()
+    created = missing_dirs(out)  # out and the parents this command makes (data/)
     if not created and not force:
         entries = [p.name for p in out.iterdir() if p.name not in (PID_FILE, STAGING_DIR)]
         if entries:
@@ -263,6 +263,7 @@ def staged_directory(out: str | Path, force: bool, what: str, marker: str,
     except BaseException:
         if created:
             shutil.rmtree(out, ignore_errors=True)
+            remove_empty_dirs(created[1:])
         raise
 
 
@@ -277,7 +278,7 @@ def atomic_directory(path: str | Path, need: int | None = None,
     removed too); a full disk (``need``: the bytes expected) is one DiskError.
     """
     path = Path(path)
-    created = _missing_parents(path)
+    created = missing_dirs(path)[1:]
     try:
         with disk_errors(path, need, what):
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -293,11 +294,7 @@ def atomic_directory(path: str | Path, need: int | None = None,
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
-        for parent in created:  # innermost first; each is empty unless someone else wrote
-            try:
-                parent.rmdir()
-            except OSError:
-                break
+        remove_empty_dirs(created)
         raise
 
 
@@ -311,11 +308,22 @@ def _usual_file_modes(directory: Path) -> None:
             os.chmod(path, mode)
 
 
-def _missing_parents(path: Path) -> list[Path]:
-    """The parents of ``path`` that do not exist yet, innermost first."""
+def missing_dirs(path: str | Path) -> list[Path]:
+    """``path`` and its parents that do not exist yet, innermost first: what a command that
+    creates ``path`` makes, and removes again if it fails (``remove_empty_dirs``)."""
     missing = []
-    for parent in path.parents:
-        if parent.exists():
+    for folder in (Path(path), *Path(path).parents):
+        if folder.exists():
             break
-        missing.append(parent)
+        missing.append(folder)
     return missing
+
+
+def remove_empty_dirs(folders: list[Path]) -> None:
+    """Remove ``folders`` (innermost first, from ``missing_dirs``) while they are empty: a
+    failed command leaves no folder it made, and nothing someone else wrote meanwhile."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            break
