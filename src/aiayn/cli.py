@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from aiayn.config import Config, load_config
+from aiayn.config import Config, check_setting, load_config, validate_given
 from aiayn.data.prepare import drop_warnings, prepare
 from aiayn.errors import AiaynError, is_out_of_memory
 from aiayn.evaluation.evaluate import evaluate_run
@@ -57,7 +57,8 @@ def _config_from_args(args, default: str | None = None) -> Config:
     overrides = getattr(args, "set", None) or []
     if path:
         return load_config(path, overrides)
-    return Config().override(overrides).validate("defaults") if overrides else Config().validate()
+    return validate_given(Config().override(overrides), "defaults", overrides) if overrides \
+        else Config().validate()
 
 
 def _add_set(p: argparse.ArgumentParser) -> None:
@@ -193,6 +194,8 @@ def _run_prepare(args) -> int:
     config = _config_from_args(args)
     changes = {"corpus": args.corpus, "vocab_size": args.vocab_size, "tokenizer": args.tokenizer}
     changes = {key: value for key, value in changes.items() if value is not None}
+    if args.vocab_size is not None:  # blamed on the flag, not on the config file
+        check_setting("--vocab-size", "data.vocab_size", args.vocab_size)
     config.data = dataclasses.replace(config.data, **changes)
     config.validate("command line")
     stats = prepare(config.data, args.out, config.model.max_len, config.train.max_tokens,
@@ -267,7 +270,8 @@ def _add_train(sub) -> None:
                    "its model section must be the run's, dropouts aside) and --set")
     p.add_argument("--max-minutes", type=float,
                    help="stop when the run has trained this long, over all its training sessions "
-                   "(train.max_minutes; validations count); the final dev evaluation comes on top")
+                   "(train.max_minutes; validations count); the final dev evaluation comes on top. "
+                   "Above 0; no time limit: --set train.max_minutes=0 (then train.max_steps ends it)")
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast (train.bf16)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (train.compile)")
     _add_device(p, " (under torchrun: the rank's local GPU)")
@@ -277,6 +281,7 @@ def _add_train(sub) -> None:
 def _run_train(args) -> int:
     overrides = list(args.set or [])
     if args.max_minutes is not None:
+        _check_max_minutes(args.max_minutes)
         overrides.append(f"train.max_minutes={args.max_minutes}")
     if args.bf16:
         overrides.append("train.bf16=true")
@@ -291,6 +296,16 @@ def _run_train(args) -> int:
         train(config, args.data, args.out, overrides=overrides, device=args.device,
               force=args.force, init_from=args.init_from)
     return 0
+
+
+def _check_max_minutes(minutes: float) -> None:
+    """--max-minutes is a budget: 0 would silently mean none (train.max_minutes' 0), a run
+    to train.max_steps that can take hours, so asking for no time limit is said in full."""
+    if minutes == 0:
+        raise AiaynError("--max-minutes 0: a time budget must be above 0 minutes; for no time "
+                         "limit give --set train.max_minutes=0 (the run then trains to "
+                         "train.max_steps: --set train.max_steps=N)")
+    check_setting(f"--max-minutes {minutes:g}", "train.max_minutes", minutes)
 
 
 # ---------------------------------------------------------------- translate

@@ -161,6 +161,33 @@ def test_the_three_ways_to_start_are_checked_once_with_one_message(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(("flags", "blamed"), [
+    (["--max-minutes", "-1"], "--max-minutes -1: train.max_minutes must be in [0, inf)"),
+    (["--set", "train.peak_lr=-1"], "--set train.peak_lr=-1: train.peak_lr must be in (0, inf)"),
+    (["--set", "train.seed=3", "--set", "train.max_tokens=10"],
+     "--set train.max_tokens=10: train.max_tokens (10) is smaller than model.max_len"),
+    (["--max-minutes", "0"], "--max-minutes 0: a time budget must be above 0 minutes; for no "
+     "time limit give --set train.max_minutes=0"),
+])
+def test_a_bad_value_is_blamed_on_the_flag_or_set_that_gave_it(flags, blamed, tmp_path, capsys):
+    """Not on the preset, which holds no such value; and --max-minutes 0 is no silent
+    'no budget' (train.max_minutes=0 says it in full)."""
+    assert main(["train", "--config", "demo", "--data", str(tmp_path / "data"),
+                 "--out", str(tmp_path / "run"), *flags]) == 2
+    line = error_line(capsys.readouterr().err)
+    assert line.startswith(f"aiayn: error: {blamed}"), line
+    assert "demo.yaml" not in line and not (tmp_path / "run").exists()
+
+
+def test_a_bad_value_in_the_file_is_still_blamed_on_the_file(tmp_path, capsys):
+    config = tmp_path / "mine.yaml"
+    config.write_text("train:\n  peak_lr: -1\n", encoding="utf-8")
+    assert main(["train", "--config", str(config), "--data", str(tmp_path / "data"),
+                 "--out", str(tmp_path / "run"), "--set", "train.seed=3"]) == 2
+    assert error_line(capsys.readouterr().err).startswith(
+        f"aiayn: error: {config}: train.peak_lr must be in (0, inf)")
+
+
 # ---------------------------------------------------------------- exact resume
 def test_resume_continues_exactly_like_an_uninterrupted_run(data_dir, tmp_path):
     per_epoch = batches_per_epoch(data_dir)
