@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from aiayn.config import Config, check_setting, load_config, validate_given
+from aiayn.config import Config, check_setting, load_config, preset_names, validate_given
 from aiayn.data.prepare import drop_warnings, prepare
 from aiayn.errors import AiaynError, is_out_of_memory
 from aiayn.evaluation.evaluate import evaluate_run
@@ -255,8 +255,8 @@ def _add_train(sub) -> None:
         "data: `aiayn train --init-from RUN_DIR --data DIR --out NEW_RUN` (DIR from `aiayn prepare "
         "--tokenizer-from RUN_DIR`). Under `torchrun --nproc_per_node K -m aiayn train ...` "
         "it runs DistributedDataParallel.")
-    p.add_argument("--config", help="YAML config file, or a preset by name: demo, bible-60, "
-                   "small, base, tiny (configs/*.yaml; a wheel carries them)")
+    p.add_argument("--config", help="YAML config file, or a preset by name: "
+                   f"{', '.join(preset_names())} (configs/*.yaml; a wheel carries them)")
     p.add_argument("--data", help="prepared data directory (from `aiayn prepare`); with "
                    "--resume, the default is the run's data_dir.txt")
     p.add_argument("--out", help="run directory to create")
@@ -640,10 +640,18 @@ def _run_plot(args) -> int:
         labels = plots.run_labels(args.run_dirs)
         runs = {label: read_metrics(run_dir)
                 for label, run_dir in zip(labels, args.run_dirs, strict=True)}
-        fig = plots.curves_figure(runs)
+        fig = plots.curves_figure(runs, [_label_smoothing(run_dir) for run_dir in args.run_dirs])
         output = args.output or "curves.png"
     print(f"wrote {plots.save_figure(fig, output)}")
     return 0
+
+
+def _label_smoothing(run_dir: str) -> float | None:
+    """The run's train.label_smoothing (the loss `plot` labels), or None when unreadable."""
+    try:
+        return load_config(Path(run_dir) / "config.yaml").train.label_smoothing
+    except AiaynError:
+        return None
 
 
 # ---------------------------------------------------------------- serve

@@ -179,6 +179,17 @@ def test_a_bad_value_is_blamed_on_the_flag_or_set_that_gave_it(flags, blamed, tm
     assert "demo.yaml" not in line and not (tmp_path / "run").exists()
 
 
+def test_the_config_help_names_every_preset():
+    from aiayn.cli import build_parser
+    from aiayn.config import preset_names
+
+    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    text = next(a.help for a in train._actions if "--config" in a.option_strings)
+    names = preset_names()
+    assert {"bible-small", "demo", "bible-60", "tiny"} <= set(names)
+    assert f"by name: {', '.join(names)} (" in text
+
+
 def test_a_bad_value_in_the_file_is_still_blamed_on_the_file(tmp_path, capsys):
     config = tmp_path / "mine.yaml"
     config.write_text("train:\n  peak_lr: -1\n", encoding="utf-8")
