@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from aiayn.config import Config, check_setting, load_config, preset_names, validate_given
-from aiayn.data.prepare import drop_warnings, prepare
+from aiayn.data.prepare import prepare, prepare_warnings
 from aiayn.errors import AiaynError, is_out_of_memory
 from aiayn.evaluation.evaluate import evaluate_run
 from aiayn.export.base import QUANTIZATIONS
@@ -205,7 +205,7 @@ def _run_prepare(args) -> int:
 
 def _print_prepared(stats: dict, out: str) -> int:
     print(_prepare_summary(stats, out))
-    for line in drop_warnings(stats):
+    for line in prepare_warnings(stats):
         print(f"aiayn: warning: {line}", file=sys.stderr)
     return 0
 
@@ -763,11 +763,19 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"aiayn: error: {' '.join(message.split())} (see `{self.prog} --help`)\n")
 
 
+def _version_line() -> str:
+    """aiayn's version and torch's (what a bug report needs first)."""
+    from aiayn import __version__
+
+    return f"aiayn {__version__} (torch {torch.__version__}, Python {sys.version.split()[0]})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(  # its subcommands' parsers are of the same class
         prog="aiayn",
         description="The Transformer of 'Attention Is All You Need': train, evaluate, translate.",
     )
+    parser.add_argument("--version", action="version", version=_version_line())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add, _ in COMMANDS.values():
         add(sub)
