@@ -74,7 +74,6 @@ from aiayn.errors import AiaynError
 from aiayn.model import Transformer
 from aiayn.runs.checkpoint import tensors_size, unique_state_dict
 from aiayn.runs.directory import copy_tokenizer
-from aiayn.util.io import atomic_write_text
 
 TARGETS = ("hf", "ctranslate2")
 

@@ -146,7 +146,7 @@ def comparison_figure(runs: dict[str, list[dict[str, Any]]],
         if key in log_scale:
             ax.set_yscale("log")
         ax.set_xlabel("step")
-        ax.set_ylabel(loss_label(smoothing or [None] * len(runs)) if key == "loss" else ylabel)
+        ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
     handles = []
     for label, records in runs.items():

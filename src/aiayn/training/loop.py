@@ -31,12 +31,12 @@ from __future__ import annotations
 import math
 import sys
 import time
-from warnings import warn
 from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+from warnings import warn
 
 import torch
 import torch.distributed as dist
