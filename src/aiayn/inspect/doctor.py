@@ -25,6 +25,10 @@ The checks, in order (a check that needs what an earlier one found missing is sk
 9. ``resume``: train_state.pt loads, names weights that exist, and its optimizer state fits
    the model, so ``aiayn train --resume RUN_DIR`` can continue.
 
+A run that a live ``aiayn train`` holds (aiayn.util.lock) is still being written: the
+checks that compare its files with each other (validation, resume) are skipped with a line
+naming the holder, and the others run on what is there.
+
 From Python::
 
     report = aiayn.doctor("runs/s60")          # or aiayn.inspect.doctor.doctor(...)
