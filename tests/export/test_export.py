@@ -584,10 +584,12 @@ def test_an_export_holds_no_local_path_and_every_file_is_readable_by_all(run_dir
              str(data_dir.parent), str(tmp_path)}
     if Path.home() != Path("/"):
         local.add(str(Path.home()))
+    weights = shutil.copy(run / "best.safetensors", tmp_path / "mine.safetensors")
+    local.add(str(weights))
     old = os.umask(0o022)
     try:
         outs = [export_run(run, "hf", tmp_path / "hf"),
-                export_run(run, "ctranslate2", tmp_path / "ct2")]
+                export_run(run, "ctranslate2", tmp_path / "ct2", weights=weights)]
     finally:
         os.umask(old)
     for out in outs:

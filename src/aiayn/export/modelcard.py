@@ -161,7 +161,8 @@ def _training(info: dict, weights: str | Path) -> str:
     else:
         lines.append("The run holds no train_state.pt: its steps and time are not known.")
     step = _weights_step(info, weights)
-    lines += ["", f"Exported weights: `{weights}`" + (f" (step {step:,})." if step else ".")]
+    lines += ["", f"Exported weights: `{without_local_paths(str(weights))}`"
+              + (f" (step {step:,})." if step else ".")]
     best = info["best"]
     if best and isinstance(best.get("bleu"), (int, float)):
         chrf = (f", chrF {best['chrf']:.2f}" if isinstance(best.get("chrf"), (int, float))
@@ -195,8 +196,8 @@ def _evaluation(run_dir: Path, info: dict, weights: str | Path) -> str:
         name = Path(str(r.get("weights"))).name.removesuffix(".safetensors")
         mark = " (exported)" if name == exported else ""
         chrf = f"{r['chrf']:.2f}" if isinstance(r.get("chrf"), (int, float)) else "?"
-        lines.append(f"| {r.get('weights')}{mark} | {search} | {r.get('sentences')} | "
-                     f"{r['bleu']:.2f} | {chrf} |")
+        lines.append(f"| {without_local_paths(str(r.get('weights')))}{mark} | {search} | "
+                     f"{r.get('sentences')} | {r['bleu']:.2f} | {chrf} |")
         for key, label in (("bleu_signature", "BLEU"), ("chrf_signature", "chrF")):
             if r.get(key):
                 signatures[f"{label} `{r[key]}`"] = None
