@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from aiayn.config import Config, DecodeConfig, load_config
-from aiayn.data.prepare import drop_warnings, prepare
+from aiayn.config import Config, DecodeConfig, check_setting, load_config, preset_names, validate_given
+from aiayn.data.prepare import prepare, prepare_warnings
 from aiayn.errors import AiaynError, SettingError, is_out_of_memory
 from aiayn.evaluation.evaluate import evaluate_run
 from aiayn.export.base import QUANTIZATIONS
@@ -57,7 +57,8 @@ def _config_from_args(args, default: str | None = None) -> Config:
     overrides = getattr(args, "set", None) or []
     if path:
         return load_config(path, overrides)
-    return Config().override(overrides).validate("defaults") if overrides else Config().validate()
+    return validate_given(Config().override(overrides), "defaults", overrides) if overrides \
+        else Config().validate()
 
 
 def _add_set(p: argparse.ArgumentParser) -> None:
@@ -235,6 +236,8 @@ def _run_prepare(args) -> int:
     config = _config_from_args(args)
     changes = {"corpus": args.corpus, "vocab_size": args.vocab_size, "tokenizer": args.tokenizer}
     changes = {key: value for key, value in changes.items() if value is not None}
+    if args.vocab_size is not None:  # blamed on the flag, not on the config file
+        check_setting("--vocab-size", "data.vocab_size", args.vocab_size)
     config.data = dataclasses.replace(config.data, **changes)
     config.validate("command line")
     stats = prepare(config.data, args.out, config.model.max_len, config.train.max_tokens,
@@ -244,7 +247,7 @@ def _run_prepare(args) -> int:
 
 def _print_prepared(stats: dict, out: str) -> int:
     print(_prepare_summary(stats, out))
-    for line in drop_warnings(stats):
+    for line in prepare_warnings(stats):
         print(f"aiayn: warning: {line}", file=sys.stderr)
     return 0
 
@@ -294,8 +297,8 @@ def _add_train(sub) -> None:
         "data: `aiayn train --init-from RUN_DIR --data DIR --out NEW_RUN` (DIR from `aiayn prepare "
         "--tokenizer-from RUN_DIR`). Under `torchrun --nproc_per_node K -m aiayn train ...` "
         "it runs DistributedDataParallel.")
-    p.add_argument("--config", help="YAML config file, or a preset by name: demo, bible-60, "
-                   "small, base, tiny (configs/*.yaml; a wheel carries them)")
+    p.add_argument("--config", help="YAML config file, or a preset by name: "
+                   f"{', '.join(preset_names())} (configs/*.yaml; a wheel carries them)")
     p.add_argument("--data", help="prepared data directory (from `aiayn prepare`); with "
                    "--resume, the default is the run's data_dir.txt")
     p.add_argument("--out", help="run directory to create")
@@ -309,7 +312,8 @@ def _add_train(sub) -> None:
                    "its model section must be the run's, dropouts aside) and --set")
     p.add_argument("--max-minutes", type=float,
                    help="stop when the run has trained this long, over all its training sessions "
-                   "(train.max_minutes; validations count); the final dev evaluation comes on top")
+                   "(train.max_minutes; validations count); the final dev evaluation comes on top. "
+                   "Above 0; no time limit: --set train.max_minutes=0 (then train.max_steps ends it)")
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast (train.bf16)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (train.compile)")
     _add_device(p, " (under torchrun: the rank's local GPU)")
@@ -319,6 +323,7 @@ def _add_train(sub) -> None:
 def _run_train(args) -> int:
     overrides = list(args.set or [])
     if args.max_minutes is not None:
+        _check_max_minutes(args.max_minutes)
         overrides.append(f"train.max_minutes={args.max_minutes}")
     if args.bf16:
         overrides.append("train.bf16=true")
@@ -333,6 +338,16 @@ def _run_train(args) -> int:
         train(config, args.data, args.out, overrides=overrides, device=args.device,
               force=args.force, init_from=args.init_from)
     return 0
+
+
+def _check_max_minutes(minutes: float) -> None:
+    """--max-minutes is a budget: 0 would silently mean none (train.max_minutes' 0), a run
+    to train.max_steps that can take hours, so asking for no time limit is said in full."""
+    if minutes == 0:
+        raise AiaynError("--max-minutes 0: a time budget must be above 0 minutes; for no time "
+                         "limit give --set train.max_minutes=0 (the run then trains to "
+                         "train.max_steps: --set train.max_steps=N)")
+    check_setting(f"--max-minutes {minutes:g}", "train.max_minutes", minutes)
 
 
 # ---------------------------------------------------------------- translate
@@ -670,10 +685,18 @@ def _run_plot(args) -> int:
         labels = plots.run_labels(args.run_dirs)
         runs = {label: read_metrics(run_dir)
                 for label, run_dir in zip(labels, args.run_dirs, strict=True)}
-        fig = plots.curves_figure(runs)
+        fig = plots.curves_figure(runs, [_label_smoothing(run_dir) for run_dir in args.run_dirs])
         output = args.output or "curves.png"
     print(f"wrote {plots.save_figure(fig, output)}")
     return 0
+
+
+def _label_smoothing(run_dir: str) -> float | None:
+    """The run's train.label_smoothing (the loss `plot` labels), or None when unreadable."""
+    try:
+        return load_config(Path(run_dir) / "config.yaml").train.label_smoothing
+    except AiaynError:
+        return None
 
 
 # ---------------------------------------------------------------- serve
@@ -786,11 +809,19 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"aiayn: error: {' '.join(message.split())} (see `{self.prog} --help`)\n")
 
 
+def _version_line() -> str:
+    """aiayn's version and torch's (what a bug report needs first)."""
+    from aiayn import __version__
+
+    return f"aiayn {__version__} (torch {torch.__version__}, Python {sys.version.split()[0]})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(  # its subcommands' parsers are of the same class
         prog="aiayn",
         description="The Transformer of 'Attention Is All You Need': train, evaluate, translate.",
     )
+    parser.add_argument("--version", action="version", version=_version_line())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add, _ in COMMANDS.values():
         add(sub)

@@ -96,6 +96,13 @@ CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 
+def check_setting(where: str, key: str, value: Any) -> None:
+    """One value for the numeric setting ``key`` ("train.max_minutes") checked against its
+    range, the error naming ``where`` it came from (a command-line flag)."""
+    section, name = key.split(".")
+    _check_range(f"{where}: {key}", value, *RANGES[section][name])
+
+
 def _check_range(where: str, value: Any, low: float, high: float, open_low: bool) -> None:
     """One numeric setting: an int where the default is one, finite, within [low, high]
     (or (low, high] when ``open_low``)."""
@@ -522,7 +529,23 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     config = Config.from_dict(raw, str(path))
     if overrides:
         config = config.override(overrides)
-    return config.validate(str(path))
+    return validate_given(config, str(path), overrides or [])
+
+
+def validate_given(config: Config, source: str, overrides: list[str]) -> Config:
+    """``config.validate(source)``, where ``config`` is ``source``'s settings with
+    ``overrides`` (``--set KEY=VALUE``) applied: a value refused because of a setting an
+    override gave is blamed on that ``--set``, not on the file, which may not hold it."""
+    try:
+        return config.validate(source)
+    except AiaynError as exc:
+        message = str(exc)
+        given = [item for item in overrides if re.search(
+            rf"(?<![\w.]){re.escape(item.partition('=')[0].strip())}(?![\w])", message)]
+        if not given or not message.startswith(f"{source}: "):
+            raise
+        blamed = ", ".join(f"--set {item}" for item in given)
+        raise AiaynError(f"{blamed}: {message.removeprefix(f'{source}: ')}") from None
 
 
 def save_config(config: Config, path: str | Path) -> None:

@@ -75,7 +75,9 @@ def test_a_cjk_corpus_prepares_trains_translates_and_evaluates_whole(lang, tmp_p
     stats = json.loads((data / "stats.json").read_text(encoding="utf-8"))
     assert stats["pairs"] == {"read": 384, "kept": 384, "dropped": dict.fromkeys(
         ["empty", "versification", "too_long", "length_ratio"], 0)}
-    assert "aiayn: warning" not in err
+    # 384 pairs hold out 1% each: dev and test are said to be small, nothing else.
+    assert [line for line in err.splitlines() if line.startswith("aiayn: warning")
+            and " split has only " not in line] == []
     expected = "zh" if lang == "zh" else ("ja-mecab" if mecab_available() else "char")
     assert stats["languages"]["tgt"] == lang and stats["languages"]["src"] == ""
     assert f"target {lang} (from the script); BLEU tokenize {expected}" in out
@@ -175,7 +177,8 @@ def test_a_filter_that_drops_over_a_third_is_named_in_one_warning_line(tmp_path,
     code, _, err = run_cli(["prepare", "--corpus", f"tsv:{corpus}", "--out",
                             str(tmp_path / "data"), "--config", TINY], capsys)
     assert code == 0, err
-    warnings = [line for line in err.splitlines() if line.startswith("aiayn: warning:")]
+    warnings = [line for line in err.splitlines() if line.startswith("aiayn: warning:")
+                and " split has only " not in line]  # 1% of 384 pairs: said, not tested here
     assert warnings == ["aiayn: warning: the length_ratio filter dropped 300 of 684 pairs "
                         "(44%); are the sides aligned line by line? else raise "
                         "data.max_length_ratio (docs/data.md#languages)"]

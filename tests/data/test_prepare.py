@@ -4,6 +4,7 @@ second run, stats, the max_len rule (encode_split), a sample batch, and the comm
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,53 @@ def test_cli_prepare_errors_are_one_line(tmp_path, capsys):
     assert main(["prepare", "--corpus", f"tsv:{toy_tsv(tmp_path / 'c.tsv', WORDS)}",
                  "--out", str(tmp_path / "a-file")]) == 2
     assert "is not a directory" in capsys.readouterr().err
+
+
+def test_a_failed_prepare_or_train_leaves_no_folder_it_made(tmp_path, capsys):
+    """`prepare --out data/mine` and `train --out runs/x` make their parent folders; when
+    the command fails, they go again (and a folder that was there before stays)."""
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("a line without a tab\n", encoding="utf-8")
+    assert main(["prepare", "--corpus", f"tsv:{bad}", "--config", "tiny",
+                 "--out", str(tmp_path / "data" / "mine")]) == 2
+    (tmp_path / "not-prepared").mkdir()
+    assert main(["train", "--config", "tiny", "--data", str(tmp_path / "not-prepared"),
+                 "--out", str(tmp_path / "runs" / "deeper" / "x")]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.tsv", "not-prepared"]
+    (tmp_path / "runs").mkdir()  # a folder the user made stays
+    assert main(["train", "--config", "tiny", "--data", str(tmp_path / "not-prepared"),
+                 "--out", str(tmp_path / "runs" / "x")]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.tsv", "not-prepared", "runs"]
+    assert not any((tmp_path / "runs").iterdir())
+    capsys.readouterr()
+
+
+def test_prepare_warns_of_small_held_out_splits_and_a_header_row(tmp_path, capsys):
+    """1% of a few thousand pairs is a dev and a test split too small for a steady BLEU;
+    a first row of column names is kept as a pair: both are one warning line each."""
+    corpus = toy_tsv(tmp_path / "c.tsv", WORDS, n=400)
+    corpus.write_text("source\ttarget\n" + corpus.read_text(encoding="utf-8"), encoding="utf-8")
+    assert main(["prepare", "--corpus", f"tsv:{corpus}", "--out", str(tmp_path / "a"),
+                 "--config", "tiny"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines()
+                if line.startswith("aiayn: warning:")]
+    assert len(warnings) == 3, warnings
+    for split in ("dev", "test"):
+        assert any(re.search(f"the {split} split has only [45] pairs", w)
+                   and f"--set data.{split}_fraction=0.05" in w for w in warnings), warnings
+    assert any(w.endswith("the first line (source <TAB> target) looks like column names and "
+                          "was kept as a sentence pair; delete it if it is a header row")
+               and str(corpus) in w for w in warnings), warnings
+    # What looks like column names, and what does not (a first pair of words).
+    from aiayn.data.prepare import _header_row
+
+    for first, header in (("en\tfr", True), ("Source text\tTarget text", True),
+                          ("src\ttgt\tattribution", True), ("no\tno", False),
+                          ("the red cat\tthe blue dog", False), ("yes\tsí", False)):
+        corpus.write_text(f"{first}\nred cat\tCAT RED\n", encoding="utf-8")
+        assert (_header_row(f"tsv:{corpus}") is not None) == header, first
+    # Enough held out and no header: no warning.
+    assert main(["prepare", "--corpus", f"tsv:{toy_tsv(tmp_path / 'e.tsv', WORDS, n=400)}",
+                 "--out", str(tmp_path / "b"), "--config", "tiny", "--set",
+                 "data.dev_fraction=0.3", "--set", "data.test_fraction=0.3"]) == 0
+    assert "aiayn: warning" not in capsys.readouterr().err

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
 import sys
 from importlib.util import find_spec
+from pathlib import Path
 
 import pytest
 from export_helpers import needs_ct2, needs_hf, one_line_error, random_run
 from helpers import run_cli
 
-from aiayn.config import DecodeConfig, save_config
+from aiayn.config import DecodeConfig, load_config, save_config
 from aiayn.export.command import export_run
 from aiayn.export.modelcard import CARD_FILE, model_card
 from aiayn.inference.search import Search
@@ -131,3 +134,38 @@ def test_the_engines_name_the_directory_they_need(run_dir, tmp_path, capsys):
     assert one_line_error(code, err, "--engine ctranslate2")
     code, _, err = run_cli(["evaluate", str(run_dir), "--engine", "ctranslate2"], capsys)
     assert one_line_error(code, err, "model.bin", "aiayn export")
+
+
+# ---------------------------------------------------------------- what leaves the machine
+@needs_hf
+@needs_ct2
+def test_an_export_holds_no_local_path_and_every_file_is_readable_by_all(run_dir, tmp_path):
+    """An export is meant to be published (its card becomes a hub page): no file it writes
+    names the run, the prepared data, the corpus files or the home folder; and every file
+    has the umask's mode (0644 under 022), the weights too, so a service user can read them."""
+    run = tmp_path / "home-of-the-run" / "mine"
+    shutil.copytree(run_dir, run)
+    data_dir = Path((run / "data_dir.txt").read_text(encoding="utf-8").strip())
+    config = load_config(run / "config.yaml")
+    config.data.corpus = f"tsv:{data_dir}.corpus/{{split}}.tsv"  # as the data was prepared
+    save_config(config, run / "config.yaml")
+    local = {str(run), str(run.resolve()), str(data_dir), str(data_dir.resolve()),
+             str(data_dir.parent), str(tmp_path)}
+    if Path.home() != Path("/"):
+        local.add(str(Path.home()))
+    weights = shutil.copy(run / "best.safetensors", tmp_path / "mine.safetensors")
+    local.add(str(weights))
+    old = os.umask(0o022)
+    try:
+        outs = [export_run(run, "hf", tmp_path / "hf"),
+                export_run(run, "ctranslate2", tmp_path / "ct2", weights=weights)]
+    finally:
+        os.umask(old)
+    for out in outs:
+        files = [p for p in out.rglob("*") if p.is_file()]
+        assert {"README.md", "aiayn_export.json"} <= {p.name for p in files}
+        for path in files:
+            assert oct(path.stat().st_mode & 0o777) == oct(0o644), path
+            data = path.read_bytes()
+            leaks = [where for where in local if where.encode() in data]
+            assert not leaks, f"{path.relative_to(out)} names {leaks}"

@@ -167,8 +167,9 @@ def test_translate_and_evaluate_with_the_ctranslate2_engine(run_dir, tmp_path, c
     assert code == 0 and theirs == ours and err == ""
     ours = evaluate_run(run_dir, search=resolve_search(run_decode(run_dir), beam=1),
                         output=tmp_path / "a.txt", progress=False)
+    data = (run_dir / "data_dir.txt").read_text(encoding="utf-8").strip()
     code, printed, _ = run_cli(["evaluate", str(out), "--engine", "ctranslate2", "--beam", "1",
-                                "-o", str(tmp_path / "b.txt")], capsys)
+                                "-o", str(tmp_path / "b.txt"), "--data", data], capsys)
     assert code == 0 and f"BLEU  {ours['bleu']:.2f}" in printed and "ctranslate2" in printed
     assert (tmp_path / "b.txt").read_text() == (tmp_path / "a.txt").read_text()
     # An int8 model still copies the test sentences.
@@ -176,6 +177,6 @@ def test_translate_and_evaluate_with_the_ctranslate2_engine(run_dir, tmp_path, c
                           "--quantization", "int8"], capsys)
     assert code == 0
     summary = evaluate_run(tmp_path / "int8", search=resolve_search(DecodeConfig(), beam=4),
-                           engine="ctranslate2", progress=False)
+                           engine="ctranslate2", progress=False, data_dir=data)
     assert summary["bleu"] > 80 and summary["engine"] == "ctranslate2"
     assert json.loads((tmp_path / "int8" / "config.json").read_text())["decoder_start_token"] == "[BOS]"

@@ -13,6 +13,7 @@ from pathlib import Path
 from export_helpers import needs_ct2
 
 from aiayn.export.command import export_run
+from aiayn.export.hf import HF_CODE
 from aiayn.export.modelcard import CARD_FILE, model_card
 from aiayn.inference.translator import Translator
 from aiayn.runs.checkpoint import STATE_VERSION, save_train_state, save_weights
@@ -83,3 +84,15 @@ def test_the_ctranslate2_cards_loading_code_translates(run_dir, tmp_path):
                              check=True).stdout
     expected = Translator.from_pretrained(out, engine="ctranslate2").translate(["red green blue"])
     assert printed.splitlines() == expected
+
+
+def test_the_advice_before_trust_remote_code_names_every_python_file_shipped(run_dir):
+    """The card and docs/export.md name each Python file an export of aiayn's own model
+    ships (and trust_remote_code runs): model.py imports cache.py and loss.py."""
+    assert {"model.py", "hf_model.py", "cache.py", "loss.py"} <= set(HF_CODE)
+    card = model_card(run_dir, "hf", marian=False)
+    advice = card.split("`trust_remote_code=True` runs", 1)[1].split("\n\n", 1)[0]
+    assert all(f"`{name}`" in advice for name in HF_CODE), advice
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "export.md").read_text()
+    advice = docs.split("`trust_remote_code=True` means", 1)[1].split("\n\n", 1)[0]
+    assert all(f"`{name}`" in advice for name in HF_CODE), advice

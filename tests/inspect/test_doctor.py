@@ -418,3 +418,48 @@ def test_doctor_does_not_import_the_trainer():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert out.stdout.strip() == "False"
+
+
+def test_a_run_still_training_is_said_to_be_in_use_not_broken(healthy, tmp_path, capsys):
+    """While `aiayn train` holds the run (before its first save, no train_state.pt yet), the
+    doctor says who holds it and what it did not check, instead of "cannot be resumed"."""
+    from aiayn.util.lock import locked
+
+    run = tmp_path / "run"
+    shutil.copytree(healthy, run)
+    (run / "train_state.pt").unlink()
+    with locked(run, "aiayn train"):
+        code = main(["doctor", str(run)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    lines = {line.split()[1]: line for line in out.splitlines()[:-1] if line[:1] != " "}
+    for name in ("validation", "resume"):
+        assert lines[name].startswith("skip") and f"in use by pid {os.getpid()} (aiayn train)" \
+            in lines[name] and "run `aiayn doctor` again when it has finished" in lines[name]
+    assert "--init-from" not in out and "cannot be resumed" not in out
+    assert all(lines[name].startswith("ok") for name in CHECKS[:7])
+
+
+def test_data_that_moved_is_said_to_come_from_data_dir_txt_which_data_overrides(
+        healthy, tmp_path, capsys):
+    """`evaluate` and `doctor` on a run whose prepared data moved name where the path came
+    from and the flag that overrides it; with --data they work."""
+    run = tmp_path / "run"
+    shutil.copytree(healthy, run)
+    moved = tmp_path / "moved"
+    shutil.copytree(read_data_dir(run), moved)
+    data_dir_gone(run)
+    gone = run.parent / "nowhere"
+    assert main(["evaluate", str(run), "--limit", "2", "-o", str(tmp_path / "h.txt")]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(f"aiayn: error: {gone}: prepared data directory not found") \
+        and f"{run / 'data_dir.txt'}" in line and "give --data DIR, which overrides it" in line
+    assert "\n" not in line
+    assert main(["doctor", str(run)]) == 1
+    data_line = next(x for x in capsys.readouterr().out.splitlines() if x.split()[1] == "data")
+    assert data_line.startswith("FAIL") and f"the path comes from {run / 'data_dir.txt'}" \
+        in data_line and "give it with --data DIR, which overrides data_dir.txt" in data_line
+    assert main(["evaluate", str(run), "--limit", "2", "-o", str(tmp_path / "h.txt"),
+                 "--data", str(moved)]) == 0
+    assert status(aiayn.doctor(run, data_dir=moved))["data"] is True
+    capsys.readouterr()

@@ -325,6 +325,30 @@ def test_curves_figure_draws_each_metric_of_each_run(tmp_path):
     assert legend_texts == ["a", "b"]
 
 
+def test_the_training_loss_is_labelled_label_smoothed_only_where_the_run_smoothed(
+        tmp_path, capsys):
+    """The demo trains without label smoothing: its loss is a plain cross-entropy; the
+    label follows each run's config.yaml."""
+    from aiayn.config import save_config
+
+    for name, preset in (("demo", "demo"), ("b60", "bible-60")):
+        write_metrics(tmp_path / name, 1.0)
+        save_config(load_config(preset), tmp_path / name / "config.yaml")
+
+    def label(*names: str) -> str:
+        fig = plots.curves_figure({n: read_metrics(tmp_path / n) for n in names},
+                                  [load_config(tmp_path / n / "config.yaml").train.label_smoothing
+                                   for n in names])
+        return next(ax for ax in fig.axes if ax.get_title() == "training loss").get_ylabel()
+
+    assert label("demo") == "cross-entropy"
+    assert label("b60") == "label-smoothed cross-entropy (eps 0.1)"
+    assert label("demo", "b60") == "cross-entropy, label-smoothed in some runs"
+    assert "label-smoothed cross-entropy" not in plots.loss_label([None])
+    assert main(["plot", str(tmp_path / "demo"), "-o", str(tmp_path / "c.png")]) == 0
+    capsys.readouterr()
+
+
 def test_metric_series_keeps_the_last_record_of_a_repeated_step():
     records = [{"kind": "train", "step": 1, "loss": 5.0}, {"kind": "train", "step": 2, "loss": 4.0},
                {"kind": "train", "step": 2, "loss": 3.5}, {"kind": "dev", "step": 2, "bleu": 1.0}]

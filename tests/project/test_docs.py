@@ -328,20 +328,25 @@ def test_readme_budget_and_first_own_data_command():
 
 @pytest.mark.slow  # processes of their own
 def test_own_data_quick_start_runs_as_the_readme_shows_it(tmp_path):
-    """The README's four commands, word for word, on a small TSV with configs/tiny.yaml for
-    the preset (the only substitution), in a fresh directory."""
+    """The README's commands, word for word, on a small TSV with the preset tiny for the
+    README's (the only substitution; by name, so they run from any folder), in a fresh
+    directory that holds no configs/."""
     block = own_data_block()
     commands = [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
     assert [c.split()[1] for c in commands if c.startswith("aiayn")] == [
-        "prepare", "train", "evaluate"] and "| aiayn translate" in block
+        "prepare", "train", "translate", "evaluate"] and "| aiayn translate" in block
     corpus = re.search(r"--corpus tsv:(\S+)", block).group(1)
     (tmp_path / Path(corpus).parent).mkdir(parents=True, exist_ok=True)
-    toy_tsv(tmp_path / corpus, ["red", "green", "blue", "cat", "dog", "sees", "the", "a"])
-    presets = set(re.findall(r"configs/[\w-]+\.yaml", block))
-    assert presets, "the quick start names no preset"
+    words = ["red", "green", "blue", "cat", "dog", "sees", "the", "a"]
+    toy_tsv(tmp_path / corpus, words)
+    inputs = re.search(r"aiayn translate \S+ -i (\S+) -o (\S+)", block)
+    assert inputs, "the quick start has no file example"
+    (tmp_path / inputs.group(1)).write_text("red cat\nthe dog sees\n", encoding="utf-8")
+    presets = set(re.findall(r"--config (\S+)", block))
+    assert presets and not any("/" in p for p in presets), "name the preset, not a path"
     script = block
     for preset in presets:
-        script = script.replace(preset, str(ROOT / "configs" / "tiny.yaml"))
+        script = script.replace(f"--config {preset}", "--config tiny")
     bin_dir = Path(sys.executable).parent
     if not (bin_dir / "aiayn").exists():
         pytest.skip("the aiayn console script is not installed beside this Python")
@@ -353,6 +358,7 @@ def test_own_data_quick_start_runs_as_the_readme_shows_it(tmp_path):
     assert (run / "best.safetensors").is_file() and (run / "config.yaml").is_file()
     translations = [line for line in done.stdout.splitlines() if line.strip()]
     assert translations, "aiayn translate printed nothing"
+    assert len((tmp_path / inputs.group(2)).read_text(encoding="utf-8").splitlines()) == 2
     assert "BLEU" in done.stdout + done.stderr  # aiayn evaluate's report
 
 

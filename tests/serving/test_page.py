@@ -4,6 +4,7 @@ a real server process: translations, n-best, next pieces and attention maps draw
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import numpy as np
@@ -70,8 +71,24 @@ def test_the_page_translates_and_draws_the_attention_in_chromium(server, transla
         driver.get(server + "/")
         wait = WebDriverWait(driver, 60)
         wait.until(lambda d: "parameters" in d.find_element(By.ID, "info").text)
+        # On load the page translated its placeholder: no blank section before a click.
+        placeholder = driver.find_element(By.ID, "source").get_attribute("placeholder")
+        wait.until(lambda d: d.find_element(By.ID, "status").text.startswith("done")
+                   or d.find_element(By.ID, "error").text)
+        assert driver.find_element(By.ID, "error").text == ""
+        assert driver.find_element(By.ID, "source").get_attribute("value") == placeholder
+        assert driver.find_element(By.ID, "translation").text == \
+            translator.translate([placeholder], beam=4)[0]
+        assert driver.find_element(By.ID, "next-target").text != ""
+        assert driver.find_elements(By.CSS_SELECTOR, "#layer option") and \
+            driver.find_elements(By.CSS_SELECTOR, "#head option")
+        assert driver.find_element(By.ID, "heatmap").get_attribute("data-kind") == "cross"
+        if os.environ.get("AIAYN_PAGE_SCREENSHOT"):  # to look at the page by eye
+            driver.save_screenshot(os.environ["AIAYN_PAGE_SCREENSHOT"])
+        driver.find_element(By.ID, "source").clear()
         driver.find_element(By.ID, "source").send_keys(sentence)
         driver.find_element(By.ID, "translate").click()
+        # (the click sets the status to "translating…" before it returns)
         wait.until(lambda d: d.find_element(By.ID, "status").text.startswith("done")
                    or d.find_element(By.ID, "error").text)
         assert driver.find_element(By.ID, "error").text == ""

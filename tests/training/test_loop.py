@@ -70,13 +70,26 @@ def test_training_tests_run_on_the_memory_mapped_ids_users_get(data_dir):
 # ---------------------------------------------------------------- the run directory
 def test_run_directory_layout_metrics_and_dev_scores(data_dir, tmp_path):
     run = tmp_path / "run"
-    run_train("--config", TINY, "--data", str(data_dir), "--out", str(run),
-              *sets(max_steps=10, eval_every=5, save_every=5, log_every=5, keep_checkpoints=1))
+    old_umask = os.umask(0o022)
+    try:
+        run_train("--config", TINY, "--data", str(data_dir), "--out", str(run),
+                  *sets(max_steps=10, eval_every=5, save_every=5, log_every=5,
+                        keep_checkpoints=1, keep_steps="[3]"))
+    finally:
+        os.umask(old_umask)
+    # Every file has the umask's mode, the weights too: a service user other than the
+    # trainer reads them (docs/serving.md).
+    modes = {str(p.relative_to(run)): oct(p.stat().st_mode & 0o777)
+             for p in run.rglob("*") if p.is_file()}
+    assert {"best.safetensors", "last.safetensors", "checkpoints/step_0000003.safetensors",
+            "checkpoints/step_0000010.safetensors", "train_state.pt"} <= modes.keys()
+    assert {name: mode for name, mode in modes.items() if mode != oct(0o644)} == {}
     assert (run / "config.yaml").is_file() and (run / "tokenizer").is_dir()
     assert (run / "data_dir.txt").read_text().strip() == str(data_dir.resolve())
     for name in ("last.safetensors", "best.safetensors", "train_state.pt"):
         assert (run / name).is_file(), name
-    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_0000010.safetensors"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "step_0000003.safetensors", "step_0000010.safetensors"]
     assert any((run / "tb").iterdir())
     config = load_config(run / "config.yaml")
     from aiayn.data.tokenizer import Tokenizers
@@ -147,6 +160,44 @@ def test_the_three_ways_to_start_are_checked_once_with_one_message(
         train.train(**settings)
     assert line == f"aiayn: error: {err.value}"
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("flags", "blamed"), [
+    (["--max-minutes", "-1"], "--max-minutes -1: train.max_minutes must be in [0, inf)"),
+    (["--set", "train.peak_lr=-1"], "--set train.peak_lr=-1: train.peak_lr must be in (0, inf)"),
+    (["--set", "train.seed=3", "--set", "train.max_tokens=10"],
+     "--set train.max_tokens=10: train.max_tokens (10) is smaller than model.max_len"),
+    (["--max-minutes", "0"], "--max-minutes 0: a time budget must be above 0 minutes; for no "
+     "time limit give --set train.max_minutes=0"),
+])
+def test_a_bad_value_is_blamed_on_the_flag_or_set_that_gave_it(flags, blamed, tmp_path, capsys):
+    """Not on the preset, which holds no such value; and --max-minutes 0 is no silent
+    'no budget' (train.max_minutes=0 says it in full)."""
+    assert main(["train", "--config", "demo", "--data", str(tmp_path / "data"),
+                 "--out", str(tmp_path / "run"), *flags]) == 2
+    line = error_line(capsys.readouterr().err)
+    assert line.startswith(f"aiayn: error: {blamed}"), line
+    assert "demo.yaml" not in line and not (tmp_path / "run").exists()
+
+
+def test_the_config_help_names_every_preset():
+    from aiayn.cli import build_parser
+    from aiayn.config import preset_names
+
+    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    text = next(a.help for a in train._actions if "--config" in a.option_strings)
+    names = preset_names()
+    assert {"bible-small", "demo", "bible-60", "tiny"} <= set(names)
+    assert f"by name: {', '.join(names)} (" in text
+
+
+def test_a_bad_value_in_the_file_is_still_blamed_on_the_file(tmp_path, capsys):
+    config = tmp_path / "mine.yaml"
+    config.write_text("train:\n  peak_lr: -1\n", encoding="utf-8")
+    assert main(["train", "--config", str(config), "--data", str(tmp_path / "data"),
+                 "--out", str(tmp_path / "run"), "--set", "train.seed=3"]) == 2
+    assert error_line(capsys.readouterr().err).startswith(
+        f"aiayn: error: {config}: train.peak_lr must be in (0, inf)")
 
 
 # ---------------------------------------------------------------- exact resume

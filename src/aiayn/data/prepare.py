@@ -126,6 +126,64 @@ def drop_warnings(stats: dict[str, Any]) -> list[str]:
             for reason, n in stats["pairs"]["dropped"].items() if read and n > WARN_DROPPED * read]
 
 
+# Fewer held-out pairs than this give a dev or test BLEU that moves by points between runs.
+SMALL_SPLIT = 100
+# What the first row of a TSV with a header holds: column names made of these words, or of
+# language codes ("source<TAB>target", "en<TAB>fr", "src_text<TAB>tgt_text").
+_HEADER_WORDS = frozenset(
+    "source target src tgt input output text texts sentence sentences translation original "
+    "lang language english french spanish german italian portuguese chinese japanese "
+    "russian arabic".split())
+_LANGUAGE_CODES = frozenset(
+    "en fr es de it pt nl ru zh ja ko ar hi tr pl sv da fi nb no cs el he uk ro hu id vi th "
+    "fa ca eu gl eng fra fre spa deu ger ita por nld rus zho jpn kor ara".split())
+
+
+def prepare_warnings(stats: dict[str, Any]) -> list[str]:
+    """What ``aiayn prepare`` warns about once the data is written: filters that dropped
+    much (``drop_warnings``), a dev or test split too small for a steady score, and a first
+    TSV row that looks like column names (it was kept as a pair)."""
+    lines = drop_warnings(stats)
+    for split in ("dev", "test"):
+        n = stats["splits"].get(split, 0)
+        if n < SMALL_SPLIT:
+            lines.append(f"the {split} split has only {n} pairs, too few for a steady BLEU (a "
+                         f"few pairs more or less move it by points); hold out more with --set "
+                         f"data.{split}_fraction=0.05 (or give a larger {split} file)")
+    header = _header_row(stats["corpus"])
+    if header is not None:
+        path, columns = header
+        lines.append(f"{path}: the first line ({' <TAB> '.join(columns)}) looks like column "
+                     "names and was kept as a sentence pair; delete it if it is a header row")
+    return lines
+
+
+def _header_row(spec: str) -> tuple[str, tuple[str, str]] | None:
+    """The file and first two columns of a ``tsv:`` corpus's first line when they look like
+    column names (``_HEADER_WORDS``, language codes); else None. Reads one line."""
+    kind, _, arg = spec.partition(":")
+    if kind != "tsv":
+        return None
+    path = Path(arg.strip().replace("{split}", "train")).expanduser()
+    try:
+        with open(path, encoding="utf-8-sig", errors="replace") as fh:
+            columns = fh.readline().rstrip("\r\n").split("\t")
+    except OSError:
+        return None
+    if len(columns) < 2:
+        return None
+    src, tgt = (c.strip() for c in columns[:2])
+
+    def name(cell: str) -> bool:
+        parts = [p for p in cell.lower().replace("-", "_").replace(" ", "_").split("_") if p]
+        return bool(parts) and len(parts) <= 3 and all(
+            p in _HEADER_WORDS or p in _LANGUAGE_CODES for p in parts)
+
+    if src.lower() != tgt.lower() and name(src) and name(tgt):
+        return str(path), (src, tgt)
+    return None
+
+
 def prepared_size(spec: str) -> int | None:
     """About the bytes prepare writes for a corpus of the user's files (tsv, jsonl,
     parallel): three times their size (the staged pairs, the JSON lines, the ids, which

@@ -62,6 +62,8 @@ decode.max_len_b).
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -72,7 +74,6 @@ from aiayn.errors import AiaynError
 from aiayn.model import Transformer
 from aiayn.runs.checkpoint import tensors_size, unique_state_dict
 from aiayn.runs.directory import copy_tokenizer
-from aiayn.util.io import atomic_write_text
 
 TARGETS = ("hf", "ctranslate2")
 
@@ -99,16 +100,29 @@ def export_size(model: Transformer, run_dir: Path) -> int:
     return tensors_size(unique_state_dict(model)) + tokenizer
 
 
+# An absolute path inside a text (a corpus spec "tsv:/home/me/corpus.tsv", a description
+# "tab-separated pairs from /home/me/..."): from a slash (or a drive letter) after a start,
+# a space, a colon, a comma or a quote, to the next space, comma or quote.
+_ABSOLUTE_PATH = re.compile(r"(?:(?<=^)|(?<=[\s:,'\"`(]))(?:[A-Za-z]:)?[/\\~][^\s,'\"`)]*")
+
+
+def without_local_paths(text: str) -> str:
+    """``text`` with each absolute path replaced by its file name: what an export writes is
+    meant to leave this machine (a hub page), and a local path tells where the trainer's files
+    are and often the user's name; the file name still says which file it was."""
+    return _ABSOLUTE_PATH.sub(lambda m: re.split(r"[/\\]", m.group(0).rstrip("/\\"))[-1],
+                              text)
+
+
 def write_aiayn_side(config: Config, run_dir: Path, out: Path) -> None:
     """What `aiayn translate/evaluate --engine ctranslate2` read beside the model: the
-    config (max_len, the search), the tokenizer, and the prepared data the run was trained on."""
+    config (max_len, the search) and the tokenizer. Not the run's data_dir.txt: an export
+    is meant to leave this machine, and that file is a local path (evaluate takes --data)."""
     from aiayn.config import save_config
 
-    save_config(config, out / "config.yaml")
+    data = replace(config.data, corpus=without_local_paths(config.data.corpus))
+    save_config(replace(config, data=data), out / "config.yaml")
     copy_tokenizer(run_dir / "tokenizer", out / "tokenizer")
-    if (run_dir / "data_dir.txt").is_file():
-        atomic_write_text(out / "data_dir.txt",
-                          (run_dir / "data_dir.txt").read_text(encoding="utf-8"))
 
 
 def check_target_can_express(cfg: ModelConfig, to: str, where: str) -> None:

@@ -15,6 +15,7 @@ from aiayn.export.base import (
     TARGETS,
     check_target_can_express,
     export_size,
+    without_local_paths,
     write_aiayn_side,
 )
 from aiayn.export.ctranslate2 import write_ctranslate2
@@ -61,8 +62,8 @@ def export_run(run_dir: str | Path, to: str, out_dir: str | Path, weights: str |
         else:
             write_ctranslate2(model, tokenizers, tmp, quantization)
             write_aiayn_side(config, run_dir, tmp)
-        info = {"format": 1, "target": to, "run_dir": str(run_dir.resolve()),
-                "weights": str(weights), "quantization": quantization}
+        info = {"format": 1, "target": to, "run_dir": run_dir.resolve().name,
+                "weights": without_local_paths(str(weights)), "quantization": quantization}
         atomic_write_text(tmp / EXPORT_INFO, json.dumps(info, indent=2) + "\n")
         card = model_card(run_dir, to, weights, quantization, marian=is_marian(model.cfg))
         atomic_write_text(tmp / CARD_FILE, card)

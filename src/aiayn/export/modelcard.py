@@ -17,6 +17,8 @@ from typing import Any
 from aiayn.config import Config, load_config
 from aiayn.data.prepared import STATS_FILE
 from aiayn.data.tokenizer import META_FILE
+from aiayn.export.base import without_local_paths
+from aiayn.export.hf import HF_CODE
 from aiayn.inspect.info import run_info
 
 CARD_FILE = "README.md"
@@ -73,6 +75,12 @@ def model_card(run_dir: str | Path, target: str, weights: str | Path = "best",
     return "\n\n".join(s.strip("\n") for s in sections) + "\n"
 
 
+def _code_files() -> str:
+    """The Python files an export with aiayn's own model ships (and trust_remote_code runs),
+    as the card names them: taken from the list the export copies."""
+    return ", ".join(f"`{name}`" for name in HF_CODE)
+
+
 def _front_matter(target: str) -> str:
     library = "transformers" if target == "hf" else "ctranslate2"
     return f"---\nlibrary_name: {library}\npipeline_tag: translation\ntags:\n- translation\n" \
@@ -82,7 +90,7 @@ def _front_matter(target: str) -> str:
 def _title(config: Config, stats: dict | None) -> str:
     description = (stats or {}).get("description")
     corpus = (stats or {}).get("corpus") or config.data.corpus
-    return f"Translation model: {description or corpus}"
+    return without_local_paths(f"Translation model: {description or corpus}")
 
 
 def _architecture(info: dict, config: Config, target: str, quantization: str | None,
@@ -90,7 +98,7 @@ def _architecture(info: dict, config: Config, target: str, quantization: str | N
     m, v = info["model"], info["vocabulary"]
     if target == "hf":
         form = ("`MarianMTModel` (Transformers' own code)" if marian else
-                "aiayn's own model code (`model.py`, `hf_model.py`; `trust_remote_code`)")
+                f"aiayn's own model code ({_code_files()}; `trust_remote_code`)")
     else:
         form = f"CTranslate2 `TransformerSpec`, weights {quantization or 'float32'}"
     return "\n".join([
@@ -109,14 +117,18 @@ def _architecture(info: dict, config: Config, target: str, quantization: str | N
 
 
 def _data(info: dict, stats: dict | None) -> str:
-    lines = ["## Training data", "", f"Corpus `{info['corpus']}`, prepared in "
-             f"`{info['data_dir'] or '(no data_dir.txt in the run)'}`."]
+    # The prepared directory's name only: the card is meant for a public page, and the
+    # absolute path says where the trainer's files are (and their user name).
+    prepared = Path(info["data_dir"]).name if info["data_dir"] else None
+    lines = ["## Training data", "", f"Corpus `{without_local_paths(info['corpus'])}`"
+             + (f", prepared by `aiayn prepare` (a directory named `{prepared}`)." if prepared
+                else " (the run records no prepared data directory).")]
     if stats is None:
         lines += ["", "The prepared data's stats.json could not be read, so its size is not "
                   "given here."]
         return "\n".join(lines)
     if stats.get("description"):
-        lines += ["", stats["description"] + "."]
+        lines += ["", without_local_paths(stats["description"]) + "."]
     pairs, splits = stats.get("pairs") or {}, stats.get("splits") or {}
     tokens = stats.get("tokens") or {}
     if pairs:
@@ -131,7 +143,7 @@ def _data(info: dict, stats: dict | None) -> str:
             lines.append(f"| {name} | {count:,} | {_count(side.get('src'))} | "
                          f"{_count(side.get('tgt'))} |")
     if stats.get("split_rule"):
-        lines += ["", f"Split: {stats['split_rule']}."]
+        lines += ["", f"Split: {without_local_paths(stats['split_rule'])}."]
     return "\n".join(lines)
 
 
@@ -149,7 +161,8 @@ def _training(info: dict, weights: str | Path) -> str:
     else:
         lines.append("The run holds no train_state.pt: its steps and time are not known.")
     step = _weights_step(info, weights)
-    lines += ["", f"Exported weights: `{weights}`" + (f" (step {step:,})." if step else ".")]
+    lines += ["", f"Exported weights: `{without_local_paths(str(weights))}`"
+              + (f" (step {step:,})." if step else ".")]
     best = info["best"]
     if best and isinstance(best.get("bleu"), (int, float)):
         chrf = (f", chrF {best['chrf']:.2f}" if isinstance(best.get("chrf"), (int, float))
@@ -183,8 +196,8 @@ def _evaluation(run_dir: Path, info: dict, weights: str | Path) -> str:
         name = Path(str(r.get("weights"))).name.removesuffix(".safetensors")
         mark = " (exported)" if name == exported else ""
         chrf = f"{r['chrf']:.2f}" if isinstance(r.get("chrf"), (int, float)) else "?"
-        lines.append(f"| {r.get('weights')}{mark} | {search} | {r.get('sentences')} | "
-                     f"{r['bleu']:.2f} | {chrf} |")
+        lines.append(f"| {without_local_paths(str(r.get('weights')))}{mark} | {search} | "
+                     f"{r.get('sentences')} | {r['bleu']:.2f} | {chrf} |")
         for key, label in (("bleu_signature", "BLEU"), ("chrf_signature", "chrF")):
             if r.get(key):
                 signatures[f"{label} `{r[key]}`"] = None
@@ -212,7 +225,7 @@ def _decoding(config: Config, target: str) -> str:
 
 
 def _use_and_limits(config: Config, stats: dict | None) -> str:
-    corpus = (stats or {}).get("description") or config.data.corpus
+    corpus = without_local_paths((stats or {}).get("description") or config.data.corpus)
     return "\n".join([
         "## Intended use and limits", "",
         f"Translating text like its training data ({corpus}), one sentence at a time, for "
@@ -243,8 +256,8 @@ def _loading(target: str, config: Config, marian: bool, files: dict[str, str]) -
             "```",
         ]
         if not marian:
-            lines += ["", "`trust_remote_code=True` runs this directory's `model.py` and "
-                      "`hf_model.py` on your machine: read them first."]
+            lines += ["", f"`trust_remote_code=True` runs this directory's Python files, "
+                      f"{_code_files()}, on your machine: read them first."]
         return "\n".join(lines)
     tokenizer, target_tokenizer = files["src"], files["tgt"]
     return "\n".join([

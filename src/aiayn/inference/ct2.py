@@ -5,7 +5,8 @@ Only the search differs: ``aiayn.inference.translator.Translator`` still tokeniz
 (``aiayn.data.batching.token_batches``), detokenizes and keeps the input order, and
 ``aiayn.evaluation.evaluate`` scores as always. An export directory holds, beside CTranslate2's
 model.bin, config.json and vocabularies, the run's config.yaml (max_len, and the search in
-its decode section), tokenizer/ and data_dir.txt.
+its decode section) and tokenizer/ (no data_dir.txt: an export names no local path, so
+``evaluate`` is given the prepared data).
 
 The search follows ``aiayn.inference.search``'s rules where CTranslate2 can: [PAD] and [BOS] are
 never generated (``suppress_sequences``), and each sentence gets at most its own limit of

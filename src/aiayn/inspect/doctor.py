@@ -25,6 +25,10 @@ The checks, in order (a check that needs what an earlier one found missing is sk
 9. ``resume``: train_state.pt loads, names weights that exist, and its optimizer state fits
    the model, so ``aiayn train --resume RUN_DIR`` can continue.
 
+A run that a live ``aiayn train`` holds (aiayn.util.lock) is still being written: the
+checks that compare its files with each other (validation, resume) are skipped with a line
+naming the holder, and the others run on what is there.
+
 From Python::
 
     report = aiayn.doctor("runs/s60")          # or aiayn.inspect.doctor.doctor(...)
@@ -61,12 +65,16 @@ from aiayn.runs.checkpoint import (
     read_metadata,
     read_weights,
 )
-from aiayn.runs.directory import list_step_checkpoints, read_data_dir, read_metrics, resolve_weights
+from aiayn.runs.directory import list_step_checkpoints, read_metrics, resolve_weights
 from aiayn.training.transfer import describe_tokenizer
+from aiayn.util.lock import in_use
 
 CHECK_NAMES = ("config", "weights", "shapes", "tokenizer", "data", "round-trip", "translate",
                "validation", "resume")
 ROUND_TRIP_SENTENCES = 5
+# What a live `aiayn train` rewrites under each check that compares files with each other.
+BUSY_SKIPS = {"validation": "the weights and metrics.jsonl",
+              "resume": "train_state.pt and the step checkpoints"}
 # How far a fresh validation of the same weights may land from the logged one. The dev loss
 # is a mean over every dev token, and another process may compute it with other kernels than
 # the run did: another thread count, the oneDNN output product (aiayn.inference.kernels), a GPU, bf16
@@ -175,7 +183,15 @@ class _Doctor:
         methods = (self.check_weights, self.check_shapes, self.check_tokenizer,
                    self.check_data, self.check_round_trip, self.check_translation,
                    self.check_validation, self.check_train_state)
+        # A run still training rewrites its weights, log and train state while they are read:
+        # what compares them (validation, resume) would report a moving target as broken.
+        busy = in_use(self.run_dir)
         for name, method in zip(CHECK_NAMES[1:], methods, strict=True):
+            if busy and name in BUSY_SKIPS:
+                checks.append(Check(name, None, f"not checked: {self.run_dir} is in use by "
+                                    f"{busy}, which rewrites {BUSY_SKIPS[name]} as it trains; "
+                                    "run `aiayn doctor` again when it has finished"))
+                continue
             try:
                 checks.append(method())
             except _Skip as why:
@@ -292,16 +308,21 @@ class _Doctor:
 
     # ------------------------------------------------------------ 5. data
     def check_data(self) -> Check:
+        named_by = self.run_dir / "data_dir.txt"
         try:
-            data_dir = Path(self.data_arg) if self.data_arg else read_data_dir(self.run_dir)
-        except AiaynError as exc:
-            return Check("data", False, str(exc), "give the prepared data with --data DIR")
+            data_dir = Path(self.data_arg) if self.data_arg else Path(
+                named_by.read_text(encoding="utf-8").strip())
+        except OSError:
+            return Check("data", False, f"{self.run_dir}: no data_dir.txt naming the prepared "
+                         "data", "give the prepared data with --data DIR")
         if not data_dir.is_dir():
-            return Check("data", False, f"{data_dir} (named by "
-                         f"{'--data' if self.data_arg else 'data_dir.txt'}) does not exist",
-                         "give the prepared data with --data DIR, or prepare it again: "
-                         f"`aiayn prepare --tokenizer-from {self.run_dir} --corpus SPEC "
-                         f"--out {data_dir}`")
+            where = ("named by --data" if self.data_arg else
+                     f"the path comes from {named_by}, written when the run was trained")
+            return Check("data", False, f"{data_dir}: prepared data directory not found "
+                         f"({where})", "if the data moved, give it with --data DIR"
+                         + ("" if self.data_arg else ", which overrides data_dir.txt")
+                         + "; or prepare it again: `aiayn prepare --tokenizer-from "
+                         f"{self.run_dir} --corpus SPEC --out {data_dir}`")
         try:
             self.dev = read_split(data_dir / "dev.jsonl")
         except AiaynError as exc:

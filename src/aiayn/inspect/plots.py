@@ -41,9 +41,9 @@ from aiayn.training.optim import schedule_lr
 
 # ---------------------------------------------------------------- training curves
 
-# (panel title, record kind, field, y label)
+# (panel title, record kind, field, y label; the training loss's is loss_label's)
 CURVES = [
-    ("training loss", "train", "loss", "label-smoothed cross-entropy"),
+    ("training loss", "train", "loss", "cross-entropy"),
     ("dev loss", "dev", "dev_loss", "cross-entropy"),
     ("dev BLEU", "dev", "bleu", "BLEU"),
     ("learning rate", "train", "lr", "lr"),
@@ -69,8 +69,25 @@ def run_labels(run_dirs: Sequence[str | Path]) -> list[str]:
             for name, run_dir in zip(names, run_dirs, strict=True)]
 
 
-def curves_figure(runs: dict[str, list[dict[str, Any]]]) -> Figure:
-    """Four panels against optimizer steps, one colour per run, one legend for all."""
+def loss_label(smoothing: Sequence[float | None]) -> str:
+    """The training loss's axis label from the runs' train.label_smoothing (None: not known):
+    "label-smoothed" only where every run smoothed, with its epsilon when they share one."""
+    values = set(smoothing)
+    if not values or None in values:
+        return "training loss (label-smoothed where the run's config says so)"
+    if values == {0.0}:
+        return "cross-entropy"
+    if 0.0 in values:
+        return "cross-entropy, label-smoothed in some runs"
+    epsilon = f" (eps {values.pop():g})" if len(values) == 1 else ""
+    return f"label-smoothed cross-entropy{epsilon}"
+
+
+def curves_figure(runs: dict[str, list[dict[str, Any]]],
+                  smoothing: Sequence[float | None] = ()) -> Figure:
+    """Four panels against optimizer steps, one colour per run, one legend for all.
+    ``smoothing``: each run's train.label_smoothing (None: unknown), for the training loss's
+    label (``loss_label``)."""
     fig = new_figure(figsize=(11, 7.5), layout="constrained")
     # One step axis for all four panels, so that dev scores line up with the training.
     axes = fig.subplots(2, 2, sharex=True).ravel()
@@ -95,7 +112,7 @@ def curves_figure(runs: dict[str, list[dict[str, Any]]]) -> Figure:
         ax.set_title(title)
         if ax in axes[2:]:
             ax.set_xlabel("step (optimizer updates)")
-        ax.set_ylabel(ylabel)
+        ax.set_ylabel(loss_label(smoothing or [None] * len(runs)) if key == "loss" else ylabel)
         ax.grid(True, alpha=0.3)
     handles = [Line2D([], [], color=c, linewidth=2, label=label)
                for label, c in zip(runs, colors, strict=True)]

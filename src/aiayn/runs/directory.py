@@ -185,7 +185,17 @@ def read_data_dir(run_dir: str | Path) -> Path:
     path = Path(run_dir) / "data_dir.txt"
     if not path.is_file():
         raise AiaynError(f"{run_dir}: no data_dir.txt naming the prepared data; give --data DIR")
-    return Path(path.read_text(encoding="utf-8").strip())
+    data_dir = Path(path.read_text(encoding="utf-8").strip())
+    if not data_dir.is_dir():  # moved or renamed since training: say where the name came from
+        raise AiaynError(moved_data_line(data_dir, path))
+    return data_dir
+
+
+def moved_data_line(data_dir: Path, named_by: Path) -> str:
+    """The error for prepared data that is not where the run's data_dir.txt says."""
+    return (f"{data_dir}: prepared data directory not found (the path comes from {named_by}, "
+            "written when the run was trained; if the data moved, give --data DIR, which "
+            "overrides it)")
 
 
 # ---------------------------------------------------------------- loading a run

@@ -31,7 +31,7 @@ from aiayn.runs.directory import (
     resume_point,
 )
 from aiayn.training.transfer import InitFrom
-from aiayn.util.io import as_disk_error, remove_temp_files
+from aiayn.util.io import as_disk_error, missing_dirs, remove_empty_dirs, remove_temp_files
 from aiayn.util.lock import PID_FILE, locked
 from aiayn.util.progress import log
 
@@ -47,7 +47,7 @@ def run_dir_held(run_dir: Path, resume: bool, force: bool):
             raise AiaynError(f"--resume {run_dir}: run directory not found")
     else:
         check_new_run_dir(run_dir, force)
-    created = not run_dir.exists()
+    created = missing_dirs(run_dir)  # the run directory and the parents made for it (runs/)
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
         with locked(run_dir, "aiayn train"):
@@ -62,6 +62,7 @@ def run_dir_held(run_dir: Path, resume: bool, force: bool):
         half_made = as_disk_error(exc) is not None and not (run_dir / "train_state.pt").exists()
         if created and (half_made or not (run_dir / "config.yaml").exists()):
             shutil.rmtree(run_dir, ignore_errors=True)
+            remove_empty_dirs(created[1:])
         raise
 
 

@@ -36,6 +36,7 @@ from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+from warnings import warn
 
 import torch
 import torch.distributed as dist
@@ -78,6 +79,7 @@ from aiayn.training.distributed import (
 )
 from aiayn.training.early_stopping import BestTracker
 from aiayn.training.optim import build_optimizer, schedule_lr, set_learning_rate
+from aiayn.training.plan import BudgetPlan
 from aiayn.training.stream import (
     BatchStream,
     collates_ahead,
@@ -290,6 +292,11 @@ class Trainer:
                  f"{' (adaptive)' if self.threads.enabled else ''}; schedule {t.schedule}; "
                  f"{why_output}")
         self.metrics = MetricsLog(run_dir, world.is_main, self.progress.step if resume else None)
+        # The budget it runs to, and the passes over the data that makes (aiayn.training.plan).
+        self.plan = BudgetPlan(self.config, len(self.data.sampler) / t.grad_accum,
+                               self.progress.step, self.progress.elapsed_s, self.log,
+                               warn if world.is_main else (lambda line: None))
+        self.plan.start_lines()
 
     def run(self) -> dict[str, Any]:
         """Steps until train.max_steps, max_epochs or max_minutes; then a last validation (as
@@ -327,6 +334,7 @@ class Trainer:
                 progress.tokens += result.n_tokens
                 progress.elapsed_s = max_over_ranks(elapsed_before + time.perf_counter() - start,
                                                     self.world)
+                self.plan.observe(progress.step, progress.elapsed_s)
                 window_loss += result.loss * result.n_tokens
                 window_tokens += result.n_tokens
                 tokens_per_s = window_tokens / max(time.perf_counter() - window_start, 1e-9)

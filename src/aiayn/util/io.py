@@ -135,8 +135,11 @@ def atomic_path(path: str | Path, need: int | None = None,
         os.close(fd)
         tmp = Path(tmp_name)
         try:
-            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file the usual mode
             yield tmp
+            # mkstemp makes 0600, and a writer that replaces the path (safetensors' does)
+            # keeps that: give the file the umask's mode, as any other file, so that a
+            # service user other than the trainer can read the weights.
+            os.chmod(tmp, 0o666 & ~_umask())
             with open(tmp, "rb") as fh:
                 os.fsync(fh.fileno())
             os.replace(tmp, path)
@@ -231,7 +234,7 @@ def staged_directory(out: str | Path, force: bool, what: str, marker: str,
     from aiayn.util.lock import PID_FILE, locked  # aiayn.util.lock imports nothing of ours but errors
 
     out = check_writable_dir(out, "--out")
-    created = not out.exists()
+    created = missing_dirs(out)  # out and the parents this command makes (data/)
     if not created and not force:
         entries = [p.name for p in out.iterdir() if p.name not in (PID_FILE, STAGING_DIR)]
         if entries:
@@ -260,6 +263,7 @@ def staged_directory(out: str | Path, force: bool, what: str, marker: str,
     except BaseException:
         if created:
             shutil.rmtree(out, ignore_errors=True)
+            remove_empty_dirs(created[1:])
         raise
 
 
@@ -274,7 +278,7 @@ def atomic_directory(path: str | Path, need: int | None = None,
     removed too); a full disk (``need``: the bytes expected) is one DiskError.
     """
     path = Path(path)
-    created = _missing_parents(path)
+    created = missing_dirs(path)[1:]
     try:
         with disk_errors(path, need, what):
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -282,6 +286,7 @@ def atomic_directory(path: str | Path, need: int | None = None,
             try:
                 os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700: the usual mode
                 yield tmp
+                _usual_file_modes(tmp)
                 if os.name == "nt" and path.is_dir():  # Windows renames onto no directory,
                     path.rmdir()  # even an empty one (this one is: see above)
                 os.replace(tmp, path)
@@ -289,19 +294,36 @@ def atomic_directory(path: str | Path, need: int | None = None,
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
-        for parent in created:  # innermost first; each is empty unless someone else wrote
-            try:
-                parent.rmdir()
-            except OSError:
-                break
+        remove_empty_dirs(created)
         raise
 
 
-def _missing_parents(path: Path) -> list[Path]:
-    """The parents of ``path`` that do not exist yet, innermost first."""
+def _usual_file_modes(directory: Path) -> None:
+    """Give every file under ``directory`` the umask's mode, as any other file: a library
+    that writes through a temporary file of its own (safetensors' writer, which
+    Transformers' save_pretrained uses) leaves 0600, which other users cannot read."""
+    mode = 0o666 & ~_umask()
+    for path in directory.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, mode)
+
+
+def missing_dirs(path: str | Path) -> list[Path]:
+    """``path`` and its parents that do not exist yet, innermost first: what a command that
+    creates ``path`` makes, and removes again if it fails (``remove_empty_dirs``)."""
     missing = []
-    for parent in path.parents:
-        if parent.exists():
+    for folder in (Path(path), *Path(path).parents):
+        if folder.exists():
             break
-        missing.append(parent)
+        missing.append(folder)
     return missing
+
+
+def remove_empty_dirs(folders: list[Path]) -> None:
+    """Remove ``folders`` (innermost first, from ``missing_dirs``) while they are empty: a
+    failed command leaves no folder it made, and nothing someone else wrote meanwhile."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            break

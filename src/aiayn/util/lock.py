@@ -80,6 +80,28 @@ def locked(directory: str | Path, what: str, shared: bool = False) -> Iterator[N
         os.close(fd)  # releases the flock
 
 
+def in_use(directory: str | Path) -> str | None:
+    """Who holds ``directory`` exclusively right now ("pid 1234 (aiayn train)"), or None:
+    for a reader that must say its files are changing under it (``aiayn doctor`` on a run
+    still training). Takes nothing: a shared hold is tried and let go at once."""
+    directory = Path(directory)
+    if fcntl is None:
+        return holder(directory) if _live_holder(directory / PID_FILE) else None
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return None
+        return holder(directory)
+    finally:
+        os.close(fd)  # releases the shared hold, if taken
+    return None
+
+
 def _write_pid(directory: Path, what: str) -> None:
     """The holder's line, for others' refusal messages only: on a full disk it is left out
     (the lock is held all the same; the command's own writes report the disk)."""

@@ -287,4 +287,14 @@ $("head").addEventListener("change", drawHeatmap);
 $("heatmap").addEventListener("mousemove", hover);
 $("step").addEventListener("input", changeStep);
 $("pictures").addEventListener("toggle", loadPictures);
-showInfo();
+
+// On load: the model's description, then the placeholder sentence translated (unless the
+// visitor has typed meanwhile), so that every section shows something before the first
+// click: the translation, the next pieces, the attention with its layer and head menus.
+async function start() {
+  await showInfo();
+  if ($("source").value.trim() !== "") return;
+  $("source").value = $("source").placeholder;
+  $("form").requestSubmit();
+}
+start();

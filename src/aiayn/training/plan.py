@@ -1,0 +1,91 @@
+"""What a run will train, said at its start: the budget it runs to (steps, minutes) and the
+passes over the training data that makes, with a warning when that is far more passes than
+an unregularised recipe (the demo's) is meant for.
+
+A pass is the batches of one epoch (the sampler's count on this rank, already built: no
+extra pass over the data) divided by train.grad_accum. Under a step limit alone the passes
+are known at the start; under a time budget they depend on the speed, so they are said
+once the first ``MEASURE_S`` seconds of steps have been timed (``BudgetPlan.observe``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from aiayn.config import Config
+
+# The demo's recipe (no dropout, no label smoothing) learns fastest over 2-3.5 passes and
+# over-fits from about 4 (docs/quickstart.md#choosing-a-preset): past this, the warning.
+OVERFIT_PASSES = 4.0
+# The regularised preset for longer budgets, named by the warning.
+LONGER_PRESET = "configs/bible-60.yaml"
+# Training seconds timed (after the session's first steps, which include warm-up work)
+# before the passes a time budget makes are projected.
+MEASURE_S = 30.0
+SKIP_STEPS = 5
+
+
+class BudgetPlan:
+    """The budget line at the start (``start_lines``) and, under a time budget, the
+    projection once the speed is known (``observe``, called after every step)."""
+
+    def __init__(self, config: Config, steps_per_pass: float, step: int, elapsed_s: float,
+                 log: Callable[[str], None], warn: Callable[[str], None]):
+        self.config, self.steps_per_pass = config, max(steps_per_pass, 1e-9)
+        self.log, self.warn = log, warn
+        self.first_step, self.mark = step, None  # mark: (step, elapsed_s) timing starts at
+        self.done = config.train.max_minutes <= 0  # nothing to project under steps alone
+
+    def passes(self, steps: float) -> float:
+        """Passes over the training data that ``steps`` optimizer steps make (within
+        train.max_epochs, where the run stops in any case)."""
+        return min(steps / self.steps_per_pass, self.config.train.max_epochs)
+
+    def start_lines(self) -> None:
+        """Log the budget; warn now when the step limit alone already over-trains."""
+        t = self.config.train
+        per_pass = (f"a pass over the training data is {self.steps_per_pass:,.0f} steps of "
+                    f"<= {t.max_tokens * t.grad_accum:,} tokens")
+        by_steps = self.passes(t.max_steps)
+        if t.max_minutes <= 0:
+            self.log(f"budget: to step {t.max_steps:,} (no time limit: train.max_minutes 0); "
+                     f"{per_pass}, so {by_steps:,.1f} passes")
+            self.check(by_steps, f"to step {t.max_steps:,}")
+        else:
+            self.log(f"budget: {t.max_minutes:g} min of training or step {t.max_steps:,}, "
+                     f"whichever comes first; {per_pass} (step {t.max_steps:,} would be "
+                     f"{by_steps:,.1f} passes); the passes {t.max_minutes:g} min make are said "
+                     "once the speed is measured")
+
+    def observe(self, step: int, elapsed_s: float) -> None:
+        """After each step: once ``MEASURE_S`` seconds of steps are timed, log the step and
+        the passes the time budget reaches at that speed (and warn when too many)."""
+        if self.done or step < self.first_step + SKIP_STEPS:
+            return
+        if self.mark is None:
+            self.mark = (step, elapsed_s)
+            return
+        timed = elapsed_s - self.mark[1]
+        if timed < MEASURE_S:
+            return
+        self.done = True
+        t = self.config.train
+        rate = (step - self.mark[0]) / timed
+        final = min(t.max_steps, step + rate * max(t.max_minutes * 60 - elapsed_s, 0.0))
+        passes = self.passes(final)
+        self.log(f"budget: at {rate:.2f} steps/s, {t.max_minutes:g} min of training reach step "
+                 f"~{final:,.0f}: ~{passes:.1f} passes over the training data")
+        self.check(passes, f"{t.max_minutes:g} min")
+
+    def check(self, passes: float, budget: str) -> None:
+        """Warn when an unregularised recipe would make far more passes than it is meant for."""
+        m, t = self.config.model, self.config.train
+        if passes > OVERFIT_PASSES and m.dropout == 0 and t.label_smoothing == 0 \
+                and math.isfinite(passes):
+            self.warn(f"the budget ({budget}) makes ~{passes:.1f} passes over the training "
+                      f"data, and this "
+                      f"recipe (no dropout, no label smoothing) over-fits past ~"
+                      f"{OVERFIT_PASSES:g}: for this budget take {LONGER_PRESET}, which keeps "
+                      "dropout and label smoothing, or a shorter budget "
+                      "(docs/quickstart.md#choosing-a-preset)")
