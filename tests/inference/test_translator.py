@@ -486,15 +486,19 @@ REPEATING = ["red red red sun sun", "moon tree moon tree moon", "star"]
 
 def test_the_guard_keeps_every_translation_free_of_repeated_ngrams(translator, run_dir,
                                                                     tmp_path):
+    def repeats(text: str, n: int) -> bool:
+        words = text.split()
+        return len({tuple(words[i:i + n]) for i in range(len(words) - n + 1)}) < len(words) - n + 1
+
     plain = translator.translate(REPEATING, translator.resolve(beam=3))
-    assert plain[:2] == REPEATING[:2]  # the copy model copies the repeats
+    # The copy model repeats what it copies (how exactly depends on the CPU's rounding: "red
+    # red red sun sun" on one, "red red red red sun" on another), so the guard has work.
+    assert repeats(plain[0], 2) and repeats(plain[1], 2), plain
     for n in (1, 2):
         guarded = translator.translate(REPEATING, translator.resolve(beam=3, no_repeat_ngram=n))
-        for text in guarded:
-            words = text.split()
-            assert len({tuple(words[i:i + n]) for i in range(len(words) - n + 1)}) == \
-                len(words) - n + 1
-        assert guarded[2] == plain[2]  # nothing to repeat: unchanged
+        assert not any(repeats(text, n) for text in guarded), guarded
+        # A translation with nothing to repeat is left as it was.
+        assert all(g == p for g, p in zip(guarded, plain) if not repeats(p, n)), (guarded, plain)
     # The run's decode.no_repeat_ngram is the default; 0 turns it off.
     run = copy_of(run_dir, tmp_path)
     config = load_config(run / "config.yaml")
