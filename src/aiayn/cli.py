@@ -268,7 +268,7 @@ def _add_train(sub) -> None:
     p.add_argument("--max-minutes", type=float,
                    help="stop when the run has trained this long, over all its training sessions "
                    "(train.max_minutes; validations count); the final dev evaluation comes on top")
-    p.add_argument("--bf16", action="store_true", help="bfloat16 autocast (train.bf16)")
+    p.add_argument("--bf16", action="store_true", help="bfloat16 autocast (train.precision=bf16)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (train.compile)")
     _add_device(p, " (under torchrun: the rank's local GPU)")
     _add_set(p)
@@ -279,7 +279,7 @@ def _run_train(args) -> int:
     if args.max_minutes is not None:
         overrides.append(f"train.max_minutes={args.max_minutes}")
     if args.bf16:
-        overrides.append("train.bf16=true")
+        overrides.append("train.precision=bf16")
     if args.compile:
         overrides.append("train.compile=true")
     check_run_request(bool(args.resume), args.init_from, bool(args.config), args.data,

@@ -198,7 +198,7 @@ def test_collating_ahead_trains_and_resumes_exactly_as_without(data_dir, tmp_pat
 
 
 def test_a_resume_keeps_the_choices_of_its_runs_probes(data_dir, tmp_path, monkeypatch):
-    """bf16 "auto" and the output layer's kernel are chosen by timing probes, which can come
+    """precision "auto" and the output layer's kernel are chosen by timing probes, which can come
     out otherwise in another process (a busy core, two close timings). A resume on the same
     kind of machine keeps what its run chose, so it ends on the uninterrupted run's weights
     bit for bit though its own probes would choose bf16 and the other kernel."""
@@ -220,12 +220,12 @@ def test_a_resume_keeps_the_choices_of_its_runs_probes(data_dir, tmp_path, monke
     run_train("--resume", str(split), *sets(max_steps=2 * n))
     assert_equal_weights(weights(split), weights(straight))
     choices = load_train_state(split / "train_state.pt")["choices"]
-    assert (choices["bf16"], choices["output_kernel"]) == (False, "oneDNN")
+    assert (choices["precision"], choices["output_kernel"]) == ("fp32", "oneDNN")
     # Another kind of machine chooses again.
     monkeypatch.setattr(train, "machine_kind", lambda device: "another machine")
     run_train("--resume", str(split), *sets(max_steps=2 * n + 1))
     choices = load_train_state(split / "train_state.pt")["choices"]
-    assert (choices["bf16"], choices["output_kernel"]) == (True, "F.linear")
+    assert (choices["precision"], choices["output_kernel"]) == ("bf16", "F.linear")
 
 
 def test_output_vocab_targets_scores_the_pieces_of_the_training_targets(data_dir, tmp_path):
