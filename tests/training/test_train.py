@@ -324,12 +324,12 @@ def test_the_advised_resume_after_a_non_finite_stop_lowers_the_rate_and_trains_o
     real_step = train.train_step
 
     def unstable(model, ddp, optimizer, micro, step, config, world, elapsed_s=0.0,
-                 prefetch=None, kernel=None):
+                 prefetch=None, kernel=None, scaler=None):
         if step >= 7 and config.train.lr_scale >= 1:
             return train.StepResult(float("nan"), sum(b.n_tokens for b in micro),
                                     float("nan"), 0.0)
         return real_step(model, ddp, optimizer, micro, step, config, world, elapsed_s, prefetch,
-                         kernel)
+                         kernel, scaler)
 
     monkeypatch.setattr(train, "train_step", unstable)
     run = tmp_path / "run"
