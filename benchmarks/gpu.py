@@ -22,8 +22,9 @@ Sections (``--sections``, all by default):
   ``Translator`` as `aiayn evaluate` runs it (one ``Search`` value): in fp32 with the
   8,192-token batches of a CPU and with the device's default budget, and in bf16 with the
   device's default budget; each setting's share of translations equal to the first's.
-- ``profile``: torch.profiler over a base training step and one decoding batch: the
-  kernels that take the GPU's time, and the GPU's busy share of the wall time.
+- ``profile``: torch.profiler over a base training step and the demo's beam-4 decoding of
+  the test verses in fp32 and in bf16: the kernels that take the GPU's time, and the GPU's
+  busy share of the wall time.
 
     python benchmarks/gpu.py --data data/bible-eng-spa --run runs/demo --out gpu.json
     python benchmarks/gpu.py --device cpu --quick --data ... --run ...   # every path, a CPU
@@ -408,10 +409,11 @@ def main(argv: list[str] | None = None) -> int:
             save("decode")
     if "profile" in sections:
         result["profile"] = {}
-        t = Translator(demo_model, demo_tokenizers, device=device)
-        result["profile"]["decode_demo_beam4"] = profile(
-            lambda: t.translate(sources, search=Search(beam=4, alpha=0.6)), device,
-            out_dir / "profile_decode.txt")
+        for suffix, bf16 in (("", False), ("_bf16", True)):  # bf16: where its time goes
+            t = Translator(demo_model, demo_tokenizers, device=device, bf16=bf16)
+            result["profile"][f"decode_demo_beam4{suffix}"] = profile(
+                lambda t=t: t.translate(sources, search=Search(beam=4, alpha=0.6)), device,
+                out_dir / f"profile_decode{suffix}.txt")
         cfg = load_config(REPO / "configs" / ("tiny.yaml" if args.quick else "base.yaml")).model
         groups = bucket(sentence_lengths(100_000, max_len=cfg.max_len, seed=0),
                         1024 if args.quick else args.step_tokens)

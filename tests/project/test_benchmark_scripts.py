@@ -203,20 +203,25 @@ def test_a_name_that_is_gone_is_found_wherever_the_script_uses_it():
 
 # ---------------------------------------------------------------- gpu.py on the CPU
 @pytest.mark.slow
-def test_every_gpu_section_runs_on_the_cpu(run_dir, tmp_path, monkeypatch, capsys):
-    """benchmarks/gpu.py --device cpu --quick on a tiny run and its data: each section
-    (step with fp16, loop, decode, profile) runs and writes its own JSON (torch.compile's
-    tracing is left out: 15 s on two cores)."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    out = tmp_path / "gpu.json"
-    main = runpy.run_path(str(BENCHMARKS / "gpu.py"))["main"]
-    data = Path((run_dir / "data_dir.txt").read_text(encoding="utf-8").strip())
-    assert main(["--device", "cpu", "--quick", "--data", str(data), "--run", str(run_dir),
-                 "--loop-runs", "1", "--compile-configs", "", "--out", str(out)]) == 0
-    result = json.loads(out.read_text(encoding="utf-8"))
-    for section in ("step", "loop", "decode", "profile"):
-        alone = json.loads((tmp_path / f"gpu.{section}.json").read_text(encoding="utf-8"))
-        assert alone[section] == result[section] and alone["device"] == result["device"]
+def test_the_gpu_session_runs_every_section_on_the_cpu(run_dir, tmp_path):
+    """benchmarks/gpu_session.sh --quick (benchmarks/gpu.py --device cpu --quick) on a tiny
+    run and its data: each section (step with fp16, loop, decode, profile) runs and leaves
+    its own JSON, the profile tables and the log in OUT."""
+    import os
+    import subprocess
+
+    out = tmp_path / "out"
+    data = (run_dir / "data_dir.txt").read_text(encoding="utf-8").strip()
+    env = {**os.environ, "DATA": data, "RUN": str(run_dir), "OUT": str(out),
+           "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(["bash", str(BENCHMARKS / "gpu_session.sh"), "--quick"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "gpu.decode.json", "gpu.loop.json", "gpu.profile.json", "gpu.step.json",
+        "profile_decode.txt", "profile_decode_bf16.txt", "profile_step.txt", "session.log"]
+    result = {s: json.loads((out / f"gpu.{s}.json").read_text(encoding="utf-8"))[s]
+              for s in ("step", "loop", "decode", "profile")}
     step = result["step"][0]
     for name in ("aiayn", "nn.Transformer", "aiayn fp16"):
         assert step[name]["tokens_per_s"] > 0
@@ -227,4 +232,6 @@ def test_every_gpu_section_runs_on_the_cpu(run_dir, tmp_path, monkeypatch, capsy
     assert len(settings) == 3 * 3  # demo beam 4 and greedy, the loop's model beam 4
     assert all(r["sentences_per_s"] > 0 and 0 <= r["same_as_first_setting"] <= 1
                for r in result["decode"])
-    assert (tmp_path / "profile_step.txt").read_text(encoding="utf-8").strip()
+    assert set(result["profile"]) == {"decode_demo_beam4", "decode_demo_beam4_bf16",
+                                      "train_step_base"}
+    assert "aten::" in (out / "profile_decode_bf16.txt").read_text(encoding="utf-8")
