@@ -72,7 +72,7 @@ from aiayn.model import Transformer  # noqa: E402
 from aiayn.runs.directory import load_run  # noqa: E402
 from aiayn.training import loop as train_module  # noqa: E402
 from aiayn.training.distributed import setup_distributed  # noqa: E402
-from aiayn.training.loop import new_scaler  # noqa: E402
+from aiayn.training.optim import new_scaler  # noqa: E402
 
 
 def sync(device: torch.device) -> None:

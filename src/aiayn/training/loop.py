@@ -76,7 +76,13 @@ from aiayn.training.distributed import (
     wrap_for_training,
 )
 from aiayn.training.early_stopping import BestTracker
-from aiayn.training.optim import build_optimizer, schedule_lr, set_learning_rate
+from aiayn.training.optim import (
+    MIN_LOSS_SCALE,
+    build_optimizer,
+    new_scaler,
+    schedule_lr,
+    set_learning_rate,
+)
 from aiayn.training.stream import (
     BatchStream,
     build_model,
@@ -163,16 +169,6 @@ def train_step(
     skipped = math.isfinite(loss_per_token) and not math.isfinite(grad_norm)
     return StepResult(loss_per_token, n_tokens, grad_norm, lr, skipped, scaler.get_scale())
 
-
-# fp16's gradient scale below which the run stops as for a non-finite loss: the gradients
-# overflow whatever the scale (fairseq's --min-loss-scale, 1e-4, stops there too).
-MIN_LOSS_SCALE = 1e-4
-
-
-def new_scaler(device: torch.device) -> torch.amp.GradScaler:
-    """train.precision fp16's gradient scaler: PyTorch's defaults (scale 2^16, halved after
-    an overflow, doubled after 2,000 steps without one)."""
-    return torch.amp.GradScaler(device.type)
 
 
 # ---------------------------------------------------------------- the run

@@ -1,6 +1,6 @@
 """The device a command runs on and its precision: ``--device auto|cpu|cuda|mps``, the
-bf16 choice (measured, never assumed from the CPU's name), the machine's memory and CPU
-model.
+precision choice (bf16 on a CPU measured, never assumed from its name; fp16 on a GPU
+without bf16), the machine's memory and CPU model.
 """
 
 from __future__ import annotations
