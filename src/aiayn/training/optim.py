@@ -1,6 +1,6 @@
-"""Optimisation: Adam and the learning-rate schedule (paper, 5.3), and fp16's gradient scaler
-(``new_scaler``); the label-smoothed loss
-(5.4) is ``aiayn.loss.label_smoothed_loss``, beside the model that computes it.
+"""Optimisation: Adam and the learning-rate schedule (paper, 5.3), and fp16's gradient
+scaler (``new_scaler``); the label-smoothed loss (5.4) is ``aiayn.loss.label_smoothed_loss``,
+beside the model that computes it.
 
 The training loop asks :func:`schedule_lr` for the learning rate of every update: a pure
 function of the step and the config (and, for a ``linear`` schedule under a time budget, of
