@@ -122,7 +122,7 @@ def resolve_precision(setting: str, device: torch.device) -> tuple[str, str]:
     if device.type == "cuda":
         if torch.cuda.is_bf16_supported():
             return "bf16", "auto: this GPU supports bfloat16"
-        return "fp16", "auto: this GPU has no bfloat16; float16 with a gradient scaler"
+        return "fp16", "auto: this GPU has no bfloat16, so float16 with a gradient scaler"
     if device.type == "mps":  # its bf16 autocast is partial across macOS versions
         return "fp32", "auto: fp32 on MPS"
     # On one thread: what the probe compares is the core's arithmetic, and two threads would
