@@ -21,7 +21,8 @@ Sections (``--sections``, all by default):
   (``--run``, the demo) and with the base-shaped model the loop trained, through the
   ``Translator`` as `aiayn evaluate` runs it (one ``Search`` value): in fp32 with the
   8,192-token batches of a CPU and with the device's default budget, and in bf16 with the
-  device's default budget; each setting's share of translations equal to the first's.
+  device's default budget, with and without SDPA's cuDNN backend; each setting's share of
+  translations equal to the first's.
 - ``profile``: torch.profiler over a base training step and the demo's beam-4 decoding of
   the test verses in fp32 and in bf16: the kernels that take the GPU's time, and the GPU's
   busy share of the wall time.
@@ -46,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -265,10 +267,25 @@ def bench_loop(data_dir: Path, device: torch.device, max_tokens: int, seconds: f
 
 
 # --------------------------------------------------------------------------- decode
-# (label, bf16, decoding budget: None for the device's default)
-DECODE_SETTINGS = (("fp32, 8,192-token batches (a CPU's)", False, 8192),
-                   ("fp32, device default batches", False, None),
-                   ("bf16, device default batches", True, None))
+# (label, bf16, decoding budget: None for the device's default, cuDNN's attention allowed).
+# The last row asks whether SDPA's cuDNN backend (bf16/fp16 only, preferred on Hopper, a
+# graph built per new shape, and decoding's shapes change every step) is what makes bf16
+# decoding many times slower than fp32 on an H100.
+DECODE_SETTINGS = (("fp32, 8,192-token batches (a CPU's)", False, 8192, True),
+                   ("fp32, device default batches", False, None, True),
+                   ("bf16, device default batches", True, None, True),
+                   ("bf16, device default batches, no cuDNN attention", True, None, False))
+
+
+@contextmanager
+def cudnn_attention(enabled: bool):
+    """SDPA's cuDNN backend on or off (a process-wide switch), put back afterwards."""
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(enabled)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
 
 
 def bench_decode(label: str, model: Transformer, tokenizers, sources: list[str],
@@ -278,14 +295,15 @@ def bench_decode(label: str, model: Transformer, tokenizers, sources: list[str],
     for beam in beams:
         search = Search(beam=beam, alpha=0.6)
         outputs = {}
-        for name, bf16, budget in DECODE_SETTINGS:
+        for name, bf16, budget, cudnn in DECODE_SETTINGS:
             t = Translator(model, tokenizers, decode_tokens=budget, device=device, bf16=bf16)
-            t.translate(sources[:32], search=search)  # warm-up
-            sync(device)
-            start = time.perf_counter()
-            out = t.translate(sources, search=search)
-            sync(device)
-            seconds = time.perf_counter() - start
+            with cudnn_attention(cudnn):
+                t.translate(sources[:32], search=search)  # warm-up
+                sync(device)
+                start = time.perf_counter()
+                out = t.translate(sources, search=search)
+                sync(device)
+                seconds = time.perf_counter() - start
             outputs[name] = out
             words = sum(len(o.split()) for o in out) / len(out)
             rows.append({"model": label, "beam": beam, "setting": name,

@@ -229,7 +229,7 @@ def test_the_gpu_session_runs_every_section_on_the_cpu(run_dir, tmp_path):
     loop = result["loop"][0]
     assert loop["steps"] > 0 and loop["collate_ahead"] and loop["precision"] in ("fp32", "bf16")
     settings = {(r["model"], r["beam"], r["setting"]) for r in result["decode"]}
-    assert len(settings) == 3 * 3  # demo beam 4 and greedy, the loop's model beam 4
+    assert len(settings) == 3 * 4  # demo beam 4 and greedy, the loop's model beam 4
     assert all(r["sentences_per_s"] > 0 and 0 <= r["same_as_first_setting"] <= 1
                for r in result["decode"])
     assert set(result["profile"]) == {"decode_demo_beam4", "decode_demo_beam4_bf16",
