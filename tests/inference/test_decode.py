@@ -478,11 +478,10 @@ def test_a_joined_sampling_search_equals_one_by_one():
 
 def test_under_autocast_a_restricted_output_layer_is_cast_once_per_search(monkeypatch):
     """A restricted output layer's rows are a selection, which autocast does not keep cast:
-    the search casts them once (``step_rows``), every step computes with that one bf16
+    the search casts them once (``allowed_rows(dtype)``), every step computes with that one bf16
     matrix, and the hypotheses and scores are those of autocast casting it each step."""
     import torch.nn.functional as F
 
-    from aiayn.inference import search as search_module
     from aiayn.inference.search import decode_beam
 
     torch.manual_seed(0)
@@ -502,10 +501,10 @@ def test_under_autocast_a_restricted_output_layer_is_cast_once_per_search(monkey
     with torch.autocast("cpu", dtype=torch.bfloat16):
         once = decode_beam(model, src, search, kernel=kernel)
         assert len(seen) > 3 and set(seen) == {(torch.bfloat16, seen[0][1])}
-        monkeypatch.setattr(search_module, "step_rows",
-                            lambda model, device: model.generator.allowed_rows())
+        rows = model.generator.allowed_rows
+        monkeypatch.setattr(model.generator, "allowed_rows", lambda dtype=None: rows())
         every_step = decode_beam(model, src, search, kernel=kernel)
     assert once == every_step
     assert seen[-1][0] == torch.float32  # ... where each step's product cast the fp32 rows
     # Without autocast the rows are the fp32 selection, as before.
-    assert search_module.step_rows(model, torch.device("cpu"))[0].dtype == torch.float32
+    assert decode_beam(model, src, search, kernel=kernel) and seen[-1][0] == torch.float32

@@ -100,7 +100,9 @@ class _DecoderState:
         self.memory, self.src_pad = memory, src_pad
         self.cache = model.new_cache() if use_cache else None
         self.ids, self._never = _columns(model)
-        self.rows = step_rows(model, src.device)  # once per search: the weights are fixed
+        dtype = torch.get_autocast_dtype(src.device.type)  # cast once, not at every step
+        self.rows = model.generator.allowed_rows(  # once per search: the weights are fixed
+            dtype if torch.is_autocast_enabled(src.device.type) else None)
 
     def next_logits(self, tokens: Tensor, history: np.ndarray | None = None) -> Tensor:
         """(N, t) prefixes starting with BOS -> (N, V') float logits of the next token over
@@ -180,19 +182,6 @@ class _DecoderState:
                 self.memory = self.memory[:, :width]
             if self.cache is not None:
                 self.cache.narrow_memory(width)
-
-
-def step_rows(model: Transformer, device: torch.device) -> tuple[Tensor, Tensor | None]:
-    """The output layer's rows (``Generator.allowed_rows``) for every step of one search,
-    under autocast already in its dtype: autocast keeps its casts of parameters for the
-    whole region, but a restricted layer's rows are a selection, not a parameter, and were
-    cast again at every step (the whole (V', d) matrix, a copy per step). The same values
-    as autocast's cast (``Tensor.to``); without autocast the rows as they are."""
-    weight, bias = model.generator.allowed_rows()
-    if not torch.is_autocast_enabled(device.type):
-        return weight, bias
-    dtype = torch.get_autocast_dtype(device.type)
-    return weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
 @torch.no_grad()
