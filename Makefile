@@ -27,7 +27,7 @@ sword:
 	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $(SWORD_PACKAGES); fi
 
 # Headless Chromium (and a font for its text) for the browser test of `aiayn serve`'s page
-# (tests/serving/test_serve.py).
+# (tests/serving/test_page.py).
 browser:
 	@if dpkg -s $(BROWSER_PACKAGES) >/dev/null 2>&1; then echo "Chromium present"; else \
 	  $(SUDO) apt-get update -qq && \

@@ -4,13 +4,16 @@ committed outputs are older than the code.
 A notebook is committed with its outputs (figures as PNG), so it reads on GitHub without
 running. Those outputs are only as current as the code that made them, so
 ``make notebook`` (``python docs/notebook.py``) executes each top to bottom in place and records
-a fingerprint in its metadata: the SHA-256 of its code cells and of the code of every
-``aiayn`` module they import (the module's syntax tree without its docstrings, so an edit
-of prose, comments or layout leaves the outputs current). tests/test_notebook.py executes a copy (every check
-cell asserts), compares the recorded fingerprint with the current one, and compares the
-text outputs of the cells tagged ``deterministic`` (shapes, parameter counts, ...) with
-the fresh ones. It also writes the figure of the cell tagged ``figure:NAME`` to
-``docs/NAME.png`` (the README shows it).
+a fingerprint in its metadata: the SHA-256 of its code cells, of the code of every
+``aiayn`` module they import, directly or through other aiayn modules (the module's syntax
+tree without its docstrings, so an edit of prose, comments or layout leaves the outputs
+current), and of constraints.txt (the versions it ran with). tests/project/test_notebook.py
+compares the recorded fingerprint with the current one; only where they differ does it
+execute a copy (every check cell asserts) and compare the text outputs of the cells tagged
+``deterministic`` (shapes, parameter counts, ...) with the committed ones: a current
+fingerprint means the committed outputs are what this very code gave when `make notebook`
+executed it, so running it again would prove nothing new. It also writes the figure of the
+cell tagged ``figure:NAME`` to ``docs/NAME.png`` (the README shows it).
 
     python docs/notebook.py                          # execute all in place, save figures
     python docs/notebook.py docs/ablations.ipynb     # one of them
@@ -69,6 +72,37 @@ def imported_modules(nb: nbformat.NotebookNode) -> list[str]:
                   if name.split(".")[0] == "aiayn" and module_file(name) is not None)
 
 
+def module_closure(names: list[str]) -> list[str]:
+    """``names`` and every aiayn module they import, at the top or inside a function, and the
+    modules those import, to the end: all the aiayn code a notebook's outputs can depend on."""
+    seen: set[str] = set()
+    todo = [name for name in names if module_file(name) is not None]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        parts = name.split(".")
+        for parent in (".".join(parts[:k]) for k in range(1, len(parts))):
+            todo.append(parent)  # importing aiayn.x.y runs aiayn/__init__ and aiayn/x/__init__
+        path = module_file(name)
+        package = parts if path.name == "__init__.py" else parts[:-1]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                found = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                # `from .cache import KVCache` in aiayn/model.py is aiayn.cache (model.py
+                # imports its siblings relatively so that an export can ship them)
+                base = ".".join([*package[:len(package) - node.level + 1], *(
+                    [node.module] if node.module else [])]) if node.level else node.module
+                found = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            todo.extend(f for f in found
+                        if f.split(".")[0] == "aiayn" and module_file(f) is not None)
+    return sorted(seen)
+
+
 def module_file(name: str) -> Path | None:
     """src/aiayn/x.py for ``aiayn.x`` (``__init__.py`` for a package), None if no module."""
     base = ROOT / "src" / Path(*name.split("."))
@@ -93,12 +127,14 @@ def code_of(source: str) -> str:
 
 
 def fingerprint(nb: nbformat.NotebookNode) -> str:
-    """SHA-256 of the code cells and of the code of every aiayn module they import: what the
-    outputs depend on (markdown cells, outputs and the modules' prose are left out)."""
+    """SHA-256 of the code cells, of the code of every aiayn module they reach
+    (``module_closure``) and of constraints.txt: what the outputs depend on (markdown cells,
+    outputs and the modules' prose are left out)."""
     digest = hashlib.sha256()
     for source in code_sources(nb):
         digest.update(b"cell\0" + source.encode() + b"\0")
-    for name in imported_modules(nb):
+    digest.update(b"constraints\0" + (ROOT / "constraints.txt").read_bytes() + b"\0")
+    for name in module_closure(imported_modules(nb)):
         path = module_file(name)
         digest.update(f"module\0{path.relative_to(ROOT).as_posix()}\0".encode())
         digest.update(code_of(path.read_text(encoding="utf-8")).encode() + b"\0")
@@ -163,7 +199,8 @@ def update(path: Path = NOTEBOOK) -> None:
     """``make notebook``: execute in place, record the fingerprint, write the tagged figures."""
     nb = read(path)
     execute(nb)
-    nb.metadata["aiayn"] = {"fingerprint": fingerprint(nb), "modules": imported_modules(nb)}
+    nb.metadata["aiayn"] = {"fingerprint": fingerprint(nb),
+                            "modules": module_closure(imported_modules(nb))}
     nbformat.write(nb, path)
     for name, png in figures(nb).items():
         (DOCS / f"{name}.png").write_bytes(png)

@@ -21,6 +21,7 @@ from aiayn.data.languages import (
 from aiayn.data.prepared import load_prepared
 from aiayn.data.tokenizer import UNK_ID, Tokenizers, train_tokenizers
 from aiayn.errors import AiaynError
+from aiayn.inference.translator import Translator
 
 TINY = "configs/tiny.yaml"
 CJK = "\u3002\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff"  # 。, kana, Han
@@ -104,14 +105,32 @@ def test_a_cjk_corpus_prepares_trains_translates_and_evaluates_whole(lang, tmp_p
     code, out, err = run_cli(["translate", str(run), "--input", str(sources), "--beam", "1"],
                              capsys)
     assert code == 0, err
-    assert re.search(f"[{CJK}][{CJK}]", out), out  # the model writes the target's script...
-    assert not re.search(f"[{CJK}] +[{CJK}]", out), out  # ...with no space between characters
+    # What a 40-step model writes depends on the CPU's rounding ("我 我 我" on one, "我们看"
+    # on another), so only what holds for any model is asserted: the target's script...
+    lines = out.splitlines()
+    assert len(lines) == 20 and all(re.search(f"[{CJK}]", line) for line in lines if line), out
+    # ...and the decoder's rule: the pieces of a word join with no space, words (a piece that
+    # starts one, "▁") take one, whatever pieces the model chose.
+    translator = Translator.from_pretrained(run)
+    hyps = translator.decode_ids(translator.source_ids([en for en, _ in pairs(lang)[:20]])[0])
+    for ids in (h[0].ids for h in hyps):
+        assert_joined_by_word(tokenizers, ids)
 
     code, out, err = run_cli(["evaluate", str(run), "--beam", "1", "--split", "dev"], capsys)
     assert code == 0, err
     assert re.search(rf"^BLEU .*tok:{expected}\|", out, re.M), out
     scores = json.loads(next((run / "eval").glob("dev.*.json")).read_text())
     assert scores["bleu_tokenize"] == expected
+
+
+def assert_joined_by_word(tokenizers: Tokenizers, ids: list[int]) -> None:
+    """``ids`` decode to their words, one space between, none inside a word: a word is a piece
+    that starts one ("▁...") and the pieces after it up to the next such."""
+    starts = [k for k, i in enumerate(ids) if tokenizers.tgt_id_to_token(i).startswith("\u2581")]
+    bounds = sorted({0, *starts, len(ids)})
+    words = [tokenizers.decode_tgt([ids[a:b]])[0].strip() for a, b in zip(bounds, bounds[1:])]
+    assert all(" " not in word for word in words), words
+    assert tokenizers.decode_tgt([ids])[0].split() == [w for w in words if w], (ids, words)
 
 
 def test_data_prepared_before_languages_were_recorded_takes_them_from_its_text(tmp_path, capsys):

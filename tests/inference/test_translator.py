@@ -8,8 +8,14 @@ weights, step checkpoints and a prepared data directory.
 from __future__ import annotations
 
 import json
+import os
+import pty
 import random
+import select
 import shutil
+import subprocess
+import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -529,3 +535,71 @@ def test_cli_translate_samples_with_a_seed(run_dir, capsys, monkeypatch, transla
                             "1"], capsys, "red red sun\n", monkeypatch)
     assert code == 0 and out == translator.translate(["red red sun"], beam=2,
                                                      no_repeat_ngram=1)[0] + "\n"
+
+
+# ---------------------------------------------------------------- aiayn translate, line by line
+
+def read_lines(fd: int, count: int, timeout: float = 60) -> list[str]:
+    """``count`` lines from a pipe, waiting at most ``timeout`` seconds for them."""
+    data, deadline = b"", time.monotonic() + timeout
+    while data.count(b"\n") < count:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise AssertionError(f"no answer within {timeout} s; got {data!r}")
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            raise AssertionError(f"the process ended; got {data!r}")
+        data += chunk
+    return data.decode().removesuffix("\n").split("\n")  # lines end at "\n" only
+
+
+def start_translate(run: Path, *options: str, stdin) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "aiayn", "translate", str(run), *options],
+                            stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_translate_interactive_answers_each_line_before_the_next(run_dir, translator):
+    process = start_translate(run_dir, "--interactive", "--beam", "2", stdin=subprocess.PIPE)
+    out = process.stdout.fileno()
+    try:
+        # translate's line rules: a "\r" before the "\n" goes, U+2028 ends no line.
+        for line in ("red green blue\r", "", "sun\u2028moon", "white star"):
+            process.stdin.write(line.encode() + b"\n")
+            process.stdin.flush()  # and nothing more until the answer is back
+            want = translator.translate([line.removesuffix("\r")], beam=2)[0]
+            assert read_lines(out, 1) == [want]
+        process.stdin.close()
+        assert process.wait(timeout=30) == 0
+    finally:
+        process.kill()
+
+
+def test_translate_reads_a_terminal_line_by_line(run_dir, translator):
+    """A terminal on stdin (no --interactive): answers as lines come, n-best rows numbered
+    across lines as for a file."""
+    controller, terminal = pty.openpty()
+    process = start_translate(run_dir, "--beam", "2", "--nbest", "2", stdin=terminal)
+    os.close(terminal)
+    out = process.stdout.fileno()
+    try:
+        for number, line in enumerate(["black sun", "white moon star"]):
+            os.write(controller, line.encode() + b"\n")
+            rows = read_lines(out, 2)
+            want = translator.translate_nbest([line], beam=2, nbest=2)[0]
+            assert [r.split("\t")[0] for r in rows] == [str(number)] * 2
+            assert [r.split("\t")[2] for r in rows] == [text for text, _ in want]
+        os.write(controller, b"\x04")  # Ctrl-D: end of input
+        assert process.wait(timeout=30) == 0
+        assert "each line as it is entered" in process.stderr.read().decode()
+    finally:
+        process.kill()
+        os.close(controller)
+
+
+def test_translate_interactive_refuses_an_input_file(run_dir, capsys):
+    from aiayn import cli
+
+    assert cli.main(["translate", str(run_dir), "--interactive", "-i", "file.txt"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "aiayn: error: --interactive reads stdin line by line; drop -i/--input"

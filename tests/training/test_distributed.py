@@ -1,5 +1,5 @@
 """The device's precision (train.precision, and train.bf16 its older name). (CPU threads:
-test_threads.py.)"""
+tests/util/test_threads.py.)"""
 
 from __future__ import annotations
 

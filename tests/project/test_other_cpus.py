@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow  # a pytest process per CPU kind
 # The variables each library reads for its highest instruction set (oneDNN: two names).
 AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2",
              "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
-NUMERICS = ["tests/model/test_model.py", "tests/inference/test_decode.py", "tests/inference/test_kernels.py",
+NUMERICS = ["tests/model/test_model.py", "tests/inference/test_search.py", "tests/inference/test_kernels.py",
             "tests/training/test_optim.py"]
 
 

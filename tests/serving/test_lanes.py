@@ -1,0 +1,164 @@
+"""The lanes of continuous batching (aiayn.serving.lanes) as processes of their own: each
+answer as alone, a process that dies replaced, a forgotten request taken out; bad lane
+settings refused in one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import random
+import re
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi", reason="the serve extra is not installed: pip install 'aiayn[serve]'")
+from fastapi.testclient import TestClient  # noqa: E402
+from helpers import random_sentence  # noqa: E402
+from serve_helpers import (  # noqa: E402
+    MIXED,
+    assert_clean_error,
+    assert_same_answer,
+    expected_answer,
+    send_while_held,
+    until,
+)
+
+from aiayn.config import load_config  # noqa: E402
+from aiayn.errors import AiaynError  # noqa: E402
+from aiayn.inference.search import Search  # noqa: E402
+from aiayn.inference.translator import Translator  # noqa: E402
+from aiayn.serving.app import create_app  # noqa: E402
+from aiayn.serving.batcher import Batcher  # noqa: E402
+from aiayn.serving.service import ModelService, ServeLimits, serve_info  # noqa: E402
+
+
+def lane_processes(service: ModelService) -> list:
+    """The lane processes of ``service`` that are alive."""
+    return [lane.searches.process for lane in service.batcher._lanes
+            if lane.searches.remote and lane.searches.process.is_alive()]
+
+
+def process_lanes_service(run_dir) -> ModelService:
+    """Two lanes, each a process of its own (what `aiayn serve` runs on a CPU of two or
+    more cores; the tests' one torch thread would give one lane, a thread)."""
+    translator = Translator.from_pretrained(run_dir, streams=2)
+    config = load_config(run_dir / "config.yaml")
+    return ModelService(translator, config, serve_info(run_dir, "best", config, translator),
+                        lanes="processes")
+
+
+def test_lanes_in_processes_answer_each_request_as_alone(run_dir, translator):
+    """Mixed requests queued together, then many sent at once from eight clients (joining
+    searches under way in both processes): every answer is the one it gets alone. Closing
+    the service ends the processes."""
+    service = process_lanes_service(run_dir)
+    client = TestClient(create_app(service, ServeLimits(max_sentences=8)))
+    try:
+        assert len(lane_processes(service)) == 2 and service.stats()["lanes"] == 2
+        responses = send_while_held(service, client, MIXED)
+        assert_clean_error(responses[-1], 413, "9 sentences in one request")
+        for (body, search), response in zip(MIXED[:-1], responses, strict=False):
+            assert response.status_code == 200, response.text
+            assert_same_answer(response.json(), *expected_answer(translator, body, search))
+        rng = random.Random(5)
+        bodies = [{"text": [random_sentence(rng) for _ in range(rng.randint(1, 3))],
+                   "beam": rng.choice([1, 4]), "alpha": 0.6} for _ in range(24)]
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda b: client.post("/translate", json=b), bodies))
+        for body, response in zip(bodies, answers, strict=True):
+            assert response.status_code == 200, response.text
+            assert_same_answer(response.json(),
+                               *expected_answer(translator, body, (body["beam"], 0.6)))
+        stats = service.stats()
+        assert stats["joins"] > 0 and stats["requests"] == len(MIXED) - 1 + len(bodies)
+    finally:
+        service.close()
+    assert not lane_processes(service)
+
+
+def test_a_lane_process_that_dies_is_replaced_and_costs_only_its_requests_a_503(run_dir,
+                                                                              translator):
+    """A process that ended while it held nothing is replaced unnoticed; one that ends
+    while it decodes a request costs that request a 503 with one line, and is replaced."""
+    service = process_lanes_service(run_dir)
+    client = TestClient(create_app(service), raise_server_exceptions=False)
+    body, expected = {"text": ["red green"], "beam": 2}, translator.translate(["red green"], 2)
+    try:
+        lanes = [lane.searches for lane in service.batcher._lanes]
+        ended = [lane.process for lane in lanes]
+        for process in ended:
+            os.kill(process.pid, signal.SIGKILL)
+            process.join()
+        until(lambda: all(lane.process not in ended for lane in lanes), "new processes")
+        for _ in range(3):
+            assert client.post("/translate", json=body).json()["translations"] == expected
+        processes = [lane.process for lane in lanes]
+        for process in processes:  # frozen: the request is sent to one and waits there
+            os.kill(process.pid, signal.SIGSTOP)
+        with ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(client.post, "/translate", json=body)
+            until(lambda: any(lane.owners for lane in service.batcher._lanes),
+                  "a lane to take the request")
+            holder = next(lane for lane in service.batcher._lanes if lane.owners)
+            os.kill(holder.searches.process.pid, signal.SIGKILL)
+            response = sent.result()
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGCONT)
+        assert_clean_error(response, 503, "a decoding process of the server ended "
+                                          "(exit code -9) with this request's sentences")
+        assert [client.post("/translate", json=body).json()["translations"]
+                for _ in range(3)] == [expected] * 3
+        assert service.stats()["requests"] == 7
+    finally:
+        service.close()
+    assert not lane_processes(service)
+
+
+def test_a_lane_process_takes_out_the_sentences_of_a_request_whose_client_hung_up(
+        run_dir, translator):
+    """Sent to a lane's process while it is frozen and forgotten before it wakes, a request
+    is never stepped there (its sentences leave before the next step); the lane goes on."""
+    service = process_lanes_service(run_dir)
+    batcher = service.batcher
+    processes = [lane.searches.process for lane in batcher._lanes]
+    try:
+        for process in processes:
+            os.kill(process.pid, signal.SIGSTOP)
+        gone = batcher.translate(translator.prepare(["sun moon star tree river"]),
+                                 Search(4, 0.6))
+        until(lambda: any(lane.owners for lane in batcher._lanes), "a lane to take it")
+        batcher.forget(gone)
+        for process in processes:
+            os.kill(process.pid, signal.SIGCONT)
+        until(lambda: service.stats()["passes"] == 1, "the lane to report its search ended")
+        stats = service.stats()
+        assert stats["abandoned"] == 1 and stats["steps"] == 0 and batcher._load == 0
+        sources = translator.prepare(["red green"])
+        hyps, _ = batcher.translate(sources, Search(2, 0.6)).result(timeout=60)
+        assert translator.finish(sources, hyps, 1)[0][0][0] == \
+            translator.translate(["red green"], 2, 0.6)[0]
+    finally:
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGCONT)
+        service.close()
+
+
+@pytest.mark.parametrize("lanes, device, batching, words", [
+    ("cores", "cpu", "continuous", "--lanes must be one of processes, threads, got 'cores'"),
+    ("processes", "cpu", "pass", "--lanes is for continuous batching"),
+    ("processes", "meta", "continuous", "--lanes processes is for a CPU"),
+])
+def test_bad_lanes_are_refused_in_one_line(run_dir, lanes, device, batching, words):
+    translator = Translator.from_pretrained(run_dir, streams=2)
+    translator.device = torch.device(device)  # only checked, never decoded on
+    before = {p.pid for p in multiprocessing.active_children()}
+    with pytest.raises(AiaynError, match=re.escape(words)):
+        Batcher(translator, batching=batching, lanes=lanes)
+    assert {p.pid for p in multiprocessing.active_children()} == before  # none started
