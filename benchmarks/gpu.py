@@ -7,9 +7,11 @@ Sections (``--sections``, all by default):
 - ``step``: a training step (forward, label-smoothed cross-entropy, backward, fused Adam)
   under bf16 autocast, for aiayn eager, aiayn under ``torch.compile`` (as
   ``train.compile: true`` runs it) and ``torch.nn.Transformer`` with aiayn's embeddings and
-  generator (``aiayn.inspect.reference``), on the same length-bucketed batches of ``--step-tokens``
-  target tokens; model FLOP utilisation = ``speed.training_flops`` per second over the
-  FLOP/s of an 8192^3 bf16 matmul timed in the same repetitions.
+  generator (``aiayn.inspect.reference``), and aiayn eager under fp16 autocast with a
+  gradient scaler (``train.precision: fp16``, a GPU without bf16), on the same
+  length-bucketed batches of ``--step-tokens`` target tokens; model FLOP utilisation =
+  ``speed.training_flops`` per second over the FLOP/s of an 8192^3 bf16 matmul timed in the
+  same repetitions.
 - ``loop``: ``aiayn.training.loop.Trainer.run`` on the prepared data with the base model's shape
   for ``--loop-seconds``, once collating each batch after the step before (the CPU's way)
   and once collating it while the GPU computes (the GPU's way); its steady tokens/s against
@@ -17,20 +19,27 @@ Sections (``--sections``, all by default):
   the loop first runs at 90% of its steady speed.
 - ``decode``: beam 4 (alpha 0.6) and greedy over the test verses with the run's model
   (``--run``, the demo) and with the base-shaped model the loop trained, through the
-  ``Translator`` as `aiayn evaluate` runs it: with the search and the 8,192-token batches
-  of a CPU (``--baseline-decode``: a copy of the decode module before the GPU changes) and
-  with the GPU's defaults.
-- ``profile``: torch.profiler over a base training step and one decoding batch: the
-  kernels that take the GPU's time, and the GPU's busy share of the wall time.
+  ``Translator`` as `aiayn evaluate` runs it (one ``Search`` value): in fp32 with the
+  8,192-token batches of a CPU and with the device's default budget, and in bf16 with the
+  device's default budget, with and without SDPA's cuDNN backend; each setting's share of
+  translations equal to the first's.
+- ``profile``: torch.profiler over a base training step and the demo's beam-4 decoding of
+  the test verses in fp32 and in bf16: the kernels that take the GPU's time, and the GPU's
+  busy share of the wall time.
 
     python benchmarks/gpu.py --data data/bible-eng-spa --run runs/demo --out gpu.json
     python benchmarks/gpu.py --device cpu --quick --data ... --run ...   # every path, a CPU
+
+Beside ``--out`` each section's figures are also written alone (gpu.step.json, ...), so a
+session cut short keeps what it measured. benchmarks/gpu_session.sh runs the sections a GPU
+session measures, each within its time; tests/project/test_benchmark_scripts.py runs every
+section with ``--device cpu --quick`` on a tiny run, so the script cannot fall behind the
+package's names.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import platform
 import statistics
@@ -38,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -57,13 +67,14 @@ from speed import aiayn_loss, torch_loss, training_flops, training_steps  # noqa
 
 from aiayn.config import load_config  # noqa: E402
 from aiayn.data.prepared import load_prepared  # noqa: E402
-from aiayn.inference import translator as translator_module  # noqa: E402
+from aiayn.inference.settings import Search  # noqa: E402
 from aiayn.inference.translator import Translator  # noqa: E402
 from aiayn.inspect.reference import TorchReference, copy_weights  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
 from aiayn.runs.directory import load_run  # noqa: E402
 from aiayn.training import loop as train_module  # noqa: E402
 from aiayn.training.distributed import setup_distributed  # noqa: E402
+from aiayn.training.optim import new_scaler  # noqa: E402
 
 
 def sync(device: torch.device) -> None:
@@ -106,7 +117,7 @@ def matmul_peak(device: torch.device, n: int) -> float:
 
 # --------------------------------------------------------------------------- step
 def bench_step(name: str, device: torch.device, max_tokens: int, n_batches: int, reps: int,
-               compile_: bool, peak_n: int) -> dict:
+               compile_: bool, peak_n: int, backend: str = "inductor") -> dict:
     """aiayn eager / compiled and nn.Transformer, one training step each batch, interleaved."""
     cfg = load_config(REPO / "configs" / f"{name}.yaml").model
     # The config's shape; nn.Transformer has neither QK-norm nor a restricted output layer.
@@ -128,14 +139,18 @@ def bench_step(name: str, device: torch.device, max_tokens: int, n_batches: int,
         a @ a
         sync(device)
 
+    fp16_model = Transformer(cfg).to(device)
+    fp16_model.load_state_dict(ours.state_dict())
+    fp16 = Fp16Steps(fp16_model, batches)
     contenders = {
         "aiayn": training_steps(ours, batches, bf16=True, loss_fn=aiayn_loss),
         "nn.Transformer": training_steps(ref, batches, bf16=True, loss_fn=torch_loss),
+        "aiayn fp16": fp16.steps,
         "peak": [peak] * k,
     }
     compile_s = None
     if compile_:
-        compiled = torch.compile(ours, dynamic=True)
+        compiled = torch.compile(ours, dynamic=True, backend=backend)
         steps = training_steps(compiled, batches, bf16=True, loss_fn=aiayn_loss)
         start = time.perf_counter()
         for s in steps:  # compile (and any recompile) before timing
@@ -156,9 +171,40 @@ def bench_step(name: str, device: torch.device, max_tokens: int, n_batches: int,
         row[n] = {"tokens_per_s": tokens / total[n], "mfu": flops / total[n] / peak_flops,
                   "ms_per_step": 1e3 * total[n] / k}
     row["ratio_vs_reference"] = total["nn.Transformer"] / total["aiayn"]
+    row["aiayn fp16"].update(skipped_steps=fp16.skipped, final_scale=fp16.scaler.get_scale(),
+                             steps=fp16.count)
     if compile_:
         row["compiled_ratio_vs_reference"] = total["nn.Transformer"] / total["aiayn compiled"]
     return row
+
+
+class Fp16Steps:
+    """One callable per batch, each a training step as ``train.precision: fp16`` runs it
+    (``aiayn.training.loop.train_step``'s order): float16 autocast, the scaled loss's
+    backward, unscale, clip, an Adam update unless the gradients overflowed, the scaler's
+    update; the skips are counted."""
+
+    def __init__(self, model: Transformer, batches: list) -> None:
+        device = next(model.parameters()).device
+        self.optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98),
+                                          eps=1e-9, fused=True)
+        self.scaler = new_scaler(device)
+        self.skipped = self.count = 0
+
+        def step(batch) -> None:
+            model.train()
+            self.optimizer.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=torch.float16):
+                loss = aiayn_loss(model, batch) / batch.n_tokens
+            self.scaler.scale(loss).backward()
+            self.scaler.unscale_(self.optimizer)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.count += 1
+            self.skipped += int(not torch.isfinite(norm))
+
+        self.steps = [lambda b=batch: step(b) for batch in batches]
 
 
 # --------------------------------------------------------------------------- loop
@@ -168,7 +214,7 @@ def loop_config(data_dir: Path, max_tokens: int, seconds: float, quick: bool):
     decode section reads has learnt to stop)."""
     config = load_config(REPO / "configs" / ("tiny.yaml" if quick else "base.yaml"))
     t = config.train
-    t.max_tokens, t.bf16, t.max_minutes = max_tokens, "auto", seconds / 60
+    t.max_tokens, t.precision, t.max_minutes = max_tokens, "auto", seconds / 60
     t.eval_every = t.save_every = 10**6
     t.eval_max_sentences, t.log_every, t.warmup_steps = 50, 5, 800
     return config
@@ -178,12 +224,12 @@ def bench_loop(data_dir: Path, device: torch.device, max_tokens: int, seconds: f
                ahead: bool, quick: bool) -> tuple[dict, Transformer, object]:
     """One Trainer: its loop for ``seconds`` (collating ahead or not), then its train_step
     alone on 12 batches collated beforehand (after one untimed pass over them)."""
-    train_module.collates_ahead = lambda _device: ahead
     config = loop_config(data_dir, max_tokens, seconds, quick)
     world = setup_distributed(str(device.type))
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         trainer = train_module.Trainer(config, data_dir, run_dir, False, [], world)
+        trainer.prefetch = ahead  # the device's choice (stream.collates_ahead) either way
         began = time.perf_counter()
         trainer.run()
         wall = time.perf_counter() - began
@@ -202,7 +248,8 @@ def bench_loop(data_dir: Path, device: torch.device, max_tokens: int, seconds: f
         start = time.perf_counter()
         for i, b in enumerate(batches):
             train_module.train_step(trainer.train_model, trainer.ddp, trainer.optimizer, [b],
-                                    step + i + 1, trainer.config, world, kernel=trainer.kernel)
+                                    step + i + 1, trainer.config, world, kernel=trainer.kernel,
+                                    scaler=trainer.scaler)
         sync(device)
         return time.perf_counter() - start
 
@@ -215,50 +262,52 @@ def bench_loop(data_dir: Path, device: torch.device, max_tokens: int, seconds: f
            "first_minute_tokens_per_s": (first_minute[-1]["tokens"] / first_minute[-1]["elapsed_s"]
                                          if first_minute else None),
            "parameters_m": trainer.model.num_parameters() / 1e6,
-           "bf16": trainer.bf16}
+           "precision": trainer.precision}
     return row, trainer.model, trainer.data.tokenizers
 
 
 # --------------------------------------------------------------------------- decode
-def load_module(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+# (label, bf16, decoding budget: None for the device's default, cuDNN's attention allowed).
+# The last row asks whether SDPA's cuDNN backend (bf16/fp16 only, preferred on Hopper, a
+# graph built per new shape, and decoding's shapes change every step) is what makes bf16
+# decoding many times slower than fp32 on an H100.
+DECODE_SETTINGS = (("fp32, 8,192-token batches (a CPU's)", False, 8192, True),
+                   ("fp32, device default batches", False, None, True),
+                   ("bf16, device default batches", True, None, True),
+                   ("bf16, device default batches, no cuDNN attention", True, None, False))
+
+
+@contextmanager
+def cudnn_attention(enabled: bool):
+    """SDPA's cuDNN backend on or off (a process-wide switch), put back afterwards."""
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(enabled)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
 
 
 def bench_decode(label: str, model: Transformer, tokenizers, sources: list[str],
-                 device: torch.device, baseline: Path | None, beams: tuple[int, ...]) -> list:
+                 device: torch.device, beams: tuple[int, ...]) -> list:
     """Sentences/s of the Translator over ``sources``, for each search and setting."""
     rows = []
-    settings = [("now, device default batches", None, None),
-                ("now, device default batches, bf16", None, None)]
-    if baseline is not None:
-        settings.insert(0, ("before: per-sentence syncs, 8,192-token batches", baseline, 8192))
-        settings.insert(1, ("now, 8,192-token batches", None, 8192))
-    new_search = (translator_module.beam_search, translator_module.greedy_decode)
     for beam in beams:
+        search = Search(beam=beam, alpha=0.6)
         outputs = {}
-        for name, module_path, max_tokens in settings:
-            if module_path is not None:
-                old = load_module(module_path, "decode_before")
-                translator_module.beam_search, translator_module.greedy_decode = \
-                    old.beam_search, old.greedy_decode
-            try:
-                t = Translator(model, tokenizers, decode_tokens=max_tokens, device=device,
-                               bf16=name.endswith("bf16"))
-                t.translate(sources[:32], t.resolve(beam=beam, alpha=0.6))  # warm-up
+        for name, bf16, budget, cudnn in DECODE_SETTINGS:
+            t = Translator(model, tokenizers, decode_tokens=budget, device=device, bf16=bf16)
+            with cudnn_attention(cudnn):
+                t.translate(sources[:32], search=search)  # warm-up
                 sync(device)
                 start = time.perf_counter()
-                out = t.translate(sources, t.resolve(beam=beam, alpha=0.6))
+                out = t.translate(sources, search=search)
                 sync(device)
                 seconds = time.perf_counter() - start
-            finally:
-                translator_module.beam_search, translator_module.greedy_decode = new_search
             outputs[name] = out
             words = sum(len(o.split()) for o in out) / len(out)
             rows.append({"model": label, "beam": beam, "setting": name,
-                         "max_tokens": t.max_tokens, "sentences": len(sources),
+                         "decode_tokens": t.decode_tokens, "sentences": len(sources),
                          "seconds": seconds, "sentences_per_s": len(sources) / seconds,
                          "mean_output_words": words})
             print(f"  decode {label} beam {beam} [{name}]: {len(sources) / seconds:,.0f} "
@@ -309,9 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loop-runs", type=int, choices=(1, 2), default=2,
                    help="2: the loop without and with collating ahead; 1: with only")
     p.add_argument("--compile-configs", default="base",
-                   help="configs whose step is also timed under torch.compile ('' for none)")
-    p.add_argument("--baseline-decode", type=Path, default=None,
-                   help="decode.py of the version before, for the before/after rows")
+                   help="configs whose step is also timed under torch.compile ('' for none; "
+                        "with --quick the tiny one unless '')")
     p.add_argument("--out", type=Path, default=Path("gpu.json"))
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks every path")
     args = p.parse_args(argv)
@@ -321,38 +369,47 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"device": describe(device), "date": time.strftime("%Y-%m-%d"),
                     "command": " ".join(sys.argv)}
     print(json.dumps(result["device"]), flush=True)
-    peak_n = 512 if args.quick else 8192
+    peak_n = 256 if args.quick else 8192
     began = time.perf_counter()
 
-    def save() -> None:
+    def save(section: str | None = None) -> None:
         args.out.write_text(json.dumps(result, indent=1))
+        if section is not None:  # the section alone, beside --out (gpu.step.json, ...)
+            alone = {k: result[k] for k in ("device", "date", "command") if k in result}
+            alone.update({k: v for k, v in result.items() if k == section or (
+                section == "step" and k == "peak_bf16_tflops")})
+            args.out.with_name(f"{args.out.stem}.{section}.json").write_text(
+                json.dumps(alone, indent=1))
 
     if "step" in sections:
         result["peak_bf16_tflops"] = matmul_peak(device, peak_n) / 1e12
         result["step"] = []
         for name in ["tiny"] if args.quick else args.configs.split(","):
-            row = bench_step(name, device, 1024 if args.quick else args.step_tokens,
+            row = bench_step(name, device, 512 if args.quick else args.step_tokens,
                              2 if args.quick else 3, 1 if args.quick else 5,
-                             name in args.compile_configs.split(",") or args.quick, peak_n)
+                             name in args.compile_configs.split(",")
+                             or (args.quick and args.compile_configs != ""), peak_n,
+                             # quick on a CPU: dynamo's tracing without minutes of C++ builds
+                             "eager" if args.quick and device.type == "cpu" else "inductor")
             result["step"].append(row)
             print(f"  step {name}: " + ", ".join(
                 f"{n} {row[n]['tokens_per_s']:,.0f} tok/s MFU {100 * row[n]['mfu']:.0f}%"
                 for n in ("aiayn", "aiayn compiled", "nn.Transformer") if n in row)
                 + f"; aiayn/ref {row['ratio_vs_reference']:.2f} "
                 f"[{time.perf_counter() - began:.0f}s]", flush=True)
-            save()
+            save("step")
     base_model = base_tokenizers = None
     if "loop" in sections:
         result["loop"] = []
         for ahead in (False, True)[2 - args.loop_runs:]:
             row, base_model, base_tokenizers = bench_loop(
                 args.data, device, 2048 if args.quick else args.step_tokens,
-                10 if args.quick else args.loop_seconds, ahead, args.quick)
+                2 if args.quick else args.loop_seconds, ahead, args.quick)
             result["loop"].append(row)
             print(f"  loop (collate ahead {ahead}): {row['loop_tokens_per_s']:,.0f} tok/s = "
                   f"{100 * row['loop_vs_step']:.0f}% of its step; 90% after "
                   f"{row['seconds_to_90pct']} s [{time.perf_counter() - began:.0f}s]", flush=True)
-            save()
+            save("loop")
     if "decode" in sections or "profile" in sections:
         _, demo_model, demo_tokenizers = load_run(args.run, "best")
         demo_model.to(device).eval()
@@ -362,19 +419,19 @@ def main(argv: list[str] | None = None) -> int:
             sources = sources[:40]
     if "decode" in sections:
         result["decode"] = bench_decode("demo", demo_model, demo_tokenizers, sources, device,
-                                        args.baseline_decode, (4, 1))
-        save()
+                                        (4, 1))
+        save("decode")
         if base_model is not None:
             result["decode"] += bench_decode("base-shaped (loop)", base_model.eval(),
-                                             base_tokenizers, sources, device,
-                                             args.baseline_decode, (4,))
-            save()
+                                             base_tokenizers, sources, device, (4,))
+            save("decode")
     if "profile" in sections:
         result["profile"] = {}
-        t = Translator(demo_model, demo_tokenizers, device=device)
-        result["profile"]["decode_demo_beam4"] = profile(
-            lambda: t.translate(sources, t.resolve(beam=4, alpha=0.6)), device,
-            out_dir / "profile_decode.txt")
+        for suffix, bf16 in (("", False), ("_bf16", True)):  # bf16: where its time goes
+            t = Translator(demo_model, demo_tokenizers, device=device, bf16=bf16)
+            result["profile"][f"decode_demo_beam4{suffix}"] = profile(
+                lambda t=t: t.translate(sources, search=Search(beam=4, alpha=0.6)), device,
+                out_dir / f"profile_decode{suffix}.txt")
         cfg = load_config(REPO / "configs" / ("tiny.yaml" if args.quick else "base.yaml")).model
         groups = bucket(sentence_lengths(100_000, max_len=cfg.max_len, seed=0),
                         1024 if args.quick else args.step_tokens)
@@ -383,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         model = Transformer(cfg).to(device)
         step = training_steps(model, [b], bf16=True)[0]
         result["profile"]["train_step_base"] = profile(step, device, out_dir / "profile_step.txt")
-        save()
+        save("profile")
     result["seconds"] = time.perf_counter() - began
     save()
     print(json.dumps({k: v for k, v in result.items() if k != "device"}, indent=1))

@@ -488,16 +488,19 @@ def run_opennmt(s: Setup, work: Path) -> dict:
 
 
 def aiayn_precision(train_log: str) -> tuple[str, str]:
-    """What `aiayn train` says it chose ("...; bf16 True (reason); ..."): "bf16" or "fp32",
+    """What `aiayn train` says it chose ("...; precision bf16 (reason); ...", or in logs
+    from before train.precision "...; bf16 True (reason); ..."): "fp32", "bf16" or "fp16",
     and the reason it gives."""
-    at = train_log.find("; bf16 ")
-    if at < 0:
+    said_as = {"; precision ": {p: p for p in ("fp32", "bf16", "fp16")},
+               "; bf16 ": {"True": "bf16", "False": "fp32"}}
+    marker = next((m for m in said_as if m in train_log), None)
+    if marker is None:
         return "unknown", ""
-    said = train_log[at + len("; bf16 "):].split("; ")[0].strip()
+    said = train_log[train_log.find(marker) + len(marker):].split("; ")[0].strip()
     choice, _, reason = said.partition(" ")
     if reason.startswith("(") and reason.endswith(")"):
         reason = reason[1:-1]
-    return {"True": "bf16", "False": "fp32"}.get(choice, "unknown"), reason
+    return said_as[marker].get(choice, "unknown"), reason
 
 
 def aiayn_counts(records: list[dict]) -> dict:

@@ -314,7 +314,7 @@ def _add_train(sub) -> None:
                    help="stop when the run has trained this long, over all its training sessions "
                    "(train.max_minutes; validations count); the final dev evaluation comes on top. "
                    "Above 0; no time limit: --set train.max_minutes=0 (then train.max_steps ends it)")
-    p.add_argument("--bf16", action="store_true", help="bfloat16 autocast (train.bf16)")
+    p.add_argument("--bf16", action="store_true", help="bfloat16 autocast (train.precision=bf16)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (train.compile)")
     _add_device(p, " (under torchrun: the rank's local GPU)")
     _add_set(p)
@@ -326,7 +326,7 @@ def _run_train(args) -> int:
         _check_max_minutes(args.max_minutes)
         overrides.append(f"train.max_minutes={args.max_minutes}")
     if args.bf16:
-        overrides.append("train.bf16=true")
+        overrides.append("train.precision=bf16")
     if args.compile:
         overrides.append("train.compile=true")
     check_run_request(bool(args.resume), args.init_from, bool(args.config), args.data,

@@ -21,6 +21,7 @@ model's layers) would have no home.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -38,7 +39,11 @@ EMBEDDING_INITS = ("normal", "xavier")
 OUTPUT_VOCABS = ("all", "targets")
 SCHEDULES = ("eq3", "linear")
 BEST_METRICS = ("bleu", "chrf", "loss")  # see aiayn.training.early_stopping
-BF16_CHOICES = ("auto", "true", "false")
+# train.precision: "auto" chooses per device (aiayn.util.device.resolve_precision).
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+# train.bf16 (true | false | auto), the setting's name before train.precision: config files,
+# saved runs' config.yaml and --set still give it; ``precision_of_bf16`` alone maps it.
+BF16_TO_PRECISION = {"true": "bf16", "false": "fp32", "auto": "auto"}
 # sacreBLEU tokenizers aiayn offers (spm/flores download a model; left out).
 BLEU_TOKENIZERS = ("auto", "13a", "intl", "zh", "ja-mecab", "ko-mecab", "char", "none")
 # data.src_lang / data.tgt_lang: "auto" or a language code (en, zh, pt-BR, zh_Hant).
@@ -92,7 +97,7 @@ CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
               "output_vocab": OUTPUT_VOCABS},
     "data": {"tokenizer": ("bpe", "wordlevel"), "long_policy": ("drop", "truncate"),
              "bleu_tokenize": BLEU_TOKENIZERS},
-    "train": {"schedule": SCHEDULES, "bf16": BF16_CHOICES, "best_metric": BEST_METRICS},
+    "train": {"schedule": SCHEDULES, "precision": PRECISIONS, "best_metric": BEST_METRICS},
 }
 
 
@@ -284,10 +289,13 @@ class TrainConfig:
     """Stop after this many validations in a row without a better best_metric (0: never)."""
     log_every: int = 50
     """Optimizer steps between lines of metrics.jsonl and TensorBoard scalars."""
-    bf16: str = "auto"
-    """bfloat16 autocast: "auto" takes it where this machine runs it faster (a GPU that
-    supports it; a CPU whose bf16 matrix product beats fp32 in a probe: AVX512-BF16 or AMX,
-    not AVX2 alone); true / false force it."""
+    precision: str = "auto"
+    """The arithmetic of training's forward and backward passes: "fp32"; "bf16" (bfloat16
+    autocast); "fp16" (float16 autocast with a gradient scaler: a step whose gradients
+    overflow is skipped and the scale lowered); "auto": bf16 on a GPU that supports it, else
+    fp16 on a GPU; on a CPU bf16 where its matrix product beats fp32 in a probe (AVX512-BF16
+    or AMX, not AVX2 alone), else fp32. The older train.bf16 (true / false / auto) still
+    reads as bf16 / fp32 / auto."""
     compile: bool = False
     """Wrap the model in torch.compile (on a CPU the first steps take minutes)."""
     num_samples: int = 3
@@ -298,11 +306,62 @@ class TrainConfig:
 
     @property
     def use_bf16(self) -> bool:
-        """bf16 once resolved: the trainer replaces "auto" by "true"/"false" for its device
-        (aiayn.util.device.resolve_bf16) before anything runs."""
-        if self.bf16 == "auto":
-            raise ValueError("train.bf16='auto' must be resolved first (distributed.resolve_bf16)")
-        return self.bf16 == "true"
+        """bf16 autocast, once resolved: the trainer replaces "auto" by the precision it
+        chose for its device (aiayn.util.device.resolve_precision) before anything runs."""
+        return self._resolved() == "bf16"
+
+    @property
+    def use_fp16(self) -> bool:
+        """fp16 autocast with a gradient scaler, once resolved (as ``use_bf16``)."""
+        return self._resolved() == "fp16"
+
+    def _resolved(self) -> str:
+        if self.precision == "auto":
+            raise ValueError("train.precision='auto' must be resolved first "
+                             "(aiayn.util.device.resolve_precision)")
+        return self.precision
+
+    @property
+    def bf16(self) -> str:
+        """The older setting's value for this precision: "true" (bf16), "auto", else "false"."""
+        return {"bf16": "true", "auto": "auto"}.get(self.precision, "false")
+
+    @bf16.setter
+    def bf16(self, value: str | bool) -> None:
+        self.precision = precision_of_bf16(value, "train.bf16")
+
+
+def _taking_bf16(init):
+    """TrainConfig's constructor (and so ``dataclasses.replace``) also taking the older
+    ``bf16=`` ("true" / "false" / "auto": it sets the precision), as notebooks and scripts
+    written before train.precision pass it."""
+    @functools.wraps(init)
+    def __init__(self, *args, bf16: str | bool | None = None, **kwargs) -> None:
+        if bf16 is not None:  # given by name, it says the precision (replace passes both)
+            kwargs["precision"] = precision_of_bf16(bf16, "train.bf16")
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+TrainConfig.__init__ = _taking_bf16(TrainConfig.__init__)  # type: ignore[method-assign]
+
+
+def precision_of_bf16(value: Any, where: str) -> str:
+    """train.precision for a value of the older train.bf16 (true | false | auto)."""
+    key = str(value).lower() if isinstance(value, bool) else value
+    if key not in BF16_TO_PRECISION:
+        raise AiaynError(f"{where} (now train.precision: {', '.join(PRECISIONS)}) must be "
+                         f"one of auto, true, false, got {value!r}")
+    return BF16_TO_PRECISION[key]
+
+
+def renamed_setting(section: str, name: str, value: Any, where: str) -> tuple[str, Any]:
+    """A setting under its current name: train.bf16 becomes train.precision (its value
+    mapped by ``precision_of_bf16``); every other setting stays as it is."""
+    if section == "train" and name == "bf16":
+        return "precision", precision_of_bf16(value, f"{where}.bf16")
+    return name, value
 
 
 @dataclass
@@ -445,15 +504,19 @@ class Config:
             if section not in raw:
                 raise AiaynError(f"{source} {item!r}: unknown section {section!r} "
                                  f"({', '.join(SECTIONS)})")
+            old_name = name
+            if (section, name) == ("train", "bf16"):
+                name = "precision"  # the older name (renamed_setting maps its value below)
             if name not in raw[section]:
                 raise AiaynError(
                     f"{source} {item!r}: unknown setting {section}.{name}; known: "
                     f"{', '.join(raw[section])}"
                 )
             try:
-                raw[section][name] = yaml.safe_load(value)
+                parsed = yaml.safe_load(value)
             except yaml.YAMLError as exc:
                 raise AiaynError(f"{source} {item!r}: value is not valid YAML ({exc})") from None
+            raw[section][name] = renamed_setting(section, old_name, parsed, f"{source} {section}")[1]
         return Config.from_dict(raw, source)
 
 
@@ -461,6 +524,12 @@ def _build_section(klass, values: dict[str, Any], where: str):
     if not isinstance(values, dict):
         raise AiaynError(f"{where}: expected a mapping, got {type(values).__name__}")
     known = {f.name: f for f in fields(klass)}
+    if klass is TrainConfig and "bf16" in values:  # the older name of train.precision
+        values = dict(values)
+        _, precision = renamed_setting("train", "bf16", values.pop("bf16"), where)
+        if values.setdefault("precision", precision) != precision:
+            raise AiaynError(f"{where}: bf16 ({precision}) and precision "
+                             f"({values['precision']!r}) disagree; keep precision alone")
     unknown = set(values) - set(known)
     if unknown:
         raise AiaynError(
@@ -470,8 +539,6 @@ def _build_section(klass, values: dict[str, Any], where: str):
     kwargs = {}
     for name, value in values.items():
         expected = type(getattr(default, name))
-        if name == "bf16" and isinstance(value, bool):  # bf16: true / false / auto
-            value = "true" if value else "false"
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if expected is float and isinstance(value, str):

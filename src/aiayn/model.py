@@ -379,16 +379,19 @@ class Generator(nn.Module):
         weight, bias = self.allowed_rows() if rows is None else rows
         return kernel(hidden, weight, bias)
 
-    def allowed_rows(self) -> tuple[Tensor, Tensor | None]:
+    def allowed_rows(self, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
         """The weight (and bias) rows of the allowed pieces, selected from the weight as it
         is now (the weight itself when every piece is allowed; the paper's layer has no
-        bias). A search selects them once and passes them to every step; the model keeps
-        no copy, which an in-place optimizer step (fused Adam) would leave stale."""
+        bias), cast to ``dtype`` if given. A search selects them once and passes them to
+        every step; the model keeps no copy, which an in-place optimizer step (fused Adam)
+        would leave stale."""
         weight, bias = self.proj.weight, self.proj.bias
-        if not self.restricted:
+        if self.restricted:
+            weight = weight.index_select(0, self.output_ids)
+            bias = None if bias is None else bias.index_select(0, self.output_ids)
+        if dtype is None:
             return weight, bias
-        return (weight.index_select(0, self.output_ids),
-                None if bias is None else bias.index_select(0, self.output_ids))
+        return weight.to(dtype), None if bias is None else bias.to(dtype)
 
     def output_positions(self, labels: Tensor, pad_id: int) -> Tensor:
         """Token ids -> their positions in ``output_logits``; padding and pieces the model

@@ -472,3 +472,37 @@ def test_a_joined_sampling_search_equals_one_by_one():
                             no_repeat_ngram=2, sampling=sampling)[0]
         assert [h.ids for h in got[i]] == [h.ids for h in alone]
         assert not any(has_repeat(h.ids, 2) for h in alone)
+
+
+def test_under_autocast_a_restricted_output_layer_is_cast_once_per_search(monkeypatch):
+    """A restricted output layer's rows are a selection, which autocast does not keep cast:
+    the search casts them once (``allowed_rows(dtype)``), every step computes with that one bf16
+    matrix, and the hypotheses and scores are those of autocast casting it each step."""
+    import torch.nn.functional as F
+
+    from aiayn.inference.search import decode_beam
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=16, n_heads=2, d_ff=32,
+                      n_encoder_layers=1, n_decoder_layers=2, dropout=0.0, max_len=32,
+                      output_vocab="targets")
+    model = Transformer(cfg).eval()
+    model.generator.set_outputs(torch.tensor([EOS_ID, *range(4, 30)]))
+    src = random_sources([7, 5, 3], 40)
+    seen = []
+
+    def kernel(hidden, weight, bias):
+        seen.append((weight.dtype, weight.data_ptr()))
+        return F.linear(hidden, weight, bias)
+
+    search = Search(beam=3, alpha=0.6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        once = decode_beam(model, src, search, kernel=kernel)
+        assert len(seen) > 3 and set(seen) == {(torch.bfloat16, seen[0][1])}
+        rows = model.generator.allowed_rows
+        monkeypatch.setattr(model.generator, "allowed_rows", lambda dtype=None: rows())
+        every_step = decode_beam(model, src, search, kernel=kernel)
+    assert once == every_step
+    assert seen[-1][0] == torch.float32  # ... where each step's product cast the fp32 rows
+    # Without autocast the rows are the fp32 selection, as before.
+    assert decode_beam(model, src, search, kernel=kernel) and seen[-1][0] == torch.float32

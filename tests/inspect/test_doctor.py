@@ -335,7 +335,7 @@ def test_differences_within_the_tolerances_pass(validated, tmp_path):
 
 def test_a_run_whose_bf16_was_auto_is_compared_in_either_precision(validated, tmp_path,
                                                                     monkeypatch):
-    """train.bf16 "auto" chose per machine: a logged loss that only bf16 autocast gives
+    """train.precision "auto" chose per machine: a logged loss that only bf16 autocast gives
     passes then, and fails where the config says fp32. (The tolerance is made tight here:
     on the tiny model bf16 moves the loss by less than the real one.)"""
     monkeypatch.setattr(checkup, "LOSS_TOLERANCE", {"rel_tol": 1e-6, "abs_tol": 0.0})
@@ -351,8 +351,11 @@ def test_a_run_whose_bf16_was_auto_is_compared_in_either_precision(validated, tm
     assert abs(losses["true"] - losses["false"]) > 1e-5 * losses["false"]
     rewrite_logged(run, step, dev_loss=lambda _: losses["true"])
     text = (run / "config.yaml").read_text()
-    assert "bf16: 'false'" in text
-    (run / "config.yaml").write_text(text.replace("bf16: 'false'", "bf16: auto"))
+    assert "precision: fp32" in text
+    (run / "config.yaml").write_text(text.replace("precision: fp32", "precision: auto"))
+    assert checks(run)["validation"].ok is True
+    # A run directory written before train.precision says it with train.bf16.
+    (run / "config.yaml").write_text(text.replace("precision: fp32", "bf16: auto"))
     assert checks(run)["validation"].ok is True
     (run / "config.yaml").write_text(text)
     assert checks(run)["validation"].ok is False

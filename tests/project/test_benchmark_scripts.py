@@ -1,12 +1,18 @@
 """The benchmark scripts still start: each one's --help runs (its imports resolve, its options
-parse). The benchmarks themselves are not run here (benchmarks/README.md measures with them);
-this catches a script left behind when a module it imports moves, as time_to_bleu.py was
-once left importing read_metrics from aiayn.inspect.plots."""
+parse), and every aiayn name a script uses exists (read from its source, so a name used only
+in a section that --help never reaches counts too: benchmarks/gpu.py once read and patched
+search functions the translator no longer had, and died after spending its GPU time on the
+sections before). benchmarks/gpu.py's sections run here on the CPU with tiny sizes; the
+other benchmarks are not run here (benchmarks/README.md measures with them). time_to_bleu.py
+was once left importing read_metrics from aiayn.inspect.plots."""
 
+import ast
+import importlib
 import json
 import runpy
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -83,3 +89,149 @@ def test_print_table_writes_what_it_prints_as_json(tmp_path, monkeypatch, capsys
     assert record["rows"] == [["aiayn", "12.5"], ["other", "3.0"]]
     assert record["conditions"] in printed and "| aiayn | 12.5 |" in printed
     assert record["device"]  # the machine the figures were measured on
+
+
+# ---------------------------------------------------------------- names that rot
+def module_or_none(name: str) -> ModuleType | None:
+    """aiayn's module ``name``, or None where there is none (a missing module of aiayn's; an
+    error inside it, or an optional package it needs, is not a name of the script's)."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (exc.name == name or name.startswith(exc.name + ".")):
+            return None
+        pytest.skip(f"{name} needs {exc.name}, not installed here")
+
+
+def has_name(module: ModuleType, attr: str) -> bool:
+    """``module.attr`` exists: an attribute, or a submodule of a package."""
+    if hasattr(module, attr):
+        return True
+    return hasattr(module, "__path__") and module_or_none(f"{module.__name__}.{attr}") is not None
+
+
+def missing_aiayn_names(source: str) -> list[str]:
+    """The aiayn names ``source`` uses that do not exist: modules of ``import aiayn...`` and
+    ``from aiayn... import``, the names imported, and attributes read or written on a name
+    bound to an aiayn module (``from aiayn.training import loop as train``; ``train.X``), to
+    any depth while the attribute is a module. Names are taken per file, not per scope."""
+    tree = ast.parse(source)
+    modules: dict[str, ModuleType] = {}  # a name in the script -> the aiayn module it is
+    missing = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] != "aiayn":
+                    continue
+                module = module_or_none(alias.name)
+                if module is None:
+                    missing.append(f"import {alias.name}")
+                elif alias.asname:
+                    modules[alias.asname] = module
+                else:
+                    modules["aiayn"] = module_or_none("aiayn")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
+                node.module.split(".")[0] == "aiayn":
+            module = module_or_none(node.module)
+            if module is None:
+                missing.append(f"from {node.module} import ...")
+                continue
+            for alias in node.names:
+                if not has_name(module, alias.name):
+                    missing.append(f"from {node.module} import {alias.name}")
+                    continue
+                value = getattr(module, alias.name, None) or module_or_none(
+                    f"{node.module}.{alias.name}")
+                if isinstance(value, ModuleType):
+                    modules[alias.asname or alias.name] = value
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        chain = []  # root.a.b -> ["b", "a"], root
+        value: ast.expr = node
+        while isinstance(value, ast.Attribute):
+            chain.append(value.attr)
+            value = value.value
+        if not (isinstance(value, ast.Name) and value.id in modules):
+            continue
+        obj: object = modules[value.id]
+        path = value.id
+        for attr in reversed(chain):
+            if not isinstance(obj, ModuleType):
+                break
+            if not has_name(obj, attr):
+                missing.append(f"{path}.{attr} ({obj.__name__})")
+                break
+            obj = getattr(obj, attr, None) or module_or_none(f"{obj.__name__}.{attr}")
+            path += f".{attr}"
+    return sorted(set(missing))
+
+
+ALL_SCRIPTS = sorted([*BENCHMARKS.glob("*.py"), *BENCHMARKS.glob("*/*.py")])
+
+
+@pytest.mark.parametrize("script", ALL_SCRIPTS, ids=lambda p: str(p.relative_to(BENCHMARKS)))
+def test_every_aiayn_name_a_benchmark_uses_exists(script):
+    assert missing_aiayn_names(script.read_text(encoding="utf-8")) == []
+
+
+def test_a_name_that_is_gone_is_found_wherever_the_script_uses_it():
+    """The check itself: names read, patched or imported that aiayn does not have."""
+    gone = missing_aiayn_names(
+        "import aiayn.inference.nowhere\n"
+        "from aiayn.inference import translator as translator_module\n"
+        "from aiayn.training import loop as train_module, nothing_here\n"
+        "from aiayn.inference.translator import Translator, greedy_decode\n"
+        "import aiayn.model as m\n"
+        "def bench():\n"
+        "    keep = (translator_module.beam_search, translator_module.Translator)\n"
+        "    train_module.collates_ahead = lambda device: True\n"  # there: no complaint
+        "    train_module.greedy_decode = None\n"
+        "    return m.Transformer, m.TransformerXL, aiayn.inference.search.decode_beam\n")
+    assert gone == sorted([
+        "import aiayn.inference.nowhere",
+        "from aiayn.training import nothing_here",
+        "from aiayn.inference.translator import greedy_decode",
+        "translator_module.beam_search (aiayn.inference.translator)",
+        "train_module.greedy_decode (aiayn.training.loop)",
+        "m.TransformerXL (aiayn.model)",
+    ])
+    # A bare `import aiayn.X` binds aiayn, whose submodules are then checked too.
+    assert missing_aiayn_names("import aiayn.model\naiayn.modle.Transformer\n") == [
+        "aiayn.modle (aiayn)"]
+
+
+# ---------------------------------------------------------------- gpu.py on the CPU
+@pytest.mark.slow
+def test_the_gpu_session_runs_every_section_on_the_cpu(run_dir, tmp_path):
+    """benchmarks/gpu_session.sh --quick (benchmarks/gpu.py --device cpu --quick) on a tiny
+    run and its data: each section (step with fp16, loop, decode, profile) runs and leaves
+    its own JSON, the profile tables and the log in OUT."""
+    import os
+    import subprocess
+
+    out = tmp_path / "out"
+    data = (run_dir / "data_dir.txt").read_text(encoding="utf-8").strip()
+    env = {**os.environ, "DATA": data, "RUN": str(run_dir), "OUT": str(out),
+           "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(["bash", str(BENCHMARKS / "gpu_session.sh"), "--quick"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "gpu.decode.json", "gpu.loop.json", "gpu.profile.json", "gpu.step.json",
+        "profile_decode.txt", "profile_decode_bf16.txt", "profile_step.txt", "session.log"]
+    result = {s: json.loads((out / f"gpu.{s}.json").read_text(encoding="utf-8"))[s]
+              for s in ("step", "loop", "decode", "profile")}
+    step = result["step"][0]
+    for name in ("aiayn", "nn.Transformer", "aiayn fp16"):
+        assert step[name]["tokens_per_s"] > 0
+    assert step["aiayn fp16"]["steps"] >= 3 and step["aiayn fp16"]["skipped_steps"] >= 0
+    loop = result["loop"][0]
+    assert loop["steps"] > 0 and loop["collate_ahead"] and loop["precision"] in ("fp32", "bf16")
+    settings = {(r["model"], r["beam"], r["setting"]) for r in result["decode"]}
+    assert len(settings) == 3 * 4  # demo beam 4 and greedy, the loop's model beam 4
+    assert all(r["sentences_per_s"] > 0 and 0 <= r["same_as_first_setting"] <= 1
+               for r in result["decode"])
+    assert set(result["profile"]) == {"decode_demo_beam4", "decode_demo_beam4_bf16",
+                                      "train_step_base"}
+    assert "aten::" in (out / "profile_decode_bf16.txt").read_text(encoding="utf-8")

@@ -155,6 +155,10 @@ def test_aiayn_precision(peers):
     precision, why = peers.aiayn_precision(log)
     assert precision == "fp32" and why.startswith("auto: a probe matmul") and why.endswith("(AVX2)")
     assert peers.aiayn_precision("; bf16 True (forced); 1 CPU thread(s)") == ("bf16", "forced")
+    assert peers.aiayn_precision("compile False; precision fp16 (auto: this GPU has no "
+                                 "bfloat16, so float16 with a gradient scaler); 1 CPU "
+                                 "thread(s)") == (
+        "fp16", "auto: this GPU has no bfloat16, so float16 with a gradient scaler")
     assert peers.aiayn_precision("nothing") == ("unknown", "")
 
 

@@ -29,12 +29,14 @@ from helpers import (
 import aiayn.model
 from aiayn.cli import main
 from aiayn.config import load_config
+from aiayn.data.batching import Example, collate
 from aiayn.errors import AiaynError
 from aiayn.runs.checkpoint import load_train_state
 from aiayn.runs.directory import build_model
 from aiayn.training import loop as train
 from aiayn.training import stream
-from aiayn.training.optim import learning_rate
+from aiayn.training.distributed import Dist
+from aiayn.training.optim import build_optimizer, learning_rate
 from aiayn.util import io
 
 
@@ -250,7 +252,7 @@ def test_collating_ahead_trains_and_resumes_exactly_as_without(data_dir, tmp_pat
 
 
 def test_a_resume_keeps_the_choices_of_its_runs_probes(data_dir, tmp_path, monkeypatch):
-    """bf16 "auto" and the output layer's kernel are chosen by timing probes, which can come
+    """precision "auto" and the output layer's kernel are chosen by timing probes, which can come
     out otherwise in another process (a busy core, two close timings). A resume on the same
     kind of machine keeps what its run chose, so it ends on the uninterrupted run's weights
     bit for bit though its own probes would choose bf16 and the other kernel."""
@@ -272,12 +274,12 @@ def test_a_resume_keeps_the_choices_of_its_runs_probes(data_dir, tmp_path, monke
     run_train("--resume", str(split), *sets(max_steps=2 * n))
     assert_equal_weights(weights(split), weights(straight))
     choices = load_train_state(split / "train_state.pt")["choices"]
-    assert (choices["bf16"], choices["output_kernel"]) == (False, "oneDNN")
+    assert (choices["precision"], choices["output_kernel"]) == ("fp32", "oneDNN")
     # Another kind of machine chooses again.
     monkeypatch.setattr(train, "machine_kind", lambda device: "another machine")
     run_train("--resume", str(split), *sets(max_steps=2 * n + 1))
     choices = load_train_state(split / "train_state.pt")["choices"]
-    assert (choices["bf16"], choices["output_kernel"]) == (True, "F.linear")
+    assert (choices["precision"], choices["output_kernel"]) == ("bf16", "F.linear")
 
 
 def test_output_vocab_targets_scores_the_pieces_of_the_training_targets(data_dir, tmp_path):
@@ -376,12 +378,12 @@ def test_the_advised_resume_after_a_non_finite_stop_lowers_the_rate_and_trains_o
     real_step = train.train_step
 
     def unstable(model, ddp, optimizer, micro, step, config, world, elapsed_s=0.0,
-                 prefetch=None, kernel=None):
+                 prefetch=None, kernel=None, scaler=None):
         if step >= 7 and config.train.lr_scale >= 1:
             return train.StepResult(float("nan"), sum(b.n_tokens for b in micro),
                                     float("nan"), 0.0)
         return real_step(model, ddp, optimizer, micro, step, config, world, elapsed_s, prefetch,
-                         kernel)
+                         kernel, scaler)
 
     monkeypatch.setattr(train, "train_step", unstable)
     run = tmp_path / "run"
@@ -606,3 +608,80 @@ def test_kept_steps_survive_pruning_and_a_resume_and_change_nothing_else(data_di
         assert_equal_weights(weights(split, name), weights(straight, name))
     early, later = (weights(split, f"checkpoints/step_{s:07d}.safetensors") for s in (1, 7))
     assert any(not torch.equal(early[name], later[name]) for name in early)  # their own steps
+
+
+# ---------------------------------------------------------------- train.precision fp16
+# Float16 autocast with a gradient scaler (``train_step``, ``new_scaler``): a GPU without bf16
+# trains so; its logic runs on the CPU (float16 autocast works there, slowly), so it is
+# tested here: an overflow skips the update and halves the scale, the run counts and logs
+# the skips, and a resume keeps the scaler.
+
+def tiny_step_parts(precision: str):
+    config = load_config(TINY, ["model.dropout=0.0", f"train.precision={precision}"])
+    torch.manual_seed(0)
+    model = build_model(config, torch.device("cpu"))
+    optimizer = build_optimizer(model, config)
+    batch = collate([Example([5, 6, 7, 3], [2, 8, 9, 3], i) for i in range(4)],
+                    config.model.pad_id, 1)
+    return config, model, optimizer, batch
+
+
+def test_an_overflowing_gradient_skips_the_update_and_halves_the_scale():
+    config, model, optimizer, batch = tiny_step_parts("fp16")
+    scaler = train.new_scaler(torch.device("cpu"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    first = next(model.parameters())
+    hook = first.register_hook(lambda grad: torch.full_like(grad, math.inf))
+    result = train.train_step(model, None, optimizer, [batch], 1, config, Dist(), scaler=scaler)
+    hook.remove()
+    assert result.skipped and math.isfinite(result.loss) and not math.isfinite(result.grad_norm)
+    assert result.scale == scaler.get_scale() == 2.0**15  # 2^16 halved
+    assert_equal_weights(model.state_dict(), before, "a skipped step")
+    assert not optimizer.state  # Adam took no step: its moments were never made
+    # The next step's gradients are finite: it updates, and the scale stays.
+    result = train.train_step(model, None, optimizer, [batch], 1, config, Dist(), scaler=scaler)
+    assert not result.skipped and math.isfinite(result.grad_norm)
+    assert result.scale == 2.0**15
+    assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_the_scaler_unscales_what_it_scaled():
+    """fp16's update is the update of the unscaled gradients: the norm the step reports is
+    that of the loss without the scale (close to fp32's, float16's rounding apart)."""
+    norms = {}
+    for precision in ("fp32", "fp16"):
+        config, model, optimizer, batch = tiny_step_parts(precision)
+        scaler = train.new_scaler(torch.device("cpu")) if precision == "fp16" else None
+        norms[precision] = train.train_step(model, None, optimizer, [batch], 1, config, Dist(),
+                                            scaler=scaler).grad_norm
+    assert norms["fp16"] == pytest.approx(norms["fp32"], rel=2e-2)
+
+
+
+
+@pytest.mark.slow
+def test_fp16_runs_log_their_skips_and_resume_exactly(data_dir, tmp_path, monkeypatch):
+    """A scale that starts far too high (2^40) overflows the first steps: each is skipped
+    without counting as a step (the schedule stays), metrics.jsonl logs the scale and the
+    skips, and a run interrupted after a save ends on the uninterrupted run's weights, scale
+    and skip count, bit for bit."""
+    monkeypatch.setattr(train, "new_scaler", lambda device: torch.amp.GradScaler(
+        device.type, init_scale=2.0**40, growth_interval=3))
+    n = 6
+    common = ["--config", TINY, "--data", str(data_dir), "--set", "train.precision=fp16",
+              *sets(eval_every=100, save_every=n, log_every=1, warmup_steps=4)]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run_train(*common, "--out", str(straight), *sets(max_steps=2 * n))
+    logged = records(straight, "train")
+    assert [r["step"] for r in logged] == list(range(1, 2 * n + 1))  # skips are not steps
+    assert logged[0]["skipped_steps"] >= 1 and logged[0]["loss_scale"] < 2.0**40
+    assert logged[-1]["skipped_steps"] >= logged[0]["skipped_steps"]
+    assert all(math.isfinite(r["loss"]) for r in logged)
+    run_train(*common, "--out", str(split), *sets(max_steps=n))
+    run_train("--resume", str(split), *sets(max_steps=2 * n))
+    assert_equal_weights(weights(split), weights(straight))
+    a, b = (load_train_state(r / "train_state.pt") for r in (straight, split))
+    assert a["scaler"] == b["scaler"] and a["skipped"] == b["skipped"] >= 1
+    assert a["choices"]["precision"] == "fp16"
+    resumed = records(split, "train")
+    assert [r["loss_scale"] for r in resumed] == [r["loss_scale"] for r in logged]

@@ -56,8 +56,10 @@ def eval_subset(n: int, k: int) -> list[int]:
 def dev_loss(model: Transformer, examples: list, config: Config, device: torch.device,
              kernel: OutputKernel | None = None) -> tuple[float, float]:
     """(label-smoothed loss, plain NLL) per real target token, teacher forcing, the output
-    layer's product by ``kernel`` (``Transformer.forward``); the batches run on parallel
-    streams of one thread each (``aiayn.util.threads``) and are summed in order."""
+    layer's product by ``kernel`` (``Transformer.forward``), under bf16 autocast where the
+    run trains in bf16 (fp16 runs score in fp32, as `aiayn evaluate` does by default); the
+    batches run on parallel streams of one thread each (``aiayn.util.threads``) and are
+    summed in order."""
     t, m = config.train, config.model
 
     @torch.no_grad()
@@ -134,7 +136,7 @@ def split_loss(model: Transformer, prepared, split: str, limit: int, config: Con
     label smoothing, in bf16 only when ``bf16``; so `aiayn evaluate --split dev` of the
     weights a validation saw gives the figure it logged."""
     examples = list(islice(prepared.encoded(split, model.cfg.max_len, "truncate"), limit))
-    config = replace(config, train=replace(config.train, bf16="true" if bf16 else "false"))
+    config = replace(config, train=replace(config.train, precision="bf16" if bf16 else "fp32"))
     return dev_loss(model, examples, config, device, kernel)
 
 

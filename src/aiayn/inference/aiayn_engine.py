@@ -43,7 +43,7 @@ class AiaynEngine(Engine):
     def __init__(self, model: Transformer, device: str | torch.device | None = None,
                  bf16: bool = False, streams: int | None = None, threads_per_stream: int = 1,
                  kernel: OutputKernel | None = None):
-        """``bf16``: decode under bfloat16 autocast (as training validates under train.bf16).
+        """``bf16``: decode under bfloat16 autocast (as training validates under train.precision bf16).
         ``streams``: batches decoded at once (None: ``default_streams``, as many as torch
         has threads when decoding starts); ``threads_per_stream`` > 1 only to measure the
         barriers that one thread avoids. ``kernel``: the output layer's product

@@ -80,7 +80,9 @@ class DecoderState:
         self.memory, self.src_pad = memory, src_pad
         self.cache = model.new_cache() if use_cache else None
         self.ids, self._never = _columns(model)
-        self.rows = model.generator.allowed_rows()  # once per search: the weights are fixed
+        dtype = torch.get_autocast_dtype(src.device.type)  # cast once, not at every step
+        self.rows = model.generator.allowed_rows(  # once per search: the weights are fixed
+            dtype if torch.is_autocast_enabled(src.device.type) else None)
 
     def next_logits(self, tokens: Tensor, history: np.ndarray | None = None) -> Tensor:
         """(N, t) prefixes starting with BOS -> (N, V') float logits of the next token over

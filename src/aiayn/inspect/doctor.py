@@ -479,19 +479,21 @@ class _Doctor:
         model = Transformer(self.config.model)
         load_state(model, self.tensors[path], str(path))
         t = self.config.train
-        # The dev loss runs under the run's bf16 autocast. "auto" chose per machine, and the
-        # run may have trained on another: fp32 first, then bf16 when fp32 does not match.
-        precisions = {"true": ["true"], "false": ["false"]}.get(t.bf16, ["false", "true"])
+        # The dev loss runs under the run's bf16 autocast (fp16 runs validate in fp32). "auto"
+        # chose per machine, and the run may have trained on another: fp32 first, then bf16
+        # when fp32 does not match.
+        precisions = {"fp32": ["fp32"], "bf16": ["bf16"], "fp16": ["fp32"]}.get(
+            t.precision, ["fp32", "bf16"])
         config = replace(self.config, train=replace(
-            t, bf16=precisions[0],
+            t, precision=precisions[0],
             eval_max_sentences=int(logged.get("n_sentences", t.eval_max_sentences))),
             data=replace(self.config.data, bleu_tokenize=tokenize))
         cpu = torch.device("cpu")
         fresh = validate(model, self.tokenizers, dev, dev_pairs, config, cpu, full=False)
         if "dev_loss" in logged and not math.isclose(logged["dev_loss"], fresh["dev_loss"],
                                                      **LOSS_TOLERANCE):
-            for bf16 in precisions[1:]:
-                other = replace(config, train=replace(config.train, bf16=bf16))
+            for precision in precisions[1:]:
+                other = replace(config, train=replace(config.train, precision=precision))
                 loss = dev_loss(model.eval(), dev, other, cpu)[0]
                 if math.isclose(logged["dev_loss"], loss, **LOSS_TOLERANCE):
                     fresh["dev_loss"] = loss

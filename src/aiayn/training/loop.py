@@ -78,7 +78,13 @@ from aiayn.training.distributed import (
     wrap_for_training,
 )
 from aiayn.training.early_stopping import BestTracker
-from aiayn.training.optim import build_optimizer, schedule_lr, set_learning_rate
+from aiayn.training.optim import (
+    MIN_LOSS_SCALE,
+    build_optimizer,
+    new_scaler,
+    schedule_lr,
+    set_learning_rate,
+)
 from aiayn.training.plan import BudgetPlan
 from aiayn.training.stream import (
     BatchStream,
@@ -87,7 +93,7 @@ from aiayn.training.stream import (
     resolve_config,
     restrict_outputs,
 )
-from aiayn.util.device import machine_kind, resolve_bf16
+from aiayn.util.device import autocast_dtype, machine_kind, resolve_precision
 from aiayn.util.io import check_room
 from aiayn.util.lock import locked
 from aiayn.util.progress import log
@@ -101,6 +107,8 @@ class StepResult:
     n_tokens: int  # real target tokens in the update, over all ranks
     grad_norm: float
     lr: float
+    skipped: bool = False  # fp16: the scaled gradients overflowed; no update, scale lowered
+    scale: float | None = None  # fp16: the gradient scaler's scale after this step
 
 
 def train_step(
@@ -114,20 +122,26 @@ def train_step(
     elapsed_s: float = 0.0,
     prefetch: Callable[[], object] | None = None,
     kernel: OutputKernel | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> StepResult:
     """One Adam update over ``micro_batches`` (gradient accumulation), normalised by the
     global count of real target tokens. Does not update the weights when the loss or the
     gradient is not finite (the caller stops the run). ``prefetch`` is called once the
     backward passes are queued, before the first wait for the device (the next batch is
     collated while a GPU computes this one). ``kernel``: the output layer's product
-    (aiayn.inference.kernels; None: F.linear)."""
+    (aiayn.inference.kernels; None: F.linear). ``scaler``: train.precision fp16's gradient
+    scaler (``new_scaler``): the loss is scaled before backward and the gradients unscaled
+    before clipping; gradients that overflowed (a finite loss, a non-finite norm) skip the
+    update (``StepResult.skipped``) and lower the scale, as ``GradScaler.step`` does."""
     t = config.train
     local_tokens = sum(b.n_tokens for b in micro_batches)
     n_tokens = local_tokens if not world.enabled else int(all_reduce_sum(
         torch.tensor([float(local_tokens)], device=world.device), world).item())
     # DDP averages gradients over ranks; * world_size turns that average into a sum.
     scale = world.world_size / n_tokens
-    autocast = torch.autocast(world.device.type, dtype=torch.bfloat16, enabled=t.use_bf16)
+    dtype = autocast_dtype(t.precision)
+    autocast = torch.autocast(world.device.type, dtype=dtype or torch.bfloat16,
+                              enabled=dtype is not None)
     loss_sum = torch.zeros((), device=world.device)
     for i, batch in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
@@ -135,20 +149,28 @@ def train_step(
         with sync:
             with autocast:  # the loss itself is computed in fp32
                 loss = model(batch.src, batch.tgt_in, batch.tgt_out, t.label_smoothing, kernel)
-            (loss * scale).backward()
+            part = loss * scale
+            (scaler.scale(part) if scaler is not None else part).backward()
         loss_sum += loss.detach()
     if prefetch is not None:
         prefetch()
     loss_per_token = all_reduce_sum(loss_sum, world).item() / n_tokens
+    if scaler is not None:
+        scaler.unscale_(optimizer)
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = t.clip_norm if t.clip_norm > 0 else float("inf")
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
     lr = schedule_lr(step, config, elapsed_s)
     if math.isfinite(loss_per_token) and math.isfinite(grad_norm):
         set_learning_rate(optimizer, lr)
-        optimizer.step()
+        optimizer.step()  # the gradients are unscaled and finite: GradScaler.step's update
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_per_token, n_tokens, grad_norm, lr)
+    if scaler is None:
+        return StepResult(loss_per_token, n_tokens, grad_norm, lr)
+    scaler.update()  # halves the scale after an overflow (unscale_ recorded it), else grows it
+    skipped = math.isfinite(loss_per_token) and not math.isfinite(grad_norm)
+    return StepResult(loss_per_token, n_tokens, grad_norm, lr, skipped, scaler.get_scale())
+
 
 
 # ---------------------------------------------------------------- the run
@@ -161,6 +183,7 @@ class Progress:
     elapsed_s: float = 0.0  # training wall time over all sessions of this run
     tokens: int = 0  # real target tokens trained on, over all ranks and sessions
     saved_step: int = 0
+    skipped: int = 0  # fp16: updates skipped for overflowing gradients, over all sessions
 
 
 def train(
@@ -231,21 +254,24 @@ class Trainer:
         self.data_dir = start.data_dir
         set_seed(start.config.train.seed)  # every rank builds the same initial weights
         self.data = load_data(start.data_dir, start.config, world, self.log)
-        # What config.yaml holds: the vocabulary sizes of the data, train.bf16 as set ("auto"
-        # stays "auto", so a resume on another machine chooses again).
+        # What config.yaml holds: the vocabulary sizes of the data, train.precision as set
+        # ("auto" stays "auto", so a resume on another machine chooses again).
         stored = resolve_config(start.config, self.data.tokenizers, start.data_dir)
         saved = load_train_state(run_dir / "train_state.pt") if start.continues else None
-        # Timing probes choose bf16 ("auto") and the output layer's kernel; a resume on the
-        # same kind of machine keeps the run's choices (a probe can come out otherwise in
-        # another process: a busy machine, two close timings), and every rank takes rank 0's.
+        # Timing probes choose the precision ("auto") and the output layer's kernel; a resume
+        # on the same kind of machine keeps the run's choices (a probe can come out otherwise
+        # in another process: a busy machine, two close timings), and every rank takes rank 0's.
         kept = kept_choices(saved, world.device)
-        if stored.train.bf16 == "auto" and "bf16" in kept:
-            self.bf16, why_bf16 = kept["bf16"], "auto: kept from the run's start on this machine"
+        if stored.train.precision == "auto" and "precision" in kept:
+            self.precision = kept["precision"]
+            why_precision = "auto: kept from the run's start on this machine"
         else:
-            self.bf16, why_bf16 = resolve_bf16(stored.train.bf16, world.device)
-        self.bf16, why_bf16 = gather_objects((self.bf16, why_bf16), world)[0]
-        # What runs: the same with bf16 chosen for this device (TrainConfig.use_bf16).
-        self.config = replace(stored, train=replace(stored.train, bf16=str(self.bf16).lower()))
+            self.precision, why_precision = resolve_precision(stored.train.precision,
+                                                              world.device)
+        self.precision, why_precision = gather_objects((self.precision, why_precision), world)[0]
+        # What runs: the same with the precision chosen for this device (TrainConfig.use_bf16).
+        self.config = replace(stored, train=replace(stored.train, precision=self.precision))
+        self.scaler = new_scaler(world.device) if self.precision == "fp16" else None
         t = self.config.train
         self.threads = ThreadTuner(t.cpu_threads or torch.get_num_threads(),
                                    adaptive=t.cpu_threads == 0 and world.device.type == "cpu")
@@ -257,17 +283,17 @@ class Trainer:
             restrict_outputs(self.model, self.data.train, self.log)
         self.optimizer = build_optimizer(self.model, self.config)
         self.stream = BatchStream(self.data, self.config.model.pad_id, world.device,
-                                  t.max_epochs, length_multiple(self.bf16))
+                                  t.max_epochs, length_multiple(self.precision != "fp32"))
         self.prefetch = collates_ahead(world.device)
         self.progress = Progress(best=BestTracker(t.best_metric, t.patience))
         rng = self.restore(saved) if saved is not None else None
-        if "output_kernel" in kept and kept.get("bf16") == self.bf16:
+        if "output_kernel" in kept and kept.get("precision") == self.precision:
             kernel = output_kernel(kept["output_kernel"])
             why_output = (f"output layer: {output_kernel_name(kernel)} (kept from the run's "
                           "start on this machine)")
         else:
             kernel, why_output = choose_output_kernel(self.model.generator, t.max_tokens,
-                                                      enabled=not self.bf16)
+                                                      enabled=self.precision == "fp32")
         chosen, why_output = gather_objects((output_kernel_name(kernel), why_output), world)[0]
         self.kernel = output_kernel(chosen)  # the output layer's product: rank 0's choice
         kept_ahead = sum(s > self.progress.step for s in t.keep_steps)
@@ -287,8 +313,8 @@ class Trainer:
         self.log(f"model: {self.model.num_parameters() / 1e6:.2f}M parameters, d_model "
                  f"{m.d_model}, {m.n_encoder_layers}+{m.n_decoder_layers} layers, vocab "
                  f"{m.src_vocab_size}/{m.tgt_vocab_size}; device {world.device}, "
-                 f"{world.world_size} rank(s), compile {t.compile}; bf16 {self.bf16} "
-                 f"({why_bf16}); {torch.get_num_threads()} CPU thread(s)"
+                 f"{world.world_size} rank(s), compile {t.compile}; precision {self.precision} "
+                 f"({why_precision}); {torch.get_num_threads()} CPU thread(s)"
                  f"{' (adaptive)' if self.threads.enabled else ''}; schedule {t.schedule}; "
                  f"{why_output}")
         self.metrics = MetricsLog(run_dir, world.is_main, self.progress.step if resume else None)
@@ -326,8 +352,14 @@ class Trainer:
                 result = train_step(self.train_model, self.ddp, self.optimizer, micro,
                                     progress.step + 1, self.config, self.world, progress.elapsed_s,
                                     prefetch=stream.prefetch if self.prefetch else None,
-                                    kernel=self.kernel)
+                                    kernel=self.kernel, scaler=self.scaler)
                 self.threads.observe(time.perf_counter() - step_start, result.n_tokens)
+                if result.skipped and result.scale >= MIN_LOSS_SCALE:
+                    # fp16 overflow: no update, so the step (and the schedule, a function of
+                    # it) stays; the batch is spent, as in fairseq.
+                    progress.skipped += 1
+                    bar.set_postfix(self.postfix(result, tokens_per_s=0.0), refresh=False)
+                    continue
                 if not (math.isfinite(result.loss) and math.isfinite(result.grad_norm)):
                     raise AiaynError(non_finite_message(result, progress, self.run_dir, self.config))
                 progress.step += 1
@@ -339,9 +371,7 @@ class Trainer:
                 window_tokens += result.n_tokens
                 tokens_per_s = window_tokens / max(time.perf_counter() - window_start, 1e-9)
                 bar.update(1)
-                bar.set_postfix(loss=f"{result.loss:.3f}", lr=f"{result.lr:.2e}",
-                                tok_s=f"{tokens_per_s:,.0f}", epoch=stream.epoch,
-                                best=progress.best.short(), refresh=False)
+                bar.set_postfix(self.postfix(result, tokens_per_s), refresh=False)
                 if progress.step % t.log_every == 0:
                     self.metrics.write({
                         "kind": "train", "step": progress.step, "epoch": stream.epoch,
@@ -349,7 +379,7 @@ class Trainer:
                         "tokens_per_s": tokens_per_s, "elapsed_s": progress.elapsed_s,
                         "tokens": progress.tokens, "grad_norm": result.grad_norm,
                         "threads": torch.get_num_threads(),
-                        "tuner_excess_s": self.threads.trial_excess_s})
+                        "tuner_excess_s": self.threads.trial_excess_s, **self.scaler_fields()})
                     window_loss = window_tokens = 0.0
                     window_start = time.perf_counter()
                 # The budget is the run's: all sessions (a resume continues it), as the
@@ -387,6 +417,21 @@ class Trainer:
         return {**(last_eval or {}), "step": progress.step, "epoch": stream.epoch,
                 "stop_reason": stop_reason, **progress.best.record_fields(),
                 "elapsed_s": progress.elapsed_s}
+
+    def postfix(self, result: StepResult, tokens_per_s: float) -> dict[str, str]:
+        """The progress line's figures; in fp16 the scale and the updates skipped too."""
+        shown = {"loss": f"{result.loss:.3f}", "lr": f"{result.lr:.2e}",
+                 "tok_s": f"{tokens_per_s:,.0f}", "epoch": str(self.stream.epoch),
+                 "best": self.progress.best.short()}
+        if self.scaler is not None:
+            shown.update(scale=f"{result.scale:g}", skipped=str(self.progress.skipped))
+        return shown
+
+    def scaler_fields(self) -> dict[str, Any]:
+        """metrics.jsonl's train record in fp16: the scale and the updates skipped so far."""
+        if self.scaler is None:
+            return {}
+        return {"loss_scale": self.scaler.get_scale(), "skipped_steps": self.progress.skipped}
 
     def run_validation(self, full: bool) -> dict | None:
         """Rank 0 validates (aiayn.evaluation.evaluate.validate; the others wait), logs, prints
@@ -502,9 +547,12 @@ class Trainer:
             "best": progress.best.state_dict(),
             "elapsed_s": progress.elapsed_s,
             "tokens": progress.tokens,
-            "choices": {"machine": machine_kind(world.device), "bf16": self.bf16,
+            "choices": {"machine": machine_kind(world.device), "precision": self.precision,
                         "output_kernel": output_kernel_name(self.kernel)},
+            "skipped": progress.skipped,
         }
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
         save_train_state(state, run_dir / "train_state.pt")
 
     def restore(self, state: dict) -> dict:
@@ -544,7 +592,10 @@ class Trainer:
                      f"{saved_best.get('metric')!r}); the best weights are chosen afresh")
         self.progress = Progress(step=int(state["step"]), best=best,
                                  elapsed_s=float(state["elapsed_s"]),
-                                 tokens=int(state.get("tokens", 0)), saved_step=int(state["step"]))
+                                 tokens=int(state.get("tokens", 0)), saved_step=int(state["step"]),
+                                 skipped=int(state.get("skipped", 0)))
+        if self.scaler is not None and state.get("scaler"):  # else a fresh scale (fp16 now)
+            self.scaler.load_state_dict(state["scaler"])
         if best.should_stop:  # it had stopped for patience: refuse, before anything is written
             raise AiaynError(f"{run_dir} stopped early at step {self.progress.step} "
                              f"({best.stop_reason()}; best {best.describe()}); to train on, "
@@ -555,12 +606,15 @@ class Trainer:
 
 
 def kept_choices(state: dict | None, device: torch.device) -> dict[str, Any]:
-    """The probes' choices a train state recorded ("bf16", "output_kernel"), when it was
-    written on this kind of machine (aiayn.util.device.machine_kind); otherwise none."""
-    choices = (state or {}).get("choices") or {}
+    """The probes' choices a train state recorded ("precision", "output_kernel"), when it
+    was written on this kind of machine (aiayn.util.device.machine_kind); otherwise none.
+    A train state written before train.precision holds "bf16" (a bool) instead."""
+    choices = dict((state or {}).get("choices") or {})
     if choices.get("machine") != machine_kind(device):
         return {}
-    return {key: choices[key] for key in ("bf16", "output_kernel") if key in choices}
+    if "bf16" in choices and "precision" not in choices:
+        choices["precision"] = "bf16" if choices["bf16"] else "fp32"
+    return {key: choices[key] for key in ("precision", "output_kernel") if key in choices}
 
 
 def non_finite_message(result: StepResult, progress: Progress, run_dir: Path,

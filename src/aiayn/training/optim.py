@@ -1,5 +1,6 @@
-"""Optimisation: Adam and the learning-rate schedule (paper, 5.3); the label-smoothed loss
-(5.4) is ``aiayn.loss.label_smoothed_loss``, beside the model that computes it.
+"""Optimisation: Adam and the learning-rate schedule (paper, 5.3), and fp16's gradient
+scaler (``new_scaler``); the label-smoothed loss (5.4) is ``aiayn.loss.label_smoothed_loss``,
+beside the model that computes it.
 
 The training loop asks :func:`schedule_lr` for the learning rate of every update: a pure
 function of the step and the config (and, for a ``linear`` schedule under a time budget, of
@@ -78,3 +79,14 @@ def build_optimizer(model: nn.Module, config: Config) -> torch.optim.Adam:
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+# fp16's gradient scale below which the run stops as for a non-finite loss: the gradients
+# overflow whatever the scale (fairseq's --min-loss-scale, 1e-4, stops there too).
+MIN_LOSS_SCALE = 1e-4
+
+
+def new_scaler(device: torch.device) -> torch.amp.GradScaler:
+    """train.precision fp16's gradient scaler: PyTorch's defaults (scale 2^16, halved after
+    an overflow, doubled after 2,000 steps without one); the loop's ``train_step`` uses it."""
+    return torch.amp.GradScaler(device.type)

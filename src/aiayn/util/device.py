@@ -1,6 +1,6 @@
 """The device a command runs on and its precision: ``--device auto|cpu|cuda|mps``, the
-bf16 choice (measured, never assumed from the CPU's name), the machine's memory and CPU
-model.
+precision choice (bf16 on a CPU measured, never assumed from its name; fp16 on a GPU
+without bf16), the machine's memory and CPU model.
 """
 
 from __future__ import annotations
@@ -111,24 +111,40 @@ def matmul_seconds(dtype: torch.dtype, size: tuple[int, int, int] = (128, 512, 5
     return best
 
 
-def resolve_bf16(setting: str, device: torch.device) -> tuple[bool, str]:
-    """``train.bf16``: "true"/"false" force it; "auto" takes bfloat16 autocast where this
-    device runs it fast (a GPU that supports it; a CPU whose bf16 matmul beats fp32 in a
-    probe). Returns the choice and why, for the log."""
+def resolve_precision(setting: str, device: torch.device) -> tuple[str, str]:
+    """``train.precision``: "fp32", "bf16" and "fp16" force it; "auto" takes bfloat16
+    autocast where this device runs it fast (a GPU that supports it; a CPU whose bf16 matmul
+    beats fp32 in a probe), float16 with a gradient scaler on a GPU without bf16 (a T4, V100,
+    P100: fp16 tensor cores), else fp32 (a CPU without fast bf16; MPS). Returns the choice
+    and why, for the log."""
     if setting != "auto":
-        return setting == "true", f"train.bf16={setting}"
+        return setting, f"train.precision={setting}"
     if device.type == "cuda":
-        ok = torch.cuda.is_bf16_supported()
-        return ok, f"auto: this GPU {'supports' if ok else 'does not support'} bfloat16"
+        if torch.cuda.is_bf16_supported():
+            return "bf16", "auto: this GPU supports bfloat16"
+        return "fp16", "auto: this GPU has no bfloat16, so float16 with a gradient scaler"
     if device.type == "mps":  # its bf16 autocast is partial across macOS versions
-        return False, "auto: fp32 on MPS"
+        return "fp32", "auto: fp32 on MPS"
     # On one thread: what the probe compares is the core's arithmetic, and two threads would
     # time the barrier of a busy core instead (fp32 8.0 ms against 0.2 ms quiet, seen here).
     fp32, bf16 = on_one_thread(lambda: (matmul_seconds(torch.float32),
                                         matmul_seconds(torch.bfloat16)))
-    use = prefer_bf16(fp32, bf16)
+    use = "bf16" if prefer_bf16(fp32, bf16) else "fp32"
     return use, (f"auto: a probe matmul took {fp32 * 1e3:.1f} ms in fp32 and {bf16 * 1e3:.1f} ms "
                  f"in bf16 on this CPU ({torch.backends.cpu.get_cpu_capability()})")
+
+
+def resolve_bf16(setting: str, device: torch.device) -> tuple[bool, str]:
+    """The older question, whether to train in bf16 (``train.bf16``: "true" / "false" /
+    "auto"): ``resolve_precision`` of the precision it stands for, answered as a bool."""
+    precision = {"true": "bf16", "false": "fp32"}.get(setting, setting)
+    use, why = resolve_precision(precision, device)
+    return use == "bf16", why.replace(f"train.precision={precision}", f"train.bf16={setting}")
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    """The autocast dtype of a resolved precision (None: fp32, no autocast)."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
 
 
 def machine_kind(device: torch.device) -> str:
