@@ -78,7 +78,7 @@ def test_the_page_translates_and_draws_the_attention_in_chromium(server, transla
         assert driver.find_element(By.ID, "error").text == ""
         assert driver.find_element(By.ID, "source").get_attribute("value") == placeholder
         assert driver.find_element(By.ID, "translation").text == \
-            translator.translate([placeholder], beam=4)[0]
+            translator.translate([placeholder], translator.resolve(beam=4))[0]
         assert driver.find_element(By.ID, "next-target").text != ""
         assert driver.find_elements(By.CSS_SELECTOR, "#layer option") and \
             driver.find_elements(By.CSS_SELECTOR, "#head option")
