@@ -372,6 +372,13 @@ def _add_translate(sub) -> None:
     p.add_argument("--alignments", action="store_true",
                    help="add a tab and the word alignment to each line: 'i-j' pairs "
                    "(Pharaoh format) from the cross-attention of decode.alignment_layer")
+    p.add_argument("--scores", action="store_true",
+                   help="one JSON object per line: the translation, its score (what the "
+                   "search ranked it by), log_prob, and each piece with its log-probability "
+                   "(with --nbest N: {\"nbest\": [...]})")
+    p.add_argument("--prefix", action="store_true",
+                   help="each input line is SENTENCE<TAB>PREFIX: the translation starts with "
+                   "PREFIX and the search completes it (a line without a tab: no prefix)")
     p.add_argument("-i", "--input", help="input file (default: stdin)")
     p.add_argument("-o", "--output", help="output file (default: stdout)")
     p.add_argument("--interactive", action="store_true", help="answer each line of stdin as "
@@ -407,7 +414,8 @@ def _run_translate(args) -> int:
     _say_seed(args, search.sampling)
     lines = _stdin_lines() if interactive else _read_lines(args.input)
     chunks = translator.translate_lines(lines, chunk=1 if interactive else 2000,
-                                        alignments=args.alignments, search=search)
+                                        alignments=args.alignments, search=search,
+                                        scores=args.scores, prefixes=args.prefix)
     if args.output is None:
         _write(chunks, sys.stdout)
         return 0

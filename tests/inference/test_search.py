@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 import torch
-from torch import nn
+from search_helpers import random_sources, sequence_log_probs, tiny_model
 
 from aiayn.config import ModelConfig
 from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
@@ -20,55 +20,6 @@ from aiayn.inference.search import (
 )
 from aiayn.inference.steps import NEVER_GENERATED, length_penalty, output_limits
 from aiayn.model import Transformer
-
-
-def tiny_model(vocab: int = 24, eos_bias: float = 4.0, sharpness: float = 3.0,
-               max_len: int = 32, seed: int = 0) -> Transformer:
-    """A random model in eval mode whose generator is sharpened and biased towards EOS, so
-    that sentences end at different lengths and the searches have real choices to make."""
-    torch.manual_seed(seed)
-    cfg = ModelConfig(src_vocab_size=vocab, tgt_vocab_size=vocab, d_model=16, n_heads=2,
-                      d_ff=32, n_encoder_layers=2, n_decoder_layers=2, dropout=0.0,
-                      max_len=max_len, tie_embeddings="none",
-                      embedding_init="xavier")  # the draws these tests were tuned on
-    model = Transformer(cfg).eval()
-    proj = nn.Linear(cfg.d_model, vocab, bias=True)
-    with torch.no_grad():
-        proj.weight.copy_(model.generator.proj.weight * sharpness)
-        proj.bias.zero_()
-        proj.bias[EOS_ID] = eos_bias
-    model.generator.proj = proj
-    return model
-
-
-def random_sources(lengths: list[int], vocab: int, seed: int = 1) -> torch.Tensor:
-    """Right-padded (B, S) source ids: random tokens, then EOS."""
-    g = torch.Generator().manual_seed(seed)
-    src = torch.full((len(lengths), max(lengths)), PAD_ID)
-    for i, n in enumerate(lengths):
-        src[i, : n - 1] = torch.randint(4, vocab, (n - 1,), generator=g)
-        src[i, n - 1] = EOS_ID
-    return src
-
-
-def sequence_log_probs(model: Transformer, src: torch.Tensor, hyps: list[list[int]],
-                       ended: list[bool]) -> torch.Tensor:
-    """log P(hyp | src) by one teacher-forced forward pass (no cache), with PAD and BOS
-    excluded from the distribution as the searches do; ``ended`` adds the final EOS."""
-    targets = [h + [EOS_ID] if e else h for h, e in zip(hyps, ended)]
-    T = max(len(t) for t in targets)
-    tgt_in = torch.full((len(targets), T), PAD_ID)
-    for i, t in enumerate(targets):
-        tgt_in[i, : len(t)] = torch.tensor([BOS_ID] + t[:-1])
-    with torch.no_grad():
-        logits = model(src.expand(len(targets), -1), tgt_in).float()
-    logits[..., list(NEVER_GENERATED)] = float("-inf")
-    log_probs = torch.log_softmax(logits, dim=-1)
-    totals = []
-    for i, t in enumerate(targets):
-        steps = log_probs[i, torch.arange(len(t)), torch.tensor(t)]
-        totals.append(steps.sum())
-    return torch.stack(totals)
 
 
 def exhaustive_search(model: Transformer, src: torch.Tensor, limit: int, alpha: float):
@@ -110,10 +61,10 @@ def test_wide_beam_is_exhaustive_search(alpha):
         src = random_sources([3], vocab=7, seed=seed)
         expected = exhaustive_search(model, src, limit=4, alpha=alpha)[:5]
         got = beam_search(model, src, beam=341, alpha=alpha, max_len_b=1, nbest=5)[0]
-        assert [ids for ids, _ in got] == [ids for ids, _ in expected]
-        assert [s for _, s in got] == pytest.approx([s for _, s in expected], abs=1e-5)
+        assert [h.ids for h in got] == [ids for ids, _ in expected]
+        assert [h.score for h in got] == pytest.approx([s for _, s in expected], abs=1e-5)
         narrow = beam_search(model, src, beam=5, alpha=alpha, max_len_b=1, nbest=5)[0]
-        narrow_beam_missed += [ids for ids, _ in narrow] != [ids for ids, _ in expected]
+        narrow_beam_missed += [h.ids for h in narrow] != [ids for ids, _ in expected]
     if alpha > 0:  # the comparison has teeth: a narrow beam does prune hypotheses here
         assert narrow_beam_missed > 0
 
@@ -125,14 +76,14 @@ def test_beam_scores_are_normalised_log_probs_of_the_returned_hypotheses():
     limits = output_limits(model, src.eq(PAD_ID), Search(max_len_b=6)).tolist()
     for i, hyps in enumerate(results):
         assert len(hyps) == 4
-        assert [s for _, s in hyps] == sorted((s for _, s in hyps), reverse=True)
-        assert len({tuple(ids) for ids, _ in hyps}) == 4
-        ids = [h for h, _ in hyps]
+        assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
+        assert len({tuple(h.ids) for h in hyps}) == 4
+        ids = [h.ids for h in hyps]
         ended = [len(h) < limits[i] for h in ids]  # shorter than the limit: ended by EOS
         log_p = sequence_log_probs(model, src[i : i + 1], ids, ended)
         lengths = torch.tensor([len(h) + e for h, e in zip(ids, ended)], dtype=torch.float)
         expected = log_p / length_penalty(lengths, 0.6)
-        assert [s for _, s in hyps] == pytest.approx(expected.tolist(), abs=1e-5)
+        assert [h.score for h in hyps] == pytest.approx(expected.tolist(), abs=1e-5)
 
 
 def test_beam_search_finds_hypotheses_at_least_as_good_as_greedy():
@@ -154,8 +105,8 @@ def test_batched_decoding_equals_one_by_one(beam):
     for i, n in enumerate(lengths):
         alone = src[i : i + 1, :n]  # no padding at all
         single = beam_search(model, alone, beam=beam, max_len_b=8, nbest=beam)[0]
-        assert [ids for ids, _ in batched[i]] == [ids for ids, _ in single]
-        assert [s for _, s in batched[i]] == pytest.approx([s for _, s in single], abs=1e-5)
+        assert [h.ids for h in batched[i]] == [h.ids for h in single]
+        assert [h.score for h in batched[i]] == pytest.approx([h.score for h in single], abs=1e-5)
         assert greedy_batched[i] == greedy_decode(model, alone, max_len_b=8)[0]
 
 
@@ -167,8 +118,8 @@ def test_cached_decoding_equals_recomputing_the_prefix():
     cached = beam_search(model, src, beam=3, max_len_b=8, nbest=3, use_cache=True)
     recomputed = beam_search(model, src, beam=3, max_len_b=8, nbest=3, use_cache=False)
     for c, r in zip(cached, recomputed):
-        assert [ids for ids, _ in c] == [ids for ids, _ in r]
-        assert [s for _, s in c] == pytest.approx([s for _, s in r], abs=1e-5)
+        assert [h.ids for h in c] == [h.ids for h in r]
+        assert [h.score for h in c] == pytest.approx([h.score for h in r], abs=1e-5)
 
 
 def test_incremental_logits_equal_a_full_forward_after_a_beam_reorder():
@@ -249,9 +200,9 @@ def test_sentences_joining_a_running_search_get_what_beam_search_gives_them_alon
     for i, n in enumerate(lengths):
         alone = beam_search(model, src[i : i + 1, :n], beam=beam, alpha=alpha, max_len_b=8,
                             nbest=beam)[0]
-        assert [ids for ids, _ in got[i]] == [ids for ids, _ in alone], i
-        assert [s for _, s in got[i]] == pytest.approx([s for _, s in alone], abs=1e-5)
-        outputs.extend(ids for ids, _ in got[i])
+        assert [h.ids for h in got[i]] == [h.ids for h in alone], i
+        assert [h.score for h in got[i]] == pytest.approx([h.score for h in alone], abs=1e-5)
+        outputs.extend(h.ids for h in got[i])
         if beam == 1:
             assert got[i][0].ids == greedy_decode(model, src[i : i + 1, :n], max_len_b=8)[0]
     if eos_bias == 4.0:  # a sentence whose best ends at once: EOS at the first step
@@ -271,7 +222,7 @@ def test_joining_sentences_stop_at_their_own_length_limit(beam):
     assert [len(got[i][0].ids) for i in range(4)] == [5, 8, 11, 6]
     for i, n in enumerate(lengths):
         alone = beam_search(model, src[i : i + 1, :n], beam=beam, max_len_b=3, nbest=beam)[0]
-        assert [ids for ids, _ in got[i]] == [ids for ids, _ in alone]
+        assert [h.ids for h in got[i]] == [h.ids for h in alone]
 
 
 def test_a_search_that_sentences_keep_joining_stays_as_long_as_its_oldest():
@@ -316,15 +267,15 @@ def test_sentences_taken_out_mid_search_leave_the_others_as_they_were_alone(beam
     for i in got:
         alone = beam_search(model, src[i : i + 1, : lengths[i]], beam=beam, alpha=0.6,
                             max_len_b=8, nbest=beam)[0]
-        assert [ids for ids, _ in got[i]] == [ids for ids, _ in alone]
-        assert [s for _, s in got[i]] == pytest.approx([s for _, s in alone], abs=1e-5)
+        assert [h.ids for h in got[i]] == [h.ids for h in alone]
+        assert [h.score for h in got[i]] == pytest.approx([h.score for h in alone], abs=1e-5)
     search.add([5], src[5:6, : lengths[5]])
     search.remove([5])
     assert not len(search) and not search.finished and search.step() == []
     search.add([5], src[5:6, : lengths[5]])  # the same key again, once it has left
     while not (done := search.step()):
         pass
-    assert [ids for ids, _ in done[0][1]] == [ids for ids, _ in beam_search(
+    assert [h.ids for h in done[0][1]] == [h.ids for h in beam_search(
         model, src[5:6, : lengths[5]], beam=beam, alpha=0.6, max_len_b=8, nbest=beam)[0]]
 
 

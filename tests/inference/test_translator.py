@@ -339,7 +339,7 @@ def test_translate_resolves_its_search_once_and_every_layer_gets_that_value(
         built.append(settings.resolve_search(*args, **kwargs))
         return built[-1]
 
-    def search(model, src, value, use_cache=True, kernel=None):
+    def search(model, src, value, use_cache=True, kernel=None, prefixes=None):
         received.append(value)
         return real(model, src, value, use_cache)
 
@@ -693,3 +693,67 @@ def test_translate_interactive_refuses_an_input_file(run_dir, capsys):
     assert cli.main(["translate", str(run_dir), "--interactive", "-i", "file.txt"]) == 2
     assert capsys.readouterr().err.strip() == \
         "aiayn: error: --interactive reads stdin line by line; drop -i/--input"
+
+
+# ---------------------------------------------------------------- scores and prefixes
+def test_every_translation_can_come_with_its_score_and_each_pieces_log_probability(translator):
+    sentences = ["red sun moon", "", "star tree"]
+    for search in (translator.resolve(beam=1), translator.resolve(beam=3, nbest=2)):
+        scored = translator.translate_scored(sentences, search)
+        assert scored[1] == [] and [len(s) for s in scored] == [search.nbest, 0, search.nbest]
+        best = [s[0].text if s else "" for s in scored]
+        assert best == translator.translate(sentences, search)
+        for t in scored[0] + scored[2]:
+            assert len(t.pieces) == len(t.log_probs) and t.pieces[-1] == "[EOS]"
+            assert t.log_prob == pytest.approx(sum(t.log_probs))
+            alpha = search.alpha
+            assert t.score == pytest.approx(t.log_prob / ((5 + len(t.pieces)) / 6) ** alpha)
+        nbest = translator.translate_nbest(sentences, search)
+        assert nbest == [[(t.text, t.score) for t in s] for s in scored]
+
+
+def test_a_translation_completes_the_prefix_it_is_given(translator):
+    sentences = ["red sun moon river", "star tree blue", "sun"]
+    greedy = translator.resolve(beam=1)
+    own = translator.translate(sentences, greedy)
+    for k in range(4):  # the first k words of its own translation: the same translation
+        prefixes = [" ".join(o.split()[:k]) for o in own]
+        assert translator.translate(sentences, greedy, prefixes=prefixes) == own
+    out = translator.translate(sentences, translator.resolve(beam=3),
+                               prefixes=["blue", None, "white star"])
+    assert out[0].startswith("blue ") and out[1] == own[1] and out[2].startswith("white star")
+    scored = translator.translate_scored(["red sun"], prefixes=["blue"])[0][0]
+    assert scored.pieces[0] == "▁blue" and scored.log_probs[0] < -1  # unlikely, and says so
+
+
+def test_a_prefix_the_model_cannot_write_is_one_line_naming_the_sentence(translator):
+    with pytest.raises(AiaynError, match=r"prefix of sentence 2 \('zzq'\) has pieces this "
+                                         r"model cannot write: '\[UNK\]'$"):
+        translator.translate(["red", "sun"], prefixes=["", "zzq"])
+    with pytest.raises(AiaynError, match=f"has 40 pieces; at most {translator.max_len - 2} fit"):
+        translator.translate(["red"], prefixes=[" ".join(["sun"] * 40)])
+    with pytest.raises(AiaynError, match="2 prefixes for 1 sentences"):
+        translator.translate(["red"], prefixes=["a", "b"])
+
+
+def test_cli_translate_scores_and_prefixes(run_dir, tmp_path, capsys, translator):
+    source = tmp_path / "in.tsv"
+    source.write_text("red sun\tblue\n\nstar tree\n", encoding="utf-8")
+    code, out, _ = run_cli(["translate", str(run_dir), "-i", str(source), "--prefix",
+                            "--scores", "--beam", "2"], capsys)
+    assert code == 0
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert rows[1] == {"translation": ""}
+    want = translator.translate_scored(["red sun", "star tree"], translator.resolve(beam=2),
+                                       prefixes=["blue", None])
+    for row, [t] in zip([rows[0], rows[2]], want, strict=True):
+        assert row["translation"] == t.text and row["pieces"] == t.pieces
+        assert row["score"] == pytest.approx(t.score, abs=1e-6)
+    assert rows[0]["translation"].startswith("blue")
+    code, out, _ = run_cli(["translate", str(run_dir), "-i", str(source), "--prefix",
+                            "--beam", "2"], capsys)
+    assert out.splitlines() == [t[0].text if t else "" for t in translator.translate_scored(
+        ["red sun", "", "star tree"], translator.resolve(beam=2), prefixes=["blue", "", ""])]
+    source.write_text("red\tzzq\n", encoding="utf-8")
+    code, _, err = run_cli(["translate", str(run_dir), "-i", str(source), "--prefix"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "prefix of sentence 1" in err

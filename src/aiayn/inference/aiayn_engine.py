@@ -18,11 +18,11 @@ from aiayn.inference.budget import (
     memory_bytes,
     stream_budget,
 )
-from aiayn.inference.engine import Engine
+from aiayn.inference.engine import Engine, pick
 from aiayn.inference.kernels import choose_output_kernel
 from aiayn.inference.search import decode_beam, decode_greedy
 from aiayn.inference.settings import Search
-from aiayn.inference.steps import Hypothesis
+from aiayn.inference.steps import Hypothesis, unwritable
 from aiayn.model import OutputKernel, Transformer
 from aiayn.util.device import parameter_device
 from aiayn.util.threads import default_streams, parallel_map
@@ -70,6 +70,10 @@ class AiaynEngine(Engine):
         config, model, tokenizers = load_run(run_dir, weights)
         return cls(model, device or "cpu", **options), tokenizers, config
 
+    def unwritable(self, ids: list[int]) -> list[int]:
+        """The output layer's own answer (``aiayn.inference.steps.unwritable``)."""
+        return unwritable(self.model, ids)
+
     def default_budget(self) -> int:
         return default_decode_tokens(self.model.cfg, self.device)
 
@@ -85,19 +89,19 @@ class AiaynEngine(Engine):
                                got=decode_tokens)
 
     @torch.no_grad()
-    def search(self, sources: list[list[int]], search: Search, greedy_ok: bool = False
-               ) -> list[list[Hypothesis]]:
+    def search(self, sources: list[list[int]], search: Search, greedy_ok: bool = False,
+               prefixes: list[list[int]] | None = None) -> list[list[Hypothesis]]:
         """On a stream's thread: grad mode and autocast are per thread, so both are set here."""
         src = pad(sources).to(self.device)
         autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16
                     else nullcontext())
         with autocast:
             if greedy_ok and search.greedy:
-                return [[Hypothesis(ids, 0.0)]
-                        for ids in decode_greedy(self.model, src, search, kernel=self.kernel)]
-            return decode_beam(self.model, src, search, kernel=self.kernel)
+                return [[Hypothesis(ids, 0.0)] for ids in decode_greedy(
+                    self.model, src, search, kernel=self.kernel, prefixes=prefixes)]
+            return decode_beam(self.model, src, search, kernel=self.kernel, prefixes=prefixes)
 
-    def decode(self, sources, search, decode_tokens, greedy_ok=False):
+    def decode(self, sources, search, decode_tokens, greedy_ok=False, prefixes=None):
         """Batches cut for the streams (``stream_budget``: a few sentences still fill each
         stream), decoded several at once (``parallel_map``)."""
         streams = self.streams or default_streams(self.device)
@@ -108,7 +112,7 @@ class AiaynEngine(Engine):
         def one(batch: list[int]) -> list[list[Hypothesis]]:
             rows = [sources[i] for i in batch]
             try:
-                return self.search(rows, search, greedy_ok)
+                return self.search(rows, search, greedy_ok, pick(prefixes, batch))
             except (RuntimeError, MemoryError) as exc:
                 if not is_out_of_memory(exc):
                     raise

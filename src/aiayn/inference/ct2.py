@@ -83,20 +83,26 @@ class CTranslate2Engine(Engine):
         if search.sampling is not None:
             raise SettingError(SAMPLING_REFUSED)
 
-    def search(self, sources: list[list[int]], search: Search, greedy_ok: bool = False
-               ) -> list[list[Hypothesis]]:
-        """``search.no_repeat_ngram`` is CTranslate2's ``no_repeat_ngram_size``."""
+    def search(self, sources: list[list[int]], search: Search, greedy_ok: bool = False,
+               prefixes: list[list[int]] | None = None) -> list[list[Hypothesis]]:
+        """``search.no_repeat_ngram`` is CTranslate2's ``no_repeat_ngram_size``, a prefix its
+        ``target_prefix``. Its score is CTranslate2's (no per-token log-probabilities)."""
         self.supports(search)
         src = self.tokenizers.src
         # CTranslate2 appends [EOS] itself (config add_source_eos), as aiayn's ids end in one.
         tokens = [[src.id_to_token(i) for i in ids[:-1]] for ids in sources]
         a, b = search.max_len_a, search.max_len_b
         limits = [max(1, min(math.floor(a * len(ids)) + b, self.max_len - 1)) for ids in sources]
+        target_prefix = None
+        if prefixes is not None:
+            tgt = self.tokenizers.tgt
+            target_prefix = [[tgt.id_to_token(i) for i in p] for p in prefixes]
+            limits = [max(limit, len(p)) for limit, p in zip(limits, prefixes, strict=True)]
         results = self.translator.translate_batch(
             tokens, beam_size=search.beam, num_hypotheses=search.nbest, length_penalty=search.alpha,
             no_repeat_ngram_size=search.no_repeat_ngram,
             max_decoding_length=max(limits), max_input_length=0, return_scores=True,
-            suppress_sequences=[[PAD], [BOS]])
+            suppress_sequences=[[PAD], [BOS]], target_prefix=target_prefix)
         return [[Hypothesis([self.tgt_ids[t] for t in hyp[:limit]], float(score))
                  for hyp, score in zip(result.hypotheses, result.scores, strict=True)]
                 for result, limit in zip(results, limits, strict=True)]

@@ -21,6 +21,7 @@ from typing import ClassVar
 import torch
 
 from aiayn.data.batching import token_batches
+from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from aiayn.errors import AiaynError, SettingError
 from aiayn.inference.budget import default_decode_tokens
 from aiayn.inference.settings import Search
@@ -53,6 +54,11 @@ class Engine(ABC):
         if not cls.own_model:
             raise AiaynError(f"{what} need aiayn's own model, not --engine {cls.name}")
 
+    def unwritable(self, ids: list[int]) -> list[int]:
+        """The target ids among ``ids`` a search never outputs, which a prefix may not hold:
+        PAD, BOS and EOS here (an engine that knows its output layer says more)."""
+        return [i for i in ids if i in (PAD_ID, BOS_ID, EOS_ID)]
+
     def default_budget(self) -> int:
         """The decoding budget (padded source tokens x beam) ``decode_tokens=None`` means."""
         return default_decode_tokens(None, torch.device("cpu"))
@@ -63,18 +69,25 @@ class Engine(ABC):
             raise SettingError("{decode_tokens} must be at least 1, got {got}", got=decode_tokens)
 
     @abstractmethod
-    def search(self, sources: list[list[int]], search: Search, greedy_ok: bool = False
-               ) -> list[list[Hypothesis]]:
+    def search(self, sources: list[list[int]], search: Search, greedy_ok: bool = False,
+               prefixes: list[list[int]] | None = None) -> list[list[Hypothesis]]:
         """One batch of source ids (tokens + EOS) -> per sentence up to ``search.nbest``
         hypotheses, best first. ``greedy_ok``: a greedy ``search`` may skip the scores
-        (reported as 0.0)."""
+        (reported as 0.0). ``prefixes``: per sentence the target ids its translation starts
+        with (no BOS; None: none)."""
 
     def decode(self, sources: list[list[int]], search: Search, decode_tokens: int,
-               greedy_ok: bool = False
+               greedy_ok: bool = False, prefixes: list[list[int]] | None = None
                ) -> tuple[list[list[int]], Iterable[list[list[Hypothesis]]]]:
         """Every source, in batches of at most ``decode_tokens`` padded source tokens x beam
         (``token_batches``): the batches (indices into ``sources``) and, lazily, each one's
         hypotheses. This default decodes the batches one after another."""
         batches = token_batches([len(s) for s in sources], decode_tokens, copies=search.beam)
-        return batches, (self.search([sources[i] for i in batch], search, greedy_ok)
+        return batches, (self.search([sources[i] for i in batch], search, greedy_ok,
+                                     pick(prefixes, batch))
                          for batch in batches)
+
+
+def pick(prefixes: list[list[int]] | None, batch: list[int]) -> list[list[int]] | None:
+    """The prefixes of a batch's sentences (None: none given)."""
+    return None if prefixes is None else [prefixes[i] for i in batch]

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -19,6 +19,7 @@ from aiayn.inference.steps import (
     Hypothesis,
     Rows,
     advance,
+    check_prefixes,
     choose,
     first_scores,
     output_limits,
@@ -70,18 +71,22 @@ class JoinableSearch:
         return len(self.rows.sentence)
 
     @torch.no_grad()
-    def add(self, keys: list[int], src: Tensor) -> None:
-        """Sentences ``src`` ((n, S) padded source ids), known by ``keys``, join the search."""
+    def add(self, keys: list[int], src: Tensor,
+            prefixes: Sequence[Sequence[int]] | None = None) -> None:
+        """Sentences ``src`` ((n, S) padded source ids), known by ``keys``, join the search;
+        ``prefixes``: the target tokens each starts with (``decode_beam``'s)."""
         if not keys:
             return
         if len(keys) != src.size(0) or set(keys) & set(self.finished):
             raise ValueError("add needs one new key per source row")
+        if prefixes is not None:
+            check_prefixes(self.model, prefixes)
         K = self.beam
         src_pad = self.state.join(src.to(self.scores.device), K)
         limits = output_limits(self.model, src_pad, self.search).cpu().numpy()
         self.rows.add(np.array(keys, dtype=np.int64), limits, K,
                       None if self.sampling is None else
-                      sample_keys(src, seed_of(self.sampling), K))
+                      sample_keys(src, seed_of(self.sampling), K), prefixes)
         scores = first_scores(len(keys), K, self.sampling, self.scores.device)
         self.scores = torch.cat([self.scores, scores])
         self.token = torch.cat([self.token, torch.full_like(scores, BOS_ID, dtype=torch.long)])
@@ -116,9 +121,11 @@ class JoinableSearch:
             return []
         rows, K = self.rows, self.beam
         step = rows.history.shape[1] + 1  # steps so far, counted from the oldest sentence
-        logits = self.state.next_logits(self.token.reshape(-1, 1), rows.history)
+        given = rows.given(step)
+        logits = self.state.next_logits(self.token.reshape(-1, 1), rows.history,
+                                        None if given is None else given.rows)
         self.scores, self.token, host = choose(step, logits, self.scores, self.state, rows,
-                                               self.sampling)
+                                               self.sampling, given)
         done = settle(rows, self.finished, host, step, self.alpha)
         answers = [(int(key), sorted(self.finished.pop(key), key=lambda h: -h.score)[:K])
                    for key in rows.sentence[done]]

@@ -30,10 +30,11 @@ from aiayn.inference.settings import Sampling
 
 # ---------------------------------------------------------------- the repetition guard
 def ban_repeated_ngrams(logits: Tensor, history: np.ndarray, n: int,
-                        to_column: Tensor | None = None) -> None:
+                        to_column: Tensor | None = None, skip: np.ndarray | None = None) -> None:
     """Set to -inf, in place, the (N, V') ``logits`` of every token that would complete an
     n-gram already in its row's ``history`` (N, t): the row's last n-1 tokens were followed
     by that token before. ``to_column``: token id -> column, for a restricted output layer.
+    ``skip``: (N,) bool, rows left as they are.
 
     Vectorised on the host, where the searches keep the histories: one comparison of every
     (n-1)-gram with the last (hypotheses are short). A joined row's history starts with
@@ -45,6 +46,8 @@ def ban_repeated_ngrams(logits: Tensor, history: np.ndarray, n: int,
     windows = np.lib.stride_tricks.sliding_window_view(history, n, axis=1)  # (N, t-n+1, n)
     last = history[:, t - n + 1:]  # (N, n-1): what the next token would follow
     rows, at = np.nonzero((windows[:, :, :n - 1] == last[:, None, :]).all(axis=2))
+    if skip is not None:
+        rows, at = rows[~skip[rows]], at[~skip[rows]]
     if rows.size == 0:
         return
     tokens = torch.from_numpy(windows[rows, at, n - 1]).to(logits.device)

@@ -32,6 +32,14 @@ exhaustive search (both are tests).
 
 Two options change what the searches may choose (both off by default): the repetition
 guard ``no_repeat_ngram`` and ``sampling`` in place of search (``aiayn.inference.sampling``).
+
+A sentence may come with a **target prefix** (``prefixes``: the tokens its translation
+starts with, e.g. what a person typed): for its first steps each of its rows takes the
+prefix's next token, scored by the model's log-probability of it (the guard does not
+apply to given tokens), and the search goes on from there by its own rules; its length
+limit is at least the prefix (one that reaches the limit is the whole output). Greedy search and sampling given the first k tokens
+of their own output give that output again; beam search given its 1-best's first k tokens
+may find a better-scoring ending, since its whole beam then follows that prefix.
 The settings arrive as one ``Search`` value (``aiayn.inference.settings``), resolved once by
 whoever called; a sentence joining a running search: ``aiayn.inference.joinable``. The
 steps both drive (the decoder's state, the candidates of a step, the host's rows) are
@@ -39,6 +47,8 @@ steps both drive (the decoder's state, the candidates of a step, the host's rows
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -53,6 +63,7 @@ from aiayn.inference.steps import (
     Hypothesis,
     Rows,
     advance,
+    check_prefixes,
     choose,
     first_scores,
     output_limits,
@@ -64,10 +75,12 @@ from aiayn.model import OutputKernel, Transformer
 
 @torch.no_grad()
 def decode_greedy(model: Transformer, src: Tensor, search: Search, use_cache: bool = True,
-                  kernel: OutputKernel | None = None) -> list[list[int]]:
+                  kernel: OutputKernel | None = None,
+                  prefixes: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
     """Batched greedy search with ``search``'s length limit and repetition guard (its beam,
     alpha and nbest are not read). src: (B, S) padded ids. Returns token ids without BOS/EOS.
     ``kernel``: the output layer's product (``aiayn.model.OutputKernel``; None: F.linear).
+    ``prefixes``: per sentence the target tokens it starts with (the module docstring).
 
     With ``use_cache=False`` the whole prefix is re-run through the decoder at every step,
     as the tutorials do; it gives the same tokens and exists to measure the cache's gain.
@@ -75,13 +88,20 @@ def decode_greedy(model: Transformer, src: Tensor, search: Search, use_cache: bo
     ``aiayn.inference.steps.Rows``).
     """
     B = src.size(0)
+    if prefixes is not None:
+        check_prefixes(model, prefixes)
     state = DecoderState(model, src, 1, use_cache, search.no_repeat_ngram, kernel)
-    rows = Rows(output_limits(model, state.src_pad, search), copies=1)
+    rows = Rows(output_limits(model, state.src_pad, search), copies=1, prefixes=prefixes)
     outputs: list[list[int]] = [[] for _ in range(B)]
     next_token = torch.full((B,), BOS_ID, dtype=torch.long, device=src.device)
     for step in range(1, rows.longest + 1 if B else 1):
-        logits = state.next_logits(rows.decoder_input(next_token, use_cache), rows.history)
+        given = rows.given(step)
+        logits = state.next_logits(rows.decoder_input(next_token, use_cache), rows.history,
+                                   None if given is None else given.rows)
         next_token = state.token_ids(logits.argmax(dim=-1))
+        if given is not None:
+            next_token = torch.where(torch.from_numpy(given.rows).to(src.device),
+                                     torch.from_numpy(given.tokens).to(src.device), next_token)
         chosen = next_token.cpu().numpy()  # the one transfer to the host of this step
         rows.grow(chosen)
         done = (chosen == EOS_ID) | rows.at_limit(step)
@@ -101,14 +121,15 @@ def decode_greedy(model: Transformer, src: Tensor, search: Search, use_cache: bo
 
 @torch.no_grad()
 def decode_beam(model: Transformer, src: Tensor, search: Search, use_cache: bool = True,
-                kernel: OutputKernel | None = None) -> list[list[Hypothesis]]:
+                kernel: OutputKernel | None = None,
+                prefixes: Sequence[Sequence[int]] | None = None) -> list[list[Hypothesis]]:
     """Batched beam search of ``search`` (see the module docstring for the exact rules);
     with ``search.sampling`` (seeded) it draws ``search.beam`` samples per sentence instead,
-    scored as the beam's. ``kernel``: the output layer's product (as ``decode_greedy``'s).
+    scored as the beam's. ``kernel`` and ``prefixes``: as ``decode_greedy``'s.
 
     src: (B, S) padded source ids. Returns, per sentence, up to ``search.nbest`` hypotheses
-    ``(token ids without BOS/EOS, score)``, best first; the score is the log-probability
-    divided by the GNMT length penalty.
+    (token ids without BOS/EOS, score, per-token log-probabilities: ``Hypothesis``), best
+    first; the score is the log-probability divided by the GNMT length penalty.
 
     The scores and choices stay on the model's device; once a step the few numbers the
     bookkeeping needs ((A, 2K) candidates, (A, K) survivors) are copied to the host in one
@@ -119,17 +140,21 @@ def decode_beam(model: Transformer, src: Tensor, search: Search, use_cache: bool
     """
     sampling, alpha, nbest = search.sampling, search.alpha, search.nbest
     B, K, device = src.size(0), search.beam, src.device
+    if prefixes is not None:
+        check_prefixes(model, prefixes)
     state = DecoderState(model, src, K, use_cache, search.no_repeat_ngram, kernel)
     rows = Rows(output_limits(model, state.src_pad[::K], search), copies=K,
-                keys=None if sampling is None else sample_keys(src, seed_of(sampling), K))
+                keys=None if sampling is None else sample_keys(src, seed_of(sampling), K),
+                prefixes=prefixes)
     scores = first_scores(B, K, sampling, device)
     token = torch.full((B, K), BOS_ID, dtype=torch.long, device=device)
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
 
     for step in range(1, rows.longest + 1 if B else 1):
+        given = rows.given(step)
         logits = state.next_logits(rows.decoder_input(token.reshape(-1), use_cache),
-                                   rows.history)
-        scores, token, host = choose(step, logits, scores, state, rows, sampling)
+                                   rows.history, None if given is None else given.rows)
+        scores, token, host = choose(step, logits, scores, state, rows, sampling, given)
         done = settle(rows, finished, host, step, alpha)
         keep = np.flatnonzero(~done)
         if keep.size == 0:

@@ -24,6 +24,7 @@ row's tokens so far, each sentence's limit, ``output_limits``, and the step it j
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -41,10 +42,19 @@ NEVER_GENERATED = (PAD_ID, BOS_ID)
 
 
 class Hypothesis(NamedTuple):
-    """One search result; a tuple, so ``ids, score = hypothesis`` works."""
+    """One search result."""
 
     ids: list[int]  # token ids, without BOS and EOS
     score: float  # log-probability / length penalty (greedy search reports 0.0)
+    # The log-probability of each token of ``ids`` and then of EOS (none after a hypothesis
+    # cut at its length limit); their sum over the length penalty is ``score``. Empty where
+    # the search gives none (greedy search, an engine without them).
+    log_probs: tuple[float, ...] = ()
+
+    @property
+    def log_prob(self) -> float:
+        """log P(ids + EOS | source): the sum of ``log_probs``."""
+        return float(sum(self.log_probs))
 
 
 def output_limits(model: Transformer, src_pad: Tensor, search: Search) -> Tensor:
@@ -84,12 +94,15 @@ class DecoderState:
         self.rows = model.generator.allowed_rows(  # once per search: the weights are fixed
             dtype if torch.is_autocast_enabled(src.device.type) else None)
 
-    def next_logits(self, tokens: Tensor, history: np.ndarray | None = None) -> Tensor:
+    def next_logits(self, tokens: Tensor, history: np.ndarray | None = None,
+                    given: np.ndarray | None = None) -> Tensor:
         """(N, t) prefixes starting with BOS -> (N, V') float logits of the next token over
         the pieces the output layer can score: the vocabulary, or with a restricted layer
         only its pieces (column j is token ``ids[j]``; see ``token_ids``). Searching those
         alone skips spreading every row over the whole vocabulary at each step.
-        ``history``: each row's tokens so far (host), for the repetition guard."""
+        ``history``: each row's tokens so far (host), for the repetition guard; ``given``:
+        (N,) rows whose next token is given (a target prefix, ``Forced``), which the guard
+        leaves alone: it rules what the search chooses, not what it is told."""
         step_input = tokens[:, -1:] if self.cache is not None else tokens
         hidden = self.model.decode(step_input, self.memory, self.src_pad, self.cache)
         logits = self.model.generator.output_logits(hidden[:, -1], self.rows, self.kernel).float()
@@ -97,12 +110,30 @@ class DecoderState:
         if self.no_repeat_ngram:
             generator = self.model.generator
             ban_repeated_ngrams(logits, history, self.no_repeat_ngram,
-                                generator.positions if generator.restricted else None)
+                                generator.positions if generator.restricted else None, given)
         return logits
 
     def token_ids(self, columns: Tensor) -> Tensor:
         """The token ids of columns of ``next_logits``."""
         return columns if self.ids is None else self.ids[columns]
+
+    def only_given(self, values: Tensor, given: Given | None, rest: float = float("-inf")
+                   ) -> Tensor:
+        """(N, V') ``values`` (logits or log-probabilities) with every column of a row
+        whose token is ``given`` set to ``rest`` except that token's, which keeps its value:
+        the search can only follow the prefix, and the prefix's tokens are scored as the
+        model scores them."""
+        if given is None:
+            return values
+        device = values.device
+        rows = torch.from_numpy(np.flatnonzero(given.rows)).to(device)
+        tokens = torch.from_numpy(given.tokens[given.rows]).to(device)
+        columns = tokens if self.ids is None else self.model.generator.positions[tokens]
+        kept = values[rows, columns]
+        values = values.clone()
+        values[rows] = rest
+        values[rows, columns] = kept
+        return values
 
     @classmethod
     def joinable(cls, model: Transformer, no_repeat_ngram: int = 0,
@@ -185,14 +216,17 @@ def first_scores(n: int, K: int, sampling: Sampling | None, device) -> Tensor:
 
 
 def draw(logits: Tensor, scores: Tensor, K: int, state: DecoderState, sampling: Sampling,
-         uniforms: np.ndarray) -> tuple[Tensor, Tensor, Candidates]:
+         uniforms: np.ndarray, given: Given | None = None) -> tuple[Tensor, Tensor, Candidates]:
     """One step of sampling, in the shape of ``expand``'s answer so that the searches'
     bookkeeping (``settle``, ``advance``) serves it unchanged: row k of a sentence draws
     its token (inverse CDF at ``uniforms[row]``) and stays row k; a row that draws EOS is
-    finished and stays dead (score -inf) until its sentence's other rows end too."""
+    finished and stays dead (score -inf) until its sentence's other rows end too. A row
+    whose token is ``given`` draws that one (its uniform is spent all the same, so that
+    the draws after a prefix are the draws without it)."""
     A = scores.size(0)
     log_probs = torch.log_softmax(logits, dim=-1)  # the model's: a sample's score
-    probs, order = sampling_distribution(logits, sampling)
+    probs, order = sampling_distribution(state.only_given(logits, given, rest=float("-inf")),
+                                         sampling)
     cdf = probs.cumsum(dim=-1)
     u = torch.from_numpy(uniforms).to(cdf.device, cdf.dtype)[:, None]
     pick = torch.searchsorted(cdf, (u * cdf[:, -1:]).contiguous(), right=True)
@@ -220,13 +254,13 @@ class Candidates(NamedTuple):
     token: np.ndarray
 
 
-def expand(logits: Tensor, scores: Tensor, K: int, state: DecoderState
-           ) -> tuple[Tensor, Tensor, Candidates]:
+def expand(logits: Tensor, scores: Tensor, K: int, state: DecoderState,
+           given: Given | None = None) -> tuple[Tensor, Tensor, Candidates]:
     """One step of beam search on the device: (A*K, V') logits (``next_logits``) and (A, K)
     live scores -> the survivors' (A, K) scores and tokens, and the step's choices copied
-    to the host."""
+    to the host. Rows whose token is ``given`` can only take it."""
     A = scores.size(0)
-    log_probs = torch.log_softmax(logits, dim=-1)  # (A*K, V')
+    log_probs = state.only_given(torch.log_softmax(logits, dim=-1), given)  # (A*K, V')
     V = log_probs.size(-1)
     candidates = (scores[:, :, None] + log_probs.view(A, K, V)).view(A, K * V)
     top_scores, top_index = candidates.topk(min(2 * K, K * V), dim=1)  # (A, 2K) best first
@@ -249,16 +283,18 @@ def expand(logits: Tensor, scores: Tensor, K: int, state: DecoderState
 
 
 def choose(step: int, logits: Tensor, scores: Tensor, state: DecoderState, rows: Rows,
-           sampling: Sampling | None) -> tuple[Tensor, Tensor, Candidates]:
+           sampling: Sampling | None, given: Given | None = None
+           ) -> tuple[Tensor, Tensor, Candidates]:
     """One step's choice (fairseq's ``Search.step``): (A*K, V') logits and (A, K) live scores
     -> the survivors' (A, K) scores and tokens on the device, and the step's ``Candidates``
     on the host. Beam search: ``expand``; sampling: ``draw``, each row at its sentence's
-    own step (counted from when the sentence joined: a sample does not depend on it)."""
+    own step (counted from when the sentence joined: a sample does not depend on it).
+    ``given``: this step's rows that follow a target prefix (``Rows.given``)."""
     K = scores.size(1)
     if sampling is None:
-        return expand(logits, scores, K, state)
+        return expand(logits, scores, K, state, given)
     own = step - np.repeat(rows.offset, K)
-    return draw(logits, scores, K, state, sampling, uniforms(rows.keys, own))
+    return draw(logits, scores, K, state, sampling, uniforms(rows.keys, own), given)
 
 
 def settle(rows: Rows, finished, c: Candidates, step: int, alpha: float) -> np.ndarray:
@@ -284,7 +320,7 @@ def advance(rows: Rows, state: DecoderState, c: Candidates, keep: np.ndarray,
     K = c.scores.shape[1]
     beam_rows = (keep[:, None] * K + c.beam_of[keep]).reshape(-1)  # sentence-major
     rows.keep(keep, beam_rows)
-    rows.grow(c.token[keep].reshape(-1))
+    rows.grow(c.token[keep].reshape(-1), c.scores[keep].reshape(-1))
     device = scores.device
     index = torch.from_numpy(keep).to(device)
     state.select(torch.from_numpy(beam_rows).to(device), shrinks=keep.size < c.scores.shape[0])
@@ -300,45 +336,79 @@ class Rows:
     In a ``JoinableSearch`` a sentence joins after ``offset`` steps of the search: its
     history's first ``offset`` columns are padding and its limit counts the search's steps
     (its own limit + offset), so that one step number serves every sentence.
+
+    A sentence may come with a target prefix (``prefixes``): its first tokens are given,
+    not chosen (``given``), and its limit is at least the prefix (a prefix that reaches
+    it is the whole output). Beside each row's
+    tokens the host keeps the row's log-probability after each of them (``totals``), from
+    which a finished hypothesis gets its per-token log-probabilities.
     """
 
-    def __init__(self, limits: Tensor, copies: int, keys: np.ndarray | None = None):
+    def __init__(self, limits: Tensor, copies: int, keys: np.ndarray | None = None,
+                 prefixes: Sequence[Sequence[int]] | None = None):
         self.keys = keys  # (A*K,) sampling: each row's random stream (``sample_keys``)
-        self.limits = limits.cpu().numpy()  # (A,) most new tokens of each live sentence
-        self.sentence = np.arange(len(self.limits))  # (A,) original index of each
+        self.sentence = np.arange(len(limits))  # (A,) original index of each
+        self.prefix, self.prefix_len = _prefix_table(prefixes, len(limits))  # (A, P), (A,)
+        # (A,) most new tokens of each live sentence: at least its prefix
+        self.limits = np.maximum(limits.cpu().numpy(), self.prefix_len)
         self.offset = np.zeros(len(self.limits), dtype=np.int64)  # (A,) steps before it joined
         self.history = np.zeros((len(self.limits) * copies, 0), dtype=np.int64)  # (A*K, t)
+        self.totals = np.zeros((len(self.limits) * copies, 0))  # (A*K, t) log P so far
         self.longest = int(self.limits.max()) if len(self.limits) else 0
 
     def add(self, sentences: np.ndarray, limits: np.ndarray, copies: int,
-            keys: np.ndarray | None = None) -> None:
+            keys: np.ndarray | None = None,
+            prefixes: Sequence[Sequence[int]] | None = None) -> None:
         """Sentences joining after the ``t`` steps so far: offset t, history padded."""
         t = self.history.shape[1]
         if keys is not None:
             self.keys = np.concatenate([self.keys, keys])
+        prefix, prefix_len = _prefix_table(prefixes, len(sentences))
+        width = max(self.prefix.shape[1], prefix.shape[1])
+        self.prefix = np.concatenate([_widen(self.prefix, width), _widen(prefix, width)])
+        self.prefix_len = np.concatenate([self.prefix_len, prefix_len])
         self.sentence = np.concatenate([self.sentence, sentences])
-        self.limits = np.concatenate([self.limits, limits + t])
+        self.limits = np.concatenate([self.limits, np.maximum(limits, prefix_len) + t])
         self.offset = np.concatenate([self.offset, np.full(len(sentences), t)])
         padding = np.full((len(sentences) * copies, t), PAD_ID, dtype=np.int64)
         self.history = np.concatenate([self.history, padding])
+        self.totals = np.concatenate([self.totals, np.zeros(padding.shape)])
 
     def trim(self, columns: int) -> None:
         """Forget the first ``columns`` steps (before every live sentence joined)."""
-        self.history = self.history[:, columns:]
+        self.history, self.totals = self.history[:, columns:], self.totals[:, columns:]
         self.limits, self.offset = self.limits - columns, self.offset - columns
+
+    def given(self, step: int) -> Given | None:
+        """The rows whose token at ``step`` is given by their sentence's prefix, or None."""
+        if not self.prefix.size:
+            return None
+        own = step - self.offset  # (A,) the sentence's own step, from 1
+        on = own <= self.prefix_len
+        if not on.any():
+            return None
+        at = np.minimum(own - 1, self.prefix.shape[1] - 1)[:, None]
+        tokens = np.take_along_axis(self.prefix, at, axis=1)[:, 0]
+        copies = self.history.shape[0] // len(self.sentence)
+        return Given(np.repeat(on, copies), np.repeat(tokens, copies))
 
     def at_limit(self, step: int) -> np.ndarray:
         return self.limits == step
 
-    def grow(self, new_tokens: np.ndarray) -> None:
-        """Append one token to every row."""
+    def grow(self, new_tokens: np.ndarray, totals: np.ndarray | None = None) -> None:
+        """Append one token to every row, and each row's log-probability after it (greedy
+        search keeps none: NaN)."""
         self.history = np.concatenate([self.history, new_tokens[:, None]], axis=1)
+        totals = np.full(len(new_tokens), np.nan) if totals is None else totals
+        self.totals = np.concatenate([self.totals, totals[:, None]], axis=1)
 
     def keep(self, sentences: np.ndarray, rows: np.ndarray | None = None) -> None:
         """Keep the live ``sentences`` and (reordered) history ``rows`` (default: the same)."""
         self.sentence, self.limits = self.sentence[sentences], self.limits[sentences]
         self.offset = self.offset[sentences]
+        self.prefix, self.prefix_len = self.prefix[sentences], self.prefix_len[sentences]
         self.history = self.history[sentences if rows is None else rows]
+        self.totals = self.totals[sentences if rows is None else rows]
         if self.keys is not None:
             self.keys = self.keys[sentences if rows is None else rows]
 
@@ -362,12 +432,60 @@ class Rows:
             return
         K = self.history.shape[0] // len(self.sentence)
         for a, c in zip(*np.nonzero(chosen), strict=True):
-            start = int(self.offset[a])
-            ids = self.history[a * K + beam_of[a, c], start:].tolist()
+            start, row = int(self.offset[a]), a * K + beam_of[a, c]
+            ids = self.history[row, start:].tolist()
             if last_token is not None:
                 ids.append(int(last_token[a, c]))
+            # log P after each token (and EOS), from 0 before the first: their steps
+            totals = np.concatenate([[0.0], self.totals[row, start:], [scores[a, c]]])
             penalty = length_penalty(step - start, alpha)
-            finished[self.sentence[a]].append(Hypothesis(ids, float(scores[a, c]) / penalty))
+            finished[self.sentence[a]].append(Hypothesis(
+                ids, float(scores[a, c]) / penalty, tuple(np.diff(totals).tolist())))
+
+
+class Given(NamedTuple):
+    """The rows of a step whose token is given (a target prefix), not chosen."""
+
+    rows: np.ndarray  # (A*K,) bool
+    tokens: np.ndarray  # (A*K,) the given token id of each (any value where not given)
+
+
+def _prefix_table(prefixes: Sequence[Sequence[int]] | None, n: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """n prefixes (None: none) as an (n, longest) table padded with PAD, and their lengths."""
+    lengths = np.array([len(p) for p in prefixes] if prefixes is not None else [0] * n,
+                       dtype=np.int64)
+    if prefixes is not None and len(prefixes) != n:
+        raise ValueError(f"{len(prefixes)} prefixes for {n} sentences")
+    table = np.full((n, int(lengths.max()) if n else 0), PAD_ID, dtype=np.int64)
+    for i, prefix in enumerate(prefixes or ()):
+        table[i, :len(prefix)] = prefix
+    return table, lengths
+
+
+def _widen(table: np.ndarray, width: int) -> np.ndarray:
+    return np.pad(table, ((0, 0), (0, width - table.shape[1])), constant_values=PAD_ID)
+
+
+def check_prefixes(model: Transformer, prefixes: Sequence[Sequence[int]]) -> None:
+    """A ValueError for a prefix the search could not follow: a token the output layer
+    cannot produce (``unwritable``), or longer than the model's positions leave room for
+    (max_len - 2: BOS before it, EOS after)."""
+    for prefix in prefixes:
+        if len(prefix) > model.cfg.max_len - 2:
+            raise ValueError(f"a prefix of {len(prefix)} tokens; at most "
+                             f"{model.cfg.max_len - 2} fit the model's max_len")
+        if bad := unwritable(model, prefix):
+            raise ValueError(f"prefix tokens {bad} cannot be produced by the output layer")
+
+
+def unwritable(model: Transformer, ids: Sequence[int]) -> list[int]:
+    """The token ids among ``ids`` the model never outputs: PAD, BOS, EOS, and with a
+    restricted output layer the pieces outside it."""
+    generator = model.generator
+    allowed = generator.output_mask.cpu() if generator.restricted else None
+    return [i for i in ids if i in (PAD_ID, BOS_ID, EOS_ID) or not 0 <= i < model.cfg.tgt_vocab_size
+            or (allowed is not None and not bool(allowed[i]))]
 
 
 def strip_special(ids: list[int]) -> list[int]:

@@ -9,6 +9,10 @@ the validation during training (``aiayn.evaluation.evaluate``) and attention pic
     ['El Señor es mi pastor.']
     >>> t.translate_nbest(["The Lord is my shepherd."],               # 3 samples each
     ...                   t.resolve(nbest=3, sampling=Sampling(temperature=0.8, seed=1)))
+    >>> t.translate_scored(["The Lord is my shepherd."])[0][0].score   # its confidence
+    -0.21
+    >>> t.translate(["The Lord is my shepherd."], prefixes=["El Dios"])  # completion
+    ['El Dios es mi pastor.']
 
 The search is one ``Search`` value (``aiayn.inference.settings``), every method's
 ``search`` (None: the run's). ``Translator.resolve(beam=..., alpha=..., nbest=...,
@@ -30,10 +34,15 @@ Rules for awkward input (never a crash):
 - A sentence whose source ids (tokens + EOS) are longer than the model's ``max_len`` keeps
   its first ``max_len - 1`` tokens and its EOS; a ``TruncationWarning`` says how many were
   cut. (The output is limited by the same ``max_len``.)
+- A target prefix (``prefixes``, one per sentence or None) is tokenized as target text, its
+  trailing spaces dropped; the translation starts with its pieces and goes on from there
+  (``aiayn.inference.search``). A prefix the model cannot write (a piece outside its output
+  layer, an unknown piece, more pieces than max_len leaves room for) is refused, naming it.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -45,7 +54,7 @@ import torch
 
 from aiayn.config import DecodeConfig, alignment_layer_index
 from aiayn.data.batching import token_batches
-from aiayn.data.tokenizer import EOS_ID
+from aiayn.data.tokenizer import EOS, EOS_ID, UNK_ID
 from aiayn.errors import AiaynError, SettingError
 from aiayn.inference.aiayn_engine import AiaynEngine
 from aiayn.inference.align import Alignment, pharaoh, piece_words, text_words, word_alignment
@@ -57,7 +66,7 @@ from aiayn.inference.settings import Sampling, Search, resolve_search
 from aiayn.model import OutputKernel, Transformer
 from aiayn.util.threads import on_one_thread
 
-__all__ = ["ENGINES", "NextPiece", "Sources", "Translator", "TruncationWarning"]
+__all__ = ["ENGINES", "NextPiece", "Sources", "Translation", "Translator", "TruncationWarning"]
 
 
 class TruncationWarning(UserWarning):
@@ -89,10 +98,33 @@ class Sources:
     ids: list[list[int]]  # their source ids, tokens + EOS
     truncated: int
     texts: list[str] = field(default_factory=list)  # the non-empty sentences, one line each
+    prefixes: list[list[int]] | None = None  # their target prefixes' ids (None: none given)
 
     @property
     def tokens(self) -> int:
         return sum(len(ids) for ids in self.ids)
+
+
+@dataclass
+class Translation:
+    """One hypothesis with what the search knows of it (``Translator.translate_scored``)."""
+
+    text: str
+    score: float  # what the search ranked it by: log_prob / the length penalty
+    log_prob: float | None  # log P(pieces | sentence), EOS included (None: the engine gives none)
+    pieces: list[str]  # its target pieces, then "[EOS]" where the search ended it
+    log_probs: list[float] | None  # each piece's log-probability (None: as log_prob)
+    alignment: Alignment | None = None  # word pairs, where asked for (``translate_aligned``)
+
+    def as_dict(self) -> dict:
+        """Its fields as JSON takes them (`aiayn translate --scores`, serve's answers)."""
+        fields = {"translation": self.text, "score": _rounded(self.score),
+                  "log_prob": _rounded(self.log_prob), "pieces": self.pieces,
+                  "log_probs": None if self.log_probs is None else
+                  [_rounded(x) for x in self.log_probs]}
+        if self.alignment is not None:
+            fields["alignment"] = pharaoh(self.alignment)
+        return fields
 
 
 @dataclass
@@ -201,94 +233,155 @@ class Translator:
                                budget=self.decode_tokens, got=search.beam)
 
     def translate(self, sentences: Sequence[str], search: Search | None = None,
-                  progress: Callable[[int], object] | None = None) -> list[str]:
+                  progress: Callable[[int], object] | None = None,
+                  prefixes: Sequence[str | None] | None = None) -> list[str]:
         """One translation per sentence, in input order. ``search``: the ``Search`` to run
         (``resolve``; None: the run's), its best hypothesis kept (with sampling: one
-        sample per sentence)."""
+        sample per sentence). ``prefixes``: per sentence the start of its translation
+        (None or "": none), which the search completes (the module docstring)."""
         hyps = self._translate(_sentence_list(sentences, "translate"), search, progress,
-                               scored=False)
-        return [h[0][0] if h else "" for h in hyps]
+                               scored=False, prefixes=prefixes)
+        return [h[0].text if h else "" for h in hyps]
 
     def translate_nbest(self, sentences: Sequence[str], search: Search | None = None,
-                        progress: Callable[[int], object] | None = None
+                        progress: Callable[[int], object] | None = None,
+                        prefixes: Sequence[str | None] | None = None
                         ) -> list[list[tuple[str, float]]]:
         """Up to ``search.nbest`` (translation, score) pairs per sentence, best first (with
-        sampling: ``nbest`` samples, best first). ``search``: as ``translate``'s.
+        sampling: ``nbest`` samples, best first). ``search``, ``prefixes``: as ``translate``'s.
 
         The score is the length-normalised log-probability (see ``aiayn.inference.search``); an empty
         sentence gets an empty list.
         """
-        return self._translate(_sentence_list(sentences, "translate_nbest"), search, progress,
-                               scored=True)
+        return [[(t.text, t.score) for t in hyps] for hyps in self.translate_scored(
+            _sentence_list(sentences, "translate_nbest"), search, progress, prefixes)]
+
+    def translate_scored(self, sentences: Sequence[str], search: Search | None = None,
+                         progress: Callable[[int], object] | None = None,
+                         prefixes: Sequence[str | None] | None = None
+                         ) -> list[list[Translation]]:
+        """Up to ``search.nbest`` ``Translation``s per sentence, best first: each with its
+        score, its log-probability and each piece's (greedy search runs as a beam of one
+        here, which gives the same tokens with their scores). An empty sentence gets an empty
+        list. ``search``, ``prefixes``: as ``translate``'s."""
+        return self._translate(_sentence_list(sentences, "translate_scored"), search, progress,
+                               scored=True, prefixes=prefixes)
 
     def translate_aligned(self, sentences: Sequence[str], search: Search | None = None,
-                          progress: Callable[[int], object] | None = None
+                          progress: Callable[[int], object] | None = None,
+                          prefixes: Sequence[str | None] | None = None
                           ) -> list[tuple[str, Alignment]]:
         """One (translation, word alignment) per sentence, in input order: the alignment
         links each word of the translation to a word of the sentence, (i, j) pairs of
         ``sentence.split()[i]`` and ``translation.split()[j]`` (``aiayn.inference.align``; write them
         with ``aiayn.inference.align.pharaoh``). An empty sentence gives ("", [])."""
         hyps = self._translate(_sentence_list(sentences, "translate_aligned"), search,
-                               progress, scored=False, aligned=True)
-        return [(h[0][0], h[0][2]) if h else ("", []) for h in hyps]
+                               progress, scored=False, aligned=True, prefixes=prefixes)
+        return [(h[0].text, h[0].alignment) if h else ("", []) for h in hyps]
 
-    def _translate(self, sentences, search: Search | None, progress, scored, aligned=False):
+    def _translate(self, sentences, search: Search | None, progress, scored, aligned=False,
+                   prefixes=None, first: int = 0) -> list[list[Translation]]:
         """Tokenize the non-empty sentences, decode them, detokenize, keep the input order.
 
         ``progress(n)`` is called after each batch with its number of sentences (e.g. a
         tqdm bar's ``update``); ``self.last_stats`` describes the pass afterwards.
-        ``aligned``: each (text, score) gets its word alignment as a third item.
+        ``aligned``: each translation gets its word alignment. ``first``: the number of the
+        first sentence, from 0, in what a refusal says (a file's line).
         """
         search = search or self.resolve()
         if aligned:
             self.check_alignments()
-        sources = self.prepare(sentences)
+        sources = self.prepare(sentences, prefixes, first)
         if sources.truncated:
             warnings.warn(truncation_message(sources.truncated, self.max_len),
                           TruncationWarning, stacklevel=3)
         start = time.perf_counter()
         hyps = self.decode_ids(sources.ids, progress=progress, greedy_ok=not scored,
-                               search=search)
+                               search=search, prefixes=sources.prefixes)
         seconds = time.perf_counter() - start
-        self.last_stats = DecodeStats(len(sources.todo), sum(len(h[0][0]) for h in hyps if h),
+        self.last_stats = DecodeStats(len(sources.todo), sum(len(h[0].ids) for h in hyps if h),
                                       seconds, sources.truncated)
-        results = self.finish(sources, hyps, search.nbest)
+        results = self.translations(sources, hyps, search.nbest)
         if aligned:
             links = self.hypothesis_alignments(sources, hyps, search.nbest)
-            results = [[(*r, a) for r, a in zip(rs, ls, strict=True)]
-                       for rs, ls in zip(results, links, strict=True)]
+            for sentence, sentence_links in zip(results, links, strict=True):
+                for translation, alignment in zip(sentence, sentence_links, strict=True):
+                    translation.alignment = alignment
         return results
 
-    def prepare(self, sentences: Sequence[str]) -> Sources:
+    def prepare(self, sentences: Sequence[str], prefixes: Sequence[str | None] | None = None,
+                first: int = 0) -> Sources:
         """Sentences as one line each, the empty ones set aside, the rest tokenized and
-        truncated by the module's rule (no warning: the caller says what was cut)."""
+        truncated by the module's rule (no warning: the caller says what was cut), with
+        their prefixes' ids (``prefix_ids``; ``first``: as ``_translate``'s)."""
         sentences = [_one_line(s) for s in sentences]
         todo = [i for i, s in enumerate(sentences) if s.strip()]
         texts = [sentences[i] for i in todo]
         ids, truncated = self.source_ids(texts)
-        return Sources(len(sentences), todo, ids, truncated, texts)
+        if prefixes is None:
+            return Sources(len(sentences), todo, ids, truncated, texts)
+        if len(prefixes) != len(sentences):
+            raise AiaynError(f"{len(prefixes)} prefixes for {len(sentences)} sentences: give "
+                             "one per sentence (None or '' for none)")
+        return Sources(len(sentences), todo, ids, truncated, texts,
+                       self.prefix_ids([prefixes[i] for i in todo], [first + i for i in todo]))
+
+    def prefix_ids(self, prefixes: Sequence[str | None], numbers: Sequence[int]) -> list[list[int]]:
+        """The target ids (no BOS or EOS) of each prefix (None or blank: none), or an
+        AiaynError naming the first the model cannot write, by its number (from 0) in
+        ``numbers``."""
+        texts = [_one_line(p).rstrip() if p else "" for p in prefixes]
+        encoded = self.tokenizers.encode_tgt(texts) if texts else []
+        ids = [e[1:-1] for e in encoded]  # without BOS and EOS
+        room = self.max_len - 2  # BOS before the prefix, EOS after it
+        for number, text, prefix in zip(numbers, texts, ids, strict=True):
+            bad = [i for i in prefix if i == UNK_ID] or self.engine.unwritable(prefix)
+            if bad:
+                pieces = ", ".join(dict.fromkeys(repr(self.tokenizers.tgt_id_to_token(i))
+                                                 for i in bad[:5]))
+                raise AiaynError(f"the prefix of sentence {number + 1} ({text[:60]!r}) has "
+                                 f"pieces this model cannot write: {pieces}")
+            if len(prefix) > room:
+                raise AiaynError(f"the prefix of sentence {number + 1} has {len(prefix)} "
+                                 f"pieces; at most {room} fit this model's max_len")
+        return ids
+
+    def translations(self, sources: Sources, hyps: Sequence[list[Hypothesis]], nbest: int
+                     ) -> list[list[Translation]]:
+        """The first ``nbest`` hypotheses of each prepared sentence as ``Translation``s, in
+        the input order; an empty sentence gets an empty list. (Beam search does not depend
+        on nbest, only its list's length does: a search run for more gives the same first
+        ones.)"""
+        piece = self.tokenizers.tgt_id_to_token
+        results: list[list[Translation]] = [[] for _ in range(sources.count)]
+        for i, sentence_hyps in zip(sources.todo, hyps, strict=True):
+            kept = sentence_hyps[:nbest]
+            texts = self.tokenizers.decode_tgt([h.ids for h in kept])
+            results[i] = [Translation(
+                text, h.score, h.log_prob if h.log_probs else None,
+                [piece(t) for t in h.ids] + [EOS] * (len(h.log_probs) > len(h.ids)),
+                list(h.log_probs) if h.log_probs else None)
+                for text, h in zip(texts, kept, strict=True)]
+        return results
 
     def finish(self, sources: Sources, hyps: Sequence[list[Hypothesis]], nbest: int
                ) -> list[list[tuple[str, float]]]:
-        """The first ``nbest`` hypotheses of each prepared sentence as (text, score), in the
-        input order; an empty sentence gets an empty list. (Beam search does not depend on
-        nbest, only its list's length does: a search run for more gives the same first ones.)"""
-        results: list[list[tuple[str, float]]] = [[] for _ in range(sources.count)]
-        for i, sentence_hyps in zip(sources.todo, hyps, strict=True):
-            kept = sentence_hyps[:nbest]
-            texts = self.tokenizers.decode_tgt([ids for ids, _ in kept])
-            results[i] = [(text, score) for text, (_, score) in zip(texts, kept)]
-        return results
+        """``translations`` as (text, score) pairs."""
+        return [[(t.text, t.score) for t in ts] for ts in self.translations(sources, hyps, nbest)]
 
     def translate_lines(self, lines: Iterable[str], search: Search | None = None,
-                        chunk: int = 2000, alignments: bool = False) -> Iterator[str]:
+                        chunk: int = 2000, alignments: bool = False, scores: bool = False,
+                        prefixes: bool = False) -> Iterator[str]:
         """`aiayn translate`'s output, ``chunk`` lines at a time (so output appears as it is
         ready and memory stays bounded; ``chunk=1`` answers each line of a lazy iterable,
         e.g. a terminal, as soon as it arrives): one translation per line, or with
         ``search.nbest > 1`` rows 'LINE<TAB>SCORE<TAB>TRANSLATION' (an empty line gives
         'LINE<TAB><TAB>'). ``search``: as ``translate``'s (one seed for every chunk).
         ``alignments``: each row ends with a tab and the translation's word alignment in the
-        Pharaoh format ('0-0 1-2', ``aiayn.inference.align.pharaoh``)."""
+        Pharaoh format ('0-0 1-2', ``aiayn.inference.align.pharaoh``). ``scores``: one JSON
+        object per line instead (``Translation.as_dict``; with nbest > 1 {"nbest": [...]};
+        an empty line {"translation": ""} alone). ``prefixes``: each line is
+        'SENTENCE<TAB>PREFIX' (no tab: no prefix), the translation starting with PREFIX."""
         lines = _sentence_list(lines, "translate_lines")
         search = search or self.resolve()
         if alignments:
@@ -296,18 +389,12 @@ class Translator:
         nbest = search.nbest
         lines, first = iter(lines), 0  # first: the number of the chunk's first line
         while part := list(islice(lines, chunk)):
-            if alignments:
-                yield "".join(_aligned_rows(self._translate(
-                    part, search, None, scored=nbest > 1, aligned=True), nbest, first))
-            elif nbest == 1:
-                yield "".join(text + "\n" for text in self.translate(part, search=search))
-            else:
-                rows = []
-                for i, hyps in enumerate(self.translate_nbest(part, search=search), first):
-                    rows.extend(f"{i}\t{score:.4f}\t{text}\n" for text, score in hyps)
-                    if not hyps:
-                        rows.append(f"{i}\t\t\n")
-                yield "".join(rows)
+            given = None
+            if prefixes:
+                part, given = zip(*(line.partition("\t")[::2] for line in part), strict=True)
+            results = self._translate(list(part), search, None, scored=scores or nbest > 1,
+                                      aligned=alignments, prefixes=given, first=first)
+            yield "".join(_rows(results, nbest, first, alignments, scores))
             first += len(part)
 
     def encode(self, sentences: Sequence[str]) -> tuple[list[list[int]], int]:
@@ -328,18 +415,19 @@ class Translator:
 
     @torch.no_grad()
     def decode_ids(self, sources: list[list[int]], search: Search | None = None,
-                   progress: Callable[[int], object] | None = None, greedy_ok: bool = True
-                   ) -> list[list[Hypothesis]]:
+                   progress: Callable[[int], object] | None = None, greedy_ok: bool = True,
+                   prefixes: list[list[int]] | None = None) -> list[list[Hypothesis]]:
         """Decode source id lists with the engine (``Engine.decode``: length-sorted batches
         of the decoding budget); results in input order. ``search``: as ``translate``'s.
 
         With a greedy search (beam 1, nbest 1) and ``greedy_ok`` aiayn's engine runs greedy
         search, which returns the same tokens as a beam of 1 more cheaply but no score
-        (reported as 0.0).
+        (reported as 0.0). ``prefixes``: per source the target ids it starts with (``prepare``).
         """
         search = search or self.resolve()
         results: list[list[Hypothesis]] = [[] for _ in sources]
-        batches, decoded = self.engine.decode(sources, search, self.decode_tokens, greedy_ok)
+        batches, decoded = self.engine.decode(sources, search, self.decode_tokens, greedy_ok,
+                                              prefixes)
         for batch, hyps in zip(batches, decoded, strict=True):
             for i, sentence_hyps in zip(batch, hyps, strict=True):
                 results[i] = sentence_hyps
@@ -454,20 +542,35 @@ class Translator:
         return results
 
 
-def _aligned_rows(results: list[list[tuple[str, float, Alignment]]], nbest: int, first: int
-                  ) -> Iterator[str]:
-    """`aiayn translate --alignments`' rows: 'TRANSLATION<TAB>PAIRS', or with ``nbest > 1``
-    'LINE<TAB>SCORE<TAB>TRANSLATION<TAB>PAIRS'; an empty line gives '<TAB>' (or
-    'LINE<TAB><TAB><TAB>')."""
+def _rows(results: list[list[Translation]], nbest: int, first: int, alignments: bool,
+          scores: bool) -> Iterator[str]:
+    """`aiayn translate`'s rows for ``results`` (``translate_lines``' formats): with
+    ``alignments`` each ends with a tab and the word pairs ('TRANSLATION<TAB>PAIRS'; an empty
+    line '<TAB>')."""
     for i, hyps in enumerate(results, first):
-        if nbest == 1:
-            text, _, links = hyps[0] if hyps else ("", 0.0, [])
-            yield f"{text}\t{pharaoh(links)}\n"
+        if scores:
+            objects = [t.as_dict() for t in hyps]
+            if nbest > 1:
+                yield json.dumps({"nbest": objects}, ensure_ascii=False) + "\n"
+            else:
+                yield json.dumps(objects[0] if objects else {"translation": ""},
+                                 ensure_ascii=False) + "\n"
             continue
-        for text, score, links in hyps:
-            yield f"{i}\t{score:.4f}\t{text}\t{pharaoh(links)}\n"
+        tail = (lambda t: f"\t{pharaoh(t.alignment)}") if alignments else (lambda t: "")
+        if nbest == 1:
+            yield (f"{hyps[0].text}{tail(hyps[0])}\n" if hyps
+                   else "\t\n" if alignments else "\n")
+            continue
+        for t in hyps:
+            yield f"{i}\t{t.score:.4f}\t{t.text}{tail(t)}\n"
         if not hyps:
-            yield f"{i}\t\t\t\n"
+            yield f"{i}\t\t\t\n" if alignments else f"{i}\t\t\n"
+
+
+def _rounded(x: float | None) -> float | None:
+    """A log-probability as the JSON outputs write it: 6 decimals, well under a float32
+    model's own precision."""
+    return None if x is None else round(x, 6)
 
 
 def _sentence_list(sentences, method: str):
