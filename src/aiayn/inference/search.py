@@ -37,9 +37,10 @@ A sentence may come with a **target prefix** (``prefixes``: the tokens its trans
 starts with, e.g. what a person typed): for its first steps each of its rows takes the
 prefix's next token, scored by the model's log-probability of it (the guard does not
 apply to given tokens), and the search goes on from there by its own rules; its length
-limit is at least the prefix (one that reaches the limit is the whole output). Greedy search and sampling given the first k tokens
-of their own output give that output again; beam search given its 1-best's first k tokens
-may find a better-scoring ending, since its whole beam then follows that prefix.
+limit is at least the prefix (one that reaches the limit is the whole output). Greedy
+search and sampling given the first k tokens of their own output give that output again;
+beam search given its 1-best's first k tokens may find a better-scoring ending, since its
+whole beam then follows that prefix.
 The settings arrive as one ``Search`` value (``aiayn.inference.settings``), resolved once by
 whoever called; a sentence joining a running search: ``aiayn.inference.joinable``. The
 steps both drive (the decoder's state, the candidates of a step, the host's rows) are
