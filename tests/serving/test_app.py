@@ -53,6 +53,39 @@ def test_translate_equals_the_translator(client, translator, beam):
     assert len(answer["warnings"]) == 1 and "truncated" in answer["warnings"][0]
 
 
+@pytest.mark.parametrize("beam", [1, 3])
+def test_translate_answers_scores_and_completes_prefixes_as_the_translator(client, translator,
+                                                                          beam):
+    texts, prefixes = ["red sun", "", "star tree", "moon"], ["blue", None, "", "white river"]
+    answer = client.post("/translate", json={"text": texts, "prefix": prefixes, "beam": beam,
+                                             "nbest": beam}).json()
+    want = translator.translate_scored(texts, translator.resolve(beam=beam, nbest=beam),
+                                       prefixes=prefixes)
+    assert answer["translations"] == [w[0].text if w else "" for w in want]
+    assert answer["translations"][0].startswith("blue ")
+    assert answer["translations"][3].startswith("white river")
+    assert answer["scores"][1] is None
+    assert np.allclose([s for s in answer["scores"] if s is not None],
+                       [w[0].score for w in want if w])
+    for entries, hyps in zip(answer["nbest"], want, strict=True):
+        for entry, t in zip(entries, hyps, strict=True):
+            assert entry["pieces"] == t.pieces and entry["text"] == t.text
+            assert np.allclose(entry["log_probs"], t.log_probs)
+            assert entry["log_prob"] == pytest.approx(sum(entry["log_probs"]))
+    one = client.post("/translate", json={"text": "red sun", "prefix": "blue"}).json()
+    assert one["translations"] == translator.translate(["red sun"], prefixes=["blue"])
+
+
+@pytest.mark.parametrize(("body", "words"), [
+    ({"text": ["red", "sun"], "prefix": ["blue"]}, '"prefix" has 1 entries for 2 sentences'),
+    ({"text": "red", "prefix": ["blue"]}, '"prefix" must be a string where "text" is one'),
+    ({"text": ["red"], "prefix": ["zzq"]}, "prefix of sentence 1 ('zzq') has pieces this "
+                                            "model cannot write"),
+])
+def test_a_bad_prefix_gets_422_with_one_line(client, body, words):
+    assert_clean_error(client.post("/translate", json=body), 422, words)
+
+
 def test_translate_takes_one_string_and_keeps_the_order(client, translator):
     assert client.post("/translate", json={"text": "black sun"}).json()["translations"] == \
         translator.translate(["black sun"])

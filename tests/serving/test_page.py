@@ -152,5 +152,18 @@ def test_the_page_translates_and_draws_the_attention_in_chromium(server, transla
         want = np.stack([[expected_colour(v) for v in row] for row in early.maps["cross"][0][1]])
         assert np.abs(drawn - want).max() <= 2
         assert np.abs(drawn - served).max() > 20  # the picture changed
+
+        # Typing the start of the translation: once typing pauses, the page shows the
+        # model's completion of it, and the confidence of the translation shown.
+        want = translator.translate([sentence], translator.resolve(beam=4), prefixes=["blue"])[0]
+        assert want.startswith("blue") and want != translation
+        driver.find_element(By.ID, "prefix").send_keys("blue")
+        wait.until(lambda d: d.find_element(By.ID, "translation").text == want
+                   and d.find_element(By.ID, "status").text.startswith("done"))
+        best = translator.translate_scored([sentence], translator.resolve(beam=4),
+                                           prefixes=["blue"])[0][0]
+        assert driver.find_element(By.ID, "confidence").text.startswith(
+            f"score {best.score:.3f}: log-probability {best.log_prob:.2f} over "
+            f"{len(best.pieces)} pieces; the least likely")
     finally:
         driver.quit()

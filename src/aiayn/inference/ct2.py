@@ -94,7 +94,7 @@ class CTranslate2Engine(Engine):
         a, b = search.max_len_a, search.max_len_b
         limits = [max(1, min(math.floor(a * len(ids)) + b, self.max_len - 1)) for ids in sources]
         target_prefix = None
-        if prefixes is not None:
+        if prefixes is not None and any(prefixes):
             tgt = self.tokenizers.tgt
             target_prefix = [[tgt.id_to_token(i) for i in p] for p in prefixes]
             limits = [max(limit, len(p)) for limit, p in zip(limits, prefixes, strict=True)]

@@ -118,10 +118,8 @@ class Translation:
 
     def as_dict(self) -> dict:
         """Its fields as JSON takes them (`aiayn translate --scores`, serve's answers)."""
-        fields = {"translation": self.text, "score": _rounded(self.score),
-                  "log_prob": _rounded(self.log_prob), "pieces": self.pieces,
-                  "log_probs": None if self.log_probs is None else
-                  [_rounded(x) for x in self.log_probs]}
+        fields = {"translation": self.text, "score": self.score, "log_prob": self.log_prob,
+                  "pieces": self.pieces, "log_probs": self.log_probs}
         if self.alignment is not None:
             fields["alignment"] = pharaoh(self.alignment)
         return fields
@@ -565,12 +563,6 @@ def _rows(results: list[list[Translation]], nbest: int, first: int, alignments: 
             yield f"{i}\t{t.score:.4f}\t{t.text}{tail(t)}\n"
         if not hyps:
             yield f"{i}\t\t\t\n" if alignments else f"{i}\t\t\n"
-
-
-def _rounded(x: float | None) -> float | None:
-    """A log-probability as the JSON outputs write it: 6 decimals, well under a float32
-    model's own precision."""
-    return None if x is None else round(x, 6)
 
 
 def _sentence_list(sentences, method: str):

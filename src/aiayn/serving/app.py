@@ -145,6 +145,9 @@ class TranslateRequest(SearchSettings):
     alignments: bool = Field(False, description="also the word alignment of each "
                              "translation: [source word, target word] pairs (whitespace-"
                              "separated words, from 0), as `aiayn translate --alignments`")
+    prefix: list[str | None] | str | None = Field(
+        None, description="the start of each translation, which the search completes: one "
+        "per sentence (null or \"\" for none), or one string with one sentence")
 
 
 class NextPieceRequest(SamplingSettings):
@@ -221,7 +224,7 @@ def create_app(service: ModelService, limits: ServeLimits | None = None) -> Fast
                                  no_repeat_ngram=body.no_repeat_ngram,
                                  sampling=sampling)  # the request's search, resolved once
         return await service.translate(texts, search, request.is_disconnected,
-                                       body.alignments)
+                                       body.alignments, request_prefixes(body, len(texts)))
 
     @app.post("/next", summary="The distribution of the next piece of a translation, at a "
               "temperature")
@@ -293,6 +296,21 @@ def _static(files: dict[str, Path], name: str) -> Response:
         return _error(404, f"no file {name!r}")
     return FileResponse(path, media_type=CONTENT_TYPES[path.suffix],
                         headers={"Cache-Control": "no-cache"})
+
+
+def request_prefixes(body: TranslateRequest, sentences: int) -> list[str | None] | None:
+    """A request's "prefix" as one per sentence (None: none), or an AiaynError (422) where
+    its shape does not match "text"'s."""
+    if body.prefix is None:
+        return None
+    if isinstance(body.prefix, str) != isinstance(body.text, str):
+        raise AiaynError('"prefix" must be a string where "text" is one, and a list where '
+                         '"text" is a list')
+    prefixes = [body.prefix] if isinstance(body.prefix, str) else body.prefix
+    if len(prefixes) != sentences:
+        raise AiaynError(f'"prefix" has {len(prefixes)} entries for {sentences} sentences in '
+                         '"text": give one per sentence (null for none)')
+    return prefixes
 
 
 def _error(status: int, message: str) -> JSONResponse:

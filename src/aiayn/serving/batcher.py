@@ -357,7 +357,7 @@ class Batcher:
         for key, group in _by_key(jobs).items():
             self.stats.joins += len(group) if key in lane.requests else 0
             lane.requests[key] = lane.requests.get(key, 0) + len(group)
-            sentences, sources = [], []
+            sentences, sources, prefixes = [], [], []
             for job in group:
                 job.hyps, job.left, job.started = [None] * len(job.sources.ids), 0, started
                 job.lane = lane
@@ -366,7 +366,8 @@ class Batcher:
                     lane.owners[sentences[-1]] = (job, i)
                     job.left += 1
                     sources.append(ids)
-            adds.append((key, sentences, sources))
+                    prefixes.append(job.sources.prefixes[i] if job.sources.prefixes else [])
+            adds.append((key, sentences, sources, prefixes))
         for job in jobs:
             if job.left == 0:
                 job.future.set_result(([], 0.0))
@@ -469,7 +470,8 @@ class Batcher:
         try:
             hyps = self.translator.decode_ids(
                 [ids for job in jobs for ids in job.sources.ids], greedy_ok=False,
-                search=search)
+                search=search, prefixes=[prefix for job in jobs for prefix in
+                                         (job.sources.prefixes or [[]] * len(job.sources.ids))])
         except Exception as exc:  # every request of the pass gets the error
             for job in jobs:
                 job.future.set_exception(exc)

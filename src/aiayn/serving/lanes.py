@@ -33,7 +33,8 @@ from aiayn.inference.settings import Search
 from aiayn.model import OutputKernel, Transformer
 
 Key = Search  # a request's resolved search: only equal ones (nbest aside) share a search
-Adds = list[tuple[Key, list[int], list[list[int]]]]  # (settings, sentence ids, source ids)
+# (settings, sentence ids, source ids, target prefixes: [] where none)
+Adds = list[tuple[Key, list[int], list[list[int]], list[list[int]]]]
 
 
 @dataclass
@@ -70,14 +71,14 @@ class LaneSearches:
             torch.set_num_threads(1)
         started = time.monotonic()
         result = Round()
-        for key, sentences, sources in adds:
+        for key, sentences, sources, prefixes in adds:
             search = self.searches.get(key)
             if search is None:
                 search = self.searches[key] = JoinableSearch(self.model, key, self.kernel)
                 self.members[key] = set()
             try:
                 with self._autocast():
-                    search.add(sentences, pad(sources))
+                    search.add(sentences, pad(sources), prefixes)
                 self.members[key].update(sentences)
             except Exception as exc:
                 result.failed.append((sentences, exc))

@@ -132,19 +132,23 @@ class ModelService:
 
     async def translate(self, texts: list[str], search: Search,
                         gone: Callable[[], Awaitable[bool]] | None = None,
-                        alignments: bool = False) -> dict:
-        """`aiayn translate`'s answer for ``texts``: translations in input order, the n-best
-        lists (an empty sentence gives "" and an empty list), the truncation warning of
-        these sentences, the search run (``search``, as ``resolve`` gave it) and the seconds
-        of the decoding pass that answered them. ``gone``: see ``answer``. With sampling:
-        ``search.nbest`` samples per sentence, and the seed they were drawn with.
+                        alignments: bool = False,
+                        prefixes: list[str | None] | None = None) -> dict:
+        """`aiayn translate`'s answer for ``texts``: translations in input order with their
+        scores, the n-best lists (each entry with its score, log-probability, pieces and
+        their log-probabilities: ``Translation.as_dict``; an empty sentence gives "", a null
+        score and an empty list), the truncation warning of these sentences, the search run
+        (``search``, as ``resolve`` gave it) and the seconds of the decoding pass that
+        answered them. ``gone``: see ``answer``. With sampling: ``search.nbest`` samples per
+        sentence, and the seed they were drawn with. ``prefixes``: the start of each
+        translation (``Translator.translate``'s).
         ``alignments``: also each translation's word alignment ("alignments", and
         "alignment" in each n-best entry), from a teacher-forced pass over the hypotheses
         run while no search steps on the model (the capture sets flags on it)."""
         if alignments:
             self.translator.check_alignments()
         nbest, sampling = search.nbest, search.sampling
-        sources = self.translator.prepare(texts)
+        sources = self.translator.prepare(texts, prefixes)
         future = self.batcher.translate(sources, search)
         try:
             hyps, seconds = await answer(future, gone)
@@ -156,13 +160,14 @@ class ModelService:
             ids = hyps
             links = await answer(self.batcher.run_alone(
                 lambda: self.translator.hypothesis_alignments(sources, ids, nbest)), gone)
-        hyps = self.translator.finish(sources, hyps, nbest)
+        hyps = self.translator.translations(sources, hyps, nbest)
         self.requests += 1
         warnings = ([truncation_message(sources.truncated, self.translator.max_len)]
                     if sources.truncated else [])
         answered = {
-            "translations": [h[0][0] if h else "" for h in hyps],
-            "nbest": [[{"text": text, "score": score} for text, score in h] for h in hyps],
+            "translations": [h[0].text if h else "" for h in hyps],
+            "scores": [h[0].as_dict()["score"] if h else None for h in hyps],
+            "nbest": [[_entry(t) for t in h] for h in hyps],
             "warnings": warnings, "beam": None if sampling else search.beam,
             "alpha": search.alpha, "no_repeat_ngram": search.no_repeat_ngram,
             "sample": None if sampling is None else asdict(search.sampling),
@@ -265,6 +270,13 @@ async def answer(future: Future, gone: Callable[[], Awaitable[bool]] | None = No
             waiting.cancel()
             raise ClientGone
     return await waiting
+
+
+def _entry(translation) -> dict:
+    """An n-best entry of serve's answer: ``Translation.as_dict`` with "text" for
+    "translation", the name the answers have always used."""
+    entry = translation.as_dict()
+    return {"text": entry.pop("translation"), **entry}
 
 
 def attention_json(att: SentenceAttention, decimals: int = 5) -> dict:

@@ -69,12 +69,14 @@ async function translate(event) {
     return;
   }
   const { beam, alpha, nbest } = settings();
+  const index = lines.indexOf(first);
+  // The prefix is the first sentence's: the one whose attention and next pieces are shown.
+  const prefix = lines.map((_, i) => (i === index ? $("prefix").value : null));
   $("status").textContent = "translating…";
   $("translate").disabled = true;
   try {
-    const result = await post("/translate", { text: lines, beam, alpha, nbest });
+    const result = await post("/translate", { text: lines, beam, alpha, nbest, prefix });
     showTranslation(result);
-    const index = lines.indexOf(first);
     state.next = { text: first, target: result.translations[index] || null };
     $("next-step").value = 0;
     await showNext();
@@ -96,6 +98,12 @@ async function translate(event) {
 function showTranslation(result) {
   $("translation").textContent = result.translations.join("\n");
   $("warnings").textContent = result.warnings.join(" ");
+  const best = (result.nbest.find((hyps) => hyps.length > 0) || [])[0];
+  $("confidence").textContent = best && best.log_probs
+    ? `score ${best.score.toFixed(3)}: log-probability ${best.log_prob.toFixed(2)} over ` +
+      `${best.log_probs.length} pieces; the least likely “${best.pieces[leastLikely(best)]}” ` +
+      `(p ${Math.exp(best.log_probs[leastLikely(best)]).toFixed(2)})`
+    : "";
   const list = $("nbest");
   list.replaceChildren();
   const firstNonEmpty = result.nbest.find((hyps) => hyps.length > 0) || [];
@@ -110,6 +118,20 @@ function showTranslation(result) {
     item.append(score, text);
     list.append(item);
   }
+}
+
+// The piece the model gave the lowest probability: where to look first when checking.
+function leastLikely(hyp) {
+  let at = 0;
+  hyp.log_probs.forEach((p, i) => { if (p < hyp.log_probs[at]) at = i; });
+  return at;
+}
+
+// Typing the start of the translation asks again once the typing pauses.
+let prefixTimer = null;
+function prefixChanged() {
+  clearTimeout(prefixTimer);
+  prefixTimer = setTimeout(() => $("form").requestSubmit(), 400);
 }
 
 // POST /next: the distribution of the translation's piece at the chosen step, drawn as bars.
@@ -276,6 +298,7 @@ function loadPictures() {
 }
 
 $("form").addEventListener("submit", translate);
+$("prefix").addEventListener("input", prefixChanged);
 $("temperature").addEventListener("input", nextChanged);
 $("next-step").addEventListener("input", nextChanged);
 $("source").addEventListener("keydown", (event) => {  // Ctrl+Enter translates
