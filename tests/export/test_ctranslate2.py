@@ -125,6 +125,13 @@ def test_ctranslate2_float32_gives_aiayn_greedy_tokens(run_dir, tmp_path):
     # Its sampling cannot be seeded: refused in one line.
     with pytest.raises(AiaynError, match="^sampling needs aiayn's own model"):
         theirs.decode_ids(sources, theirs.resolve(nbest=1, sampling=Sampling(seed=1)))
+    # A target prefix is its target_prefix: the same completions, greedy, of prefixes that
+    # are the start of aiayn's own translations and of others.
+    prefixes = [g[0].ids[:k] for k, g in zip(range(3, 33), ours.decode_ids(sources, cut))]
+    prefixes[::3] = [[ours.tokenizers.tgt.token_to_id("▁blue")]] * len(prefixes[::3])
+    completed = ids(ours.decode_ids(sources, ours.resolve(beam=1), prefixes=prefixes))
+    assert ids(theirs.decode_ids(sources, theirs.resolve(beam=1), prefixes=prefixes)) == completed
+    assert all(c[0][:len(p)] == p for c, p in zip(completed, prefixes, strict=True))
 
 
 @needs_ct2

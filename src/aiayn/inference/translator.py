@@ -42,11 +42,10 @@ Rules for awkward input (never a crash):
 
 from __future__ import annotations
 
-import json
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
@@ -57,90 +56,28 @@ from aiayn.data.batching import token_batches
 from aiayn.data.tokenizer import EOS, EOS_ID, UNK_ID
 from aiayn.errors import AiaynError, SettingError
 from aiayn.inference.aiayn_engine import AiaynEngine
-from aiayn.inference.align import Alignment, pharaoh, piece_words, text_words, word_alignment
+from aiayn.inference.align import Alignment, piece_words, text_words, word_alignment
 from aiayn.inference.attention import SentenceAttention, cross_attention, sentence_attention
 from aiayn.inference.engine import Engine
 from aiayn.inference.engines import ENGINES, engine_class
 from aiayn.inference.search import Hypothesis, next_distribution
 from aiayn.inference.settings import Sampling, Search, resolve_search
+from aiayn.inference.translations import (
+    DecodeStats,
+    Sources,
+    Translation,
+    TruncationWarning,
+    one_line,
+    output_rows,
+    sentence_list,
+    truncate_source,
+    truncation_message,
+)
 from aiayn.model import OutputKernel, Transformer
 from aiayn.util.threads import on_one_thread
 
-__all__ = ["ENGINES", "NextPiece", "Sources", "Translation", "Translator", "TruncationWarning"]
-
-
-class TruncationWarning(UserWarning):
-    """Some input sentences were longer than the model's max_len and were truncated."""
-
-
-# ---------------------------------------------------------------- sources
-def truncate_source(ids: list[int], max_len: int) -> list[int]:
-    """The documented rule: keep the first ``max_len - 1`` tokens and end with EOS."""
-    if len(ids) <= max_len:
-        return ids
-    return ids[: max_len - 1] + [EOS_ID]
-
-
-def truncation_message(count: int, max_len: int) -> str:
-    """What a ``TruncationWarning`` says (and `aiayn serve` answers) about ``count`` cut."""
-    return (f"{count} sentence(s) longer than the model's max_len={max_len} tokens "
-            f"were truncated to their first {max_len - 1} tokens")
-
-
-@dataclass
-class Sources:
-    """Sentences made ready to decode (``Translator.prepare``): the positions of the
-    non-empty ones, their source ids (truncated by the module's rule) and how many were
-    cut; ``Translator.finish`` puts their hypotheses back in the input order."""
-
-    count: int  # sentences given, empty ones included
-    todo: list[int]  # positions of the non-empty sentences
-    ids: list[list[int]]  # their source ids, tokens + EOS
-    truncated: int
-    texts: list[str] = field(default_factory=list)  # the non-empty sentences, one line each
-    prefixes: list[list[int]] | None = None  # their target prefixes' ids (None: none given)
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(ids) for ids in self.ids)
-
-
-@dataclass
-class Translation:
-    """One hypothesis with what the search knows of it (``Translator.translate_scored``)."""
-
-    text: str
-    score: float  # what the search ranked it by: log_prob / the length penalty
-    log_prob: float | None  # log P(pieces | sentence), EOS included (None: the engine gives none)
-    pieces: list[str]  # its target pieces, then "[EOS]" where the search ended it
-    log_probs: list[float] | None  # each piece's log-probability (None: as log_prob)
-    alignment: Alignment | None = None  # word pairs, where asked for (``translate_aligned``)
-
-    def as_dict(self) -> dict:
-        """Its fields as JSON takes them (`aiayn translate --scores`, serve's answers)."""
-        fields = {"translation": self.text, "score": self.score, "log_prob": self.log_prob,
-                  "pieces": self.pieces, "log_probs": self.log_probs}
-        if self.alignment is not None:
-            fields["alignment"] = pharaoh(self.alignment)
-        return fields
-
-
-@dataclass
-class DecodeStats:
-    """What one decoding pass did: for `aiayn evaluate`'s speed line."""
-
-    sentences: int = 0  # sentences decoded (empty ones excluded)
-    output_tokens: int = 0  # tokens of the best hypotheses, EOS excluded
-    seconds: float = 0.0
-    truncated: int = 0
-
-    @property
-    def sentences_per_s(self) -> float:
-        return self.sentences / self.seconds if self.seconds else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.output_tokens / self.seconds if self.seconds else 0.0
+__all__ = ["ENGINES", "NextPiece", "Sources", "Translation", "Translator", "TruncationWarning",
+           "truncation_message"]
 
 
 # ---------------------------------------------------------------- the translator
@@ -237,7 +174,7 @@ class Translator:
         (``resolve``; None: the run's), its best hypothesis kept (with sampling: one
         sample per sentence). ``prefixes``: per sentence the start of its translation
         (None or "": none), which the search completes (the module docstring)."""
-        hyps = self._translate(_sentence_list(sentences, "translate"), search, progress,
+        hyps = self._translate(sentence_list(sentences, "translate"), search, progress,
                                scored=False, prefixes=prefixes)
         return [h[0].text if h else "" for h in hyps]
 
@@ -252,7 +189,7 @@ class Translator:
         sentence gets an empty list.
         """
         return [[(t.text, t.score) for t in hyps] for hyps in self.translate_scored(
-            _sentence_list(sentences, "translate_nbest"), search, progress, prefixes)]
+            sentence_list(sentences, "translate_nbest"), search, progress, prefixes)]
 
     def translate_scored(self, sentences: Sequence[str], search: Search | None = None,
                          progress: Callable[[int], object] | None = None,
@@ -262,7 +199,7 @@ class Translator:
         score, its log-probability and each piece's (greedy search runs as a beam of one
         here, which gives the same tokens with their scores). An empty sentence gets an empty
         list. ``search``, ``prefixes``: as ``translate``'s."""
-        return self._translate(_sentence_list(sentences, "translate_scored"), search, progress,
+        return self._translate(sentence_list(sentences, "translate_scored"), search, progress,
                                scored=True, prefixes=prefixes)
 
     def translate_aligned(self, sentences: Sequence[str], search: Search | None = None,
@@ -273,7 +210,7 @@ class Translator:
         links each word of the translation to a word of the sentence, (i, j) pairs of
         ``sentence.split()[i]`` and ``translation.split()[j]`` (``aiayn.inference.align``; write them
         with ``aiayn.inference.align.pharaoh``). An empty sentence gives ("", [])."""
-        hyps = self._translate(_sentence_list(sentences, "translate_aligned"), search,
+        hyps = self._translate(sentence_list(sentences, "translate_aligned"), search,
                                progress, scored=False, aligned=True, prefixes=prefixes)
         return [(h[0].text, h[0].alignment) if h else ("", []) for h in hyps]
 
@@ -312,7 +249,7 @@ class Translator:
         """Sentences as one line each, the empty ones set aside, the rest tokenized and
         truncated by the module's rule (no warning: the caller says what was cut), with
         their prefixes' ids (``prefix_ids``; ``first``: as ``_translate``'s)."""
-        sentences = [_one_line(s) for s in sentences]
+        sentences = [one_line(s) for s in sentences]
         todo = [i for i, s in enumerate(sentences) if s.strip()]
         texts = [sentences[i] for i in todo]
         ids, truncated = self.source_ids(texts)
@@ -328,7 +265,7 @@ class Translator:
         """The target ids (no BOS or EOS) of each prefix (None or blank: none), or an
         AiaynError naming the first the model cannot write, by its number (from 0) in
         ``numbers``."""
-        texts = [_one_line(p).rstrip() if p else "" for p in prefixes]
+        texts = [one_line(p).rstrip() if p else "" for p in prefixes]
         encoded = self.tokenizers.encode_tgt(texts) if texts else []
         ids = [e[1:-1] for e in encoded]  # without BOS and EOS
         room = self.max_len - 2  # BOS before the prefix, EOS after it
@@ -380,7 +317,7 @@ class Translator:
         object per line instead (``Translation.as_dict``; with nbest > 1 {"nbest": [...]};
         an empty line {"translation": ""} alone). ``prefixes``: each line is
         'SENTENCE<TAB>PREFIX' (no tab: no prefix), the translation starting with PREFIX."""
-        lines = _sentence_list(lines, "translate_lines")
+        lines = sentence_list(lines, "translate_lines")
         search = search or self.resolve()
         if alignments:
             self.check_alignments()
@@ -392,7 +329,7 @@ class Translator:
                 part, given = zip(*(line.partition("\t")[::2] for line in part), strict=True)
             results = self._translate(list(part), search, None, scored=scores or nbest > 1,
                                       aligned=alignments, prefixes=given, first=first)
-            yield "".join(_rows(results, nbest, first, alignments, scores))
+            yield "".join(output_rows(results, nbest, first, alignments, scores))
             first += len(part)
 
     def encode(self, sentences: Sequence[str]) -> tuple[list[list[int]], int]:
@@ -450,9 +387,9 @@ class Translator:
         if target is not None:
             if not target.strip():
                 raise AiaynError("the --target translation is empty")
-            return self.tokenizers.encode_tgt([_one_line(target)])[0][1:-1]
+            return self.tokenizers.encode_tgt([one_line(target)])[0][1:-1]
         # Decode ids (not text) so that the teacher-forced pass sees the exact hypothesis.
-        sources, _ = self.encode([_one_line(sentence)])
+        sources, _ = self.encode([one_line(sentence)])
         return self.decode_ids(sources, search)[0][0].ids
 
     def next_piece(self, sentence: str, target: str | None = None, step: int | None = None,
@@ -470,7 +407,7 @@ class Translator:
         if not 0 <= step <= len(ids):
             raise AiaynError(f"step must be between 0 and {len(ids)} (the target's pieces), "
                              f"got {step}")
-        sources, _ = self.encode([_one_line(sentence)])
+        sources, _ = self.encode([one_line(sentence)])
         src = torch.tensor(sources, dtype=torch.long, device=self.device)
         probs, tokens = on_one_thread(lambda: next_distribution(
             self.model, src, ids[:step], sampling, search.no_repeat_ngram, self.kernel))
@@ -538,45 +475,6 @@ class Translator:
                                          for t in target])[:len(attention)]
                 results[i] = word_alignment(attention[:, :pieces], src_words, tgt_words)
         return results
-
-
-def _rows(results: list[list[Translation]], nbest: int, first: int, alignments: bool,
-          scores: bool) -> Iterator[str]:
-    """`aiayn translate`'s rows for ``results`` (``translate_lines``' formats): with
-    ``alignments`` each ends with a tab and the word pairs ('TRANSLATION<TAB>PAIRS'; an empty
-    line '<TAB>')."""
-    for i, hyps in enumerate(results, first):
-        if scores:
-            objects = [t.as_dict() for t in hyps]
-            if nbest > 1:
-                yield json.dumps({"nbest": objects}, ensure_ascii=False) + "\n"
-            else:
-                yield json.dumps(objects[0] if objects else {"translation": ""},
-                                 ensure_ascii=False) + "\n"
-            continue
-        tail = (lambda t: f"\t{pharaoh(t.alignment)}") if alignments else (lambda t: "")
-        if nbest == 1:
-            yield (f"{hyps[0].text}{tail(hyps[0])}\n" if hyps
-                   else "\t\n" if alignments else "\n")
-            continue
-        for t in hyps:
-            yield f"{i}\t{t.score:.4f}\t{t.text}{tail(t)}\n"
-        if not hyps:
-            yield f"{i}\t\t\t\n" if alignments else f"{i}\t\t\n"
-
-
-def _sentence_list(sentences, method: str):
-    """``sentences``, unless a bare string was given where a list is wanted: iterated, it
-    would be translated one character at a time (a TypeError, naming the list wanted)."""
-    if isinstance(sentences, str):
-        raise TypeError(f"{method}() takes a list of sentences; got a str: use "
-                        f"{method}([text])")
-    return sentences
-
-
-def _one_line(sentence: str) -> str:
-    """Line breaks inside a sentence would break the one-line-per-sentence contract."""
-    return " ".join(sentence.splitlines()) if "\n" in sentence or "\r" in sentence else sentence
 
 
 @dataclass
