@@ -95,7 +95,10 @@ def lines_file(tmp_path: Path, n: int = 23) -> Path:
     return path
 
 
-def job(source, out, search=Search(beam=2), chunk=5, **kwargs) -> Job:
+BEAM2 = Search(beam=2)
+
+
+def job(source, out, search=BEAM2, chunk=5, **kwargs) -> Job:
     return Job(source, out, search, run=kwargs.pop("run", RUN), chunk=chunk, **kwargs)
 
 
