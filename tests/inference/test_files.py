@@ -362,3 +362,18 @@ def test_resume_without_output_or_input_is_one_line(run_dir, tmp_path, capsys):
                            capsys)
     assert code == 2 and "(stdin cannot be read again)" in error_line(err)
     assert snapshot(tmp_path) == before
+
+
+def test_a_translate_lines_that_reports_batches_moves_the_bar_with_them(tmp_path):
+    source, out = lines_file(tmp_path), tmp_path / "out.txt"
+    given = []
+
+    class Reporting(Upper):
+        def translate_lines(self, lines, search=None, chunk=2000, progress=None, **modes):
+            given.append(progress)
+            return super().translate_lines(lines, search, chunk, **modes)
+
+    job(source, out).run(Reporting(), progress=False)
+    assert len(given) == 1 and callable(given[0])
+    job(source, tmp_path / "plain.txt").run(Upper(), progress=False)  # none given to others
+    assert out.read_bytes() == (tmp_path / "plain.txt").read_bytes()

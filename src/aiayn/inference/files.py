@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import os
 import sys
@@ -128,7 +129,8 @@ def translate_file(translator, source: str | Path, search: Search, chunk: int = 
     counter = bar(enabled=progress, desc="translating", total=found.lines, unit=" sentences")
     done = 0
     try:
-        for text in translator.translate_lines(lines, search=search, chunk=chunk, **modes):
+        for text in translator.translate_lines(lines, search=search, chunk=chunk, **modes,
+                                               **_per_batch(translator, counter)):
             yield text
             done = min(done + chunk, found.lines)
             counter.update(done - counter.n)
@@ -319,8 +321,8 @@ class Job:
         counter = bar(enabled=progress, desc="translating", total=total, unit=" sentences",
                       initial=done)
         try:
-            for text in translator.translate_lines(lines, search=self.search,
-                                                   chunk=self.chunk, **self.modes):
+            for text in translator.translate_lines(lines, search=self.search, chunk=self.chunk,
+                                                   **self.modes, **_per_batch(translator, counter)):
                 data = text.encode("utf-8")
                 try:
                     _write_all(fd, data)
@@ -386,6 +388,16 @@ class PartialDiskError(DiskError):
                    f"{job.input.lines:,} lines: free space, then the same command with "
                    "--resume continues it")
         return super().line(option, fix)
+
+
+def _per_batch(translator, counter) -> dict:
+    """``progress=`` for a ``translate_lines`` that takes one (the bar then moves with each
+    batch decoded, not only with each chunk written; each chunk then sets it exact)."""
+    try:
+        takes = "progress" in inspect.signature(translator.translate_lines).parameters
+    except (TypeError, ValueError):
+        takes = False
+    return {"progress": counter.update} if takes else {}
 
 
 def _write_all(fd: int, data: bytes) -> None:
