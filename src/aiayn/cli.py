@@ -363,7 +363,9 @@ def _add_translate(sub) -> None:
         "translation's word alignment in the Pharaoh format, 'i-j' pairs of source word i "
         "and target word j (whitespace-separated words, from 0). A sentence longer than the "
         "model's max_len is truncated, with a warning on stderr. With --sample: random "
-        "samples instead of the search, --nbest of them per sentence (docs/translating.md).")
+        "samples instead of the search, --nbest of them per sentence (docs/translating.md). "
+        "With -i IN -o OUT the translations go to OUT.partial as each chunk of lines is done "
+        "and a killed run goes on with --resume, ending as an uninterrupted one.")
     p.add_argument("run_dir", help="run directory (from `aiayn train`)")
     _add_search(p)
     _add_guard(p)
