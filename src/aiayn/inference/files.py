@@ -165,8 +165,7 @@ class Job:
                                  f"translate ({self._lines_said()}); --resume continues it, "
                                  "or delete it to start again")
             recorded = self._read_sidecar()
-            search = self._recorded_seed(search, recorded, seed_given)
-            self.search = search
+            self.search = search = self._recorded_seed(search, recorded, seed_given)
             self._check_same(recorded)
             self.done = {key: int(recorded["done"][key]) for key in self.done}
         elif resume:
@@ -185,11 +184,11 @@ class Job:
     def _read_sidecar(self) -> dict:
         try:
             recorded = json.loads(self.sidecar.read_text(encoding="utf-8"))
-            if recorded.get("version") != SIDECAR_VERSION:
-                raise ValueError("version")
-            {key: int(recorded["done"][key]) for key in self.done}  # noqa: B018  (present, numbers)
+            if recorded.get("version") != SIDECAR_VERSION or not all(
+                    int(recorded["done"][key]) >= 0 for key in self.done):
+                raise ValueError("not a record of this version")
             return recorded
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             raise AiaynError(f"--resume: {self.sidecar} is missing or unreadable, so "
                              f"{self.partial} cannot be continued; delete both to start "
                              "again") from None
