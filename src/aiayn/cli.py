@@ -35,6 +35,7 @@ from aiayn.export.base import QUANTIZATIONS
 from aiayn.export.base import TARGETS as EXPORT_TARGETS
 from aiayn.export.command import export_run
 from aiayn.inference.engines import ENGINES
+from aiayn.inference.files import CHUNK_LINES, Job, run_identity, translate_file
 from aiayn.inference.settings import Sampling, resolve_search
 from aiayn.inference.translator import Translator
 from aiayn.inspect.doctor import doctor
@@ -362,7 +363,9 @@ def _add_translate(sub) -> None:
         "translation's word alignment in the Pharaoh format, 'i-j' pairs of source word i "
         "and target word j (whitespace-separated words, from 0). A sentence longer than the "
         "model's max_len is truncated, with a warning on stderr. With --sample: random "
-        "samples instead of the search, --nbest of them per sentence (docs/translating.md).")
+        "samples instead of the search, --nbest of them per sentence (docs/translating.md). "
+        "With -i IN -o OUT the translations go to OUT.partial as each chunk of lines is done "
+        "and a killed run goes on with --resume, ending as an uninterrupted one.")
     p.add_argument("run_dir", help="run directory (from `aiayn train`)")
     _add_search(p)
     _add_guard(p)
@@ -379,8 +382,17 @@ def _add_translate(sub) -> None:
     p.add_argument("--prefix", action="store_true",
                    help="each input line is SENTENCE<TAB>PREFIX: the translation starts with "
                    "PREFIX and the search completes it (a line without a tab: no prefix)")
-    p.add_argument("-i", "--input", help="input file (default: stdin)")
-    p.add_argument("-o", "--output", help="output file (default: stdout)")
+    p.add_argument("-i", "--input", help="input file (default: stdin); read lazily, checked "
+                   "as UTF-8 before anything is written, with a progress bar on a terminal")
+    p.add_argument("-o", "--output", help="output file (default: stdout); with -i written as "
+                   "each chunk is done to OUTPUT.partial (and OUTPUT.partial.json, what is "
+                   "done), renamed to OUTPUT at the end")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the interrupted -i IN -o OUT run whose OUT.partial is left "
+                   "(same settings; the output ends as an uninterrupted run's)")
+    p.add_argument("--chunk-lines", type=int, default=CHUNK_LINES, metavar="N",
+                   help=f"input lines decoded, written and recorded at a time (default "
+                   f"{CHUNK_LINES}); a resumed run needs the interrupted run's N")
     p.add_argument("--interactive", action="store_true", help="answer each line of stdin as "
                    "soon as it is entered (the default when stdin is a terminal)")
     _add_weights(p)
@@ -396,14 +408,27 @@ def _run_translate(args) -> int:
                             sampling=_sampling_from_args(args))
     if args.interactive and args.input is not None:
         raise AiaynError("--interactive reads stdin line by line; drop -i/--input")
+    if args.resume and (args.output is None or args.input is None):
+        raise AiaynError("--resume continues an interrupted `-i IN -o OUT` run; give the same "
+                         "-i and -o" + ("" if args.output is None else
+                                        " (stdin cannot be read again)"))
+    _at_least(args.chunk_lines, 1, "--chunk-lines")
     if args.output is not None:
         check_output_file(args.output, "-o")
     if args.input is not None and Path(args.input).is_dir():
         raise AiaynError(f"-i {args.input}: is a directory, not a file")
     terminal = sys.stdin is not None and sys.stdin.isatty()
     interactive = args.input is None and (args.interactive or terminal)
-    translator = Translator.from_pretrained(args.run_dir, args.weights,
-                                            device=choose_device(args.device),
+    device = choose_device(args.device)
+    modes = {"alignments": args.alignments, "scores": args.scores, "prefixes": args.prefix}
+    job = None
+    if args.input is not None and args.output is not None:  # checked before the model loads
+        job = Job(args.input, args.output, search, chunk=args.chunk_lines, resume=args.resume,
+                  seed_given=args.seed is not None, modes=modes,
+                  run=run_identity(args.run_dir, args.weights, args.engine, str(device),
+                                   args.decode_tokens))
+        search = job.search  # on --resume, a seed drawn at random is the interrupted run's
+    translator = Translator.from_pretrained(args.run_dir, args.weights, device=device,
                                             decode_tokens=args.decode_tokens,
                                             engine=args.engine)
     translator.check(search)  # what the model and the decoding budget can hold
@@ -412,10 +437,16 @@ def _run_translate(args) -> int:
     if interactive and terminal:
         print("aiayn: translating each line as it is entered; end with Ctrl-D", file=sys.stderr)
     _say_seed(args, search.sampling)
-    lines = _stdin_lines() if interactive else _read_lines(args.input)
-    chunks = translator.translate_lines(lines, chunk=1 if interactive else 2000,
-                                        alignments=args.alignments, search=search,
-                                        scores=args.scores, prefixes=args.prefix)
+    if job is not None:
+        job.run(translator)
+        return 0
+    if args.input is not None:  # a bar only where it does not draw over the translations
+        chunks = translate_file(translator, args.input, search, args.chunk_lines,
+                                progress=not sys.stdout.isatty(), **modes)
+    else:
+        lines = _stdin_lines() if interactive else _read_stdin()
+        chunks = translator.translate_lines(lines, chunk=1 if interactive else args.chunk_lines,
+                                            search=search, **modes)
     if args.output is None:
         _write(chunks, sys.stdout)
         return 0
@@ -431,7 +462,7 @@ def _write(chunks: Iterator[str], out) -> None:
 
 
 def _stdin_lines() -> Iterator[str]:
-    """stdin line by line, each as soon as it has arrived, by ``_read_lines``'s rules (UTF-8,
+    """stdin line by line, each as soon as it has arrived, by ``_read_stdin``'s rules (UTF-8,
     lines end at "\\n" only, a trailing "\\r" goes, a byte-order mark at the start too)."""
     stream = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8-sig", newline="\n")
     number = 0
@@ -444,24 +475,16 @@ def _stdin_lines() -> Iterator[str]:
         raise AiaynError(f"stdin, line {number + 1}: not UTF-8 text ({exc.reason})") from None
 
 
-def _read_lines(path: str | None) -> list[str]:
-    """Lines of a UTF-8 file (or stdin). Lines end at "\\n" only (a trailing "\\r" goes),
-    so input line i is output line i whatever else the text holds (U+2028, form feeds,
-    a lone CR...); a UTF-8 byte-order mark at the start is dropped."""
-    where = path or "stdin"
+def _read_stdin() -> list[str]:
+    """All of stdin's lines, by ``aiayn.inference.files.read_lines``'s rules (lines end at
+    "\\n" only, a trailing "\\r" goes, a UTF-8 byte-order mark at the start too), read
+    before any is translated, so that text that is not UTF-8 fails before any output."""
     try:
-        if path is None:
-            data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else \
-                sys.stdin.read().encode("utf-8")
-        else:
-            data = Path(path).read_bytes()
+        data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else \
+            sys.stdin.read().encode("utf-8")
         text = data.decode("utf-8-sig")
-    except FileNotFoundError:
-        raise AiaynError(f"-i {path}: input file not found") from None
-    except IsADirectoryError:
-        raise AiaynError(f"-i {path}: is a directory, not a file") from None
     except UnicodeDecodeError as exc:
-        raise AiaynError(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        raise AiaynError(f"stdin: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     lines = text.split("\n")
     if lines[-1] == "":  # the newline that ends the last line starts no new one
         lines.pop()

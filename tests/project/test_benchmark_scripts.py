@@ -235,3 +235,24 @@ def test_the_gpu_session_runs_every_section_on_the_cpu(run_dir, tmp_path):
     assert set(result["profile"]) == {"decode_demo_beam4", "decode_demo_beam4_bf16",
                                       "train_step_base"}
     assert "aten::" in (out / "profile_decode_bf16.txt").read_text(encoding="utf-8")
+
+
+# ---------------------------------------------------------------- translate_file.py, quick
+def test_translate_file_times_the_command_against_one_batch(run_dir, tmp_path, monkeypatch,
+                                                            capsys):
+    """benchmarks/translate_file.py at a tiny size: the command's and the batch's lines/s,
+    their ratio, and the row with its conditions as JSON."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    main = runpy.run_path(str(BENCHMARKS / "translate_file.py"))["main"]
+    out = tmp_path / "row.json"
+    row = main(["--run-dir", str(run_dir), "--lines", "40", "--chunk-lines", "16",
+                "--json", str(out)])
+    record = json.loads(out.read_text(encoding="utf-8"))
+    assert record["rows"] == [{**row, "conditions": "40-lines-beam1"}]
+    assert row["command_lines_per_s"] > 0 and row["batch_lines_per_s"] > 0
+    assert row["ratio"] == pytest.approx(row["command_lines_per_s"] / row["batch_lines_per_s"],
+                                         rel=0.01)
+    assert 0.9 <= row["same_lines"] <= 1  # greedy: the same lines but a float's rare flip
+    assert {"command", "commit", "cpu", "torch", "load", "date"} <= set(
+        record["conditions"]["40-lines-beam1"])
+    assert "ratio" in capsys.readouterr().out

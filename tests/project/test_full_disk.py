@@ -317,3 +317,47 @@ def test_a_read_only_filesystem_is_one_line_naming_the_file(world, small_fs):
     assert one_error_line(result.stderr.decode()) == (
         f"aiayn: error: read-only filesystem writing {avg}: remount it writable or choose "
         "another -o")
+
+
+def test_translate_on_a_full_disk_leaves_nothing_or_whole_chunks_to_resume(
+        world, small_fs, tmp_path, monkeypatch, capsys):
+    from aiayn.inference.translator import Translator
+
+    source = tmp_path / "in.txt"
+    source.write_text("".join(f"the red cat {w}\n" for w in WORDS * 3), encoding="utf-8")
+    argv = ["translate", str(world["run"]), "-i", str(source), "--beam", "1",
+            "--chunk-lines", "10"]
+    out = small_fs / "out.txt"
+    filler = fill(small_fs)
+    result = aiayn(*argv, "-o", out)
+    assert result.returncode == 2
+    assert one_error_line(result.stderr.decode()) == (
+        f"aiayn: error: no space left on {out}: writing the translations; free space or "
+        "choose another -o")
+    assert sorted(p.name for p in small_fs.iterdir()) == ["filler"]
+    filler.unlink()
+
+    real = Translator.translate_lines
+
+    def full_after_the_first_chunk(self, *args, **kwargs):
+        for i, text in enumerate(real(self, *args, **kwargs)):
+            if i == 1:
+                fill(small_fs)
+            yield text
+
+    monkeypatch.setattr(Translator, "translate_lines", full_after_the_first_chunk)
+    assert cli.main([*argv, "-o", str(out)]) == 2
+    monkeypatch.undo()
+    line = one_error_line(capsys.readouterr().err)
+    # (the last page of a file may still take a chunk: 10 or 20 lines are kept)
+    kept = (small_fs / "out.txt.partial").read_text(encoding="utf-8").count("\n")
+    assert kept in (10, 20) and line == (
+        f"aiayn: error: no space left on {out}: writing the translations; {out}.partial keeps "
+        f"the first {kept} of {3 * len(WORDS)} lines: free space, then the same command with "
+        "--resume continues it")
+    assert not out.exists()
+    (small_fs / "filler").unlink()
+    assert cli.main([*argv, "-o", str(out), "--resume"]) == 0
+    assert cli.main([*argv, "-o", str(tmp_path / "whole.txt")]) == 0
+    assert out.read_bytes() == (tmp_path / "whole.txt").read_bytes()
+    assert sorted(p.name for p in small_fs.iterdir()) == ["out.txt"]

@@ -12,6 +12,9 @@ by kill -9). While it is held, ``DIR/.lock`` names the holder's pid for the mess
 file goes when the lock is released (a stale one after a kill is overwritten by the next
 holder).
 
+``hold_file`` holds one open file the same way (`aiayn translate -o OUT` its OUT.partial:
+one writer per output, not per directory).
+
 Where there is no ``fcntl`` (Windows), the lock is the files themselves: a writer creates
 ``DIR/.lock`` (exclusively: ``O_EXCL``), a reader ``DIR/.lock.shared.PID.N``; each creates
 its own file first and then looks for the others' (so of two that start together, at least
@@ -218,3 +221,19 @@ def _windows_process_alive(pid: int) -> bool:
         return bool(kernel32.GetExitCodeProcess(handle, ctypes.byref(code))) and code.value == 259
     finally:
         kernel32.CloseHandle(handle)  # 259: STILL_ACTIVE
+
+
+def hold_file(fd: int) -> bool:
+    """Hold the open file ``fd`` exclusively (``flock``: the kernel lets go when the process
+    dies, even by kill -9, or when ``fd`` is closed); False when another process holds it.
+    Where there is no ``fcntl`` it holds nothing and says True: the caller then asks
+    whether the writer it recorded still runs (``process_alive``)."""
+    if fcntl is None:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise
+        return False
+    return True

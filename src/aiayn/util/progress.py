@@ -19,15 +19,16 @@ from typing import Any
 
 
 def bar(items: Iterable | None = None, enabled: bool = True, desc: str = "",
-        total: int | None = None, unit: str = " pairs") -> Any:
+        total: int | None = None, unit: str = " pairs", initial: int = 0) -> Any:
     """A transient tqdm bar over ``items`` (or, with ``items=None``, one updated by hand).
-    Not ``enabled``: ``items`` themselves (no wrapper), or a bar that draws nothing."""
+    Not ``enabled``: ``items`` themselves (no wrapper), or a bar that draws nothing.
+    ``initial``: the count already done (a resumed job; its rate counts from here)."""
     if not enabled and items is not None:
         return items
     from tqdm import tqdm
 
     return tqdm(items, desc=desc, total=total, unit=unit, unit_scale=bool(unit), leave=False,
-                dynamic_ncols=True, disable=None if enabled else True)
+                dynamic_ncols=True, disable=None if enabled else True, initial=initial)
 
 
 def log(line: str) -> None:
