@@ -264,11 +264,11 @@ def big_input(tmp_path: Path, n: int) -> Path:
 SLOW_AIAYN = ("import sys, time\n"
               "from aiayn import cli\n"
               "from aiayn.inference.translator import Translator\n"
-              "real = Translator.translate\n"
+              "real = Translator.prepare\n"
               "def slow(self, *args, **kwargs):\n"
               "    time.sleep(1)\n"
               "    return real(self, *args, **kwargs)\n"
-              "Translator.translate = slow\n"
+              "Translator.prepare = slow\n"
               "sys.exit(cli.main(sys.argv[1:]))\n")
 
 
@@ -331,23 +331,23 @@ def test_the_command_resumes_without_decoding_the_lines_done_again(
     source, out = big_input(tmp_path, 47), tmp_path / "out.txt"
     argv = ["translate", str(run_dir), "-i", str(source), "-o", str(out), "--beam", "2",
             "--chunk-lines", "10"]
-    real = Translator.translate
+    real = Translator.prepare  # once per chunk, with its sentences
     decoded, stop = [], [True]
 
-    def counting(self, sentences, search=None, progress=None):
+    def counting(self, sentences, prefixes=None, first=0):
         if len(decoded) == 2 and stop[0]:
             raise KeyboardInterrupt  # Ctrl-C while the third chunk is decoded
         decoded.append(len(sentences))
-        return real(self, sentences, search, progress)
+        return real(self, sentences, prefixes, first)
 
-    monkeypatch.setattr(Translator, "translate", counting)
+    monkeypatch.setattr(Translator, "prepare", counting)
     code, _, err = run_cli(argv, capsys)
     assert code == 130 and "keeps the first 20 of 47 lines" in err
     stop[0] = False
     code, _, err = run_cli([*argv, "--resume"], capsys)
     assert code == 0, err
     assert decoded == [10, 10, 10, 10, 7]  # 20 lines, interrupted; then the 27 left
-    monkeypatch.setattr(Translator, "translate", real)
+    monkeypatch.setattr(Translator, "prepare", real)
     code, stdout, _ = run_cli(argv[:4] + argv[6:], capsys)
     assert code == 0 and out.read_text(encoding="utf-8") == stdout
 

@@ -306,7 +306,8 @@ class Translator:
 
     def translate_lines(self, lines: Iterable[str], search: Search | None = None,
                         chunk: int = 2000, alignments: bool = False, scores: bool = False,
-                        prefixes: bool = False) -> Iterator[str]:
+                        prefixes: bool = False, progress: Callable[[int], object] | None = None
+                        ) -> Iterator[str]:
         """`aiayn translate`'s output, ``chunk`` lines at a time (so output appears as it is
         ready and memory stays bounded; ``chunk=1`` answers each line of a lazy iterable,
         e.g. a terminal, as soon as it arrives): one translation per line, or with
@@ -316,7 +317,8 @@ class Translator:
         Pharaoh format ('0-0 1-2', ``aiayn.inference.align.pharaoh``). ``scores``: one JSON
         object per line instead (``Translation.as_dict``; with nbest > 1 {"nbest": [...]};
         an empty line {"translation": ""} alone). ``prefixes``: each line is
-        'SENTENCE<TAB>PREFIX' (no tab: no prefix), the translation starting with PREFIX."""
+        'SENTENCE<TAB>PREFIX' (no tab: no prefix), the translation starting with PREFIX.
+        ``progress(n)``: called after each batch with its number of sentences."""
         lines = sentence_list(lines, "translate_lines")
         search = search or self.resolve()
         if alignments:
@@ -327,7 +329,7 @@ class Translator:
             given = None
             if prefixes:
                 part, given = zip(*(line.partition("\t")[::2] for line in part), strict=True)
-            results = self._translate(list(part), search, None, scored=scores or nbest > 1,
+            results = self._translate(list(part), search, progress, scored=scores or nbest > 1,
                                       aligned=alignments, prefixes=given, first=first)
             yield "".join(output_rows(results, nbest, first, alignments, scores))
             first += len(part)
