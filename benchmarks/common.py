@@ -15,6 +15,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -118,6 +119,15 @@ def device_description() -> str:
         f"({torch.get_num_threads()} threads, capability {torch.backends.cpu.get_cpu_capability()}), "
         f"flags: {' '.join(isa) or 'n/a'}"
     )
+
+
+def git_commit() -> str:
+    """The checkout's short commit, for a result's provenance ("unknown" outside git)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
+                              capture_output=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def load_average() -> float:

@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, cpu_model  # noqa: E402
+from common import REPO, cpu_model, git_commit  # noqa: E402
 
 from aiayn.inference.translator import Translator  # noqa: E402
 from aiayn.runs.directory import read_data_dir  # noqa: E402
@@ -240,14 +240,6 @@ def device_name(device: str) -> str:
     if torch.device(device).type == "cuda":
         return f"{torch.cuda.get_device_name(device)} (CPU: {cpu_model()})"
     return cpu_model()
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
-                              capture_output=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 ABOUT = (

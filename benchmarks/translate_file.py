@@ -42,13 +42,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402  (benchmarks/ is not a package)
-    REPO,
     add_json_option,
     add_repeats_option,
     add_run_options,
     add_threads_option,
     cpu_flags,
     cpu_model,
+    git_commit,
     note_load,
     set_threads,
 )
@@ -97,14 +97,6 @@ def run_command(args, source: Path, out: Path) -> tuple[float, float]:
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"aiayn translate failed: {err.strip()[-500:]}")
     return seconds, usage.ru_maxrss / 1024
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
-                              capture_output=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def measure(args, work: Path) -> dict:
