@@ -48,12 +48,15 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1000)
     args = parser.parse_args()
 
-    process, url = start_server(args.run_dir, args.weights, threads=2)
+    process, url = start_server(argparse.Namespace(  # serve_load's options, its defaults
+        run_dir=args.run_dir, weights=args.weights, threads=2, device="cpu", engine="aiayn",
+        decode_tokens=8192, max_wait_ms=5.0, batching=None, lanes=None))
     driver = headless_chromium(args.width, 1000)
     try:
         driver.get(url + "/")
         wait = WebDriverWait(driver, 120)
         wait.until(lambda d: "parameters" in d.find_element(By.ID, "info").text)
+        driver.find_element(By.ID, "source").clear()  # the page starts with its example in it
         driver.find_element(By.ID, "source").send_keys(args.sentence)
         driver.find_element(By.ID, "translate").click()
         wait.until(lambda d: d.find_element(By.ID, "status").text.startswith("done")
