@@ -52,6 +52,7 @@ from aiayn.inference.align import Alignment, pharaoh, piece_words, text_words, w
 from aiayn.inference.attention import SentenceAttention, cross_attention, sentence_attention
 from aiayn.inference.engine import Engine
 from aiayn.inference.engines import ENGINES, engine_class
+from aiayn.inference.scoring import PairScore, score_pairs
 from aiayn.inference.search import Hypothesis, next_distribution
 from aiayn.inference.settings import Sampling, Search, resolve_search
 from aiayn.model import OutputKernel, Transformer
@@ -401,6 +402,13 @@ class Translator:
         architecture, e.g. an earlier checkpoint's) teacher-forced on ``hypothesis``."""
         return on_one_thread(lambda: sentence_attention(model, self.tokenizers, sentence,
                                                         hypothesis))
+
+    def score(self, sources: Sequence[str], targets: Sequence[str], search: Search | None = None,
+              progress: Callable[[int], object] | None = None) -> list[PairScore]:
+        """Each (source, target) pair's teacher-forced log-probability under ``search`` (None:
+        the run's), the numbers the search gives its own translations (aiayn.inference.scoring)."""
+        self.engine.require_model("scoring given pairs")
+        return score_pairs(self, sources, targets, search or self.resolve(), progress)
 
     # ------------------------------------------------------------ word alignments
     def check_alignments(self) -> None:
