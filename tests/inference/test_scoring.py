@@ -8,11 +8,12 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import error_line, run_cli, tiny_model
 
 from aiayn.data.batching import pad
 from aiayn.data.tokenizer import EOS_ID
@@ -190,3 +191,60 @@ def test_score_refuses_a_string_and_unpaired_lists(translator):
         translator.score("red sun", ["red sun"])
     with pytest.raises(ValueError, match="2 sources but 1 targets"):
         translator.score(["red", "sun"], ["red"])
+
+
+# ---------------------------------------------------------------- `aiayn score`
+def test_cli_three_input_forms_agree_with_the_api(run_dir, translator, tmp_path, capsys):
+    """The test split as --split, as one TSV file and as two files: the same lines, the API's
+    numbers (the run's alpha), written atomically to -o or to stdout; --json carries each
+    piece's log-probability, summing to the total."""
+    pairs = [json.loads(line) for line in
+             (Path((run_dir / "data_dir.txt").read_text().strip()) / "test.jsonl").open()]
+    (tmp_path / "p.tsv").write_text("".join(f"{p['src']}\t{p['tgt']}\n" for p in pairs))
+    (tmp_path / "s.txt").write_text("".join(p["src"] + "\n" for p in pairs))
+    (tmp_path / "t.txt").write_text("".join(p["tgt"] + "\n" for p in pairs))
+    run = str(run_dir)
+    outputs = []
+    for form in (["--split", "test"], ["-i", str(tmp_path / "p.tsv")],
+                 ["--source", str(tmp_path / "s.txt"), "--target", str(tmp_path / "t.txt")]):
+        code, out, _ = run_cli(["score", run, *form], capsys)
+        assert code == 0
+        outputs.append(out)
+    assert outputs[0] == outputs[1] == outputs[2]
+    expected = translator.score([p["src"] for p in pairs], [p["tgt"] for p in pairs])
+    assert outputs[0] == "".join(map(tsv_row, expected))
+    assert len(outputs[0].splitlines()) == len(pairs) == 40
+    code, _, _ = run_cli(["score", run, "--split", "test", "--json", "--alpha", "0",
+                          "-o", str(tmp_path / "out.jsonl")], capsys)
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert code == 0 and len(rows) == 40
+    for row, s in zip(rows, expected, strict=True):
+        assert row["score"] == row["log_prob"] == pytest.approx(s.log_prob, abs=1e-4)  # alpha 0
+        assert sum(row["log_probs"]) == pytest.approx(row["log_prob"], abs=1e-3)
+        assert len(row["log_probs"]) == len(row["pieces"]) + 1
+
+
+@pytest.mark.parametrize("case", ["tabs", "counts", "missing", "not-utf8", "lone-source"])
+def test_cli_bad_input_is_one_line_and_leaves_the_output_as_it_was(run_dir, tmp_path, capsys,
+                                                                   case):
+    (tmp_path / "ok.txt").write_text("red\nsun\nmoon\n")
+    (tmp_path / "two.txt").write_text("red\nsun\n")
+    (tmp_path / "tabs.tsv").write_text("red\tred\nsun sun\nmoon\tmoon\n")
+    (tmp_path / "bad.tsv").write_bytes(b"red\tred\nsun\xff\tsun\n")
+    given, expected = {
+        "tabs": (["-i", str(tmp_path / "tabs.tsv")], "tabs.tsv, line 2: 0 tabs"),
+        "counts": (["--source", str(tmp_path / "ok.txt"), "--target", str(tmp_path / "two.txt")],
+                   "ok.txt has 3 lines but --target"),
+        "missing": (["-i", str(tmp_path / "none.tsv")], "none.tsv: file not found"),
+        "not-utf8": (["-i", str(tmp_path / "bad.tsv")], "bad.tsv, line 2: not UTF-8"),
+        "lone-source": (["--source", str(tmp_path / "ok.txt")], "--source and --target go"),
+    }[case]
+    out = tmp_path / "out.tsv"
+    out.write_text("before\n")
+    code, _, err = run_cli(["score", str(run_dir), *given, "-o", str(out)], capsys)
+    assert code == 2
+    assert expected in error_line(err)
+    if case == "counts":
+        assert "two.txt has 2" in error_line(err)
+    assert out.read_text() == "before\n"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []

@@ -4,7 +4,7 @@ and serve's continuous search (joinable) both drive (steps), the one decode driv
 (translator), the engines it drives behind one interface (engine: aiayn's own, aiayn_engine,
 or CTranslate2's, ct2; by --engine name: engines), the batch budget (budget), the output
 layer's kernel (kernels), attention maps of a translation (attention) and word alignments
-from them (align).
+from them (align), and the teacher-forced scores of given pairs (scoring).
 
 May import: aiayn.errors, aiayn.util, aiayn.config, aiayn.model, aiayn.data, aiayn.runs.
 """
