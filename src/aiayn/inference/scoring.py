@@ -134,6 +134,7 @@ def score_pairs(translator, sources: Sequence[str], targets: Sequence[str], sear
     """``Translator.score``'s work, for a translator holding aiayn's model: each pair's
     ``PairScore`` in input order (see the module docstring); ``progress(n)`` after each
     batch of n pairs."""
+    translator.engine.require_model("scoring given pairs")
     for name, given in (("sources", sources), ("targets", targets)):
         if isinstance(given, str):  # iterated, each character would be a sentence
             raise TypeError(f"score() takes lists of sentences; got a str as {name}")

@@ -405,9 +405,7 @@ class Translator:
 
     def score(self, sources: Sequence[str], targets: Sequence[str], search: Search | None = None,
               progress: Callable[[int], object] | None = None) -> list[PairScore]:
-        """Each (source, target) pair's teacher-forced log-probability under ``search`` (None:
-        the run's), the numbers the search gives its own translations (aiayn.inference.scoring)."""
-        self.engine.require_model("scoring given pairs")
+        """Each pair's teacher-forced log-probability under ``search``: aiayn.inference.scoring."""
         return score_pairs(self, sources, targets, search or self.resolve(), progress)
 
     # ------------------------------------------------------------ word alignments
