@@ -3,8 +3,9 @@
 `noisy` copies a prepared data directory with a share of its training targets shuffled among
 themselves (reproducible with --seed), so that those pairs no longer translate each other;
 `filter` copies a prepared directory without the training pairs that `aiayn score` gave the
-lowest scores, and, given the noisy directory's record of which pairs it shuffled, says how
-many of them the filter caught (precision and recall). The tokenizer, dev and test are the
+lowest scores (or, the control, as many drawn at random), and, given the noisy directory's
+record of which pairs it shuffled, says how many of them the filter caught (precision and
+recall). The tokenizer, dev and test are the
 source's, unchanged, so runs trained on the copies are scored on the same test verses.
 
     python benchmarks/noisy_pairs.py noisy --data data/bible-eng-spa --out data/noisy --share 0.2
@@ -59,7 +60,8 @@ def _write_train(out: Path, stats: dict, pairs: list[tuple[str, str]],
 
 
 def _train(src: Path) -> tuple[list[tuple[str, str]], list[list[int]], list[list[int]], object]:
-    pairs = [tuple(json.loads(line).values()) for line in open(src / "train.jsonl", encoding="utf-8")]
+    records = (json.loads(line) for line in open(src / "train.jsonl", encoding="utf-8"))
+    pairs = [(r["src"], r["tgt"]) for r in records]
     ids = SplitIds.open(src / IDS_DIR, "train")
     return (pairs, [ids.src.row(i) for i in range(len(pairs))],
             [ids.tgt.row(i) for i in range(len(pairs))], ids.src.ids.dtype)
@@ -98,9 +100,14 @@ def read_scores(path: Path, column: str) -> list[float]:
     return values
 
 
-def filter_pairs(src: Path, scores_path: Path, drop: float, out: Path, column: str) -> dict:
+def filter_pairs(src: Path, scores_path: Path | None, drop: float, out: Path, column: str,
+                 seed: int = 1) -> dict:
     pairs, src_rows, tgt_rows, dtype = _train(src)
-    scores = np.array(read_scores(scores_path, column))
+    if column == "random":  # the control: as many pairs dropped, blind to the scores
+        scores = np.random.default_rng(seed).random(len(pairs))
+        scores_path = Path(f"random (seed {seed})")
+    else:
+        scores = np.array(read_scores(scores_path, column))
     if len(scores) != len(pairs):
         raise SystemExit(f"{scores_path}: {len(scores)} scores for {len(pairs)} training pairs")
     # Lowest first; a stable sort, so ties drop the earlier line, the same every time.
@@ -132,15 +139,20 @@ def main() -> None:
     noisy.add_argument("--seed", type=int, default=0)
     filt = sub.add_parser("filter", help="a copy without the lowest-scoring training pairs")
     filt.add_argument("--data", type=Path, required=True)
-    filt.add_argument("--scores", type=Path, required=True, help="`aiayn score` TSV output")
+    filt.add_argument("--scores", type=Path, help="`aiayn score` TSV output (not with --by random)")
     filt.add_argument("--drop", type=float, default=0.2)
-    filt.add_argument("--by", choices=("score", "log_prob", "mean"), default="score")
+    filt.add_argument("--by", choices=("score", "log_prob", "mean", "random"), default="mean",
+                      help="SCORE, LOG_PROB, their mean per token LOG_PROB/TOKENS, or random "
+                      "(a control that drops as many pairs blind)")
+    filt.add_argument("--seed", type=int, default=1, help="--by random: its seed")
     filt.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if args.command == "noisy":
         make_noisy(args.data, args.out, args.share, args.seed)
     else:
-        filter_pairs(args.data, args.scores, args.drop, args.out, args.by)
+        if (args.scores is None) != (args.by == "random"):
+            parser.error("--scores is needed, except with --by random")
+        filter_pairs(args.data, args.scores, args.drop, args.out, args.by, args.seed)
 
 
 if __name__ == "__main__":
