@@ -4,8 +4,9 @@ and serve's continuous search (joinable) both drive (steps), the one decode driv
 (translator) and what it takes and gives (translations), the engines it drives behind one
 interface (engine: aiayn's own, aiayn_engine, or CTranslate2's, ct2; by --engine name:
 engines), the batch budget (budget), the output layer's kernel (kernels), attention maps of
-a translation (attention) and word alignments from them (align), and files of any length
-translated chunk by chunk, resumable (files).
+a translation (attention) and word alignments from them (align), files of any length
+translated chunk by chunk, resumable (files), and the teacher-forced scores of given pairs
+(scoring).
 
 May import: aiayn.errors, aiayn.util, aiayn.config, aiayn.model, aiayn.data, aiayn.runs.
 """

@@ -60,6 +60,7 @@ from aiayn.inference.align import Alignment, piece_words, text_words, word_align
 from aiayn.inference.attention import SentenceAttention, cross_attention, sentence_attention
 from aiayn.inference.engine import Engine
 from aiayn.inference.engines import ENGINES, engine_class
+from aiayn.inference.scoring import PairScore, score_pairs
 from aiayn.inference.search import Hypothesis, next_distribution
 from aiayn.inference.settings import Sampling, Search, resolve_search
 from aiayn.inference.translations import (
@@ -426,6 +427,11 @@ class Translator:
         architecture, e.g. an earlier checkpoint's) teacher-forced on ``hypothesis``."""
         return on_one_thread(lambda: sentence_attention(model, self.tokenizers, sentence,
                                                         hypothesis))
+
+    def score(self, sources: Sequence[str], targets: Sequence[str], search: Search | None = None,
+              progress: Callable[[int], object] | None = None) -> list[PairScore]:
+        """Each pair's teacher-forced log-probability under ``search``: aiayn.inference.scoring."""
+        return score_pairs(self, sources, targets, search or self.resolve(), progress)
 
     # ------------------------------------------------------------ word alignments
     def check_alignments(self) -> None:
