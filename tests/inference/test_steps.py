@@ -114,6 +114,19 @@ def test_the_guard_leaves_a_given_prefix_alone_and_rules_what_follows():
                 seen.add(tuple(rest[j:j + 2]))
 
 
+def test_the_guard_bans_nothing_for_a_joined_rows_padding_with_a_restricted_layer():
+    # A row that joined 4 steps late has only PAD before its first own token: its windows of
+    # PAD repeat, but PAD has no column of a restricted layer (IGNORE, -100), and a negative
+    # index would ban the 100th column from the end.
+    to_column = torch.full((160,), -100)
+    to_column[3:] = torch.arange(157)
+    logits = torch.zeros(2, 157)
+    history = np.array([[0, 0, 0, 0], [5, 6, 5, 6]])
+    ban_repeated_ngrams(logits, history, 2, to_column)
+    assert torch.isfinite(logits[0]).all()
+    assert logits[1, to_column[5]] == float("-inf") and torch.isfinite(logits[1]).sum() == 156
+
+
 def test_the_guard_can_skip_rows():
     logits = torch.zeros(2, 6)
     history = np.array([[4, 5, 4], [4, 5, 4]])

@@ -38,7 +38,8 @@ def ban_repeated_ngrams(logits: Tensor, history: np.ndarray, n: int,
 
     Vectorised on the host, where the searches keep the histories: one comparison of every
     (n-1)-gram with the last (hypotheses are short). A joined row's history starts with
-    PAD (before it joined); PAD windows can only ban PAD, which is never generated anyway.
+    PAD (before it joined); PAD windows could only ban PAD, which is never generated, so
+    they ban nothing.
     """
     t = history.shape[1]
     if t < n:  # no n-gram complete yet, so nothing to repeat
@@ -50,7 +51,13 @@ def ban_repeated_ngrams(logits: Tensor, history: np.ndarray, n: int,
         rows, at = rows[~skip[rows]], at[~skip[rows]]
     if rows.size == 0:
         return
-    tokens = torch.from_numpy(windows[rows, at, n - 1]).to(logits.device)
+    tokens = windows[rows, at, n - 1]
+    # PAD completes only windows of a joined row's padding: never generated, nothing to ban,
+    # and with a restricted layer it has no column (to_column says IGNORE, a negative index).
+    rows, tokens = rows[tokens != PAD_ID], torch.from_numpy(tokens[tokens != PAD_ID])
+    if rows.size == 0:
+        return
+    tokens = tokens.to(logits.device)
     columns = tokens if to_column is None else to_column[tokens]
     logits[torch.from_numpy(rows).to(logits.device), columns] = float("-inf")
 
