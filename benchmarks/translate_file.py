@@ -21,8 +21,8 @@ measured in one run; the contenders take turns over --repeats (medians). It also
 many output lines equal the reference's (chunks batch sentences otherwise than one call,
 which may move a float in the last place, rarely a token).
 
-``--json PATH``: the row and its conditions (command, commit, CPU, torch, load, date) as
-JSON, in the shape of benchmarks/results/*.json's rows and conditions.
+``--json PATH``: the table (a row for each --chunk-lines) with its conditions (command,
+commit, CPU, torch, load, date), in the shape of benchmarks/results/*.json.
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--beam", type=int, default=1, help="beam (default 1: greedy)")
     p.add_argument("--decode-tokens", type=int, default=8192,
                    help="decoding budget: padded source tokens x beam of a batch")
-    p.add_argument("--chunk-lines", type=int, default=CHUNK_LINES,
-                   help="the command's --chunk-lines")
+    p.add_argument("--chunk-lines", type=int, nargs="+", default=[CHUNK_LINES],
+                   help="the command's --chunk-lines: a row for each, against one reference")
     add_repeats_option(p, 1)
     add_threads_option(p, default=1, help="torch threads, here and in the command")
     p.add_argument("--work", help="folder for the file and the outputs (default: a temporary one)")
@@ -81,12 +81,12 @@ def verses(run_dir: str, n: int) -> list[str]:
     return [sources[i % len(sources)] for i in range(n)]
 
 
-def run_command(args, source: Path, out: Path) -> tuple[float, float]:
+def run_command(args, source: Path, out: Path, chunk: int) -> tuple[float, float]:
     """Wall seconds and peak RSS (MB) of `aiayn translate` on ``source`` in its own process."""
     command = [sys.executable, "-m", "aiayn", "translate", args.run_dir, "-i", str(source),
                "-o", str(out), "--weights", args.weights, "--beam", str(args.beam),
                "--decode-tokens", str(args.decode_tokens), "--chunk-lines",
-               str(args.chunk_lines), "--device", "cpu"]
+               str(chunk), "--device", "cpu"]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     start = time.perf_counter()
     proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -99,7 +99,9 @@ def run_command(args, source: Path, out: Path) -> tuple[float, float]:
     return seconds, usage.ru_maxrss / 1024
 
 
-def measure(args, work: Path) -> dict:
+def measure(args, work: Path) -> list[dict]:
+    """A row for each --chunk-lines: the command's lines/s against the reference's, the
+    contenders taking turns in each repetition (medians)."""
     lines = verses(args.run_dir, args.lines)
     source, empty = work / "in.txt", work / "empty.txt"
     source.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
@@ -109,7 +111,10 @@ def measure(args, work: Path) -> dict:
                                             decode_tokens=args.decode_tokens)
     search = translator.resolve(beam=args.beam)
     translator.translate(lines[:8], search)  # warm-up
-    command, start, batch, rss = [], [], [], []
+    chunks = args.chunk_lines
+    command = {c: [] for c in chunks}
+    rss = {c: [] for c in chunks}
+    start, batch, same = [], [], {}
     reference: list[str] = []
     for repeat in range(args.repeats):
         for who in ("command", "batch") if repeat % 2 == 0 else ("batch", "command"):
@@ -117,45 +122,73 @@ def measure(args, work: Path) -> dict:
                 began = time.perf_counter()
                 reference = translator.translate(lines, search)
                 batch.append(time.perf_counter() - began)
-            else:
-                start.append(run_command(args, empty, work / "empty.out")[0])
-                seconds, peak = run_command(args, source, work / "out.txt")
-                command.append(seconds)
-                rss.append(peak)
-    written = (work / "out.txt").read_text(encoding="utf-8").split("\n")[:-1]
-    same = sum(a == b for a, b in zip(written, reference, strict=True)) / max(1, len(lines))
-    wall, fixed, alone = (statistics.median(x) for x in (command, start, batch))
-    net = max(wall - fixed, 1e-9)
-    return {"lines": args.lines, "beam": args.beam, "chunk_lines": args.chunk_lines,
-            "threads": args.threads, "command_s": round(wall, 2), "start_s": round(fixed, 2),
-            "command_lines_per_s": round(args.lines / net, 1),
-            "command_lines_per_s_with_start": round(args.lines / wall, 1),
-            "batch_lines_per_s": round(args.lines / alone, 1),
-            "ratio": round((args.lines / net) / (args.lines / alone), 3),
-            "peak_rss_mb": round(max(rss)), "same_lines": round(same, 4)}
+                continue
+            start.append(run_command(args, empty, work / "empty.out", chunks[0])[0])
+            for chunk in chunks:
+                seconds, peak = run_command(args, source, work / f"out{chunk}.txt", chunk)
+                command[chunk].append(seconds)
+                rss[chunk].append(peak)
+    fixed, alone = statistics.median(start), statistics.median(batch)
+    rows = []
+    for chunk in chunks:
+        written = (work / f"out{chunk}.txt").read_text(encoding="utf-8").split("\n")[:-1]
+        same = sum(a == b for a, b in zip(written, reference, strict=True)) / max(1, len(lines))
+        wall = statistics.median(command[chunk])
+        net = max(wall - fixed, 1e-9)
+        rows.append({"lines": args.lines, "beam": args.beam, "chunk_lines": chunk,
+                     "threads": args.threads, "command_s": round(wall, 2),
+                     "start_s": round(fixed, 2),
+                     "command_lines_per_s": round(args.lines / net, 1),
+                     "command_lines_per_s_with_start": round(args.lines / wall, 1),
+                     "batch_lines_per_s": round(args.lines / alone, 1),
+                     "ratio": round((args.lines / net) / (args.lines / alone), 3),
+                     "peak_rss_mb": round(max(rss[chunk])), "same_lines": round(same, 4)})
+    return rows
 
 
-def main(argv: list[str] | None = None) -> dict:
+TABLE = {
+    "title": "Translating a file",
+    "order": 42,
+    "script": "benchmarks/translate_file.py",
+    "about": "`aiayn translate RUN -i FILE -o OUT` as a user runs it (its own process: the file "
+             "checked, then read lazily, chunks of `--chunk-lines` written and fsync'ed to "
+             "OUT.partial with their record, the rename at the end) against the same lines in "
+             "one `Translator.translate` call (length-sorted batches over all of them, as "
+             "`aiayn evaluate` decodes): lines/s with the command's start (imports, loading) "
+             "taken out, measured in one run, and the command's peak memory "
+             "([large files](translating.md#large-files-progress-and-resume)).",
+    "columns": [
+        {"key": "chunk_lines", "label": "--chunk-lines", "align": "right"},
+        {"key": "command_lines_per_s", "label": "command lines/s", "align": "right"},
+        {"key": "batch_lines_per_s", "label": "one call lines/s", "align": "right"},
+        {"key": "ratio", "label": "ratio", "align": "right"},
+        {"key": "peak_rss_mb", "label": "peak RSS MB", "align": "right"},
+        {"key": "same_lines", "label": "lines as the call's", "align": "right"},
+    ],
+    "notes": ["At the end of each chunk the CPU streams wait for its last batches; at 10,000 "
+              "lines a chunk (the default) that wait no longer shows."],
+}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     load = note_load()
     if args.work:
         Path(args.work).mkdir(parents=True, exist_ok=True)
-        row = measure(args, Path(args.work))
+        rows = measure(args, Path(args.work))
     else:
         with tempfile.TemporaryDirectory() as work:
-            row = measure(args, Path(work))
-    print(f"{row['lines']:,} lines, beam {row['beam']}, chunks of {row['chunk_lines']:,}, "
-          f"{row['threads']} thread(s):")
-    print(f"  aiayn translate -i FILE -o OUT  {row['command_lines_per_s']:>9,.1f} lines/s "
-          f"(start {row['start_s']:.1f} s excluded; {row['command_lines_per_s_with_start']:,.1f}"
-          f" with it), peak RSS {row['peak_rss_mb']} MB")
-    print(f"  one Translator.translate call   {row['batch_lines_per_s']:>9,.1f} lines/s")
-    print(f"  ratio {row['ratio']:.3f}; output lines equal to the call's: "
-          f"{100 * row['same_lines']:.2f}%")
+            rows = measure(args, Path(work))
+    print(f"{args.lines:,} lines, beam {args.beam}, {args.threads} thread(s); one "
+          f"Translator.translate call {rows[0]['batch_lines_per_s']:,.1f} lines/s")
+    for row in rows:
+        print(f"  aiayn translate -i FILE -o OUT, chunks of {row['chunk_lines']:,}: "
+              f"{row['command_lines_per_s']:,.1f} lines/s (start {row['start_s']:.1f} s "
+              f"excluded), ratio {row['ratio']:.3f}, peak RSS {row['peak_rss_mb']} MB, "
+              f"{100 * row['same_lines']:.2f}% of lines as the call's")
     if args.json:
-        label = f"{row['lines']}-lines-beam{row['beam']}"
-        record = {"script": "benchmarks/translate_file.py",
-                  "rows": [{**row, "conditions": label}],
+        label = f"{args.lines}-lines-beam{args.beam}"
+        record = {**TABLE, "rows": [{**row, "conditions": label} for row in rows],
                   "conditions": {label: {
                       "command": "python benchmarks/translate_file.py " + " ".join(
                           sys.argv[1:] if argv is None else argv),
@@ -166,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
                       "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}}}
         Path(args.json).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
         print(f"wrote {args.json}")
-    return row
+    return rows
 
 
 if __name__ == "__main__":

@@ -245,10 +245,13 @@ def test_translate_file_times_the_command_against_one_batch(run_dir, tmp_path, m
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     main = runpy.run_path(str(BENCHMARKS / "translate_file.py"))["main"]
     out = tmp_path / "row.json"
-    row = main(["--run-dir", str(run_dir), "--lines", "40", "--chunk-lines", "16",
-                "--json", str(out)])
+    rows = main(["--run-dir", str(run_dir), "--lines", "40", "--chunk-lines", "16", "40",
+                 "--json", str(out)])
     record = json.loads(out.read_text(encoding="utf-8"))
-    assert record["rows"] == [{**row, "conditions": "40-lines-beam1"}]
+    assert record["rows"] == [{**row, "conditions": "40-lines-beam1"} for row in rows]
+    assert [row["chunk_lines"] for row in rows] == [16, 40]
+    assert {"title", "order", "about", "columns"} <= set(record)  # a results-page table
+    row = rows[0]
     assert row["command_lines_per_s"] > 0 and row["batch_lines_per_s"] > 0
     assert row["ratio"] == pytest.approx(row["command_lines_per_s"] / row["batch_lines_per_s"],
                                          rel=0.01)

@@ -43,8 +43,8 @@ from aiayn.util.lock import hold_file, process_alive
 from aiayn.util.progress import bar
 
 # Input lines per chunk: each is decoded, written and recorded at once. At the end of a chunk
-# the CPU streams wait for its last batches: 2,000 lines lost 9% of the lines/s of one call,
-# 10,000 nothing measurable (docs/translating.md#large-files-progress-and-resume).
+# the CPU streams wait for its last batches: 2,000 lines lost 7-9% of the lines/s of one
+# call, 10,000 0-4% (docs/translating.md#large-files-progress-and-resume).
 CHUNK_LINES = 10_000
 BOM = b"\xef\xbb\xbf"
 SIDECAR_VERSION = 1
