@@ -449,12 +449,18 @@ def _run_translate(args) -> int:
         lines = _stdin_lines() if interactive else _read_stdin()
         chunks = translator.translate_lines(lines, chunk=1 if interactive else args.chunk_lines,
                                             search=search, **modes)
-    if args.output is None:
-        _write(chunks, sys.stdout)
-        return 0
-    with atomic_path(args.output) as tmp, open(tmp, "w", encoding="utf-8") as out:
-        _write(chunks, out)
+    _write_output(chunks, args.output)
     return 0
+
+
+def _write_output(chunks: Iterator[str], output: str | None) -> None:
+    """``chunks`` to stdout as they come, or to ``output`` whole (written atomically: a
+    failure leaves it as it was)."""
+    if output is None:
+        _write(chunks, sys.stdout)
+        return
+    with atomic_path(output) as tmp, open(tmp, "w", encoding="utf-8") as out:
+        _write(chunks, out)
 
 
 def _write(chunks: Iterator[str], out) -> None:
@@ -603,11 +609,7 @@ def _run_score(args) -> int:
     with bar(total=len(sources), desc="score", enabled=len(sources) > 1000) as progress:
         chunks = score_lines(translator, sources, targets, search, args.json,
                              progress=progress.update)
-        if args.output is None:
-            _write(chunks, sys.stdout)
-            return 0
-        with atomic_path(args.output) as tmp, open(tmp, "w", encoding="utf-8") as out:
-            _write(chunks, out)
+        _write_output(chunks, args.output)
     return 0
 
 
