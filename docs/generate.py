@@ -100,8 +100,9 @@ def _allowed(section: str, name: str) -> str:
         return ", ".join(f"`{c}`" for c in config.CHOICES[section][name])
     if name in config.RANGES.get(section, {}):
         low, high, open_low = config.RANGES[section][name]
+        auto = ", `auto`" if (section, name) in config.AUTO_SETTINGS else ""
         return (f"{'(' if open_low else '['}{low:g}, "
-                + ("∞)" if high == config.INF else f"{high:g}]"))
+                + ("∞)" if high == config.INF else f"{high:g}]") + auto)
     return ""
 
 
@@ -126,7 +127,10 @@ def configuration_page() -> str:
             setters = [f"{name}: `{json.dumps(raw[section][f.name])}`"
                        for name, raw in presets.items()
                        if f.name in (raw.get(section) or {})]
-            rows.append([f"`{section}.{f.name}`", f.type if isinstance(f.type, str) else f.type.__name__,
+            kind = f.type if isinstance(f.type, str) else f.type.__name__
+            if (section, f.name) in config.AUTO_SETTINGS:  # float | str: a number or "auto"
+                kind = "float or `auto`"
+            rows.append([f"`{section}.{f.name}`", kind,
                          f"`{json.dumps(default)}`", _cell(_allowed(section, f.name)),
                          _cell(docs[f.name]), _cell("; ".join(setters))])
         out += [_table(["setting", "type", "default", "allowed", "meaning", "presets that set it"],

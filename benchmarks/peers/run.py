@@ -84,14 +84,17 @@ class Recipe:
 
 
 def recipe_from_config(path: Path, sets: list[str] | None = None) -> Recipe:
-    """The recipe of aiayn's config at ``path`` with ``sets`` (``--set`` overrides) applied."""
-    from aiayn.config import load_config
+    """The recipe of aiayn's config at ``path`` with ``sets`` (``--set`` overrides) applied.
+    The demo's "auto" dropout and label smoothing are 0 here: what aiayn chooses for the
+    ~2 passes of 12 minutes on a 2-core CPU, where the peers are compared (``--set`` them for
+    a longer budget)."""
+    from aiayn.config import load_config, rate
 
     c = load_config(path, sets or [])
     m, d, t = c.model, c.data, c.train
     return Recipe(d_model=m.d_model, n_heads=m.n_heads, d_ff=m.d_ff,
                   encoder_layers=m.n_encoder_layers, decoder_layers=m.n_decoder_layers,
-                  dropout=m.dropout, label_smoothing=t.label_smoothing, max_tokens=t.max_tokens,
+                  dropout=rate(m.dropout), label_smoothing=rate(t.label_smoothing), max_tokens=t.max_tokens,
                   warmup_steps=t.warmup_steps, peak_lr=t.peak_lr,
                   adam_betas=(t.adam_beta1, t.adam_beta2), clip_norm=t.clip_norm,
                   vocab_size=d.vocab_size, joint_vocab=d.joint_vocab, seed=t.seed)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from aiayn.config import Config, DecodeConfig, check_setting, load_config, preset_names, validate_given
+from aiayn.config import AUTO, Config, DecodeConfig, check_setting, load_config, preset_names, validate_given
 from aiayn.data.prepare import prepare, prepare_warnings
 from aiayn.errors import AiaynError, SettingError, is_out_of_memory
 from aiayn.evaluation.evaluate import evaluate_run
@@ -794,11 +794,13 @@ def _run_plot(args) -> int:
 
 
 def _label_smoothing(run_dir: str) -> float | None:
-    """The run's train.label_smoothing (the loss `plot` labels), or None when unreadable."""
+    """The run's train.label_smoothing (the loss `plot` labels), or None when unreadable or
+    not yet chosen ("auto": the trainer writes its choice once the budget's passes are known)."""
     try:
-        return load_config(Path(run_dir) / "config.yaml").train.label_smoothing
+        smoothing = load_config(Path(run_dir) / "config.yaml").train.label_smoothing
     except AiaynError:
         return None
+    return None if smoothing == AUTO else smoothing
 
 
 # ---------------------------------------------------------------- serve

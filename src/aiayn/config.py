@@ -92,6 +92,10 @@ RANGES: dict[str, dict[str, tuple[float, float, bool]]] = {
     "sample": {"temperature": (0.0, 100.0, True), "top_k": (0, INF, False),
                "top_p": (0.0, 1.0, True), "seed": (0, 2 ** 63 - 1, False)},
 }
+# Settings that may also be "auto": the trainer chooses them from the passes over the data its
+# budget makes (aiayn.training.plan.choose_regularisation); until then they count as 0.
+AUTO = "auto"
+AUTO_SETTINGS = {("model", "dropout"), ("train", "label_smoothing")}
 CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
     "model": {"tie_embeddings": TIE_CHOICES, "embedding_init": EMBEDDING_INITS,
               "output_vocab": OUTPUT_VOCABS},
@@ -142,8 +146,9 @@ class ModelConfig:
     """Encoder layers N (paper, 3.1)."""
     n_decoder_layers: int = 6
     """Decoder layers N (paper, 3.1)."""
-    dropout: float = 0.1
-    """P_drop on each sub-layer output and on the embedding + position sums (paper, 5.4)."""
+    dropout: float | str = 0.1
+    """P_drop on each sub-layer output and on the embedding + position sums (paper, 5.4);
+    "auto": 0 for a budget of few passes over the data, 0.1 for more (train.label_smoothing)."""
     attention_dropout: float = 0.0
     """Dropout on the attention weights (not in the paper; tensor2tensor and torch.nn have it)."""
     max_len: int = 256
@@ -257,8 +262,10 @@ class TrainConfig:
     """Adam's epsilon (paper, 5.3)."""
     weight_decay: float = 0.0
     """Decoupled weight decay (AdamW style; not in the paper)."""
-    label_smoothing: float = 0.1
-    """epsilon_ls of the label-smoothed cross-entropy (paper, 5.4)."""
+    label_smoothing: float | str = 0.1
+    """epsilon_ls of the label-smoothed cross-entropy (paper, 5.4); "auto": chosen with
+    model.dropout from the passes over the training data the budget makes: none up to 4
+    passes, 0.1 beyond (docs/training.md#regularisation-by-the-budget)."""
     clip_norm: float = 1.0
     """Gradient norm clipping threshold; 0 disables clipping."""
     max_steps: int = 100_000
@@ -347,6 +354,12 @@ def _taking_bf16(init):
 TrainConfig.__init__ = _taking_bf16(TrainConfig.__init__)  # type: ignore[method-assign]
 
 
+def rate(value: float | str) -> float:
+    """A dropout or label-smoothing setting as the rate in force: "auto" counts as 0 until the
+    trainer chooses (aiayn.training.plan.choose_regularisation)."""
+    return 0.0 if value == AUTO else float(value)
+
+
 def precision_of_bf16(value: Any, where: str) -> str:
     """train.precision for a value of the older train.bf16 (true | false | auto)."""
     key = str(value).lower() if isinstance(value, bool) else value
@@ -429,6 +442,9 @@ class Config:
         naming the setting, the value and what is allowed."""
         for section in SECTIONS:
             for name, (low, high, open_low) in RANGES[section].items():
+                if (section, name) in AUTO_SETTINGS and getattr(getattr(self, section),
+                                                                name) == AUTO:
+                    continue
                 _check_range(f"{source}: {section}.{name}", getattr(getattr(self, section), name),
                              low, high, open_low)
         for section, rules in CHOICES.items():
@@ -537,7 +553,11 @@ def _build_section(klass, values: dict[str, Any], where: str):
         )
     default = klass()
     kwargs = {}
+    section = next(key for key, k in SECTIONS.items() if k is klass)
     for name, value in values.items():
+        if (section, name) in AUTO_SETTINGS and value == AUTO:
+            kwargs[name] = value
+            continue
         expected = type(getattr(default, name))
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)

@@ -178,10 +178,9 @@ class MultiHeadAttention(nn.Module):
 
 
 def explicit_is_faster(q: Tensor, k: Tensor) -> bool:
-    """Training under bf16 autocast on a CPU, SDPA's fused kernel (its backward above all)
-    is slower than the explicit product for sentence-length sequences: 1.29x faster whole
-    steps for the small config (docs/findings.md#bf16-on-a-cpu). It keeps (B, H, T, T)
-    weights for backward, which is why it is limited to sequences of max_len 256."""
+    """Training under bf16 autocast on a CPU, SDPA's fused backward is slower than the
+    explicit product: 1.29x faster steps for small (docs/findings.md#bf16-on-a-cpu). It keeps
+    (B, H, T, T) weights for backward, hence the limit of 256 keys."""
     return q.is_cpu and q.dtype == torch.bfloat16 and torch.is_grad_enabled() and k.size(-2) <= 256
 
 
@@ -222,6 +221,11 @@ class FeedForward(nn.Module):
         return self.linear2(F.relu(self.linear1(x)))
 
 
+def dropout_rate(cfg) -> float:
+    """``cfg.dropout``; "auto" is 0 until a trainer chooses (``Transformer.set_dropout``)."""
+    return 0.0 if isinstance(cfg.dropout, str) else float(cfg.dropout)
+
+
 class SublayerConnection(nn.Module):
     """Residual connection with layer normalisation and dropout (3.1, 5.4).
 
@@ -249,8 +253,8 @@ class EncoderLayer(nn.Module):
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout,
                                             qk_norm=cfg.qk_norm)
         self.feed_forward = FeedForward(cfg.d_model, cfg.d_ff)
-        self.sublayer1 = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm_first)
-        self.sublayer2 = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm_first)
+        self.sublayer1 = SublayerConnection(cfg.d_model, dropout_rate(cfg), cfg.norm_first)
+        self.sublayer2 = SublayerConnection(cfg.d_model, dropout_rate(cfg), cfg.norm_first)
 
     def forward(self, x: Tensor, src_mask: Tensor | None) -> Tensor:
         x = self.sublayer1(x, lambda h: self.self_attn(h, mask=src_mask))
@@ -268,9 +272,9 @@ class DecoderLayer(nn.Module):
                                              cross=True,
                                              qk_norm=cfg.qk_norm and cfg.qk_norm_cross)
         self.feed_forward = FeedForward(cfg.d_model, cfg.d_ff)
-        self.sublayer1 = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm_first)
-        self.sublayer2 = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm_first)
-        self.sublayer3 = SublayerConnection(cfg.d_model, cfg.dropout, cfg.norm_first)
+        self.sublayer1 = SublayerConnection(cfg.d_model, dropout_rate(cfg), cfg.norm_first)
+        self.sublayer2 = SublayerConnection(cfg.d_model, dropout_rate(cfg), cfg.norm_first)
+        self.sublayer3 = SublayerConnection(cfg.d_model, dropout_rate(cfg), cfg.norm_first)
 
     def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor | None,
                 self_mask: Tensor | None, is_causal: bool,
@@ -325,11 +329,10 @@ class Generator(nn.Module):
     """Linear projection of the decoder output to vocabulary logits (3.4).
 
     With ``restricted`` (ModelConfig.output_vocab: "targets") it scores only the pieces of
-    ``output_mask`` (set by ``set_outputs`` from the training targets, saved with the
-    weights); every other piece gets logit -inf, probability 0. ``forward`` returns logits
-    over the whole vocabulary (the model's output, as exports and `aiayn trace` see it);
-    the loss and the searches take the cheaper ``output_logits`` (only the allowed pieces,
-    column j being piece ``output_ids[j]``), the loss with ``output_positions`` of the labels.
+    ``output_mask`` (``set_outputs``: the training targets', saved with the weights); the
+    others get logit -inf. ``forward`` returns logits over the whole vocabulary (as exports
+    and `aiayn trace` see them); the loss and the searches take the cheaper
+    ``output_logits`` (column j is piece ``output_ids[j]``; labels by ``output_positions``).
     """
 
     IGNORE = -100  # output_positions of padding, and of labels the model cannot output
@@ -369,10 +372,9 @@ class Generator(nn.Module):
 
     def output_logits(self, hidden: Tensor, rows: tuple[Tensor, Tensor | None] | None = None,
                       kernel: OutputKernel | None = None) -> Tensor:
-        """(B, T, d) -> (B, T, V_out): the logits of the allowed pieces only, in the order of
-        ``output_ids``. ``rows``: what ``allowed_rows`` returned, for a caller that computes
-        many products with unchanged weights (a search's steps); None selects them now.
-        ``kernel``: the caller's product (``OutputKernel``); None: ``F.linear``."""
+        """(B, T, d) -> (B, T, V_out): the allowed pieces' logits, in ``output_ids``' order.
+        ``rows``: ``allowed_rows()`` kept by a caller with unchanged weights (a search's
+        steps); None selects them now. ``kernel``: an ``OutputKernel``; None: ``F.linear``."""
         kernel = kernel or F.linear
         if rows is None and not self.restricted and kernel is F.linear:
             return self.proj(hidden)  # the module itself, so that hooks (aiayn trace) see it
@@ -380,11 +382,9 @@ class Generator(nn.Module):
         return kernel(hidden, weight, bias)
 
     def allowed_rows(self, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
-        """The weight (and bias) rows of the allowed pieces, selected from the weight as it
-        is now (the weight itself when every piece is allowed; the paper's layer has no
-        bias), cast to ``dtype`` if given. A search selects them once and passes them to
-        every step; the model keeps no copy, which an in-place optimizer step (fused Adam)
-        would leave stale."""
+        """The weight (and bias) rows of the allowed pieces as they are now, cast to
+        ``dtype`` if given: a search selects them once for all its steps; the model keeps no
+        copy, which an in-place optimizer step (fused Adam) would leave stale."""
         weight, bias = self.proj.weight, self.proj.bias
         if self.restricted:
             weight = weight.index_select(0, self.output_ids)
@@ -409,8 +409,8 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.src_embed = TokenEmbedding(cfg.src_vocab_size, cfg.d_model)
         self.tgt_embed = TokenEmbedding(cfg.tgt_vocab_size, cfg.d_model)
-        self.src_pos = PositionalEncoding(cfg.d_model, cfg.max_len, cfg.dropout)
-        self.tgt_pos = PositionalEncoding(cfg.d_model, cfg.max_len, cfg.dropout)
+        self.src_pos = PositionalEncoding(cfg.d_model, cfg.max_len, dropout_rate(cfg))
+        self.tgt_pos = PositionalEncoding(cfg.d_model, cfg.max_len, dropout_rate(cfg))
         self.encoder = Encoder(cfg)
         self.decoder = Decoder(cfg)
         self.generator = Generator(cfg.d_model, cfg.tgt_vocab_size,
@@ -432,6 +432,11 @@ class Transformer(nn.Module):
         if self.cfg.embedding_init == "normal":
             for embed in (self.src_embed, self.tgt_embed):
                 nn.init.normal_(embed.embedding.weight, mean=0.0, std=self.cfg.d_model**-0.5)
+
+    def set_dropout(self, p: float) -> None:
+        """P_drop of the embedding sums and sub-layer outputs (5.4): "auto"'s, once chosen."""
+        for dropout in [m for m in self.modules() if isinstance(m, nn.Dropout)]:
+            dropout.p = p  # attention's is a float of its own (model.attention_dropout)
 
     def tie_weights(self) -> None:
         """Share the embedding matrices with the pre-softmax projection (3.4)."""

@@ -327,13 +327,17 @@ def test_curves_figure_draws_each_metric_of_each_run(tmp_path):
 
 def test_the_training_loss_is_labelled_label_smoothed_only_where_the_run_smoothed(
         tmp_path, capsys):
-    """The demo trains without label smoothing: its loss is a plain cross-entropy; the
-    label follows each run's config.yaml."""
+    """The demo trains its ~2 passes of 12 minutes without label smoothing: its loss is a
+    plain cross-entropy; the label follows each run's config.yaml (as the trainer wrote its
+    "auto" choice there), and says nothing of smoothing where the choice is not written."""
     from aiayn.config import save_config
+    from aiayn.training.plan import choose_regularisation
 
-    for name, preset in (("demo", "demo"), ("b60", "bible-60")):
+    two_passes = choose_regularisation(load_config("demo"), 2.0)[0]
+    for name, config in (("demo", two_passes), ("b60", load_config("bible-60")),
+                         ("unchosen", load_config("demo"))):
         write_metrics(tmp_path / name, 1.0)
-        save_config(load_config(preset), tmp_path / name / "config.yaml")
+        save_config(config, tmp_path / name / "config.yaml")
 
     def label(*names: str) -> str:
         fig = plots.curves_figure({n: read_metrics(tmp_path / n) for n in names},
@@ -346,6 +350,8 @@ def test_the_training_loss_is_labelled_label_smoothed_only_where_the_run_smoothe
     assert label("demo", "b60") == "cross-entropy, label-smoothed in some runs"
     assert "label-smoothed cross-entropy" not in plots.loss_label([None])
     assert main(["plot", str(tmp_path / "demo"), "-o", str(tmp_path / "c.png")]) == 0
+    # "auto", not chosen yet (a run stopped in its first half-minute): drawn all the same
+    assert main(["plot", str(tmp_path / "unchosen"), "-o", str(tmp_path / "u.png")]) == 0
     capsys.readouterr()
 
 

@@ -634,3 +634,19 @@ def test_bf16_training_on_cpu_matches_fp32_within_bf16_precision(qk_norm):
     torch.testing.assert_close(low.float()[real], reference[real], atol=0.1, rtol=0.05)
     low.float().sum().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_auto_dropout_is_none_until_the_trainer_sets_it():
+    """model.dropout "auto": a model built from such a config drops nothing (its trainer has
+    not chosen yet, or it only translates); set_dropout reaches every embedding sum and
+    sub-layer output, and a training forward then differs from the eval one."""
+    torch.manual_seed(0)
+    model = Transformer(tiny(dropout="auto", src_vocab_size=32, tgt_vocab_size=32))
+    src, tgt = torch.randint(4, 32, (2, 7)), torch.randint(4, 32, (2, 6))
+    model.train()
+    assert torch.equal(model(src, tgt), model.eval()(src, tgt))
+    model.set_dropout(0.3)
+    rates = [m.p for m in model.modules() if isinstance(m, nn.Dropout)]
+    assert len(rates) == 2 + 2 * 2 + 3 * 2 and set(rates) == {0.3}
+    model.train()
+    assert not torch.equal(model(src, tgt), model.eval()(src, tgt))

@@ -1,6 +1,6 @@
 """The budget a run states at its start: steps, minutes and the passes over the data they
-make, and the warning when an unregularised recipe would make far more passes than it is
-meant for."""
+make, the warning when an unregularised recipe would make far more passes than it is meant
+for, and the dropout and label smoothing that "auto" chooses by those passes."""
 
 from __future__ import annotations
 
@@ -9,13 +9,26 @@ import re
 import pytest
 from helpers import TINY, error_line, run_cli
 
-from aiayn.config import load_config
-from aiayn.training.plan import MEASURE_S, OVERFIT_PASSES, BudgetPlan
+from aiayn.config import AUTO, load_config
+from aiayn.errors import AiaynError
+from aiayn.training import plan as plan_module
+from aiayn.training.plan import (
+    MEASURE_S,
+    OVERFIT_PASSES,
+    REGULARISED,
+    BudgetPlan,
+    choose_regularisation,
+    step_limit_passes,
+)
+
+# The demo's recipe as it was before "auto": no dropout, no label smoothing, whatever the budget.
+UNREGULARISED = ["model.dropout=0", "train.label_smoothing=0"]
 
 
-def plan(preset: str, max_minutes: float, max_steps: int, steps_per_pass: float = 100.0):
+def plan(preset: str, max_minutes: float, max_steps: int, steps_per_pass: float = 100.0,
+         sets: list[str] = UNREGULARISED):
     config = load_config(preset, [f"train.max_minutes={max_minutes}",
-                                  f"train.max_steps={max_steps}"])
+                                  f"train.max_steps={max_steps}", *sets])
     lines, warnings = [], []
     return BudgetPlan(config, steps_per_pass, 0, 0.0, lines.append, warnings.append), lines, \
         warnings
@@ -28,9 +41,11 @@ def test_a_step_limit_alone_states_its_passes_and_warns_the_unregularised_demo()
                      "the training data is 100 steps of <= 1,024 tokens, so 1,000.0 passes"]
     assert len(warnings) == 1 and "configs/bible-60.yaml" in warnings[0]
     assert "~1000.0 passes" in warnings[0] and "over-fits past ~4" in warnings[0]
-    # A recipe with dropout and label smoothing is not warned; nor a budget within ~4 passes.
-    for preset, steps in (("bible-60", 100_000), ("demo", int(OVERFIT_PASSES * 100))):
-        budget, _, warnings = plan(preset, 0, steps)
+    # A recipe with dropout and label smoothing is not warned, nor one that chooses them by
+    # the passes ("auto", the demo's), nor a budget within ~4 passes.
+    for preset, steps, sets in (("bible-60", 100_000, []), ("demo", 100_000, []),
+                                ("demo", int(OVERFIT_PASSES * 100), UNREGULARISED)):
+        budget, _, warnings = plan(preset, 0, steps, sets=sets)
         budget.start_lines()
         assert warnings == []
 
@@ -48,9 +63,82 @@ def test_a_time_budget_states_its_passes_once_the_speed_is_measured():
     assert lines[1:] == ["budget: at 2.00 steps/s, 12 min of training reach step ~1,441: "
                          "~14.4 passes over the training data"]
     assert len(warnings) == 1 and "(12 min) makes ~14.4 passes" in warnings[0]
-    budget.observe(400, 300.0)
+    assert budget.observe(400, 300.0) is None
     assert len(lines) == 2  # said once
     assert MEASURE_S < 200 / 2
+
+
+def test_observe_returns_the_projected_passes_once():
+    budget, _, _ = plan("demo", 12, 100_000, sets=[])
+    projected = [budget.observe(step, (step - 1) / 2) for step in range(1, 200)]
+    assert [p for p in projected if p is not None] == [pytest.approx(1441 / 100, abs=0.01)]
+
+
+def test_auto_regularises_by_the_passes_and_keeps_numbers_given():
+    config = load_config("demo", ["train.max_minutes=0", "train.max_steps=1000"])
+    assert (config.model.dropout, config.train.label_smoothing) == (AUTO, AUTO)
+    assert step_limit_passes(config, 100.0) == 10.0
+    assert step_limit_passes(load_config("demo"), 100.0) is None  # a time budget: not yet
+    few, line = choose_regularisation(config, OVERFIT_PASSES)
+    assert (few.model.dropout, few.train.label_smoothing) == (0.0, 0.0)
+    assert line.startswith("regularisation: dropout 0, label smoothing 0 (auto: ~4.0 passes")
+    many, line = choose_regularisation(config, 6.5)
+    assert (many.model.dropout, many.train.label_smoothing) == (REGULARISED, REGULARISED)
+    assert "dropout 0.1, label smoothing 0.1 (auto: ~6.5 passes" in line
+    unknown, line = choose_regularisation(config, None)
+    assert (unknown.model.dropout, unknown.train.label_smoothing) == (0.0, 0.0)
+    assert "until the speed is measured" in line
+    # A number given stays that number, whatever the passes; only "auto" is chosen.
+    given = load_config("demo", ["model.dropout=0.0"])
+    chosen, line = choose_regularisation(given, 20.0)
+    assert (chosen.model.dropout, chosen.train.label_smoothing) == (0.0, REGULARISED)
+    assert config.model.dropout == AUTO  # choosing returns a new config
+
+
+@pytest.mark.parametrize("setting", ["model.d_ff=auto", "train.clip_norm=auto",
+                                     "model.dropout=sometimes"])
+def test_auto_is_refused_where_nothing_chooses(setting):
+    with pytest.raises(AiaynError, match=setting.partition("=")[0]):
+        load_config("demo", [setting])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", ["steps", "minutes"])
+def test_train_chooses_auto_regularisation_and_writes_it_into_config_yaml(
+        tmp_path, capsys, monkeypatch, budget):
+    """`aiayn train` with "auto": the line that says what it chose, the dropout in force in
+    the model, config.yaml holding the choice (a resume keeps it)."""
+    from helpers import write_prepared
+
+    from aiayn.model import SublayerConnection
+
+    data = write_prepared(tmp_path / "data")
+    limit = (["--set", "train.max_steps=60", "--set", "train.max_minutes=0"]
+             if budget == "steps" else ["--set", "train.max_minutes=0.05"])
+    monkeypatch.setattr(plan_module, "MEASURE_S", 0.3)  # a short run projects early
+    seen = []
+    original = SublayerConnection.forward
+
+    def forward(self, x, sublayer):
+        seen.append(self.dropout.p)
+        return original(self, x, sublayer)
+
+    monkeypatch.setattr(SublayerConnection, "forward", forward)
+    code, out, err = run_cli(["train", "--config", TINY, "--data", str(data), "--out",
+                              str(tmp_path / "run"), "--set", "model.dropout=auto", "--set",
+                              "train.label_smoothing=auto", "--set", "train.eval_every=100000",
+                              "--set", "train.max_epochs=1000", *limit], capsys)
+    assert code == 0, err
+    chosen = [line for line in out.splitlines() if line.startswith("regularisation:")]
+    saved = load_config(tmp_path / "run" / "config.yaml")
+    if budget == "steps":  # 60 steps: over 4 passes of the tiny data, known at the start
+        assert len(chosen) == 1 and "dropout 0.1, label smoothing 0.1 (auto:" in chosen[0]
+        assert set(seen) == {REGULARISED}
+    else:  # 0 until the speed is measured, then the passes 3 seconds make over tiny data
+        assert len(chosen) == 2 and "0 until the speed is measured" in chosen[0]
+        assert "dropout 0.1, label smoothing 0.1" in chosen[1]
+        assert seen[0] == 0.0 and seen[-1] == REGULARISED
+    assert (saved.model.dropout, saved.train.label_smoothing) == (REGULARISED, REGULARISED)
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from aiayn.config import Config
+from aiayn.config import Config, rate
 from aiayn.data.batching import Example, collate, length_multiple, token_batches
 from aiayn.data.prepared import load_prepared
 from aiayn.errors import AiaynError
@@ -61,16 +61,16 @@ def dev_loss(model: Transformer, examples: list, config: Config, device: torch.d
     batches run on parallel streams of one thread each (``aiayn.util.threads``) and are
     summed in order."""
     t, m = config.train, config.model
+    smoothing = rate(t.label_smoothing)  # "auto": a run stopped before its trainer chose
 
     @torch.no_grad()
     def batch_losses(positions) -> tuple[float, float, int]:
         batch = collate([examples[i] for i in positions], m.pad_id,
                         length_multiple(t.use_bf16)).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.use_bf16):
-            smoothed = model(batch.src, batch.tgt_in, batch.tgt_out, t.label_smoothing,
-                             kernel).item()
+            smoothed = model(batch.src, batch.tgt_in, batch.tgt_out, smoothing, kernel).item()
             nll = (model(batch.src, batch.tgt_in, batch.tgt_out, kernel=kernel).item()
-                   if t.label_smoothing else smoothed)
+                   if smoothing else smoothed)
         return smoothed, nll, batch.n_tokens
 
     widths = [max(len(e.src), len(e.tgt)) for e in examples]

@@ -17,7 +17,7 @@ from aiayn.config import DecodeConfig, ModelConfig
 from aiayn.data.tokenizer import BOS, BOS_ID, EOS, EOS_ID, PAD, PAD_ID, UNK, Tokenizers
 from aiayn.errors import AiaynError
 from aiayn.export.base import check_target_can_express, output_bias
-from aiayn.model import Transformer
+from aiayn.model import Transformer, dropout_rate
 from aiayn.util.extras import require
 from aiayn.util.io import atomic_write_text
 
@@ -54,7 +54,7 @@ def marian_config(cfg: ModelConfig) -> dict:
         "activation_function": "relu",  # FFN(x) = max(0, x W1 + b1) W2 + b2  (3.3)
         "scale_embedding": True,  # embeddings * sqrt(d_model)  (3.4)
         "max_position_embeddings": cfg.max_len,
-        "dropout": cfg.dropout,
+        "dropout": dropout_rate(cfg),
         "attention_dropout": cfg.attention_dropout,
         "activation_dropout": 0.0,
         "pad_token_id": PAD_ID,

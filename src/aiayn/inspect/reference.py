@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from aiayn.config import ModelConfig
-from aiayn.model import Generator, PositionalEncoding, TokenEmbedding, Transformer
+from aiayn.model import Generator, PositionalEncoding, TokenEmbedding, Transformer, dropout_rate
 
 # What nn.Transformer says about itself when called as its documentation calls it (a float
 # causal mask beside boolean padding masks; in eval mode, its nested-tensor fast path):
@@ -51,12 +51,12 @@ class TorchReference(nn.Module):
         self.cfg = cfg
         self.src_embed = TokenEmbedding(cfg.src_vocab_size, cfg.d_model)
         self.tgt_embed = TokenEmbedding(cfg.tgt_vocab_size, cfg.d_model)
-        self.src_pos = PositionalEncoding(cfg.d_model, cfg.max_len, cfg.dropout)
-        self.tgt_pos = PositionalEncoding(cfg.d_model, cfg.max_len, cfg.dropout)
+        self.src_pos = PositionalEncoding(cfg.d_model, cfg.max_len, dropout_rate(cfg))
+        self.tgt_pos = PositionalEncoding(cfg.d_model, cfg.max_len, dropout_rate(cfg))
         self.transformer = nn.Transformer(
             d_model=cfg.d_model, nhead=cfg.n_heads, num_encoder_layers=cfg.n_encoder_layers,
             num_decoder_layers=cfg.n_decoder_layers, dim_feedforward=cfg.d_ff,
-            dropout=cfg.dropout, batch_first=True, norm_first=cfg.norm_first,
+            dropout=dropout_rate(cfg), batch_first=True, norm_first=cfg.norm_first,
         )
         if not cfg.norm_first:
             self.transformer.encoder.norm = None

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from aiayn.config import Config
+from aiayn.config import Config, save_config
 from aiayn.data.batching import length_multiple
 from aiayn.errors import AiaynError
 from aiayn.evaluation.evaluate import validate
@@ -85,7 +85,7 @@ from aiayn.training.optim import (
     schedule_lr,
     set_learning_rate,
 )
-from aiayn.training.plan import BudgetPlan
+from aiayn.training.plan import BudgetPlan, choose_regularisation, has_auto_regularisation, step_limit_passes
 from aiayn.training.stream import (
     BatchStream,
     collates_ahead,
@@ -269,8 +269,19 @@ class Trainer:
             self.precision, why_precision = resolve_precision(stored.train.precision,
                                                               world.device)
         self.precision, why_precision = gather_objects((self.precision, why_precision), world)[0]
-        # What runs: the same with the precision chosen for this device (TrainConfig.use_bf16).
-        self.config = replace(stored, train=replace(stored.train, precision=self.precision))
+        # What runs: the same with the precision chosen for this device (TrainConfig.use_bf16),
+        # and dropout and label smoothing chosen by the passes the budget makes where "auto"
+        # (known now under a step limit, once the speed is measured under a time budget).
+        steps_per_pass = len(self.data.sampler) / stored.train.grad_accum
+        auto = has_auto_regularisation(stored)
+        passes = step_limit_passes(stored, steps_per_pass)
+        if auto and passes is not None:  # config.yaml says what was chosen
+            stored, why_regularisation = choose_regularisation(stored, passes)
+        self.stored = stored  # "auto" where the time budget's passes are not known yet
+        self.config, why_time = choose_regularisation(
+            replace(stored, train=replace(stored.train, precision=self.precision)), None)
+        if auto and passes is None:
+            why_regularisation = why_time
         self.scaler = new_scaler(world.device) if self.precision == "fp16" else None
         t = self.config.train
         self.threads = ThreadTuner(t.cpu_threads or torch.get_num_threads(),
@@ -319,10 +330,12 @@ class Trainer:
                  f"{why_output}")
         self.metrics = MetricsLog(run_dir, world.is_main, self.progress.step if resume else None)
         # The budget it runs to, and the passes over the data that makes (aiayn.training.plan).
-        self.plan = BudgetPlan(self.config, len(self.data.sampler) / t.grad_accum,
-                               self.progress.step, self.progress.elapsed_s, self.log,
+        self.plan = BudgetPlan(stored, steps_per_pass, self.progress.step,
+                               self.progress.elapsed_s, self.log,
                                warn if world.is_main else (lambda line: None))
         self.plan.start_lines()
+        if auto:
+            self.log(why_regularisation)
 
     def run(self) -> dict[str, Any]:
         """Steps until train.max_steps, max_epochs or max_minutes; then a last validation (as
@@ -366,7 +379,9 @@ class Trainer:
                 progress.tokens += result.n_tokens
                 progress.elapsed_s = max_over_ranks(elapsed_before + time.perf_counter() - start,
                                                     self.world)
-                self.plan.observe(progress.step, progress.elapsed_s)
+                passes = self.plan.observe(progress.step, progress.elapsed_s)
+                if passes is not None and has_auto_regularisation(self.stored):
+                    self.regularise(passes)
                 window_loss += result.loss * result.n_tokens
                 window_tokens += result.n_tokens
                 tokens_per_s = window_tokens / max(time.perf_counter() - window_start, 1e-9)
@@ -417,6 +432,17 @@ class Trainer:
         return {**(last_eval or {}), "step": progress.step, "epoch": stream.epoch,
                 "stop_reason": stop_reason, **progress.best.record_fields(),
                 "elapsed_s": progress.elapsed_s}
+
+    def regularise(self, passes: float) -> None:
+        """Set the "auto" dropout and label smoothing for the passes the time budget makes,
+        from the next step on, and write them into config.yaml (a resume keeps them)."""
+        self.stored, line = choose_regularisation(self.stored, passes)
+        m, t = self.stored.model, self.stored.train
+        self.config = replace(self.config, model=replace(self.config.model, dropout=m.dropout),
+                              train=replace(self.config.train, label_smoothing=t.label_smoothing))
+        self.model.set_dropout(m.dropout)
+        on_main(lambda: save_config(self.stored, self.run_dir / "config.yaml"), self.world)
+        self.log(line)
 
     def postfix(self, result: StepResult, tokens_per_s: float) -> dict[str, str]:
         """The progress line's figures; in fp16 the scale and the updates skipped too."""

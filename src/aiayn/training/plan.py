@@ -1,6 +1,8 @@
 """What a run will train, said at its start: the budget it runs to (steps, minutes) and the
 passes over the training data that makes, with a warning when that is far more passes than
-an unregularised recipe (the demo's) is meant for.
+an unregularised recipe (the demo's) is meant for; and, for a config whose model.dropout or
+train.label_smoothing is "auto", the regularisation those passes call for
+(``choose_regularisation``).
 
 A pass is the batches of one epoch (the sampler's count on this rank, already built: no
 extra pass over the data) divided by train.grad_accum. Under a step limit alone the passes
@@ -12,18 +14,64 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
-from aiayn.config import Config
+from aiayn.config import AUTO, Config
 
-# The demo's recipe (no dropout, no label smoothing) learns fastest over 2-3.5 passes and
-# over-fits from about 4 (docs/quickstart.md#choosing-a-preset): past this, the warning.
+# Without dropout and label smoothing the demo's model learns fastest over 2-3.5 passes and
+# over-fits from about 4 (docs/findings.md#regularisation-by-the-budget): past this, "auto"
+# regularises, and a recipe set to none of either gets the warning.
 OVERFIT_PASSES = 4.0
+# What "auto" takes beyond OVERFIT_PASSES: the paper's dropout and label smoothing (5.4), as
+# configs/bible-60.yaml keeps them (docs/findings.md#regularisation-by-the-budget).
+REGULARISED = 0.1
 # The regularised preset for longer budgets, named by the warning.
 LONGER_PRESET = "configs/bible-60.yaml"
 # Training seconds timed (after the session's first steps, which include warm-up work)
 # before the passes a time budget makes are projected.
 MEASURE_S = 30.0
 SKIP_STEPS = 5
+
+
+def passes_of(steps: float, steps_per_pass: float, config: Config) -> float:
+    """Passes over the training data that ``steps`` optimizer steps make (within
+    train.max_epochs, where the run stops in any case)."""
+    return min(steps / max(steps_per_pass, 1e-9), config.train.max_epochs)
+
+
+def step_limit_passes(config: Config, steps_per_pass: float) -> float | None:
+    """The passes a step limit alone makes (train.max_minutes 0); None under a time budget,
+    whose passes ``BudgetPlan.observe`` projects once the speed is measured."""
+    if config.train.max_minutes > 0:
+        return None
+    return passes_of(config.train.max_steps, steps_per_pass, config)
+
+
+def has_auto_regularisation(config: Config) -> bool:
+    return AUTO in (config.model.dropout, config.train.label_smoothing)
+
+
+def choose_regularisation(config: Config, passes: float | None) -> tuple[Config, str]:
+    """``config`` with its "auto" dropout and label smoothing set for a budget of ``passes``
+    over the training data: none up to OVERFIT_PASSES (two or three passes learn fastest
+    without either), REGULARISED beyond (past ~4 the unregularised dev loss turns up); and the
+    line that says what was chosen and why. ``passes`` None: not known yet (a time budget
+    before its speed is measured): 0 for now. A setting given as a number stays as it is."""
+    m, t = config.model, config.train
+    if passes is None:
+        value, why = 0.0, "0 until the speed is measured"
+    elif passes > OVERFIT_PASSES:
+        value, why = REGULARISED, f"~{passes:.1f} passes over the training data, more than " \
+            f"{OVERFIT_PASSES:g}"
+    else:
+        value, why = 0.0, f"~{passes:.1f} passes over the training data, at most " \
+            f"{OVERFIT_PASSES:g}"
+    dropout = value if m.dropout == AUTO else m.dropout
+    smoothing = value if t.label_smoothing == AUTO else t.label_smoothing
+    chosen = replace(config, model=replace(m, dropout=dropout),
+                     train=replace(t, label_smoothing=smoothing))
+    return chosen, (f"regularisation: dropout {dropout:g}, label smoothing {smoothing:g} "
+                    f"(auto: {why}; docs/training.md#regularisation-by-the-budget)")
 
 
 class BudgetPlan:
@@ -38,9 +86,8 @@ class BudgetPlan:
         self.done = config.train.max_minutes <= 0  # nothing to project under steps alone
 
     def passes(self, steps: float) -> float:
-        """Passes over the training data that ``steps`` optimizer steps make (within
-        train.max_epochs, where the run stops in any case)."""
-        return min(steps / self.steps_per_pass, self.config.train.max_epochs)
+        """Passes over the training data that ``steps`` optimizer steps make."""
+        return passes_of(steps, self.steps_per_pass, self.config)
 
     def start_lines(self) -> None:
         """Log the budget; warn now when the step limit alone already over-trains."""
@@ -58,17 +105,18 @@ class BudgetPlan:
                      f"{by_steps:,.1f} passes); the passes {t.max_minutes:g} min make are said "
                      "once the speed is measured")
 
-    def observe(self, step: int, elapsed_s: float) -> None:
+    def observe(self, step: int, elapsed_s: float) -> float | None:
         """After each step: once ``MEASURE_S`` seconds of steps are timed, log the step and
-        the passes the time budget reaches at that speed (and warn when too many)."""
+        the passes the time budget reaches at that speed (and warn when too many); return
+        those passes then, None before and after."""
         if self.done or step < self.first_step + SKIP_STEPS:
-            return
+            return None
         if self.mark is None:
             self.mark = (step, elapsed_s)
-            return
+            return None
         timed = elapsed_s - self.mark[1]
         if timed < MEASURE_S:
-            return
+            return None
         self.done = True
         t = self.config.train
         rate = (step - self.mark[0]) / timed
@@ -77,9 +125,11 @@ class BudgetPlan:
         self.log(f"budget: at {rate:.2f} steps/s, {t.max_minutes:g} min of training reach step "
                  f"~{final:,.0f}: ~{passes:.1f} passes over the training data")
         self.check(passes, f"{t.max_minutes:g} min")
+        return passes
 
     def check(self, passes: float, budget: str) -> None:
-        """Warn when an unregularised recipe would make far more passes than it is meant for."""
+        """Warn when an unregularised recipe would make far more passes than it is meant for
+        (not where "auto" regularises by them)."""
         m, t = self.config.model, self.config.train
         if passes > OVERFIT_PASSES and m.dropout == 0 and t.label_smoothing == 0 \
                 and math.isfinite(passes):
