@@ -274,14 +274,12 @@ class Trainer:
         # (known now under a step limit, once the speed is measured under a time budget).
         steps_per_pass = len(self.data.sampler) / stored.train.grad_accum
         auto = has_auto_regularisation(stored)
-        passes = step_limit_passes(stored, steps_per_pass)
-        if auto and passes is not None:  # config.yaml says what was chosen
-            stored, why_regularisation = choose_regularisation(stored, passes)
-        self.stored = stored  # "auto" where the time budget's passes are not known yet
-        self.config, why_time = choose_regularisation(
-            replace(stored, train=replace(stored.train, precision=self.precision)), None)
-        if auto and passes is None:
-            why_regularisation = why_time
+        passes = step_limit_passes(stored, steps_per_pass)  # None: a time budget's, not yet
+        if passes is not None:  # known now: config.yaml says what was chosen
+            stored = choose_regularisation(stored, passes)[0]
+        self.stored = stored  # "auto" until a time budget's speed is measured (regularise)
+        self.config, why_regularisation = choose_regularisation(
+            replace(stored, train=replace(stored.train, precision=self.precision)), passes)
         self.scaler = new_scaler(world.device) if self.precision == "fp16" else None
         t = self.config.train
         self.threads = ThreadTuner(t.cpu_threads or torch.get_num_threads(),
