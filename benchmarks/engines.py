@@ -1,4 +1,5 @@
-"""What an export buys: the test split decoded by aiayn and by CTranslate2 (float32, int8).
+"""What an export buys: the test split decoded by aiayn (float32, int8 weights) and by
+CTranslate2 (float32, int8).
 
     python benchmarks/engines.py --run-dir RUN --repeats 3   # beam 4, alpha 0.6, 2 threads
 
@@ -61,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_threads_option(p, 2, "torch and CTranslate2 threads")
     add_repeats_option(p, 2)
     add_json_option(p)
+    p.add_argument("--no-int8", action="store_true",
+                   help="leave out aiayn's int8 weights (aiayn.inference.int8)")
     return p.parse_args(argv)
 
 
@@ -72,6 +75,9 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         translators = {f"aiayn (PyTorch {torch.__version__})": Translator.from_pretrained(
             args.run_dir, args.weights, decode_tokens=args.decode_tokens)}
+        if not args.no_int8:
+            translators["aiayn int8"] = Translator.from_pretrained(
+                args.run_dir, args.weights, decode_tokens=args.decode_tokens, int8=True)
         for quantization in ("float32", "int8"):
             out = Path(tmp) / quantization
             export_run(args.run_dir, "ctranslate2", out, args.weights, quantization)

@@ -83,6 +83,10 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=ENGINES, default="aiayn",
                    help="who decodes: aiayn (a run directory) or ctranslate2 (a directory from "
                    "`aiayn export --to ctranslate2`)")
+    p.add_argument("--int8", action="store_true",
+                   help="aiayn's engine on a CPU: the output layer with int8 weights (faster; "
+                   "the translations differ a little from fp32: "
+                   "docs/translating.md#the-int8-output-layer)")
 
 
 def _add_search(p: argparse.ArgumentParser, beam: int | None = None,
@@ -428,11 +432,11 @@ def _run_translate(args) -> int:
         job = Job(args.input, args.output, search, chunk=args.chunk_lines, resume=args.resume,
                   seed_given=args.seed is not None, modes=modes,
                   run=run_identity(args.run_dir, args.weights, args.engine, str(device),
-                                   args.decode_tokens))
+                                   args.decode_tokens, int8=args.int8))
         search = job.search  # on --resume, a seed drawn at random is the interrupted run's
     translator = Translator.from_pretrained(args.run_dir, args.weights, device=device,
                                             decode_tokens=args.decode_tokens,
-                                            engine=args.engine)
+                                            engine=args.engine, int8=args.int8)
     translator.check(search)  # what the model and the decoding budget can hold
     if args.alignments:
         translator.check_alignments()
@@ -528,7 +532,8 @@ def _run_evaluate(args) -> int:
                             no_repeat_ngram=args.no_repeat_ngram)
     r = evaluate_run(args.run_dir, args.split, search, data_dir=args.data,
                      weights=args.weights, output=args.output, limit=args.limit,
-                     decode_tokens=args.decode_tokens, device=args.device, engine=args.engine)
+                     decode_tokens=args.decode_tokens, device=args.device, engine=args.engine,
+                     int8=args.int8)
     search = "greedy" if r["beam"] == 1 else f"beam {r['beam']}, alpha {r['alpha']}"
     if r["no_repeat_ngram"]:
         search += f", no repeated {r['no_repeat_ngram']}-gram"
@@ -849,7 +854,7 @@ def _run_serve(args) -> int:
                            got=args.decode_tokens)
     serve(args.run_dir, args.host, args.port, args.weights, choose_device(args.device),
           engine=args.engine, decode_tokens=args.decode_tokens, max_wait_ms=args.max_wait_ms,
-          batching=args.batching, lanes=args.lanes)
+          batching=args.batching, lanes=args.lanes, int8=args.int8)
     return 0
 
 

@@ -163,3 +163,25 @@ def test_bad_lanes_are_refused_in_one_line(run_dir, lanes, device, batching, wor
     with pytest.raises(AiaynError, match=re.escape(words)):
         Batcher(translator, batching=batching, lanes=lanes)
     assert {p.pid for p in multiprocessing.active_children()} == before  # none started
+
+
+def test_lane_processes_decode_with_the_servers_int8_output_layer(run_dir):
+    """With int8 (aiayn.inference.int8) each lane process packs the output layer again from
+    the weights it gets: every answer is the in-process int8 translator's."""
+    translator = Translator.from_pretrained(run_dir, streams=2, int8=True)
+    config = load_config(run_dir / "config.yaml")
+    service = ModelService(translator, config, serve_info(run_dir, "best", config, translator),
+                           lanes="processes")
+    client = TestClient(create_app(service))
+    try:
+        assert len(lane_processes(service)) == 2
+        rng = random.Random(8)
+        bodies = [{"text": [random_sentence(rng) for _ in range(rng.randint(1, 3))],
+                   "beam": 4, "alpha": 0.6} for _ in range(12)]
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda b: client.post("/translate", json=b), bodies))
+        for body, response in zip(bodies, answers, strict=True):
+            assert response.status_code == 200, response.text
+            assert_same_answer(response.json(), *expected_answer(translator, body, (4, 0.6)))
+    finally:
+        service.close()

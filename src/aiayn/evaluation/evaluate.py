@@ -152,8 +152,8 @@ def evaluate_run(run_dir: str | Path, split: str = "test", search: Search | None
                  data_dir: str | Path | None = None, weights: str | Path = "best",
                  output: str | Path | None = None, limit: int = 0,
                  decode_tokens: int | None = None, device: str | None = "auto",
-                 bf16: bool = False, progress: bool = True, engine: str = "aiayn"
-                 ) -> dict[str, Any]:
+                 bf16: bool = False, progress: bool = True, engine: str = "aiayn",
+                 int8: bool = False) -> dict[str, Any]:
     """Translate a split of the run's prepared data, write the hypotheses (one per line)
     and a .json of the scores beside them; returns that summary.
 
@@ -166,7 +166,9 @@ def evaluate_run(run_dir: str | Path, split: str = "test", search: Search | None
     alpha alone keep their own files. ``limit``: only the first N sentences (0: all).
     ``decode_tokens``: the decoding budget (``Translator``'s). ``engine="ctranslate2"``:
     ``run_dir`` is an `aiayn export --to ctranslate2` directory, decoded by CTranslate2
-    (WEIGHTS in the file name is then "ctranslate2"). The summary's "repeats" gives the
+    (WEIGHTS in the file name is then "ctranslate2"). ``int8``: aiayn's engine with int8
+    weights (``aiayn.inference.int8``; WEIGHTS.int8 in the file name, and the loss is the
+    int8 model's). The summary's "repeats" gives the
     share of hypotheses and of references that repeat a 4-gram of words
     (``aiayn.evaluation.metrics.stutter_share``).
     """
@@ -177,7 +179,8 @@ def evaluate_run(run_dir: str | Path, split: str = "test", search: Search | None
     if output is not None:
         check_output_file(output, "--output")
     translator = Translator.from_pretrained(run_dir, weights, device=choose_device(device),
-                                            decode_tokens=decode_tokens, bf16=bf16, engine=engine)
+                                            decode_tokens=decode_tokens, bf16=bf16, engine=engine,
+                                            int8=int8)
     translator.check(search)  # what the model and the decoding budget can hold
     data_dir = Path(data_dir) if data_dir else read_data_dir(run_dir)
     prepared = load_prepared(data_dir)
@@ -200,6 +203,7 @@ def evaluate_run(run_dir: str | Path, split: str = "test", search: Search | None
     speed = translator.last_stats
     own = translator.engine.own_model  # else the engine's name stands for its weights
     weights_name = Path(str(weights)).name.removesuffix(".safetensors") if own else engine
+    weights_name += ".int8" if int8 else ""
     output = Path(output) if output else (
         Path(run_dir) / "eval" / f"{split}.{weights_name}.{search_name(search)}.txt")
     atomic_write_text(output, "".join(h + "\n" for h in hypotheses))

@@ -3,7 +3,8 @@ cache (search; what may be chosen besides the likeliest: sampling), the steps th
 and serve's continuous search (joinable) both drive (steps), the one decode driver
 (translator) and what it takes and gives (translations), the engines it drives behind one
 interface (engine: aiayn's own, aiayn_engine, or CTranslate2's, ct2; by --engine name:
-engines), the batch budget (budget), the output layer's kernel (kernels), attention maps of
+engines), the batch budget (budget), the output layer's kernel (kernels) and its int8 form
+(int8), attention maps of
 a translation (attention) and word alignments from them (align), files of any length
 translated chunk by chunk, resumable (files), and the teacher-forced scores of given pairs
 (scoring).

@@ -19,6 +19,7 @@ from aiayn.inference.budget import (
     stream_budget,
 )
 from aiayn.inference.engine import Engine, pick
+from aiayn.inference.int8 import Int8Output
 from aiayn.inference.kernels import choose_output_kernel
 from aiayn.inference.search import decode_beam, decode_greedy
 from aiayn.inference.settings import Search
@@ -42,16 +43,23 @@ class AiaynEngine(Engine):
 
     def __init__(self, model: Transformer, device: str | torch.device | None = None,
                  bf16: bool = False, streams: int | None = None, threads_per_stream: int = 1,
-                 kernel: OutputKernel | None = None):
+                 kernel: OutputKernel | None = None, int8: bool = False):
         """``bf16``: decode under bfloat16 autocast (as training validates under train.precision bf16).
         ``streams``: batches decoded at once (None: ``default_streams``, as many as torch
         has threads when decoding starts); ``threads_per_stream`` > 1 only to measure the
         barriers that one thread avoids. ``kernel``: the output layer's product
-        (``aiayn.inference.kernels``: a Trainer's choice for its model); None: chosen here."""
+        (``aiayn.inference.kernels``: a Trainer's choice for its model); None: chosen here.
+        ``int8``: the output layer's product in int8 (``aiayn.inference.int8``; a CPU, not
+        with ``bf16``); ``model``'s weights must then stay as they are while it decodes."""
         self.device = torch.device(device) if device is not None else parameter_device(model)
         self.model = model.to(self.device).eval()
         self.kernel = kernel  # the searches compute with it; the model keeps none
-        if kernel is None:  # not chosen yet (a Trainer chooses for its own)
+        self.int8 = int8
+        if int8:
+            if bf16:
+                raise AiaynError("int8 and bf16 decoding exclude each other: choose one")
+            self.kernel = Int8Output(self.model.generator)
+        elif kernel is None:  # not chosen yet (a Trainer chooses for its own)
             self.kernel = choose_output_kernel(model.generator, DECODE_PROBE_ROWS,
                                                enabled=not bf16)[0]
         self.max_len, self.tgt_vocab_size = model.cfg.max_len, model.cfg.tgt_vocab_size

@@ -74,7 +74,11 @@ class CTranslate2Engine(Engine):
              device: str | torch.device | None = None, **options):
         """An export directory's engine, tokenizers and config (``load_ctranslate2``), with
         as many threads as torch uses; ``weights`` and bf16 are unused (the exported
-        weight type decides)."""
+        weight type decides; ``int8`` is refused: an export's weight type is chosen when it
+        is written)."""
+        if options.get("int8"):
+            raise AiaynError("--int8 is aiayn's engine's; a CTranslate2 export decodes in the "
+                             "weight type it was written with (aiayn export --quantization int8)")
         kind = torch.device(device).type if device is not None else "cpu"
         return load_ctranslate2(run_dir, kind, torch.get_num_threads())
 

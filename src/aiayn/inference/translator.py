@@ -90,16 +90,17 @@ class Translator:
                  device: str | torch.device | None = None, bf16: bool = False,
                  engine: Engine | None = None, streams: int | None = None,
                  threads_per_stream: int = 1, decode: DecodeConfig | None = None,
-                 kernel: OutputKernel | None = None):
+                 kernel: OutputKernel | None = None, int8: bool = False):
         """``engine``: who searches (``aiayn.inference.engine``; None: aiayn's own search over
         ``model`` on ``device``, with ``bf16``, ``streams`` and ``threads_per_stream``: see
         ``AiaynEngine``). ``decode_tokens``: the decoding budget in padded source tokens x
         beam (``token_batches``; None: the engine's default, 8,192 on a CPU). ``decode``: the
         search that settings left out mean (the run's config section; default the paper's
         beam 4, alpha 0.6). ``kernel``: the output layer's product for aiayn's engine
-        (``AiaynEngine``; None: chosen there)."""
+        (``AiaynEngine``; None: chosen there); ``int8``: its int8 weights
+        (``aiayn.inference.int8``)."""
         self.engine = engine or AiaynEngine(model, device, bf16, streams, threads_per_stream,
-                                            kernel)
+                                            kernel, int8)
         self.model, self.device = self.engine.model, self.engine.device
         self.max_len = self.engine.max_len
         self.decode = decode or DecodeConfig()
@@ -129,8 +130,9 @@ class Translator:
         """Load ``run_dir`` with the engine named ``engine`` (``engine_class``): a run
         directory (``load_run``; ``device`` defaults to the CPU), or with ``"ctranslate2"``
         a directory written by `aiayn export --to ctranslate2` (``weights`` and bf16 then
-        unused), decoded by CTranslate2 with as many threads as torch uses."""
-        options = {k: kwargs.pop(k) for k in ("bf16", "streams", "threads_per_stream")
+        unused), decoded by CTranslate2 with as many threads as torch uses. ``int8``
+        (aiayn's engine): decode with int8 weights (an export has its weight type)."""
+        options = {k: kwargs.pop(k) for k in ("bf16", "streams", "threads_per_stream", "int8")
                    if k in kwargs}
         searcher, tokenizers, config = engine_class(engine).load(run_dir, weights, device,
                                                                  **options)

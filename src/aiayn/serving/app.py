@@ -339,10 +339,10 @@ def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
           weights: str = "best", device: str | torch.device = "cpu",
           limits: ServeLimits | None = None, engine: str = "aiayn",
           decode_tokens: int | None = None, max_wait_ms: float = MAX_WAIT_MS,
-          batching: str | None = None, lanes: str | None = None) -> None:
+          batching: str | None = None, lanes: str | None = None, int8: bool = False) -> None:
     """Load the run once and serve it until interrupted (`aiayn serve`; port 0: any free
-    one). ``engine``, ``decode_tokens``, ``max_wait_ms``, ``batching``, ``lanes``: see
-    ``ModelService.from_run``."""
+    one). ``engine``, ``decode_tokens``, ``max_wait_ms``, ``batching``, ``lanes``, ``int8``:
+    see ``ModelService.from_run``."""
     check_max_wait(max_wait_ms)  # before loading, as the port below
     kind = engine_class(engine)  # what it can do is known before it is loaded
     if batching is not None:
@@ -351,7 +351,7 @@ def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
                 batching or ("continuous" if kind.continuous else "pass"))
     sock = listening_socket(host, port)  # before loading: a busy port is one line, at once
     service = ModelService.from_run(run_dir, weights, device, engine, decode_tokens,
-                                    max_wait_ms, batching, lanes)
+                                    max_wait_ms, batching, lanes, int8)
     app = create_app(service, limits)
     info = service.info
     port = sock.getsockname()[1]

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from aiayn.data.batching import pad
+from aiayn.inference.int8 import Int8Output
 from aiayn.inference.joinable import JoinableSearch
 from aiayn.inference.search import Hypothesis
 from aiayn.inference.settings import Search
@@ -132,8 +133,10 @@ class LaneProcess:
 
     def __init__(self, model: Transformer, bf16: bool, on_result: Callable[[Round], None],
                  on_lost: Callable[[LaneLost], None], kernel: OutputKernel | None = None):
+        int8 = isinstance(kernel, Int8Output)  # packed again in the child, from the weights
         self._start_args = (model.cfg, {k: v.detach().clone() for k, v in
-                                        model.state_dict().items()}, kernel, bf16)
+                                        model.state_dict().items()},
+                            None if int8 else kernel, bf16, int8)
         self.on_result, self.on_lost = on_result, on_lost
         self._lock = threading.Lock()  # a send, or the swap to a new child
         self._closing = False
@@ -188,7 +191,7 @@ class LaneProcess:
         self._conn.close()
 
 
-def _lane_main(conn, cfg, state: dict, kernel, bf16: bool) -> None:
+def _lane_main(conn, cfg, state: dict, kernel, bf16: bool, int8: bool) -> None:
     """A lane's child process: build the model, then decode what is sent until told to
     stop (None) or the server is gone. Between steps it takes every message waiting; it
     reports after a step that finished or failed a sentence, with the steps counted since."""
@@ -198,6 +201,8 @@ def _lane_main(conn, cfg, state: dict, kernel, bf16: bool) -> None:
     model.load_state_dict(state)
     model.eval()
     del state
+    if int8:  # the server's output layer runs in int8 (aiayn.inference.int8)
+        kernel = Int8Output(model.generator)
     lane, steps, sentences, seconds = LaneSearches(model, bf16, kernel), 0, 0, 0.0
     while True:
         adds: Adds = []

@@ -98,16 +98,19 @@ class ModelService:
     def from_run(cls, run_dir: str | Path, weights: str = "best",
                  device: str | torch.device = "cpu", engine: str = "aiayn",
                  decode_tokens: int | None = None, max_wait_ms: float = MAX_WAIT_MS,
-                 batching: str | None = None, lanes: str | None = None) -> ModelService:
+                 batching: str | None = None, lanes: str | None = None,
+                 int8: bool = False) -> ModelService:
         """Load ``run_dir`` once (``Translator.from_pretrained``: a run directory, or with
         ``engine="ctranslate2"`` an `aiayn export --to ctranslate2` directory) and gather
         what /info reports. ``decode_tokens``: the decoding budget of a batch and of a pass, in
         source tokens x beam (None: the device's, ``aiayn.inference.budget.
         default_decode_tokens``). ``batching``: see ``Batcher``
         (None: continuous where the engine allows it); ``lanes``: where continuous
-        batching decodes, "processes" or "threads" (None: ``default_lanes``)."""
+        batching decodes, "processes" or "threads" (None: ``default_lanes``); ``int8``:
+        aiayn's engine with int8 weights (``aiayn.inference.int8``)."""
         translator = Translator.from_pretrained(run_dir, weights, device=device, engine=engine,
-                                                decode_tokens=decode_tokens)
+                                                decode_tokens=decode_tokens,
+                                                int8=int8)
         config = load_config(Path(run_dir) / "config.yaml")
         info = serve_info(run_dir, weights, config, translator)
         return cls(translator, config, info, max_wait_ms, batching, lanes)
