@@ -82,6 +82,8 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
         command += ["--batching", args.batching]
     if args.lanes:
         command += ["--lanes", args.lanes]
+    if args.int8:
+        command.append("--int8")
     process = subprocess.Popen(command, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -303,6 +305,8 @@ def main() -> None:
                         help="the server's (default: its own)")
     parser.add_argument("--lanes", choices=["processes", "threads"],
                         help="the server's (default: its own)")
+    parser.add_argument("--int8", action="store_true",
+                        help="the server and the reference with the int8 output layer")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="torch threads of the server and of the reference")
     parser.add_argument("--soak", type=float, default=0.0, metavar="SECONDS",
@@ -331,7 +335,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     translator = Translator.from_pretrained(args.run_dir, args.weights, device=args.device,
                                             engine=args.engine,
-                                            decode_tokens=args.decode_tokens)
+                                            decode_tokens=args.decode_tokens, int8=args.int8)
     search = translator.resolve(beam=args.beam, alpha=args.alpha)
     translator.translate(sentences[:8], search)  # warm-up
     expected = translator.translate(sentences, search)
@@ -386,6 +390,7 @@ def main() -> None:
             reference_of = [(a + b) / 2 for a, b in zip(references, references[1:])]
             how = "".join(f", {name} {value}" for name, value in
                           [("batching", args.batching), ("lanes", args.lanes)] if value)
+            how += ", --int8" if args.int8 else ""
             of = f", median of {args.repeats}" if args.repeats > 1 else ""
             for k in clients:
                 done = runs[k]
