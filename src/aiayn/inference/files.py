@@ -448,7 +448,7 @@ def run_identity(run_dir: str | Path, weights: str, engine: str, device: str,
     """What the model is, for the sidecar: the run directory, the weights file (its size and
     modification time: a run that trained on since then decodes otherwise), the engine,
     the device and the decoding budget (batches of another size may round otherwise), and
-    int8 weights where they decode (``aiayn.inference.int8``)."""
+    the int8 output layer where it decodes (``aiayn.inference.int8``)."""
     identity = {"run_dir": str(Path(run_dir).resolve()), "weights": str(weights),
                 "engine": engine, "device": str(device), "decode_tokens": decode_tokens}
     if int8:

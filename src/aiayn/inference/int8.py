@@ -99,5 +99,3 @@ class Int8Output:
             raise ValueError(f"Int8Output packed a {self.shape} output layer, "
                              f"got {tuple(weight.shape)}")
         return int8_product(x, self.packed, self.shape[0], self.bias, self.anchor)
-
-
