@@ -75,6 +75,12 @@ def _add_device(p: argparse.ArgumentParser, extra: str = "") -> None:
                    "runs on it, else the CPU" + extra)
 
 
+def _add_direction(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--to", metavar="LANG", help="the language to translate into, for a model "
+                   "trained on several directions (`aiayn info` lists them; "
+                   "docs/data.md#several-corpora-and-directions)")
+
+
 def _add_weights(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="best", help="best, last, or a .safetensors path")
 
@@ -215,8 +221,11 @@ def _warnings_as_lines() -> Iterator[None]:
 # ---------------------------------------------------------------- prepare
 def _add_prepare(sub) -> None:
     p = sub.add_parser("prepare", help="read a corpus, clean and split it, train tokenizers")
-    p.add_argument("--corpus", help="corpus spec, e.g. bible:eng-spa, hf:opus_books:en-it, "
-                   "tsv:PATH, jsonl:PATH, parallel:SRC,TGT (default: the config's)")
+    p.add_argument("--corpus", action="append", help="corpus spec, e.g. bible:eng-spa, "
+                   "hf:opus_books:en-it, tsv:PATH, jsonl:PATH, parallel:SRC,TGT (default: the "
+                   "config's); repeat it for several corpora in one directory, each with "
+                   "options weight=W (its share of the training batches), src=LANG, tgt=LANG "
+                   "(docs/data.md#several-corpora-and-directions)")
     p.add_argument("--out", required=True, help="directory for the prepared data (new or empty)")
     p.add_argument("--force", action="store_true",
                    help="replace the contents of a non-empty --out (refused while in use)")
@@ -231,6 +240,8 @@ def _add_prepare(sub) -> None:
 
 
 def _run_prepare(args) -> int:
+    if args.corpus is not None:  # one line per corpus (aiayn.data.directions)
+        args.corpus = "\n".join(args.corpus)
     if args.tokenizer_from:
         if args.config:
             raise AiaynError("--tokenizer-from RUN_DIR takes the data settings from the run; "
@@ -267,11 +278,18 @@ def _prepare_summary(stats: dict, out: str) -> str:
              f"vocabularies of {tok['src_vocab_size']} (source) and {tok['tgt_vocab_size']} (target)")
     lengths = stats["lengths"]["train"]
     batching = stats["batching"]
+    corpora = stats.get("corpora") or []
+    several = len(corpora) > 1
     return "\n".join([
-        f"corpus   {stats['corpus']}: {stats['description']}",
+        *([f"corpus   {stats['corpus']}: {stats['description']}"] if not several else [
+            f"corpus {i}  {c['line']}: {c['languages']['src'] or '?'} -> "
+            f"{c['languages']['tgt'] or '?'}"
+            + (f", tag {c['tag']}" if c.get("tag") else "")
+            + f"; train {c['splits']['train']}, dev {c['splits']['dev']}, test "
+              f"{c['splits']['test']}" for i, c in enumerate(corpora, 1)]),
         f"pairs    read {pairs['read']}, kept {pairs['kept']}, dropped "
         f"{sum(pairs['dropped'].values())} ({dropped or 'none'})",
-        *_languages_line(stats.get("languages")),
+        *([] if several else _languages_line(stats.get("languages"))),
         f"splits   train {splits['train']}, dev {splits['dev']}, test {splits['test']} "
         f"({stats['split_rule']})",
         f"tokens   {tok['kind']}, {vocab} (learnt from {tok['trained_on_pairs']} train pairs); "
@@ -401,6 +419,7 @@ def _add_translate(sub) -> None:
                    f"{CHUNK_LINES}); a resumed run needs the interrupted run's N")
     p.add_argument("--interactive", action="store_true", help="answer each line of stdin as "
                    "soon as it is entered (the default when stdin is a terminal)")
+    _add_direction(p)
     _add_weights(p)
     _add_device(p)
     _add_engine(p)
@@ -436,8 +455,9 @@ def _run_translate(args) -> int:
         search = job.search  # on --resume, a seed drawn at random is the interrupted run's
     translator = Translator.from_pretrained(args.run_dir, args.weights, device=device,
                                             decode_tokens=args.decode_tokens,
-                                            engine=args.engine, int8=args.int8)
+                                            engine=args.engine, int8=args.int8, to=args.to)
     translator.check(search)  # what the model and the decoding budget can hold
+    translator.check_direction()
     if args.alignments:
         translator.check_alignments()
     if interactive and terminal:
@@ -545,6 +565,9 @@ def _run_evaluate(args) -> int:
           [f"loss  {r['loss']:.4f}   NLL {r['nll']:.4f} per target token (teacher forcing)"]),
         f"BLEU  {r['bleu']:.2f}   {r['bleu_signature']}",
         f"chrF  {r['chrf']:.2f}   {r['chrf_signature']}",
+        *(f"{name:<5} BLEU {d['bleu']:.2f}   chrF {d['chrf']:.2f}   ({d['sentences']} "
+          f"sentences, BLEU tokenize {d['bleu_tokenize']})"
+          for name, d in r["directions"].items()),
         f"CER   {100 * r['cer']:.2f}%   WER {100 * r['wer']:.2f}%",
         f"stutter {100 * repeats['hypotheses']:.1f}% of the translations repeat a "
         f"{repeats['n']}-gram of words, {100 * repeats['references']:.1f}% of the references",
@@ -588,6 +611,7 @@ def _add_score(sub) -> None:
                    help="score under the search's repetition guard of N-grams of pieces (a "
                    "target that repeats one then scores -inf; default 0: off, the model alone)")
     _add_decode_tokens(p, "scoring budget: padded tokens of a batch (default 8192 on a CPU)")
+    _add_direction(p)
     _add_weights(p)
     _add_device(p)
 
@@ -610,7 +634,9 @@ def _run_score(args) -> int:
         sources, targets = read_split_pairs(args.run_dir, args.split, args.data)
     translator = Translator.from_pretrained(args.run_dir, args.weights,
                                             device=choose_device(args.device),
-                                            decode_tokens=args.decode_tokens)
+                                            decode_tokens=args.decode_tokens, to=args.to)
+    if args.split is None:  # a prepared split's sources carry their tags
+        translator.check_direction()
     with bar(total=len(sources), desc="score", enabled=len(sources) > 1000) as progress:
         chunks = score_lines(translator, sources, targets, search, args.json,
                              progress=progress.update)
@@ -716,6 +742,7 @@ def _add_attention(sub) -> None:
     p.add_argument("--head", type=int, help="--steps: one head, from 1 (default: the mean "
                    "of the layer's heads)")
     _add_search(p, beam=1, decode_tokens=False)
+    _add_direction(p)
     _add_weights(p)
 
 
@@ -727,7 +754,8 @@ def _run_attention(args) -> int:
     for option in ("target", "layer", "head"):
         if getattr(args, option) is not None:
             raise AiaynError(f"--{option} goes with --steps")
-    translator = Translator.from_pretrained(args.run_dir, weights=args.weights)
+    translator = Translator.from_pretrained(args.run_dir, weights=args.weights, to=args.to)
+    translator.check_direction()
     att = translator.attention(args.sentence,
                                translator.resolve(beam=args.beam, alpha=args.alpha))
     print(f"translation: {att.translation}")
@@ -750,7 +778,7 @@ def _attention_steps(args) -> int:
                          f"got {args.head}")
     with bar(desc="checkpoints", total=len(saved), unit="") as progress:
         att = attention_over_steps(args.run_dir, args.sentence, args.target, args.layer,
-                                   args.weights, search, progress.update)
+                                   args.weights, search, progress.update, to=args.to)
     print(f"target: {att.translation}")
     print(f"steps: {', '.join('last' if s is None else str(s) for s in att.steps)}")
     head = None if args.head is None else args.head - 1

@@ -99,6 +99,15 @@ class TokenBatchSampler:
     same number of steps (DistributedDataParallel needs that) and every example is seen
     exactly once per epoch across the ranks.
 
+    Weighted corpora (``groups``: the corpus of each example, ``weights``: each corpus's
+    share of the batches, aiayn.data.directions): every corpus is batched on its own, and an
+    epoch (as many batches as the corpora have together) takes from corpus g its share,
+    ``weights[g] / sum(weights)`` of the batches, going round its own batches in an order
+    shuffled anew each time round (a small corpus of weight 1 beside a large one of weight 1
+    is seen many times in an epoch, the large one in part); the epoch's batches are then
+    shuffled together. Each epoch's order is a function of ``seed`` and its number alone,
+    so a resume continues it exactly.
+
     The iterator moves to the next epoch by itself when it is exhausted; ``set_epoch(e)``
     with a different epoch jumps there (and is a no-op for the current one, so a resumed
     position is kept). ``state_dict`` records the epoch and the batches already yielded in
@@ -106,7 +115,8 @@ class TokenBatchSampler:
     """
 
     def __init__(self, src_lens: Sequence[int], tgt_lens: Sequence[int], max_tokens: int,
-                 shuffle: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1):
+                 shuffle: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1,
+                 groups: Sequence[int] | None = None, weights: Sequence[float] | None = None):
         src_lens = np.asarray(src_lens, dtype=np.int64)
         tgt_lens = np.asarray(tgt_lens, dtype=np.int64)
         if len(src_lens) != len(tgt_lens):
@@ -126,17 +136,46 @@ class TokenBatchSampler:
         self.max_tokens = max_tokens
         self.shuffle, self.seed = shuffle, seed
         self.rank, self.world_size = rank, world_size
-        by_shape = token_batches(widths, max_tokens, order_key=tgt_lens - src_lens)
-        self.batches = _even_batches(by_shape, world_size)
+        self.shares: list[int] = []  # batches of each corpus per epoch (weighted corpora)
+        if weights is None:
+            by_shape = token_batches(widths, max_tokens, order_key=tgt_lens - src_lens)
+            self.batches = _even_batches(by_shape, world_size)
+        else:
+            groups = np.asarray(groups, dtype=np.int64)
+            self.group_batches = []
+            for g in range(len(weights)):
+                members = np.flatnonzero(groups == g)
+                self.group_batches.append([members[b] for b in token_batches(
+                    widths[members], max_tokens, order_key=(tgt_lens - src_lens)[members])])
+            self.batches = [b for batches in self.group_batches for b in batches]
+            self.shares = _shares([len(b) for b in self.group_batches], weights, world_size)
         self.epoch = 0
         self._offset = 0  # batches of this epoch already yielded on this rank
 
     def _epoch_order(self, epoch: int) -> list[np.ndarray]:
         """This rank's batches for ``epoch``."""
+        if self.shares:
+            return self._weighted_order(epoch)[self.rank::self.world_size]
         order = list(range(len(self.batches)))
         if self.shuffle:
             random.Random(f"aiayn-batches-{self.seed}-{epoch}").shuffle(order)
         return [self.batches[b] for b in order[self.rank::self.world_size]]
+
+    def _weighted_order(self, epoch: int) -> list[np.ndarray]:
+        """Every rank's batches of ``epoch`` with weighted corpora: corpus g's batches
+        ``epoch * share`` to ``(epoch + 1) * share`` of its endless round, each round in an
+        order of its own, the epoch shuffled together."""
+        chosen: list[np.ndarray] = []
+        for g, (batches, share) in enumerate(zip(self.group_batches, self.shares, strict=True)):
+            rounds: dict[int, list[int]] = {}
+            for p in range(epoch * share, (epoch + 1) * share):
+                r = p // len(batches)
+                if r not in rounds:
+                    rounds[r] = list(range(len(batches)))
+                    random.Random(f"aiayn-corpus-{self.seed}-{g}-{r}").shuffle(rounds[r])
+                chosen.append(batches[rounds[r][p % len(batches)]])
+        random.Random(f"aiayn-batches-{self.seed}-{epoch}").shuffle(chosen)
+        return chosen
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
@@ -151,7 +190,7 @@ class TokenBatchSampler:
 
     def __len__(self) -> int:
         """Batches per epoch on this rank (the same on every rank)."""
-        return len(self.batches) // self.world_size
+        return (sum(self.shares) if self.shares else len(self.batches)) // self.world_size
 
     def state_dict(self) -> dict[str, int]:
         """Epoch and batches yielded in it (``aiayn.training.loop.BatchStream`` saves the state from
@@ -188,6 +227,18 @@ class TokenBatchSampler:
             "mean_sentences_per_batch": round(len(self.src_lens) / max(1, len(self.batches)), 2),
             "padding_fraction": round(1 - real / slots, 4) if slots else 0.0,
         }
+
+
+def _shares(sizes: list[int], weights: Sequence[float], world_size: int) -> list[int]:
+    """Batches of each corpus in an epoch of ``sum(sizes)`` batches: its weight's share,
+    rounded (at least one for a corpus that has batches); the corpus of the largest weight
+    takes the few more that make the total divide by ``world_size``."""
+    total, weight = sum(sizes), sum(w for w, n in zip(weights, sizes, strict=True) if n)
+    shares = [max(1, round(total * w / weight)) if n else 0
+              for w, n in zip(weights, sizes, strict=True)]
+    largest = max(range(len(sizes)), key=lambda g: (sizes[g] > 0, weights[g]))
+    shares[largest] += -sum(shares) % world_size
+    return shares
 
 
 def _even_batches(batches: list[np.ndarray], world_size: int) -> list[np.ndarray]:

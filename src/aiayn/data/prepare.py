@@ -22,7 +22,7 @@ import itertools
 import json
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from json.encoder import encode_basestring as _json_string
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,14 @@ import numpy as np
 from aiayn.config import DataConfig
 from aiayn.data.batching import TokenBatchSampler
 from aiayn.data.corpora import CorpusStream, held_out_positions
+from aiayn.data.directions import (
+    TAG_PATTERN,
+    CorpusLine,
+    check_tag_free,
+    corpus_lines,
+    needs_tags,
+    tag_of,
+)
 from aiayn.data.languages import bleu_tokenize, resolve_languages
 from aiayn.data.pairs import SPLITS
 from aiayn.data.prepared import (
@@ -76,27 +84,33 @@ def prepare(data_cfg: DataConfig, out_dir: str | Path, model_max_len: int,
     ``tokenizers``: use (and save) these instead of training new ones, e.g. a run's, to
     fine-tune it on this corpus (aiayn.training.transfer.prepare_from_run).
     """
+    lines = corpus_lines(data_cfg.corpus)
     need = prepared_size(data_cfg.corpus)
     if need is not None:
         check_room(out_dir, need, "the prepared data")
     with staged_directory(out_dir, force, "aiayn prepare", marker=STATS_FILE, need=need) as stage:
-        pairs = read_pairs(data_cfg, stage, progress)
+        pairs = read_corpora(data_cfg, lines, stage, progress)
         n_train = pairs.info["splits"]["train"]
         sample = min(n_train, data_cfg.tokenizer_max_pairs)
+        tags = [tag_of(c["languages"]["tgt"]) for c in pairs.corpora] if pairs.tagged else []
         if tokenizers is None:
             tokenizers = train_tokenizers(lambda: pairs.train_sample(sample), data_cfg,
-                                          progress=progress, total=sample)
+                                          progress=progress, total=sample,
+                                          tags=list(dict.fromkeys(tags)))
         else:  # given (a run's, to fine-tune it on this corpus): nothing is trained
             sample = 0
-        languages = resolve_languages(data_cfg.src_lang, data_cfg.tgt_lang, data_cfg.corpus,
-                                      pairs.train_sample(min(n_train, LANGUAGE_SAMPLE)))
-        languages["bleu_tokenize"] = bleu_tokenize(data_cfg.bleu_tokenize, languages["tgt"])
+            missing = sorted(set(tags) - set(tokenizers.tags.values()))
+            if missing:
+                raise AiaynError(f"the run's tokenizer has no direction tag {', '.join(missing)}"
+                                 "; fine-tune it on directions it was trained for")
+        languages = dict(pairs.corpora[0]["languages"])
         tokenizers.save(stage / TOKENIZER_DIR)
         ids = write_splits(stage, pairs, tokenizers, progress)
         pairs.remove()
         stats = {
             **pairs.info,
             "languages": languages,
+            "corpora": pairs.corpora,
             "tokenizer": {"kind": tokenizers.kind, "joint": tokenizers.joint,
                           "src_vocab_size": tokenizers.src_vocab_size,
                           "tgt_vocab_size": tokenizers.tgt_vocab_size,
@@ -150,11 +164,13 @@ def prepare_warnings(stats: dict[str, Any]) -> list[str]:
             lines.append(f"the {split} split has only {n} pairs, too few for a steady BLEU (a "
                          f"few pairs more or less move it by points); hold out more with --set "
                          f"data.{split}_fraction=0.05 (or give a larger {split} file)")
-    header = _header_row(stats["corpus"])
-    if header is not None:
+    for line in corpus_lines(stats["corpus"]):
+        header = _header_row(line.spec)
+        if header is None:
+            continue
         path, columns = header
         lines.append(f"{path}: the first line ({' <TAB> '.join(columns)}) looks like column "
-                     "names and was kept as a sentence pair; delete it if it is a header row")
+                         "names and was kept as a sentence pair; delete it if it is a header row")
     return lines
 
 
@@ -185,9 +201,15 @@ def _header_row(spec: str) -> tuple[str, tuple[str, str]] | None:
 
 
 def prepared_size(spec: str) -> int | None:
-    """About the bytes prepare writes for a corpus of the user's files (tsv, jsonl,
-    parallel): three times their size (the staged pairs, the JSON lines, the ids, which
-    take about as much as the text); None for corpora whose size is not known beforehand."""
+    """About the bytes prepare writes for corpora of the user's files (tsv, jsonl,
+    parallel; every line of ``spec``): three times their size (the staged pairs, the JSON
+    lines, the ids, which take about as much as the text); None where a corpus's size is
+    not known beforehand."""
+    sizes = [_corpus_size(line.spec) for line in corpus_lines(spec)]
+    return None if None in sizes else sum(sizes) or None
+
+
+def _corpus_size(spec: str) -> int | None:
     kind, _, arg = spec.partition(":")
     if kind not in ("tsv", "jsonl", "parallel"):
         return None
@@ -243,13 +265,14 @@ class SplitPairs:
             path.unlink()
 
 
-def read_pairs(cfg: DataConfig, directory: Path, progress: bool = False) -> SplitPairs:
+def read_pairs(cfg: DataConfig, directory: Path, progress: bool = False,
+               prefix: str = "") -> SplitPairs:
     """Pass 1: stream the corpus (``aiayn.data.corpora.CorpusStream``) into tab-separated files,
     one per split it has, and choose the held-out positions
     (``aiayn.data.corpora.held_out_positions``). ``info`` holds what was read, dropped and kept
-    and the split rule (the first keys of stats.json)."""
+    and the split rule (the first keys of stats.json). ``prefix``: of the files' names."""
     stream = CorpusStream(cfg.corpus, cfg, progress)
-    files = {name: directory / f"{name}.pairs.tsv" for name in SPLITS}
+    files = {name: directory / f"{prefix}{name}.pairs.tsv" for name in SPLITS}
     counts = dict.fromkeys(SPLITS, 0)
     with contextlib.ExitStack() as stack:
         handles = {name: stack.enter_context(open(path, "w", encoding="utf-8", newline="\n"))
@@ -272,7 +295,83 @@ def read_pairs(cfg: DataConfig, directory: Path, progress: bool = False) -> Spli
     return SplitPairs(directory, files, held, info)
 
 
-def write_splits(directory: Path, pairs: SplitPairs, tokenizers: Tokenizers,
+class CorpusSet:
+    """The corpora of every line of a spec read once (``SplitPairs`` each), as one corpus:
+    their pairs one corpus after the other in every split, each source with its direction
+    tag where the target languages differ (aiayn.data.directions). ``corpora``: per line,
+    what stats.json's "corpora" records (its share of each split, in this order)."""
+
+    def __init__(self, parts: list[SplitPairs], corpora: list[dict[str, Any]]):
+        self.parts, self.corpora = parts, corpora
+        self.tagged = needs_tags([c["languages"]["tgt"] for c in corpora])
+        if len(parts) == 1:
+            self.info = parts[0].info
+            return
+        splits = {name: sum(p.info["splits"][name] for p in parts) for name in SPLITS}
+        dropped = {reason: sum(p.info["pairs"]["dropped"].get(reason, 0) for p in parts)
+                   for reason in parts[0].info["pairs"]["dropped"]}
+        self.info = {"corpus": "\n".join(c["line"] for c in corpora),
+                     "description": "; ".join(p.info["description"] for p in parts),
+                     "pairs": {"read": sum(p.info["pairs"]["read"] for p in parts),
+                               "kept": sum(splits.values()), "dropped": dropped},
+                     "split_rule": "per corpus: " + "; ".join(
+                         p.info["split_rule"] for p in parts),
+                     "splits": splits}
+
+    def routed(self) -> Iterator[tuple[str, str, str]]:
+        """(split, source, target): every corpus's pairs in turn, tagged where needed."""
+        tags = [tag_of(c["languages"]["tgt"]) for c in self.corpora] if self.tagged else []
+        for i, part in enumerate(self.parts):
+            for split, src, tgt in part.routed():
+                if tags:
+                    check_tag_free(src, tags, f"{self.corpora[i]['line']} ({split})")
+                    check_tag_free(tgt, tags, f"{self.corpora[i]['line']} ({split})")
+                    src = f"{tags[i]} {src}"
+                yield split, src, tgt
+
+    def train_sample(self, k: int) -> Iterator[tuple[str, str]]:
+        """``k`` train pairs (without tags), each corpus's share by its size."""
+        n = self.info["splits"]["train"]
+        for part in self.parts:
+            yield from part.train_sample(round(k * part.info["splits"]["train"] / max(1, n)))
+
+    def remove(self) -> None:
+        for part in self.parts:
+            part.remove()
+
+
+def read_corpora(cfg: DataConfig, lines: list[CorpusLine], directory: Path,
+                 progress: bool = False) -> CorpusSet:
+    """Pass 1 for every line of the spec (``read_pairs``), the languages of each
+    (aiayn.data.languages.resolve_languages: the line's src=/tgt=, then data.src_lang /
+    tgt_lang, the spec, the script). Direction tags need every target language known."""
+    parts, corpora = [], []
+    for i, line in enumerate(lines):
+        line_cfg = replace(cfg, corpus=line.spec)
+        part = read_pairs(line_cfg, directory, progress, prefix=f"{i}." if len(lines) > 1 else "")
+        n_train = part.info["splits"]["train"]
+        languages = resolve_languages(line.src_lang or cfg.src_lang, line.tgt_lang or cfg.tgt_lang,
+                                      line.spec,
+                                      part.train_sample(min(n_train, LANGUAGE_SAMPLE)))
+        languages["bleu_tokenize"] = bleu_tokenize(cfg.bleu_tokenize, languages["tgt"])
+        parts.append(part)
+        corpora.append({"line": " ".join([line.spec] + [f"{k}={v}" for k, v in (
+            ("weight", line.weight), ("src", line.src_lang), ("tgt", line.tgt_lang)) if v]),
+            "spec": line.spec, "weight": line.weight, "languages": languages,
+            "pairs": part.info["pairs"], "splits": part.info["splits"]})
+    targets = [c["languages"]["tgt"] for c in corpora]
+    if needs_tags(targets):
+        for c in corpora:
+            if not c["languages"]["tgt"] or not TAG_PATTERN.fullmatch(tag_of(c["languages"]["tgt"])):
+                raise AiaynError(f"corpus line {c['line']!r}: its target language is not known, "
+                                 "and the lines translate into different languages; name it "
+                                 "with tgt=LANG on the line")
+    for c in corpora:
+        c["tag"] = tag_of(c["languages"]["tgt"]) if needs_tags(targets) else None
+    return CorpusSet(parts, corpora)
+
+
+def write_splits(directory: Path, pairs: SplitPairs | CorpusSet, tokenizers: Tokenizers,
                  progress: bool = False) -> dict[str, SplitIds]:
     """Pass 3: write each split's text (``{split}.jsonl``) and, encoded in chunks, its ids
     (``ids/``); returns the ids, mapped."""

@@ -96,13 +96,43 @@ class Prepared:
         return resolve_languages(given.get("src_lang", "auto"), given.get("tgt_lang", "auto"),
                                  str(self.stats.get("corpus", "")), sample)
 
-    def bleu_tokenize(self, setting: str = "auto") -> str:
+    @cached_property
+    def corpora(self) -> list[dict[str, Any]]:
+        """Per line of the corpus spec (aiayn.data.directions): its spec, weight (None: the
+        corpora pooled), languages, direction tag (None without) and its share of each split
+        (the splits hold the corpora one after another); a directory prepared before they
+        were recorded is one corpus."""
+        recorded = self.stats.get("corpora")
+        if recorded:
+            return recorded
+        corpus = str(self.stats.get("corpus", ""))
+        return [{"line": corpus, "spec": corpus, "weight": None,
+                 "languages": self.languages, "tag": None,
+                 "splits": self.stats.get("splits", {})}]
+
+    def directions(self, split: str, n: int | None = None) -> dict[str, tuple[str, list[int]]]:
+        """Per direction ("en-es"; several corpora of one direction together), its target
+        language and the positions of its pairs among the first ``n`` of ``split`` (None:
+        all)."""
+        found: dict[str, tuple[str, list[int]]] = {}
+        start = 0
+        for c in self.corpora:
+            count = int(c["splits"].get(split, 0))
+            languages = c["languages"]
+            name = f"{languages['src'] or '?'}-{languages['tgt'] or '?'}"
+            stop = start + count if n is None else min(start + count, n)
+            found.setdefault(name, (languages["tgt"], []))[1].extend(range(start, max(start, stop)))
+            start += count
+        return {name: value for name, value in found.items() if value[1]}
+
+    def bleu_tokenize(self, setting: str = "auto", language: str | None = None) -> str:
         """sacreBLEU's tokenizer for BLEU on this data: ``setting`` (the run's
         data.bleu_tokenize) unless "auto", then the one this data was prepared with, then
-        the target language's (aiayn.data.languages.bleu_tokenize)."""
+        the target language's (aiayn.data.languages.bleu_tokenize): ``language``'s, where
+        given (one direction of several), else the data's first target language."""
         if setting == "auto":
             setting = (self.stats.get("data_config") or {}).get("bleu_tokenize", "auto")
-        return bleu_tokenize(setting, self.languages["tgt"])
+        return bleu_tokenize(setting, language or self.languages["tgt"])
 
     def split(self, name: str) -> list[tuple[str, str]]:
         if name not in SPLITS:

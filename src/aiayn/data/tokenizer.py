@@ -46,6 +46,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from aiayn.config import DataConfig
+from aiayn.data.directions import TAG_PATTERN
 from aiayn.errors import AiaynError
 from aiayn.util.io import atomic_write_text
 from aiayn.util.progress import bar as progress_bar
@@ -81,6 +82,14 @@ class Tokenizers:
     def byte_fallback(self) -> bool:
         """Whether unseen characters become byte pieces rather than [UNK] (both sides)."""
         return all(getattr(tok.model, "byte_fallback", False) for tok in (self.src, self.tgt))
+
+    @property
+    def tags(self) -> dict[str, str]:
+        """Target language -> its direction tag (``<2es>``, aiayn.data.directions), the
+        source tokenizer's special pieces of that form; empty for a model of one direction."""
+        found = (TAG_PATTERN.fullmatch(t.content)
+                 for t in self.src.get_added_tokens_decoder().values())
+        return {m.group(1): m.group(0) for m in found if m}
 
     @property
     def src_vocab_size(self) -> int:
@@ -302,7 +311,8 @@ def ids_dtype(vocab_size: int) -> np.dtype:
 
 
 def train_tokenizers(pairs: Sequence[tuple[str, str]] | Callable[[], Iterable[tuple[str, str]]],
-                     cfg: DataConfig, progress: bool = False, total: int | None = None) -> Tokenizers:
+                     cfg: DataConfig, progress: bool = False, total: int | None = None,
+                     tags: Sequence[str] = ()) -> Tokenizers:
     """Train the tokenizer(s) on (source, target) pairs -- the train split only.
 
     ``pairs``: a sequence, or a function that returns a fresh iterator over them (so that a
@@ -313,7 +323,8 @@ def train_tokenizers(pairs: Sequence[tuple[str, str]] | Callable[[], Iterable[tu
     vocab_size of 1024 or more: ``uses_byte_fallback``): the last 256 of the vocab_size
     pieces are the bytes. ``progress``: a bar with the rate
     at which pairs are counted (``total`` pairs, if known); that pass is most of the time,
-    the merges (BPE) come after it."""
+    the merges (BPE) come after it. ``tags``: direction tags (aiayn.data.directions), special
+    pieces of the source vocabulary after the four of SPECIAL_TOKENS, never split."""
     if cfg.tokenizer not in KINDS:
         raise AiaynError(f"data.tokenizer must be one of {', '.join(KINDS)}, got {cfg.tokenizer!r}")
     fresh = pairs if callable(pairs) else (lambda: iter(pairs))
@@ -331,9 +342,9 @@ def train_tokenizers(pairs: Sequence[tuple[str, str]] | Callable[[], Iterable[tu
                 yield unicodedata.normalize("NFC", tgt)
 
     if cfg.joint_vocab:
-        joint = _train_one(texts("joint"), cfg)
+        joint = _train_one(texts("joint"), cfg, tags)
         return Tokenizers(joint, joint, cfg.tokenizer)
-    return Tokenizers(_train_one(texts("source"), cfg), _train_one(texts("target"), cfg),
+    return Tokenizers(_train_one(texts("source"), cfg, tags), _train_one(texts("target"), cfg),
                       cfg.tokenizer)
 
 
@@ -349,8 +360,9 @@ def new_tokenizer(kind: str) -> Tokenizer:
     return tok
 
 
-def _train_one(texts: Iterable[str], cfg: DataConfig) -> Tokenizer:
-    """Train on NFC ``texts`` (the normalizer is set after training)."""
+def _train_one(texts: Iterable[str], cfg: DataConfig, tags: Sequence[str] = ()) -> Tokenizer:
+    """Train on NFC ``texts`` (the normalizer is set after training), ``tags`` special
+    pieces after SPECIAL_TOKENS."""
     tok = new_tokenizer(cfg.tokenizer)
     normalizer, tok.normalizer = tok.normalizer, None
     trainer_class = trainers.BpeTrainer if cfg.tokenizer == "bpe" else trainers.WordLevelTrainer
@@ -358,7 +370,7 @@ def _train_one(texts: Iterable[str], cfg: DataConfig) -> Tokenizer:
     fallback = uses_byte_fallback(cfg)
     learnt = cfg.vocab_size - (len(BYTE_PIECES) if fallback else 0)
     trainer = trainer_class(vocab_size=learnt, min_frequency=cfg.min_frequency,
-                            special_tokens=SPECIAL_TOKENS, show_progress=False)
+                            special_tokens=SPECIAL_TOKENS + list(tags), show_progress=False)
     tok.train_from_iterator(texts, trainer)
     tok.normalizer = normalizer
     return with_byte_fallback(tok) if fallback else tok

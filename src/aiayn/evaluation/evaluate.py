@@ -127,6 +127,24 @@ def validate(model: Transformer, tokenizers, dev: list[Example], dev_pairs: list
             "select_bleu": select.bleu, "select_chrf": select.chrf, "samples": samples}
 
 
+def direction_scores(prepared, split: str, hypotheses: Sequence[str],
+                     pairs: Sequence[tuple[str, str]], setting: str = "auto") -> dict[str, Any]:
+    """Data of several directions (aiayn.data.directions): BLEU and chrF of each on its own
+    pairs, BLEU tokenized for its own target language unless ``setting`` (the run's
+    data.bleu_tokenize) or the data names one (``Prepared.bleu_tokenize``); {} for one."""
+    found = prepared.directions(split, len(pairs))
+    if len(found) < 2:
+        return {}
+    result = {}
+    for name, (language, positions) in found.items():
+        tokenize = prepared.bleu_tokenize(setting, language)
+        scores = score([hypotheses[i] for i in positions], [pairs[i][1] for i in positions],
+                       tokenize)
+        result[name] = {"sentences": len(positions), "bleu": scores.bleu, "chrf": scores.chrf,
+                        "bleu_signature": scores.bleu_signature, "bleu_tokenize": tokenize}
+    return result
+
+
 # ---------------------------------------------------------------- `aiayn evaluate`
 def split_loss(model: Transformer, prepared, split: str, limit: int, config: Config,
                device: torch.device, bf16: bool, kernel: OutputKernel | None = None
@@ -190,17 +208,19 @@ def evaluate_run(run_dir: str | Path, split: str = "test", search: Search | None
     if not pairs:
         raise AiaynError(f"{data_dir}: the {split} split is empty")
     loss = nll = None
-    tokenize = prepared.bleu_tokenize()
+    setting = "auto"
     if translator.engine.own_model:  # scoring given targets needs aiayn's model
         run_config = load_run_config(Path(run_dir), [])
-        tokenize = prepared.bleu_tokenize(run_config.data.bleu_tokenize)
+        setting = run_config.data.bleu_tokenize
         loss, nll = split_loss(translator.model, prepared, split, len(pairs), run_config,
                                translator.device, bf16, translator.kernel)
+    tokenize = prepared.bleu_tokenize(setting)
     with tqdm(total=len(pairs), unit="sent", dynamic_ncols=True, disable=not progress,
               desc=f"{split} beam {search.beam}") as bar:
         hypotheses, scores = translate_and_score(translator, pairs, search, bar.update,
                                                  tokenize)
     speed = translator.last_stats
+    directions = direction_scores(prepared, split, hypotheses, pairs, setting)
     own = translator.engine.own_model  # else the engine's name stands for its weights
     weights_name = Path(str(weights)).name.removesuffix(".safetensors") if own else engine
     weights_name += ".int8" if int8 else ""
@@ -215,7 +235,7 @@ def evaluate_run(run_dir: str | Path, split: str = "test", search: Search | None
         "loss": loss, "nll": nll,
         "bleu": scores.bleu, "bleu_signature": scores.bleu_signature, "bleu_tokenize": tokenize,
         "chrf": scores.chrf, "chrf_signature": scores.chrf_signature,
-        "cer": scores.cer, "wer": scores.wer,
+        "cer": scores.cer, "wer": scores.wer, "directions": directions,
         "repeats": {"n": STUTTER_N, "hypotheses": stutter_share(hypotheses),
                     "references": stutter_share([tgt for _, tgt in pairs])},
         "seconds": speed.seconds, "sentences_per_s": speed.sentences_per_s,

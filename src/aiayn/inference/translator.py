@@ -42,6 +42,7 @@ Rules for awkward input (never a crash):
 
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -53,6 +54,7 @@ import torch
 
 from aiayn.config import DecodeConfig, alignment_layer_index
 from aiayn.data.batching import token_batches
+from aiayn.data.directions import TAG_PATTERN, with_tag
 from aiayn.data.tokenizer import EOS, EOS_ID, UNK_ID
 from aiayn.errors import AiaynError, SettingError
 from aiayn.inference.aiayn_engine import AiaynEngine
@@ -90,7 +92,8 @@ class Translator:
                  device: str | torch.device | None = None, bf16: bool = False,
                  engine: Engine | None = None, streams: int | None = None,
                  threads_per_stream: int = 1, decode: DecodeConfig | None = None,
-                 kernel: OutputKernel | None = None, int8: bool = False):
+                 kernel: OutputKernel | None = None, int8: bool = False,
+                 to: str | None = None):
         """``engine``: who searches (``aiayn.inference.engine``; None: aiayn's own search over
         ``model`` on ``device``, with ``bf16``, ``streams`` and ``threads_per_stream``: see
         ``AiaynEngine``). ``decode_tokens``: the decoding budget in padded source tokens x
@@ -98,7 +101,8 @@ class Translator:
         search that settings left out mean (the run's config section; default the paper's
         beam 4, alpha 0.6). ``kernel``: the output layer's product for aiayn's engine
         (``AiaynEngine``; None: chosen there); ``int8``: its output layer in int8
-        (``aiayn.inference.int8``)."""
+        (``aiayn.inference.int8``). ``to``: the target language, for a model that translates
+        into several (its direction tags, aiayn.data.directions); ``toward`` gives another."""
         self.engine = engine or AiaynEngine(model, device, bf16, streams, threads_per_stream,
                                             kernel, int8)
         self.model, self.device = self.engine.model, self.engine.device
@@ -110,6 +114,30 @@ class Translator:
         self.tokenizers = tokenizers
         self.bf16 = bf16
         self.last_stats = DecodeStats()
+        self.to = to
+        with_tag([], tokenizers.tags, to, "this model")  # a language the model lacks: refused
+
+    def toward(self, to: str | None) -> Translator:
+        """This translator (the same engine and model) writing into ``to``."""
+        with_tag([], self.tokenizers.tags, to, "this model")
+        other = copy.copy(self)
+        other.to, other.last_stats = to, DecodeStats()
+        return other
+
+    @property
+    def targets(self) -> list[str]:
+        """The target languages a ``to`` may name (empty: one direction, no ``to``)."""
+        return sorted(self.tokenizers.tags)
+
+    def check_direction(self) -> None:
+        """Before any input is read: a model of several target languages needs ``to``."""
+        if self.targets and self.to is None:
+            with_tag([""], self.tokenizers.tags, None, "this model")
+
+    def tagged(self, sentences: Sequence[str]) -> list[str]:
+        """The sentences as the encoder reads them: with the tag of ``self.to`` in front
+        where the model has direction tags (aiayn.data.directions.with_tag)."""
+        return with_tag(list(sentences), self.tokenizers.tags, self.to, "this model")
 
     kernel = property(lambda self: self.engine.kernel,
                       doc="the output layer's product the searches compute with (the engine's)")
@@ -131,7 +159,8 @@ class Translator:
         directory (``load_run``; ``device`` defaults to the CPU), or with ``"ctranslate2"``
         a directory written by `aiayn export --to ctranslate2` (``weights`` and bf16 then
         unused), decoded by CTranslate2 with as many threads as torch uses. ``int8``
-        (aiayn's engine): the output layer in int8 (an export has its own weight type)."""
+        (aiayn's engine): the output layer in int8 (an export has its own weight type).
+        ``to``: the target language of a model with several (``Translator``)."""
         options = {k: kwargs.pop(k) for k in ("bf16", "streams", "threads_per_stream", "int8")
                    if k in kwargs}
         searcher, tokenizers, config = engine_class(engine).load(run_dir, weights, device,
@@ -349,7 +378,7 @@ class Translator:
     def source_ids(self, sentences: Sequence[str]) -> tuple[list[list[int]], int]:
         """``encode`` without the warning."""
         max_len = self.max_len
-        sources = self.tokenizers.encode_src(list(sentences)) if sentences else []
+        sources = self.tokenizers.encode_src(self.tagged(sentences)) if sentences else []
         truncated = sum(len(ids) > max_len for ids in sources)
         return [truncate_source(ids, max_len) for ids in sources], truncated
 
@@ -427,7 +456,8 @@ class Translator:
                      ) -> SentenceAttention:
         """Every attention map of ``model`` (this one's, or another with the same
         architecture, e.g. an earlier checkpoint's) teacher-forced on ``hypothesis``."""
-        return on_one_thread(lambda: sentence_attention(model, self.tokenizers, sentence,
+        tagged = self.tagged([sentence])[0]
+        return on_one_thread(lambda: sentence_attention(model, self.tokenizers, tagged,
                                                         hypothesis))
 
     def score(self, sources: Sequence[str], targets: Sequence[str], search: Search | None = None,
@@ -478,12 +508,15 @@ class Translator:
                                    [targets[i] for i in batch], layer)
             for i, attention in zip(batch, maps, strict=True):
                 text, target = texts[i], targets[i]
-                pieces = len(sources[i]) - 1  # the source tokens, EOS left out
+                # A direction tag the translator put in front is no word of the text.
+                lead = int(bool(self.tokenizers.tags) and not TAG_PATTERN.match(text))
+                pieces = len(sources[i]) - 1 - lead  # the text's tokens, tag and EOS left out
                 src_words = text_words(text, self.tokenizers.src_offsets(text))[:pieces]
                 # (a target longer than max_len - 1 keeps the rows the model could give it)
                 tgt_words = piece_words([self.tokenizers.tgt_id_to_token(t)
                                          for t in target])[:len(attention)]
-                results[i] = word_alignment(attention[:, :pieces], src_words, tgt_words)
+                results[i] = word_alignment(attention[:, lead:lead + pieces], src_words,
+                                            tgt_words)
         return results
 
 

@@ -74,16 +74,19 @@ def check_layer(layer: int | None, n_layers: int) -> int:
 def attention_over_steps(run_dir: str | Path, sentence: str, target: str | None = None,
                          layer: int | None = None, weights: str | Path = "best",
                          search: Search | None = None,
-                         progress: Callable[[int], object] | None = None) -> StepAttention:
+                         progress: Callable[[int], object] | None = None,
+                         to: str | None = None) -> StepAttention:
     """The cross-attention of ``sentence`` at each of the run's saved steps (``step_weights``:
     its step checkpoints and last.safetensors), in step order. The target is the same in
     every checkpoint: ``target`` if given, else the translation by ``weights`` with
     ``search`` (``Translator.resolve``; None: the run's). ``layer``: the decoder layer, from
-    1 (None: the last). ``progress(1)`` is called after each checkpoint."""
+    1 (None: the last). ``progress(1)`` is called after each checkpoint. ``to``: the target
+    language of a model of several (``Translator``)."""
     if not sentence.strip():
         raise AiaynError("the sentence to translate is empty")
     saved = step_weights(run_dir)  # before loading anything: a run without them says so
-    translator = Translator.from_pretrained(run_dir, weights=weights)
+    translator = Translator.from_pretrained(run_dir, weights=weights, to=to)
+    translator.check_direction()
     n_layers = translator.model.cfg.n_decoder_layers
     index = check_layer(layer, n_layers)
     if search is not None:

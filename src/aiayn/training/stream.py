@@ -85,11 +85,22 @@ def load_data(data_dir: Path, config: Config, world: Dist, log=print) -> TrainDa
         raise AiaynError(f"{data_dir}: no training pairs fit model.max_len={m.max_len}")
     if not dev:
         raise AiaynError(f"{data_dir}: the dev split is empty")
+    corpora = prepared.corpora
+    weights = [c["weight"] for c in corpora] if corpora[0].get("weight") else None
+    groups = None
+    if weights:  # the corpus of each kept pair: the train split holds them one after another
+        ends = np.cumsum([c["splits"]["train"] for c in corpora])
+        groups = np.searchsorted(ends, train.positions, side="right")
     sampler = TokenBatchSampler(train.src_lens, train.tgt_lens,
                                 t.max_tokens, shuffle=True, seed=t.seed,
-                                rank=world.rank, world_size=world.world_size)
+                                rank=world.rank, world_size=world.world_size,
+                                groups=groups, weights=weights)
     log(f"data: {len(train)} training pairs ({_describe(train.counts)}), {len(dev)} dev pairs, "
         f"{len(sampler)} batches per epoch per rank")
+    if weights:
+        log("corpora: " + "; ".join(
+            f"{c['line']}: {n} of an epoch's batches" for c, n in zip(corpora, sampler.shares,
+                                                                      strict=True)))
     return TrainData(train, sampler, dev, dev_pairs, prepared.tokenizers,
                      prepared.bleu_tokenize(config.data.bleu_tokenize))
 
