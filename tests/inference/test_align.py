@@ -24,6 +24,7 @@ from aiayn.config import (
 from aiayn.data.tokenizer import train_tokenizers
 from aiayn.errors import AiaynError
 from aiayn.inference.align import (
+    align_ids,
     alignment_error_rate,
     parse_pharaoh,
     pharaoh,
@@ -136,7 +137,7 @@ def corpus_aer(translator: Translator, held_out: list[tuple[str, str]]) -> float
     target digit j comes from source digit n - 1 - j."""
     sources = [s for s, _ in held_out]
     targets = [ids[1:-1] for ids in translator.tokenizers.encode_tgt([t for _, t in held_out])]
-    links = translator.align_ids(sources, translator.tokenizers.encode_src(sources), targets)
+    links = align_ids(translator, sources, translator.tokenizers.encode_src(sources), targets)
     predicted = {(k, i, j) for k, pairs in enumerate(links) for i, j in pairs}
     sure = {(k, len(s.split()) - 1 - j, j) for k, s in enumerate(sources)
             for j in range(len(s.split()))}
@@ -180,7 +181,7 @@ def test_cross_attention_is_the_captured_map_of_a_teacher_forced_pass(reversal):
     translator = Translator(run.model, tok)
     source = "1 2 3"
     target = tok.encode_tgt([" ".join("7" * 20)])[0][1:-1]
-    links, = translator.align_ids([source], tok.encode_src([source]), [target])
+    links, = align_ids(translator, [source], tok.encode_src([source]), [target])
     assert [j for _, j in links] == list(range(run.config.model.max_len))  # max_len rows
 
 

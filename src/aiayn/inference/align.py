@@ -17,8 +17,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from aiayn.data.batching import token_batches
+from aiayn.data.directions import TAG_PATTERN
+from aiayn.inference.attention import cross_attention
+
+if TYPE_CHECKING:
+    from aiayn.inference.search import Hypothesis
 
 SPACE = "\u2581"  # "▁": the Metaspace pre-tokenizer's start of a word (aiayn.data.tokenizer)
 Alignment = list[tuple[int, int]]  # (source word, target word) pairs, from 0
@@ -110,3 +118,52 @@ def alignment_error_rate(predicted: Iterable[tuple[int, int]], sure: Iterable[tu
     if not a and not s:
         return 0.0
     return 1.0 - (len(a & s) + len(a & p)) / (len(a) + len(s))
+
+
+# ---------------------------------------------------------------- a translator's alignments
+# ``translator``: an aiayn.inference.translator.Translator, whose model and tokenizers these
+# read (not imported: the translator imports this module).
+def hypothesis_alignments(translator, sources, hyps: Sequence[list[Hypothesis]], nbest: int
+                          ) -> list[list[Alignment]]:
+    """The word alignment of each of the first ``nbest`` hypotheses of each sentence a
+    translator prepared (``sources``: its ``Sources``, in ``Translator.decode_ids``' order:
+    ``sources.todo``), as
+    ``Translator.finish`` lays them out: in the input order, an empty list for an empty
+    sentence."""
+    rows = [(k, n) for k, sentence_hyps in enumerate(hyps)
+            for n in range(min(nbest, len(sentence_hyps)))]
+    links = align_ids(translator, [sources.texts[k] for k, _ in rows],
+                      [sources.ids[k] for k, _ in rows], [hyps[k][n].ids for k, n in rows])
+    results: list[list[Alignment]] = [[] for _ in range(sources.count)]
+    for (k, _), alignment in zip(rows, links, strict=True):
+        results[sources.todo[k]].append(alignment)
+    return results
+
+
+def align_ids(translator, texts: Sequence[str], sources: Sequence[list[int]],
+              targets: Sequence[Sequence[int]]) -> list[Alignment]:
+    """The word alignment of each source text (one line) with its ids (tokens + EOS, as
+    ``Translator.source_ids`` gives them, truncated or not) and target ids (no BOS or EOS, e.g. a
+    search's hypothesis): a teacher-forced pass over the target records the
+    cross-attention of ``alignment_layer`` (heads averaged), which ``word_alignment``
+    turns into word pairs. Batched by ``decode_tokens``; one pass at a time, since the
+    capture sets flags on the model's attention modules."""
+    translator.check_alignments()
+    layer = translator.alignment_layer()
+    results: list[Alignment] = [[] for _ in texts]
+    widths = [max(len(s), len(t) + 1) for s, t in zip(sources, targets, strict=True)]
+    for batch in token_batches(widths, translator.decode_tokens):
+        maps = cross_attention(translator.model, [sources[i] for i in batch],
+                               [targets[i] for i in batch], layer)
+        for i, attention in zip(batch, maps, strict=True):
+            text, target = texts[i], targets[i]
+            # A direction tag the translator put in front is no word of the text.
+            lead = int(bool(translator.tokenizers.tags) and not TAG_PATTERN.match(text))
+            pieces = len(sources[i]) - 1 - lead  # the text's tokens, tag and EOS left out
+            src_words = text_words(text, translator.tokenizers.src_offsets(text))[:pieces]
+            # (a target longer than max_len - 1 keeps the rows the model could give it)
+            tgt_words = piece_words([translator.tokenizers.tgt_id_to_token(t)
+                                     for t in target])[:len(attention)]
+            results[i] = word_alignment(attention[:, lead:lead + pieces], src_words,
+                                        tgt_words)
+    return results

@@ -53,13 +53,12 @@ from pathlib import Path
 import torch
 
 from aiayn.config import DecodeConfig, alignment_layer_index
-from aiayn.data.batching import token_batches
-from aiayn.data.directions import TAG_PATTERN, with_tag
+from aiayn.data.directions import with_tag
 from aiayn.data.tokenizer import EOS, EOS_ID, UNK_ID
 from aiayn.errors import AiaynError, SettingError
 from aiayn.inference.aiayn_engine import AiaynEngine
-from aiayn.inference.align import Alignment, piece_words, text_words, word_alignment
-from aiayn.inference.attention import SentenceAttention, cross_attention, sentence_attention
+from aiayn.inference.align import Alignment, hypothesis_alignments
+from aiayn.inference.attention import SentenceAttention, sentence_attention
 from aiayn.inference.engine import Engine
 from aiayn.inference.engines import ENGINES, engine_class
 from aiayn.inference.scoring import PairScore, score_pairs
@@ -270,7 +269,7 @@ class Translator:
                                       seconds, sources.truncated)
         results = self.translations(sources, hyps, search.nbest)
         if aligned:
-            links = self.hypothesis_alignments(sources, hyps, search.nbest)
+            links = hypothesis_alignments(self, sources, hyps, search.nbest)
             for sentence, sentence_links in zip(results, links, strict=True):
                 for translation, alignment in zip(sentence, sentence_links, strict=True):
                     translation.alignment = alignment
@@ -475,49 +474,6 @@ class Translator:
         """``decode.alignment_layer`` as an index from 0 (``alignment_layer_index``)."""
         return alignment_layer_index(self.decode.alignment_layer,
                                      self.model.cfg.n_decoder_layers)
-
-    def hypothesis_alignments(self, sources: Sources, hyps: Sequence[list[Hypothesis]],
-                              nbest: int) -> list[list[Alignment]]:
-        """The word alignment of each of the first ``nbest`` hypotheses of each prepared
-        sentence (``decode_ids``' order: ``sources.todo``), as ``finish`` lays them out: in
-        the input order, an empty list for an empty sentence."""
-        rows = [(k, n) for k, sentence_hyps in enumerate(hyps)
-                for n in range(min(nbest, len(sentence_hyps)))]
-        links = self.align_ids([sources.texts[k] for k, _ in rows],
-                               [sources.ids[k] for k, _ in rows],
-                               [hyps[k][n].ids for k, n in rows])
-        results: list[list[Alignment]] = [[] for _ in range(sources.count)]
-        for (k, _), alignment in zip(rows, links, strict=True):
-            results[sources.todo[k]].append(alignment)
-        return results
-
-    def align_ids(self, texts: Sequence[str], sources: Sequence[list[int]],
-                  targets: Sequence[Sequence[int]]) -> list[Alignment]:
-        """The word alignment of each source text (one line) with its ids (tokens + EOS, as
-        ``source_ids`` gives them, truncated or not) and target ids (no BOS or EOS, e.g. a
-        search's hypothesis): a teacher-forced pass over the target records the
-        cross-attention of ``alignment_layer`` (heads averaged), which ``aiayn.inference.align``
-        turns into word pairs. Batched by ``decode_tokens``; one pass at a time, since the
-        capture sets flags on the model's attention modules."""
-        self.check_alignments()
-        layer = self.alignment_layer()
-        results: list[Alignment] = [[] for _ in texts]
-        widths = [max(len(s), len(t) + 1) for s, t in zip(sources, targets, strict=True)]
-        for batch in token_batches(widths, self.decode_tokens):
-            maps = cross_attention(self.model, [sources[i] for i in batch],
-                                   [targets[i] for i in batch], layer)
-            for i, attention in zip(batch, maps, strict=True):
-                text, target = texts[i], targets[i]
-                # A direction tag the translator put in front is no word of the text.
-                lead = int(bool(self.tokenizers.tags) and not TAG_PATTERN.match(text))
-                pieces = len(sources[i]) - 1 - lead  # the text's tokens, tag and EOS left out
-                src_words = text_words(text, self.tokenizers.src_offsets(text))[:pieces]
-                # (a target longer than max_len - 1 keeps the rows the model could give it)
-                tgt_words = piece_words([self.tokenizers.tgt_id_to_token(t)
-                                         for t in target])[:len(attention)]
-                results[i] = word_alignment(attention[:, lead:lead + pieces], src_words,
-                                            tgt_words)
-        return results
 
 
 @dataclass

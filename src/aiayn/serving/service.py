@@ -24,6 +24,7 @@ import torch
 
 from aiayn.config import Config, load_config
 from aiayn.errors import AiaynError, SettingError
+from aiayn.inference.align import hypothesis_alignments
 from aiayn.inference.attention import SentenceAttention
 from aiayn.inference.settings import Sampling, Search, resolve_search
 from aiayn.inference.translator import (
@@ -162,7 +163,7 @@ class ModelService:
         if alignments:
             ids = hyps
             links = await answer(self.batcher.run_alone(
-                lambda: self.translator.hypothesis_alignments(sources, ids, nbest)), gone)
+                lambda: hypothesis_alignments(self.translator, sources, ids, nbest)), gone)
         hyps = self.translator.translations(sources, hyps, nbest)
         self.requests += 1
         warnings = ([truncation_message(sources.truncated, self.translator.max_len)]
