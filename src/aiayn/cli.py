@@ -451,7 +451,7 @@ def _run_translate(args) -> int:
         job = Job(args.input, args.output, search, chunk=args.chunk_lines, resume=args.resume,
                   seed_given=args.seed is not None, modes=modes,
                   run=run_identity(args.run_dir, args.weights, args.engine, str(device),
-                                   args.decode_tokens, int8=args.int8))
+                                   args.decode_tokens, int8=args.int8, to=args.to))
         search = job.search  # on --resume, a seed drawn at random is the interrupted run's
     translator = Translator.from_pretrained(args.run_dir, args.weights, device=device,
                                             decode_tokens=args.decode_tokens,

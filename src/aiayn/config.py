@@ -184,7 +184,8 @@ class DataConfig:
 
     corpus: str = "bible:eng-spa"
     """Corpus spec: bible:..., hf:NAME[:CONFIG], tsv:PATH, jsonl:PATH or parallel:SRC,TGT
-    (docs/data.md); aiayn prepare --corpus overrides it."""
+    (docs/data.md); one line per corpus for several, each with options weight=, src=, tgt=
+    (docs/data.md#several-corpora-and-directions); aiayn prepare --corpus overrides it."""
     tokenizer: str = "bpe"
     """"bpe" or "wordlevel" (as the tutorials)."""
     vocab_size: int = 8000

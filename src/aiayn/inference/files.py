@@ -444,15 +444,18 @@ def _said(value) -> str:
 
 
 def run_identity(run_dir: str | Path, weights: str, engine: str, device: str,
-                 decode_tokens: int | None, int8: bool = False) -> dict:
+                 decode_tokens: int | None, int8: bool = False, to: str | None = None) -> dict:
     """What the model is, for the sidecar: the run directory, the weights file (its size and
     modification time: a run that trained on since then decodes otherwise), the engine,
     the device and the decoding budget (batches of another size may round otherwise), and
-    the int8 output layer where it decodes (``aiayn.inference.int8``)."""
+    the int8 output layer where it decodes (``aiayn.inference.int8``), and the target
+    language of a model of several (``to``: another would translate every line otherwise)."""
     identity = {"run_dir": str(Path(run_dir).resolve()), "weights": str(weights),
                 "engine": engine, "device": str(device), "decode_tokens": decode_tokens}
     if int8:
         identity["int8"] = True
+    if to is not None:
+        identity["to"] = to
     try:
         path = resolve_weights(run_dir, weights) if engine == "aiayn" else \
             Path(run_dir) / "model.bin"
