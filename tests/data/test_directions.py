@@ -52,6 +52,8 @@ def test_a_spec_has_a_line_per_corpus_with_its_options():
     ("tsv:a.tsv weight=1 weight=2", "weight= given twice"),
     ("tsv:a.tsv weight=1 extra", "'extra' after the options"),
     ("  \n", "data.corpus is empty"),
+    ("tsv:a.tsv tag=2es", "tag must be a name of letters"),
+    ("tsv:a.tsv tag=b<t", "tag must be a name of letters"),
 ])
 def test_a_bad_line_is_refused_in_one_line(text, says):
     with pytest.raises(AiaynError, match=says.replace("(", r"\(")) as caught:
@@ -104,9 +106,23 @@ def test_a_text_that_holds_a_tag_is_refused_and_nothing_is_written(tmp_path):
     (out / "keep.txt").write_text("mine")
     before = snapshot(out)
     cfg = replace(WORD_LEVEL, corpus=f"tsv:{a} tgt=xx\ntsv:{b} tgt=yy")
-    with pytest.raises(AiaynError, match="contains <2xx>, the direction tag"):
+    with pytest.raises(AiaynError, match="contains <2xx>, a tag of this data"):
         prepare(cfg, out, 64, force=True)
     assert snapshot(out) == before
+
+
+def test_a_tag_option_marks_every_source_of_its_corpus(tmp_path):
+    a = toy_tsv(tmp_path / "a.tsv", WORDS, n=300, seed=1)
+    b = toy_tsv(tmp_path / "b.tsv", WORDS, n=200, seed=3)
+    prepare(replace(WORD_LEVEL, corpus=f"tsv:{a}\ntsv:{b} tag=bt"), tmp_path / "d", 64)
+    data = load_prepared(tmp_path / "d")
+    n_a = data.corpora[0]["splits"]["train"]
+    assert [c["source_tag"] for c in data.corpora] == [None, "<bt>"]
+    assert not any(src.startswith("<") for src, _ in data.train[:n_a])
+    assert all(src.startswith("<bt> ") for src, _ in data.train[n_a:])
+    assert data.tokenizers.tags == {}  # one target language: no direction to choose
+    bt = data.tokenizers.src.token_to_id("<bt>")
+    assert data.tokenizers.encode_src(["<bt> sun"])[0][0] == bt
 
 
 def test_tags_need_every_target_language(tmp_path):

@@ -10,7 +10,9 @@ A corpus spec (``data.corpus``, ``aiayn prepare --corpus``) is one line per corp
 Each line is a spec of ``aiayn.data.corpora`` and, after it, options ``key=value``:
 ``weight`` (its share of the training batches, against the other lines' weights: given on
 every line or on none; none: the corpora are pooled at their natural sizes), ``src`` and
-``tgt`` (the line's languages, where neither the spec nor the script tells them).
+``tgt`` (the line's languages, where neither the spec nor the script tells them), ``tag``
+(``tag=bt``: every source of this corpus starts with the piece ``<bt>``, e.g. to mark
+back-translated sources as synthetic: Caswell et al. 2019, "Tagged Back-Translation").
 
 Where the lines' target languages differ, the model needs to be told which one to write:
 every source sentence starts with the tag of its target language, ``<2es>`` (Johnson et al.
@@ -31,7 +33,8 @@ from dataclasses import dataclass
 from aiayn.errors import AiaynError
 
 TAG_PATTERN = re.compile(r"<2([A-Za-z][A-Za-z0-9_-]*)>")
-OPTIONS = ("weight", "src", "tgt")
+OPTIONS = ("weight", "src", "tgt", "tag")
+SOURCE_TAG = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")  # tag=NAME: the piece <NAME>
 
 
 def tag_of(language: str) -> str:
@@ -47,6 +50,12 @@ class CorpusLine:
     weight: float | None = None
     src_lang: str | None = None
     tgt_lang: str | None = None
+    tag: str | None = None
+
+    @property
+    def source_tag(self) -> str | None:
+        """The piece ``tag=NAME`` puts before every source of this corpus: ``<NAME>``."""
+        return f"<{self.tag}>" if self.tag else None
 
 
 def corpus_lines(text: str) -> list[CorpusLine]:
@@ -73,8 +82,13 @@ def corpus_lines(text: str) -> list[CorpusLine]:
                                  "write the spec first, then key=value options")
             else:
                 spec_words.append(word)
+        tag = options.get("tag")
+        if tag is not None and not (SOURCE_TAG.fullmatch(tag) and not TAG_PATTERN.fullmatch(
+                f"<{tag}>")):
+            raise AiaynError(f"corpus line {raw.strip()!r}: tag must be a name of letters, "
+                             f"digits, - and _ that starts with a letter, got {tag!r}")
         lines.append(CorpusLine(" ".join(spec_words), _weight(options.get("weight"), raw),
-                                options.get("src"), options.get("tgt")))
+                                options.get("src"), options.get("tgt"), tag))
     if not lines:
         raise AiaynError("data.corpus is empty; give a corpus spec such as bible:eng-spa")
     weighted = [line.weight is not None for line in lines]
@@ -103,12 +117,13 @@ def needs_tags(target_languages: list[str]) -> bool:
 
 
 def check_tag_free(text: str, tags: list[str], where: str) -> None:
-    """A corpus text that contains a tag would be read as that tag: refused."""
-    if "<2" in text:
+    """A corpus text that contains a tag (a direction's or a ``tag=`` option's) would be
+    read as that tag: refused."""
+    if "<" in text:
         for tag in tags:
             if tag in text:
-                raise AiaynError(f"{where}: the text contains {tag}, the direction tag of this "
-                                 "data; the tag would be read as a direction, not as text")
+                raise AiaynError(f"{where}: the text contains {tag}, a tag of this data; it "
+                                 "would be read as the tag, not as text")
 
 
 def with_tag(texts: list[str], tags: dict[str, str], to: str | None, what: str) -> list[str]:

@@ -93,16 +93,18 @@ def prepare(data_cfg: DataConfig, out_dir: str | Path, model_max_len: int,
         n_train = pairs.info["splits"]["train"]
         sample = min(n_train, data_cfg.tokenizer_max_pairs)
         tags = [tag_of(c["languages"]["tgt"]) for c in pairs.corpora] if pairs.tagged else []
+        tags += [c["source_tag"] for c in pairs.corpora if c.get("source_tag")]
         if tokenizers is None:
             tokenizers = train_tokenizers(lambda: pairs.train_sample(sample), data_cfg,
                                           progress=progress, total=sample,
                                           tags=list(dict.fromkeys(tags)))
         else:  # given (a run's, to fine-tune it on this corpus): nothing is trained
             sample = 0
-            missing = sorted(set(tags) - set(tokenizers.tags.values()))
+            have = {t.content for t in tokenizers.src.get_added_tokens_decoder().values()}
+            missing = sorted(set(tags) - have)
             if missing:
-                raise AiaynError(f"the run's tokenizer has no direction tag {', '.join(missing)}"
-                                 "; fine-tune it on directions it was trained for")
+                raise AiaynError(f"the run's tokenizer has no tag {', '.join(missing)}; "
+                                 "fine-tune it on directions and tags it was trained with")
         languages = dict(pairs.corpora[0]["languages"])
         tokenizers.save(stage / TOKENIZER_DIR)
         ids = write_splits(stage, pairs, tokenizers, progress)
@@ -320,13 +322,16 @@ class CorpusSet:
 
     def routed(self) -> Iterator[tuple[str, str, str]]:
         """(split, source, target): every corpus's pairs in turn, tagged where needed."""
-        tags = [tag_of(c["languages"]["tgt"]) for c in self.corpora] if self.tagged else []
+        heads = [" ".join(t for t in (c["tag"], c.get("source_tag")) if t)
+                 for c in self.corpora]  # what each corpus's sources start with
+        tags = [t for c in self.corpora for t in (c["tag"], c.get("source_tag")) if t]
         for i, part in enumerate(self.parts):
             for split, src, tgt in part.routed():
                 if tags:
                     check_tag_free(src, tags, f"{self.corpora[i]['line']} ({split})")
                     check_tag_free(tgt, tags, f"{self.corpora[i]['line']} ({split})")
-                    src = f"{tags[i]} {src}"
+                if heads[i]:
+                    src = f"{heads[i]} {src}"
                 yield split, src, tgt
 
     def train_sample(self, k: int) -> Iterator[tuple[str, str]]:
@@ -356,8 +361,10 @@ def read_corpora(cfg: DataConfig, lines: list[CorpusLine], directory: Path,
         languages["bleu_tokenize"] = bleu_tokenize(cfg.bleu_tokenize, languages["tgt"])
         parts.append(part)
         corpora.append({"line": " ".join([line.spec] + [f"{k}={v}" for k, v in (
-            ("weight", line.weight), ("src", line.src_lang), ("tgt", line.tgt_lang)) if v]),
+            ("weight", line.weight), ("src", line.src_lang), ("tgt", line.tgt_lang),
+            ("tag", line.tag)) if v]),
             "spec": line.spec, "weight": line.weight, "languages": languages,
+            "source_tag": line.source_tag,
             "pairs": part.info["pairs"], "splits": part.info["splits"]})
     targets = [c["languages"]["tgt"] for c in corpora]
     if needs_tags(targets):
