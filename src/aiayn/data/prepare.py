@@ -358,6 +358,9 @@ def read_corpora(cfg: DataConfig, lines: list[CorpusLine], directory: Path,
         languages = resolve_languages(line.src_lang or cfg.src_lang, line.tgt_lang or cfg.tgt_lang,
                                       line.spec,
                                       part.train_sample(min(n_train, LANGUAGE_SAMPLE)))
+        for side, given in (("src", line.src_lang), ("tgt", line.tgt_lang)):
+            if given:
+                languages[f"{side}_from"] = "corpus line"
         languages["bleu_tokenize"] = bleu_tokenize(cfg.bleu_tokenize, languages["tgt"])
         parts.append(part)
         corpora.append({"line": " ".join([line.spec] + [f"{k}={v}" for k, v in (
