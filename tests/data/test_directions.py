@@ -54,6 +54,7 @@ def test_a_spec_has_a_line_per_corpus_with_its_options():
     ("  \n", "data.corpus is empty"),
     ("tsv:a.tsv tag=2es", "tag must be a name of letters"),
     ("tsv:a.tsv tag=b<t", "tag must be a name of letters"),
+    ("tsv:a.tsv splits=dev", "splits=train is the one choice"),
 ])
 def test_a_bad_line_is_refused_in_one_line(text, says):
     with pytest.raises(AiaynError, match=says.replace("(", r"\(")) as caught:
@@ -114,9 +115,13 @@ def test_a_text_that_holds_a_tag_is_refused_and_nothing_is_written(tmp_path):
 def test_a_tag_option_marks_every_source_of_its_corpus(tmp_path):
     a = toy_tsv(tmp_path / "a.tsv", WORDS, n=300, seed=1)
     b = toy_tsv(tmp_path / "b.tsv", WORDS, n=200, seed=3)
-    prepare(replace(WORD_LEVEL, corpus=f"tsv:{a}\ntsv:{b} tag=bt"), tmp_path / "d", 64)
+    prepare(replace(WORD_LEVEL, corpus=f"tsv:{a}\ntsv:{b} tag=bt splits=train"), tmp_path / "d",
+            64)
     data = load_prepared(tmp_path / "d")
     n_a = data.corpora[0]["splits"]["train"]
+    # splits=train: every pair of b trains, none is held out
+    assert data.corpora[1]["splits"] == {"train": 200, "dev": 0, "test": 0}
+    assert not any(src.startswith("<bt>") for src, _ in data.dev + data.test)
     assert [c["source_tag"] for c in data.corpora] == [None, "<bt>"]
     assert not any(src.startswith("<") for src, _ in data.train[:n_a])
     assert all(src.startswith("<bt> ") for src, _ in data.train[n_a:])

@@ -12,7 +12,9 @@ Each line is a spec of ``aiayn.data.corpora`` and, after it, options ``key=value
 every line or on none; none: the corpora are pooled at their natural sizes), ``src`` and
 ``tgt`` (the line's languages, where neither the spec nor the script tells them), ``tag``
 (``tag=bt``: every source of this corpus starts with the piece ``<bt>``, e.g. to mark
-back-translated sources as synthetic: Caswell et al. 2019, "Tagged Back-Translation").
+back-translated sources as synthetic: Caswell et al. 2019, "Tagged Back-Translation"),
+``splits=train`` (all its pairs train: no dev or test is held out of it, e.g. synthetic
+pairs, which nobody wants a score on).
 
 Where the lines' target languages differ, the model needs to be told which one to write:
 every source sentence starts with the tag of its target language, ``<2es>`` (Johnson et al.
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 from aiayn.errors import AiaynError
 
 TAG_PATTERN = re.compile(r"<2([A-Za-z][A-Za-z0-9_-]*)>")
-OPTIONS = ("weight", "src", "tgt", "tag")
+OPTIONS = ("weight", "src", "tgt", "tag", "splits")
 SOURCE_TAG = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")  # tag=NAME: the piece <NAME>
 
 
@@ -51,6 +53,7 @@ class CorpusLine:
     src_lang: str | None = None
     tgt_lang: str | None = None
     tag: str | None = None
+    train_only: bool = False
 
     @property
     def source_tag(self) -> str | None:
@@ -87,8 +90,13 @@ def corpus_lines(text: str) -> list[CorpusLine]:
                 f"<{tag}>")):
             raise AiaynError(f"corpus line {raw.strip()!r}: tag must be a name of letters, "
                              f"digits, - and _ that starts with a letter, got {tag!r}")
+        splits = options.get("splits")
+        if splits not in (None, "train"):
+            raise AiaynError(f"corpus line {raw.strip()!r}: splits=train is the one choice "
+                             f"(no dev or test held out of this corpus), got {splits!r}")
         lines.append(CorpusLine(" ".join(spec_words), _weight(options.get("weight"), raw),
-                                options.get("src"), options.get("tgt"), tag))
+                                options.get("src"), options.get("tgt"), tag,
+                                splits == "train"))
     if not lines:
         raise AiaynError("data.corpus is empty; give a corpus spec such as bible:eng-spa")
     weighted = [line.weight is not None for line in lines]

@@ -352,7 +352,8 @@ def read_corpora(cfg: DataConfig, lines: list[CorpusLine], directory: Path,
     tgt_lang, the spec, the script). Direction tags need every target language known."""
     parts, corpora = [], []
     for i, line in enumerate(lines):
-        line_cfg = replace(cfg, corpus=line.spec)
+        line_cfg = replace(cfg, corpus=line.spec, **(
+            {"dev_fraction": 0.0, "test_fraction": 0.0} if line.train_only else {}))
         part = read_pairs(line_cfg, directory, progress, prefix=f"{i}." if len(lines) > 1 else "")
         n_train = part.info["splits"]["train"]
         languages = resolve_languages(line.src_lang or cfg.src_lang, line.tgt_lang or cfg.tgt_lang,
@@ -365,7 +366,7 @@ def read_corpora(cfg: DataConfig, lines: list[CorpusLine], directory: Path,
         parts.append(part)
         corpora.append({"line": " ".join([line.spec] + [f"{k}={v}" for k, v in (
             ("weight", line.weight), ("src", line.src_lang), ("tgt", line.tgt_lang),
-            ("tag", line.tag)) if v]),
+            ("tag", line.tag), ("splits", "train" if line.train_only else None)) if v]),
             "spec": line.spec, "weight": line.weight, "languages": languages,
             "source_tag": line.source_tag,
             "pairs": part.info["pairs"], "splits": part.info["splits"]})
