@@ -13,6 +13,9 @@ the validation during training (``aiayn.evaluation.evaluate``) and attention pic
     -0.21
     >>> t.translate(["The Lord is my shepherd."], prefixes=["El Dios"])  # completion
     ['El Dios es mi pastor.']
+    >>> both = Translator.from_pretrained("runs/both", to="es")  # a model of two directions
+    >>> both.toward("en").translate(["Jehová es mi pastor."])
+    ['Yahweh is my shepherd.']
 
 The search is one ``Search`` value (``aiayn.inference.settings``), every method's
 ``search`` (None: the run's). ``Translator.resolve(beam=..., alpha=..., nbest=...,
