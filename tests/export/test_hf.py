@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 from export_helpers import (
+    LANGUAGES,
     PRESETS,
+    SENTENCES,
     TEXTS,
     load_hf,
     needs_hf,
@@ -21,9 +23,11 @@ from export_helpers import (
 )
 
 from aiayn.data.batching import pad
+from aiayn.data.tokenizer import Tokenizers
 from aiayn.export.command import export_run
 from aiayn.export.hf import HF_CODE, residual_permutation
 from aiayn.inference.search import beam_search, greedy_decode
+from aiayn.inference.translator import Translator
 from aiayn.model import sinusoid_table
 from aiayn.runs.directory import load_run
 
@@ -145,3 +149,46 @@ def test_generate_gives_aiayn_tokens_for_every_kind_of_model(tmp_path, switches)
     assert strip_all(beams.sequences.tolist()) == [h.ids for hyps in ours for h in hyps]
     assert torch.allclose(beams.sequences_scores,
                           torch.tensor([h.score for hyps in ours for h in hyps]), atol=1e-4)
+
+
+# ---------------------------------------------------------------- several directions
+@needs_hf
+def test_the_transformers_tokenizer_keeps_each_tag_one_special_token(tagged_run_dir, tagged_hf):
+    """"<2es> " + text gives the tag's id, then aiayn's ids of the text; the tags are
+    special tokens of the exported tokenizer (never split, dropped by skip_special_tokens)."""
+    _, tokenizer = load_hf(tagged_hf)
+    tokenizers = Tokenizers.load(tagged_run_dir / "tokenizer")
+    assert set(tokenizer.all_special_tokens) >= set(tokenizers.tags.values())
+    for lang, tag in tokenizers.tags.items():
+        tag_id = tokenizers.src.token_to_id(tag)
+        got = tokenizer([f"{tag} {t}" for t in TEXTS]).input_ids
+        assert got == [[tag_id] + ids_ for ids_ in tokenizers.encode_src(TEXTS)]
+        ours = Translator.from_pretrained(tagged_run_dir, to=lang)
+        assert got == tokenizers.encode_src(ours.tagged(TEXTS))  # before the length limit
+        assert tokenizer.batch_decode(got, skip_special_tokens=True) == \
+            tokenizer.batch_decode(tokenizers.encode_src(TEXTS), skip_special_tokens=True)
+
+
+@needs_hf
+def test_generate_translates_each_direction_as_aiayn(tagged_run_dir, tagged_hf):
+    """Greedy and beam 4 (all hypotheses, their scores; alpha 0, where both rank by the
+    log-probability) of `generate` on the tagged text are aiayn's on its tagged sources."""
+    model, tokenizer = load_hf(tagged_hf)
+    greedies = set()
+    for lang in LANGUAGES:
+        ours = Translator.from_pretrained(tagged_run_dir, to=lang)
+        batch = tokenizer([f"{ours.tokenizers.tags[lang]} {t}" for t in SENTENCES],
+                          padding=True, return_tensors="pt")
+        assert torch.equal(batch.input_ids, pad(ours.encode(SENTENCES)[0]))
+        with torch.no_grad():
+            greedy = model.generate(**batch, num_beams=1, do_sample=False)
+            beams = model.generate(**batch, num_beams=4, num_return_sequences=4,
+                                   length_penalty=0.0, early_stopping=True,
+                                   output_scores=True, return_dict_in_generate=True)
+        assert strip_all(greedy.tolist()) == greedy_decode(ours.model, batch.input_ids)
+        want = beam_search(ours.model, batch.input_ids, beam=4, alpha=0.0, nbest=4)
+        assert strip_all(beams.sequences.tolist()) == [h.ids for hyps in want for h in hyps]
+        assert torch.allclose(beams.sequences_scores,
+                              torch.tensor([h.score for hyps in want for h in hyps]), atol=1e-4)
+        greedies.add(str(greedy.tolist()))
+    assert len(greedies) == len(LANGUAGES)  # the tag steers the model: a real check

@@ -1,17 +1,19 @@
-"""The model card every export writes (aiayn.export.modelcard): the run's own figures, and
-loading code that translates."""
+"""The model card every export writes (aiayn.export.modelcard): the run's own figures,
+loading code that translates, and the directions of a model of several (none for one)."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from export_helpers import needs_ct2
+from export_helpers import needs_ct2, needs_hf
 
+from aiayn.data.tokenizer import Tokenizers
 from aiayn.export.command import export_run
 from aiayn.export.hf import HF_CODE
 from aiayn.export.modelcard import CARD_FILE, model_card
@@ -96,3 +98,53 @@ def test_the_advice_before_trust_remote_code_names_every_python_file_shipped(run
     docs = (Path(__file__).resolve().parents[2] / "docs" / "export.md").read_text()
     advice = docs.split("`trust_remote_code=True` means", 1)[1].split("\n\n", 1)[0]
     assert all(f"`{name}`" in advice for name in HF_CODE), advice
+
+
+def test_the_cards_of_a_tagged_run_dir_name_each_direction(tagged_run_dir):
+    """Both cards list every target language with its tag and say how to ask for one in
+    aiayn, Transformers and CTranslate2; their loading code writes the first."""
+    tags = Tokenizers.load(tagged_run_dir / "tokenizer").tags
+    for target in ("hf", "ctranslate2"):
+        card = model_card(tagged_run_dir, target)
+        directions = section(card, "Directions")
+        for lang, tag in tags.items():
+            assert f"| {lang} | `{tag}` |" in directions
+        assert '--to es' in directions and 'to="es"' in directions
+        assert '"<2es> "' in directions and '["<2es>"]' in directions
+        loading = section(card, "How to load")
+        assert ('"<2es> A sentence to translate."' if target == "hf" else
+                '["<2es>"] + source.encode') in loading
+
+
+def test_a_one_direction_runs_card_names_no_direction(run_dir):
+    """A model of one target language: no Directions section, no tag, no --to."""
+    for target in ("hf", "ctranslate2"):
+        card = model_card(run_dir, target)
+        assert "## Directions" not in card and "<2" not in card
+        assert "--to " not in card.replace("aiayn export --to", "")
+
+
+@needs_ct2
+def test_the_ctranslate2_cards_loading_code_translates_the_direction_it_names(tagged_ct2):
+    """The card's Python for CTranslate2 and `tokenizers` alone, tag token included, gives
+    what aiayn's CTranslate2 engine gives with to="es"."""
+    out = tagged_ct2
+    card = (out / CARD_FILE).read_text(encoding="utf-8")
+    code = section(card, "How to load").split("```python\n", 1)[1].split("```", 1)[0]
+    code = code.replace("THIS_DIR", str(out)).replace("A sentence to translate.", "red sun")
+    printed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True).stdout
+    theirs = Translator.from_pretrained(out, engine="ctranslate2", to="es")
+    assert printed.splitlines() == theirs.translate(["red sun"]) == ["red sun"]
+
+
+@needs_hf
+def test_the_transformers_cards_loading_code_translates_the_direction_it_names(tagged_hf):
+    """The card's Transformers lines, tag included, translate into the language it names."""
+    out = tagged_hf
+    card = (out / CARD_FILE).read_text(encoding="utf-8")
+    code = section(card, "How to load").split("```python\n", 1)[1].split("```", 1)[0]
+    code = code.replace("THIS_DIR", str(out)).replace("A sentence to translate.", "red sun")
+    printed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}).stdout
+    assert printed.splitlines() == ["['red sun']"]

@@ -152,16 +152,21 @@ def marian_state_dict(model: Transformer) -> dict[str, Tensor]:
 
 def hf_tokenizer(tokenizers: Tokenizers, max_len: int):
     """A Transformers fast tokenizer over aiayn's joint `tokenizers` model, appending
-    [EOS] as aiayn does, decoding without clean-up (aiayn's Metaspace decoder is exact)."""
+    [EOS] as aiayn does, decoding without clean-up (aiayn's Metaspace decoder is exact).
+    A model of several directions keeps its tags (``<2es>``) as special tokens: the
+    tokenizer JSON already never splits them, and naming them (``extra_special_tokens``)
+    lists them to the user and drops them in ``decode(skip_special_tokens=True)``."""
     from tokenizers import Tokenizer, processors
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer.from_str(tokenizers.src.to_str())
     tok.post_processor = processors.TemplateProcessing(
         single=f"$A {EOS}", pair=f"$A $B {EOS}", special_tokens=[(EOS, EOS_ID)])
+    tags = list(tokenizers.tags.values())
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token=PAD, unk_token=UNK, bos_token=BOS, eos_token=EOS,
-        model_max_length=max_len, padding_side="right", clean_up_tokenization_spaces=False)
+        model_max_length=max_len, padding_side="right", clean_up_tokenization_spaces=False,
+        **({"extra_special_tokens": tags} if tags else {}))
 
 
 def is_marian(cfg: ModelConfig) -> bool:

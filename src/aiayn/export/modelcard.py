@@ -4,8 +4,10 @@ Everything on it is read from the run's own files, never typed in: the architect
 parameter count (config.yaml, as `aiayn info` gives them), the training data (data_dir.txt
 and the prepared directory's stats.json), the steps and minutes (train_state.pt), the dev
 figures (metrics.jsonl) and every test evaluation (eval/test.*.json, with sacreBLEU's
-signatures), the search (config.yaml's decode section). What the run does not hold is said
-plainly ("not evaluated on the test split"), never filled in.
+signatures), the search (config.yaml's decode section), the directions of a model that
+translates into several languages (its tokenizer's tags, and the corpus lines of each from
+stats.json). What the run does not hold is said plainly ("not evaluated on the test
+split"), never filled in.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Any
 
 from aiayn.config import Config, load_config
 from aiayn.data.prepared import STATS_FILE
-from aiayn.data.tokenizer import META_FILE
+from aiayn.data.tokenizer import META_FILE, Tokenizers
+from aiayn.errors import AiaynError
 from aiayn.export.base import without_local_paths
 from aiayn.export.hf import HF_CODE
 from aiayn.inspect.info import run_info
@@ -58,21 +61,71 @@ def model_card(run_dir: str | Path, target: str, weights: str | Path = "best",
     info = run_info(run_dir)
     config = load_config(run_dir / "config.yaml")
     stats = read_data_stats(info["data_dir"])
+    tags = _tags(run_dir)
     sections = [
         _front_matter(target),
         f"# {_title(config, stats)}\n\nAn encoder-decoder Transformer (\"Attention Is All You "
         f"Need\") trained with aiayn and exported for "
         f"{'Hugging Face Transformers' if target == 'hf' else 'CTranslate2'} by "
         f"`aiayn export --to {target}`. Every figure below is read from the run's files.",
+        *([_directions(tags, stats, target)] if tags else []),
         _architecture(info, config, target, quantization, marian),
         _data(info, stats),
         _training(info, weights),
         _evaluation(run_dir, info, weights),
         _decoding(config, target),
         _use_and_limits(config, stats),
-        _loading(target, config, marian, _tokenizer_files(run_dir)),
+        _loading(target, config, marian, _tokenizer_files(run_dir), tags),
     ]
     return "\n\n".join(s.strip("\n") for s in sections) + "\n"
+
+
+def _tags(run_dir: Path) -> dict[str, str]:
+    """Target language -> direction tag (aiayn.data.directions), sorted by language; empty
+    for a model of one direction (or a run whose tokenizer cannot be read)."""
+    try:
+        tags = Tokenizers.load(run_dir / "tokenizer").tags
+    except AiaynError:
+        return {}
+    return dict(sorted(tags.items()))
+
+
+def _directions(tags: dict[str, str], stats: dict | None, target: str) -> str:
+    """The target languages with their tags and corpora, and how each library asks for one
+    (the first language as the example)."""
+    corpora: dict[str, list[str]] = {}
+    for c in (stats or {}).get("corpora") or []:
+        if isinstance(c, dict) and c.get("tag"):
+            langs = c.get("languages") or {}
+            corpora.setdefault(c["tag"], []).append(
+                f"`{without_local_paths(str(c.get('line')))}` ({langs.get('src', '?')} → "
+                f"{langs.get('tgt', '?')})")
+    lang, tag = next(iter(tags.items()))
+    rows = [f"| {lang_} | `{tag_}` |" + (f" {', '.join(corpora.get(tag_, ['?']))} |"
+                                         if corpora else "") for lang_, tag_ in tags.items()]
+    aiayn = (f'`aiayn translate THIS_DIR --engine ctranslate2 --to {lang}`; in Python '
+             f'`Translator.from_pretrained("THIS_DIR", engine="ctranslate2", to="{lang}")`'
+             if target == "ctranslate2" else
+             f'on the run this was exported from, `aiayn translate RUN_DIR --to {lang}`; in '
+             f'Python `Translator.from_pretrained("RUN_DIR", to="{lang}")`')
+    return "\n".join([
+        "## Directions", "",
+        f"This model translates into {len(tags)} languages. Each source sentence starts with "
+        "the direction tag of the language to write, one special token of the tokenizer "
+        "(never split), as every sentence it was trained on did:", "",
+        "| target language | tag |" + (" trained on |" if corpora else ""),
+        "|---|---|" + ("---|" if corpora else ""), *rows, "",
+        f"To ask for one, here {lang}:", "",
+        f"- aiayn adds the tag itself: {aiayn}.",
+        f'- Transformers{"" if target == "hf" else " (an export `--to hf` of the run)"}: '
+        f'the tag and a space before the source text, `"{tag} " + text`.',
+        f'- CTranslate2{"" if target == "ctranslate2" else " (an export `--to ctranslate2`)"}: '
+        f'the tag token before the source tokens, `["{tag}"] + tokens` (CTranslate2 '
+        "appends [EOS]).", "",
+        "aiayn refuses a sentence without a tag when it is not told the language; the other "
+        "libraries pass it on, and the model, which never saw one in training, writes no "
+        "language in particular.",
+    ])
 
 
 def _code_files() -> str:
@@ -238,8 +291,14 @@ def _use_and_limits(config: Config, stats: dict | None) -> str:
     ])
 
 
-def _loading(target: str, config: Config, marian: bool, files: dict[str, str]) -> str:
+def _loading(target: str, config: Config, marian: bool, files: dict[str, str],
+             tags: dict[str, str] | None = None) -> str:
+    """The loading code; for a model of several directions, asking for the first."""
     beam, alpha = config.decode.beam, config.decode.alpha
+    lang, tag = next(iter(tags.items())) if tags else (None, None)
+    text = f"{tag} A sentence to translate." if tag else "A sentence to translate."
+    to = f" --to {lang}" if lang else ""
+    tokens = f'["{tag}"] + ' if tag else ""
     if target == "hf":
         trust = "" if marian else ", trust_remote_code=True"
         lines = [
@@ -250,8 +309,7 @@ def _loading(target: str, config: Config, marian: bool, files: dict[str, str]) -
             "",
             f'model = AutoModelForSeq2SeqLM.from_pretrained("THIS_DIR"{trust})',
             f'tokenizer = AutoTokenizer.from_pretrained("THIS_DIR"{trust})',
-            'batch = tokenizer(["A sentence to translate."], return_tensors="pt", '
-            'padding=True)',
+            f'batch = tokenizer(["{text}"], return_tensors="pt", padding=True)',
             "print(tokenizer.batch_decode(model.generate(**batch), skip_special_tokens=True))",
             "```",
         ]
@@ -265,7 +323,7 @@ def _loading(target: str, config: Config, marian: bool, files: dict[str, str]) -
         "With aiayn (`pip install 'aiayn[export]'`), which reads the config and tokenizer "
         "beside the model:", "",
         "```bash",
-        "aiayn translate THIS_DIR --engine ctranslate2 -i input.txt -o output.txt",
+        f"aiayn translate THIS_DIR --engine ctranslate2{to} -i input.txt -o output.txt",
         "```", "",
         "With CTranslate2 and the `tokenizers` library alone:", "",
         "```python",
@@ -275,8 +333,8 @@ def _loading(target: str, config: Config, marian: bool, files: dict[str, str]) -
         'translator = ctranslate2.Translator("THIS_DIR")',
         f'source = Tokenizer.from_file("THIS_DIR/tokenizer/{tokenizer}")',
         f'target = Tokenizer.from_file("THIS_DIR/tokenizer/{target_tokenizer}")',
-        'tokens = source.encode("A sentence to translate.").tokens  # [EOS] is added by '
-        "CTranslate2",
+        f'tokens = {tokens}source.encode("A sentence to translate.").tokens  # [EOS] is added '
+        "by CTranslate2",
         f"result = translator.translate_batch([tokens], beam_size={beam}, "
         f"length_penalty={alpha},",
         '                                    suppress_sequences=[["[PAD]"], ["[BOS]"]])',
