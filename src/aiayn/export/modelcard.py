@@ -173,7 +173,10 @@ def _data(info: dict, stats: dict | None) -> str:
     # The prepared directory's name only: the card is meant for a public page, and the
     # absolute path says where the trainer's files are (and their user name).
     prepared = Path(info["data_dir"]).name if info["data_dir"] else None
-    lines = ["## Training data", "", f"Corpus `{without_local_paths(info['corpus'])}`"
+    # Several corpora (one a line of data.corpus) are named one after another.
+    corpus = "`, `".join(without_local_paths(line.strip())
+                         for line in str(info["corpus"]).splitlines() if line.strip())
+    lines = ["## Training data", "", f"Corpus `{corpus}`"
              + (f", prepared by `aiayn prepare` (a directory named `{prepared}`)." if prepared
                 else " (the run records no prepared data directory).")]
     if stats is None:
