@@ -355,6 +355,8 @@ def read_corpora(cfg: DataConfig, lines: list[CorpusLine], directory: Path,
         line_cfg = replace(cfg, corpus=line.spec, **(
             {"dev_fraction": 0.0, "test_fraction": 0.0} if line.train_only else {}))
         part = read_pairs(line_cfg, directory, progress, prefix=f"{i}." if len(lines) > 1 else "")
+        if line.train_only:
+            part.info["split_rule"] = "all train (splits=train)"
         n_train = part.info["splits"]["train"]
         languages = resolve_languages(line.src_lang or cfg.src_lang, line.tgt_lang or cfg.tgt_lang,
                                       line.spec,
