@@ -158,7 +158,7 @@ def align_ids(translator, texts: Sequence[str], sources: Sequence[list[int]],
         for i, attention in zip(batch, maps, strict=True):
             text, target = texts[i], targets[i]
             # A direction tag the translator put in front is no word of the text.
-            lead = int(bool(translator.tokenizers.tags) and not TAG_PATTERN.match(text))
+            lead = int(bool(translator.tags) and not TAG_PATTERN.match(text))
             pieces = len(sources[i]) - 1 - lead  # the text's tokens, tag and EOS left out
             src_words = text_words(text, translator.tokenizers.src_offsets(text))[:pieces]
             # (a target longer than max_len - 1 keeps the rows the model could give it)

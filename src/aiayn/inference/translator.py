@@ -117,29 +117,35 @@ class Translator:
         self.bf16 = bf16
         self.last_stats = DecodeStats()
         self.to = to
-        with_tag([], tokenizers.tags, to, "this model")  # a language the model lacks: refused
+        with_tag([], self.tags, to, "this model")  # a language the model lacks: refused
 
     def toward(self, to: str | None) -> Translator:
         """This translator (the same engine and model) writing into ``to``."""
-        with_tag([], self.tokenizers.tags, to, "this model")
+        with_tag([], self.tags, to, "this model")
         other = copy.copy(self)
         other.to, other.last_stats = to, DecodeStats()
         return other
 
     @property
+    def tags(self) -> dict[str, str]:
+        """Target language -> direction tag (``Tokenizers.tags``); {} for one direction, and
+        for a translator of ids alone (no tokenizers)."""
+        return getattr(self.tokenizers, "tags", None) or {}
+
+    @property
     def targets(self) -> list[str]:
         """The target languages a ``to`` may name (empty: one direction, no ``to``)."""
-        return sorted(self.tokenizers.tags)
+        return sorted(self.tags)
 
     def check_direction(self) -> None:
         """Before any input is read: a model of several target languages needs ``to``."""
         if self.targets and self.to is None:
-            with_tag([""], self.tokenizers.tags, None, "this model")
+            with_tag([""], self.tags, None, "this model")
 
     def tagged(self, sentences: Sequence[str]) -> list[str]:
         """The sentences as the encoder reads them: with the tag of ``self.to`` in front
         where the model has direction tags (aiayn.data.directions.with_tag)."""
-        return with_tag(list(sentences), self.tokenizers.tags, self.to, "this model")
+        return with_tag(list(sentences), self.tags, self.to, "this model")
 
     kernel = property(lambda self: self.engine.kernel,
                       doc="the output layer's product the searches compute with (the engine's)")
