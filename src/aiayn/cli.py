@@ -911,8 +911,11 @@ def _run_doctor(args) -> int:
 def _add_info(sub) -> None:
     p = sub.add_parser("info", help="what a run is: model, vocabulary, steps, best score",
                        description="Model size and parameters, vocabulary, steps, tokens "
-                       "seen, the best dev score and its step, the weights files there are.")
-    p.add_argument("run_dir", help="run directory (from `aiayn train`)")
+                       "seen, the best dev score and its step, the weights files there are, "
+                       "the languages --to may name. Of prepared data: its corpora, each "
+                       "with its languages, direction tag and pairs per split.")
+    p.add_argument("run_dir", metavar="RUN_OR_DATA", help="run directory (from `aiayn "
+                   "train`) or prepared data directory (from `aiayn prepare`)")
     p.add_argument("--json", action="store_true", help="one JSON object, for scripts")
 
 

@@ -1,12 +1,16 @@
-"""``aiayn info RUN_DIR [--json]``: what a run is, in a few lines (or one JSON object).
+"""``aiayn info RUN_OR_DATA [--json]``: what a run is, in a few lines (or one JSON object).
 
 Model size and parameters, the vocabulary, steps, epochs, tokens and minutes trained, the
 best dev score and its step (``train.best_metric``, see aiayn.training.early_stopping), the last
-validation, the weights files there are (with their steps), the data, and the run it was
-started from (``--init-from``). Reads files only; loads no weights::
+validation, the weights files there are (with their steps), the data, the target languages
+of a model that translates into several (``--to``, aiayn.data.directions), and the run it
+was started from (``--init-from``). Reads files only; loads no weights::
 
     info = aiayn.run_info("runs/s60")      # a dict, the same as `aiayn info --json`
     print(aiayn.inspect.info.format_info(info))
+
+Given a prepared data directory (`aiayn prepare --out DIR`), its corpora instead: per line
+of the corpus spec its languages, direction tag and pairs per split (``data_info``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from typing import Any
 import torch
 
 from aiayn.config import load_config
+from aiayn.data.prepared import STATS_FILE, TOKENIZER_DIR, load_prepared
+from aiayn.data.tokenizer import Tokenizers
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer
 from aiayn.runs.checkpoint import load_train_state, read_metadata
@@ -25,8 +31,11 @@ from aiayn.training.transfer import describe_tokenizer, read_init_from
 
 
 def run_info(run_dir: str | Path) -> dict[str, Any]:
-    """A summary of the run directory as plain JSON-able values (None where unknown)."""
+    """A summary of the run directory as plain JSON-able values (None where unknown); of a
+    prepared data directory, ``data_info``'s."""
     run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file() and (run_dir / STATS_FILE).is_file():
+        return data_info(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise AiaynError(f"{run_dir}: no config.yaml; is it a run directory written by "
                          "`aiayn train`? (`aiayn doctor` says what is wrong with it)")
@@ -44,6 +53,7 @@ def run_info(run_dir: str | Path) -> dict[str, Any]:
                        "tokenizer": describe_tokenizer(run_dir / "tokenizer")},
         "data_dir": _read_text(run_dir / "data_dir.txt"),
         "corpus": config.data.corpus,
+        "targets": _targets(run_dir / "tokenizer"),
         "decode": {"beam": config.decode.beam, "alpha": config.decode.alpha,
                    "no_repeat_ngram": config.decode.no_repeat_ngram},
         "init_from": read_init_from(run_dir),
@@ -59,6 +69,34 @@ def run_info(run_dir: str | Path) -> dict[str, Any]:
                                                        "n_sentences")}
     info["best"] = _best(run_dir, devs, config.train.best_metric)
     return info
+
+
+def data_info(data_dir: str | Path) -> dict[str, Any]:
+    """A prepared data directory: its splits, tokenizer, the target languages of its
+    direction tags (empty: one direction) and per line of its corpus spec (stats.json's
+    "corpora") the line, its languages, its tag (None without) and its pairs per split."""
+    data = load_prepared(data_dir, log=lambda _: None)
+    return {
+        "kind": "data",
+        "data_dir": str(data_dir),
+        "corpus": data.stats.get("corpus"),
+        "splits": data.stats.get("splits"),
+        "tokenizer": describe_tokenizer(Path(data_dir) / TOKENIZER_DIR),
+        "targets": sorted(data.tokenizers.tags),
+        "corpora": [{"line": c.get("line"),
+                     "languages": {side: (c.get("languages") or {}).get(side)
+                                   for side in ("src", "tgt")},
+                     "tag": c.get("tag"), "splits": c.get("splits")} for c in data.corpora],
+    }
+
+
+def _targets(tokenizer_dir: Path) -> list[str]:
+    """The target languages of the run's direction tags ([]: one direction, or no
+    readable tokenizer: `aiayn doctor` says why)."""
+    try:
+        return sorted(Tokenizers.load(tokenizer_dir).tags)
+    except (AiaynError, OSError, ValueError):
+        return []
 
 
 def _read_text(path: Path) -> str | None:
@@ -111,7 +149,9 @@ def _weights(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def format_info(info: dict[str, Any]) -> str:
-    """The summary as aligned lines."""
+    """The summary as aligned lines (of a run, or of prepared data: ``format_data``)."""
+    if info.get("kind") == "data":
+        return format_data(info)
     m, v, t = info["model"], info["vocabulary"], info["training"]
     lines = [
         f"run        {info['run_dir']}",
@@ -120,7 +160,9 @@ def format_info(info: dict[str, Any]) -> str:
         f"{m['decoder_layers']} layers, max_len {m['max_len']}, "
         f"{'pre' if m['norm_first'] else 'post'}-norm, tied {m['tie_embeddings']}",
         f"vocabulary {v['src']}/{v['tgt']} ({v['tokenizer']})",
-        f"data       {info['data_dir'] or '?'} (corpus {info['corpus']})",
+        f"data       {info['data_dir'] or '?'} (corpus "
+        f"{'; '.join(str(info['corpus']).splitlines())})",  # one line per corpus: joined
+        *_directions_line(info.get("targets") or []),
         f"search     beam {info['decode']['beam']}, alpha {info['decode']['alpha']}"
         f"{_guard_words(info['decode'].get('no_repeat_ngram', 0))} (its config's decode: what "
         "translate, evaluate and serve use when not told)",
@@ -140,6 +182,32 @@ def format_info(info: dict[str, Any]) -> str:
     weights = ", ".join(f"{w['file']} (step {w['step']})" for w in info["weights"])
     lines.append(f"weights    {weights or 'none'}")
     return "\n".join(lines)
+
+
+def format_data(info: dict[str, Any]) -> str:
+    """Prepared data as aligned lines: one per corpus, then its directions."""
+    splits = info["splits"] or {}
+    lines = [f"data       {info['data_dir']} (prepared)",
+             f"tokenizer  {info['tokenizer']}",
+             "splits     " + ", ".join(f"{k} {n}" for k, n in splits.items())]
+    several = len(info["corpora"]) > 1
+    for i, c in enumerate(info["corpora"], 1):
+        languages = c["languages"]
+        name = f"corpus {i}" if several else "corpus"
+        counts = ", ".join(f"{k} {n}" for k, n in (c["splits"] or {}).items())
+        lines.append(f"{name:<10} {c['line']}: {languages['src'] or '?'} -> "
+                     f"{languages['tgt'] or '?'}" + (f", tag {c['tag']}" if c["tag"] else "")
+                     + f"; {counts}")
+    lines += _directions_line(info["targets"])
+    return "\n".join(lines)
+
+
+def _directions_line(targets: list[str]) -> list[str]:
+    """How to choose the direction of a model of several target languages (none: [])."""
+    if not targets:
+        return []
+    return [f"directions into {', '.join(targets)}: say which with --to LANG (`aiayn "
+            f"translate`, `evaluate`; Python: to=; serve: \"to\")"]
 
 
 def _describe_dev(record: dict[str, Any] | None, note: str) -> str:

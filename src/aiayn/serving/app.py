@@ -9,6 +9,13 @@ One process loads the run's model once (``Translator.from_pretrained``) and serv
                          beam and alpha used (without them in the request: the run's, its
                          config's decode section); with "alignments": true, each
                          translation's word alignment, [source word, target word] pairs
+    POST /translate   ... "to": "es"
+                      -> for a model that translates into several languages (/info's
+                         "targets"), the one to write: required there (a request without
+                         it, or naming a language the model lacks, gets 422 and one line),
+                         refused for a model of one direction; /next and /attention take it
+                         too. Requests of every direction batch together (the direction
+                         is the source's first piece, its tag: aiayn.data.directions)
     POST /translate   ... "no_repeat_ngram": 3, "sample": {"temperature": 0.8, "top_k": 0,
                       "top_p": 0.9}, "seed": 1
                       -> with "sample", "nbest" random samples per sentence instead of the
@@ -27,7 +34,8 @@ One process loads the run's model once (``Translator.from_pretrained``) and serv
                          checkpoint's weights over the same translation (the served
                          model's), to watch the attention learn to align
     GET  /health, /info (model sizes, vocabulary, training steps, the best and last dev
-                      scores as `aiayn info` gives them)
+                      scores as `aiayn info` gives them, the target languages "to" may
+                      name: "targets", [] for a model of one direction)
     GET  /stats       what the batcher has decoded: requests, joins, sentences per step, waits
     GET  /            the page (static/index.html, app.js, style.css: no build step, no CDN)
     GET  /figures/positional_encoding.png, /figures/schedule.png   the plots.py pictures
@@ -129,8 +137,13 @@ class SamplingSettings(BaseModel):
         return Sampling(self.temperature, self.top_k, self.top_p, seed)
 
 
+TO = ("the language to translate into, for a model that translates into several (/info's "
+      "targets; required there, refused for a model of one direction)")
+
+
 class TranslateRequest(SearchSettings):
     text: list[str] | str = Field(description="sentences (or one sentence) to translate")
+    to: str | None = Field(None, description=TO)
     nbest: int = Field(1, ge=1, description="hypotheses per sentence, at most beam (with "
                        "sample: the samples per sentence)")
     no_repeat_ngram: int | None = Field(None, **bounds("decode", "no_repeat_ngram"),
@@ -152,6 +165,7 @@ class TranslateRequest(SearchSettings):
 
 class NextPieceRequest(SamplingSettings):
     text: str = Field(description="one sentence")
+    to: str | None = Field(None, description=TO)
     target: str | None = Field(None, description="its translation (default: the served "
                                "model's greedy translation)")
     step: int | None = Field(None, ge=0, description="the distribution of the target's piece "
@@ -164,6 +178,7 @@ class NextPieceRequest(SamplingSettings):
 
 class AttentionRequest(SearchSettings):
     text: str = Field(description="one sentence")
+    to: str | None = Field(None, description=TO)
     beam: int = Field(1, **bounds("decode", "beam", MAX_BEAM),
                       description="beam size (1, greedy, as `aiayn attention`)")
     step: int | None = Field(None, description="the maps of this step checkpoint (one of "
@@ -224,7 +239,8 @@ def create_app(service: ModelService, limits: ServeLimits | None = None) -> Fast
                                  no_repeat_ngram=body.no_repeat_ngram,
                                  sampling=sampling)  # the request's search, resolved once
         return await service.translate(texts, search, request.is_disconnected,
-                                       body.alignments, request_prefixes(body, len(texts)))
+                                       body.alignments, request_prefixes(body, len(texts)),
+                                       body.to)
 
     @app.post("/next", summary="The distribution of the next piece of a translation, at a "
               "temperature")
@@ -232,13 +248,14 @@ def create_app(service: ModelService, limits: ServeLimits | None = None) -> Fast
         check_size([body.text, body.target or ""], limits)
         search = service.resolve(no_repeat_ngram=body.no_repeat_ngram, sampling=body.sampling())
         return await service.next_piece(body.text, body.target, body.step, search, body.top,
-                                        request.is_disconnected)
+                                        request.is_disconnected, body.to)
 
     @app.post("/attention", summary="Translate one sentence and return every attention map")
     async def attention(body: AttentionRequest, request: Request) -> dict:
         check_size([body.text], limits)
         search = service.resolve(beam=body.beam, alpha=body.alpha)
-        return await service.attention(body.text, search, request.is_disconnected, body.step)
+        return await service.attention(body.text, search, request.is_disconnected, body.step,
+                                       body.to)
 
     @app.get("/health", summary="Is the model loaded?")
     async def health() -> dict:
@@ -359,10 +376,12 @@ def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
     batching = (f"requests join the running search at its next step ({batcher.lanes} "
                 f"lane{'s' * (batcher.lanes > 1)}, {batcher.lane_kind})"
                 if batcher.continuous else "requests batched per pass")
+    directions = (f", translating into {', '.join(info['targets'])} (a request's \"to\")"
+                  if info["targets"] else "")
     print(f"aiayn serve: {info['weights']} ({info['parameters']:,} parameters, "
-          f"{info['engine']}) on {info['device']}; {batching}, up to {batcher.decode_tokens} "
-          f"tokens x beam, an idle server waiting up to {max_wait_ms:g} ms; open "
-          f"http://{_url_host(host)}:{port}/", flush=True)
+          f"{info['engine']}) on {info['device']}{directions}; {batching}, up to "
+          f"{batcher.decode_tokens} tokens x beam, an idle server waiting up to "
+          f"{max_wait_ms:g} ms; open http://{_url_host(host)}:{port}/", flush=True)
     try:
         uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
     finally:

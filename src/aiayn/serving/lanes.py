@@ -11,6 +11,10 @@ and takes it back, and a small model's step is a few hundred such calls, so lane
 are threads of one process wait for each other (figures: docs/serving.md#lanes). The
 server keeps the requests, the queue and the answers (``serve.Batcher``); only sentence
 ids, token ids and hypotheses cross to a lane's process.
+
+A model of several target languages needs nothing here: a sentence's direction is its
+first source id (its tag, put there where the service tokenizes the request), so
+sentences of every direction share a search.
 """
 
 from __future__ import annotations

@@ -119,6 +119,15 @@ class ModelService:
     def close(self) -> None:
         self.batcher.close()
 
+    def toward(self, to: str | None) -> Translator:
+        """The translator of a request's ``to`` (``Translator.toward``: the same engine and
+        model), refused in one line (422) where the model has no such direction, or has
+        several and ``to`` is None. A request's direction is its source ids' first piece,
+        so requests of every direction share the batcher's searches."""
+        translator = self.translator.toward(to)
+        translator.check_direction()
+        return translator
+
     def resolve(self, **settings) -> Search:
         """A request's search, resolved once over the run's (as ``Translator.resolve``, its
         keywords) and within this server's limit: a beam (or samples per sentence) of at
@@ -137,7 +146,8 @@ class ModelService:
     async def translate(self, texts: list[str], search: Search,
                         gone: Callable[[], Awaitable[bool]] | None = None,
                         alignments: bool = False,
-                        prefixes: list[str | None] | None = None) -> dict:
+                        prefixes: list[str | None] | None = None, to: str | None = None
+                        ) -> dict:
         """`aiayn translate`'s answer for ``texts``: translations in input order with their
         scores, the n-best lists (each entry with its score, log-probability, pieces and
         their log-probabilities: ``Translation.as_dict``; an empty sentence gives "", a null
@@ -145,14 +155,16 @@ class ModelService:
         (``search``, as ``resolve`` gave it) and the seconds of the decoding pass that
         answered them. ``gone``: see ``answer``. With sampling: ``search.nbest`` samples per
         sentence, and the seed they were drawn with. ``prefixes``: the start of each
-        translation (``Translator.translate``'s).
+        translation (``Translator.translate``'s). ``to``: the target language of a model
+        that has several (``toward``).
         ``alignments``: also each translation's word alignment ("alignments", and
         "alignment" in each n-best entry), from a teacher-forced pass over the hypotheses
         run while no search steps on the model (the capture sets flags on it)."""
+        translator = self.toward(to)
         if alignments:
-            self.translator.check_alignments()
+            translator.check_alignments()
         nbest, sampling = search.nbest, search.sampling
-        sources = self.translator.prepare(texts, prefixes)
+        sources = translator.prepare(texts, prefixes)  # the direction's tag: the first id
         future = self.batcher.translate(sources, search)
         try:
             hyps, seconds = await answer(future, gone)
@@ -163,8 +175,8 @@ class ModelService:
         if alignments:
             ids = hyps
             links = await answer(self.batcher.run_alone(
-                lambda: hypothesis_alignments(self.translator, sources, ids, nbest)), gone)
-        hyps = self.translator.translations(sources, hyps, nbest)
+                lambda: hypothesis_alignments(translator, sources, ids, nbest)), gone)
+        hyps = translator.translations(sources, hyps, nbest)
         self.requests += 1
         warnings = ([truncation_message(sources.truncated, self.translator.max_len)]
                     if sources.truncated else [])
@@ -187,10 +199,11 @@ class ModelService:
 
     async def attention(self, text: str, search: Search,
                         gone: Callable[[], Awaitable[bool]] | None = None,
-                        step: int | None = None) -> dict:
+                        step: int | None = None, to: str | None = None) -> dict:
         """`aiayn attention`'s maps for one sentence translated by ``search`` (``resolve``),
         as nested lists (see ``attention_json``); with ``step``, those of that step
-        checkpoint over the served model's translation."""
+        checkpoint over the served model's translation. ``to``: as ``translate``'s."""
+        translator = self.toward(to)
         if step is not None and step not in self.steps:
             have = (f"this run has {', '.join(map(str, self.steps))}" if self.steps
                     else "this run has no step checkpoints")
@@ -198,9 +211,9 @@ class ModelService:
 
         def work() -> SentenceAttention:
             if step is None:
-                return self.translator.attention(text, search)
-            target = self.translator.target_ids(text, search=search)
-            return self.translator.attention_of(self.checkpoints.get(self.steps[step]), text,
+                return translator.attention(text, search)
+            target = translator.target_ids(text, search=search)
+            return translator.attention_of(self.checkpoints.get(self.steps[step]), text,
                                                 target)
 
         att = await answer(self.batcher.run_alone(work), gone)
@@ -209,12 +222,14 @@ class ModelService:
 
     async def next_piece(self, text: str, target: str | None, step: int | None,
                          search: Search, top: int,
-                         gone: Callable[[], Awaitable[bool]] | None = None) -> dict:
+                         gone: Callable[[], Awaitable[bool]] | None = None,
+                         to: str | None = None) -> dict:
         """POST /next: the ``top`` likeliest pieces a sample of ``search`` (``resolve``, with
         its sampling) would draw at ``step`` of the translation, with their probabilities
-        (``Translator.next_piece``)."""
-        self.translator.engine.require_model("the next piece's distribution")
-        result = await answer(self.batcher.run_alone(lambda: self.translator.next_piece(
+        (``Translator.next_piece``). ``to``: as ``translate``'s."""
+        translator = self.toward(to)
+        translator.engine.require_model("the next piece's distribution")
+        result = await answer(self.batcher.run_alone(lambda: translator.next_piece(
             text, target, step, search, top)), gone)
         self.requests += 1
         sampling = search.sampling or Sampling()
@@ -310,8 +325,9 @@ def serve_info(run_dir: str | Path, weights: str, config: Config, translator: Tr
                ) -> dict:
     """What GET /info reports: the served weights, sizes, vocabularies, and the run as
     `aiayn info` describes it (aiayn.inspect.info.run_info): the steps trained, the best dev
-    score by the run's ``train.best_metric`` (what best.safetensors holds) and the last.
-    With CTranslate2 the weights are the export's model.bin."""
+    score by the run's ``train.best_metric`` (what best.safetensors holds) and the last, and
+    the target languages a request's "to" may name. With CTranslate2 the weights are the
+    export's model.bin."""
     run = run_info(run_dir)
     served = (resolve_weights(run_dir, weights) if translator.engine.own_model
               else Path(run_dir) / "model.bin")
@@ -326,6 +342,7 @@ def serve_info(run_dir: str | Path, weights: str, config: Config, translator: Tr
         "joint_vocab": config.data.joint_vocab,
         "corpus": config.data.corpus,
         "decode": run["decode"],  # the search a request without beam/alpha gets
+        "targets": translator.targets,  # what a request's "to" may name ([]: no "to")
         "training_steps": (run["training"] or {}).get("step"),
         "best": run["best"],
         "last_dev": run["last_dev"],

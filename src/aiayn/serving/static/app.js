@@ -43,6 +43,7 @@ async function showInfo() {
     parts.push(`weights ${info.weights.split("/").pop()} on ${info.device}`);
     $("info").textContent = parts.join(" · ");
     state.steps = info.steps || [];
+    showTargets(info.targets || []);
     // The run's own search (its config's decode section) is where the controls start.
     if (info.decode) {
       $("beam").value = Math.min(info.decode.beam, info.max_beam);
@@ -51,6 +52,18 @@ async function showInfo() {
   } catch (err) {
     $("info").textContent = `no /info: ${err.message}`;
   }
+}
+
+// A model of several target languages: a menu of them (the first chosen), its choice sent as
+// every request's "to". A model of one direction has no menu and sends no "to".
+function showTargets(targets) {
+  if (targets.length < 2) return;
+  $("to").replaceChildren(...targets.map((lang) => new Option(lang, lang)));
+  $("to-choice").hidden = false;
+}
+
+function direction() {
+  return $("to-choice").hidden ? {} : { to: $("to").value };
 }
 
 function settings() {
@@ -69,19 +82,20 @@ async function translate(event) {
     return;
   }
   const { beam, alpha, nbest } = settings();
+  const to = direction();
   const index = lines.indexOf(first);
   // The prefix is the first sentence's: the one whose attention and next pieces are shown.
   const prefix = lines.map((_, i) => (i === index ? $("prefix").value : null));
   $("status").textContent = "translating…";
   $("translate").disabled = true;
   try {
-    const result = await post("/translate", { text: lines, beam, alpha, nbest, prefix });
+    const result = await post("/translate", { text: lines, beam, alpha, nbest, prefix, ...to });
     showTranslation(result);
-    state.next = { text: first, target: result.translations[index] || null };
+    state.next = { text: first, target: result.translations[index] || null, ...to };
     $("next-step").value = 0;
     await showNext();
     $("status").textContent = "computing the attention…";
-    state.asked = { text: first, beam, alpha };
+    state.asked = { text: first, beam, alpha, ...to };
     state.attention = await post("/attention", state.asked);
     fillPickers();
     drawHeatmap();
@@ -299,6 +313,7 @@ function loadPictures() {
 
 $("form").addEventListener("submit", translate);
 $("prefix").addEventListener("input", prefixChanged);
+$("to").addEventListener("change", () => $("form").requestSubmit());
 $("temperature").addEventListener("input", nextChanged);
 $("next-step").addEventListener("input", nextChanged);
 $("source").addEventListener("keydown", (event) => {  // Ctrl+Enter translates
