@@ -4,7 +4,7 @@
   trains or evaluates runs on the memory-mapped ids users get; the toy language pair of
   the training tests (``write_prepared``).
 - The tiny copy model of the run-directory tests (``train_copy_model``; the ``run_dir``
-  fixture in conftest.py).
+  fixture in conftest.py), and a tiny run of two target languages (``tagged_run``).
 - Running the CLI (``run_train``, ``sets``, ``run_cli``, ``error_line``) and reading what
   it wrote (``weights``, ``records``, ``snapshot``).
 - Corpora as ``aiayn prepare`` reads them (``stream_pairs``: the reader's own splits;
@@ -234,6 +234,48 @@ def tiny_model(seed: int = 0, **settings) -> Transformer:
 
     torch.manual_seed(seed)
     return Transformer(replace(load_config(TINY).model, **settings))
+
+
+def tagged_run(root: Path, steps: int = 150) -> Path:
+    """A tiny run directory under ``root`` that translates into two languages, tagged
+    ``<2xx>`` and ``<2yy>`` (aiayn.data.directions): data prepared by `aiayn prepare` from two
+    toy corpora (``toy_tsv``: into xx each sentence's words reversed in upper case, into yy
+    copied), a model trained ``steps`` steps on it, config.yaml, best/last weights."""
+    words = COPY_WORDS[:6]
+    a = toy_tsv(root / "xx.tsv", words, n=200, seed=1, lengths=(1, 6))
+    b = toy_tsv(root / "yy.tsv", words, n=200, seed=2, lengths=(1, 6), copy=True)
+    data = replace(WORD_LEVEL, corpus=f"tsv:{a} tgt=xx\ntsv:{b} tgt=yy")
+    data_dir = root / "tagged-data"
+    prepare(data, data_dir, 16)
+    tokenizers = Tokenizers.load(data_dir / "tokenizer")
+    assert sorted(tokenizers.tags) == ["xx", "yy"]
+    pairs = [json.loads(line) for line in
+             (data_dir / "train.jsonl").read_text(encoding="utf-8").splitlines()]
+    torch.manual_seed(0)
+    cfg = ModelConfig(src_vocab_size=tokenizers.src_vocab_size,
+                      tgt_vocab_size=tokenizers.tgt_vocab_size, d_model=32, n_heads=4,
+                      d_ff=64, n_encoder_layers=1, n_decoder_layers=1, dropout=0.0,
+                      max_len=16, tie_embeddings="all")
+    model = Transformer(cfg)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    rng = random.Random(0)
+    for _ in range(steps):
+        batch = rng.sample(pairs, 32)
+        src = pad(tokenizers.encode_src([p["src"] for p in batch]))
+        tgt = pad(tokenizers.encode_tgt([p["tgt"] for p in batch]))
+        logits = model(src, tgt[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tgt[:, 1:].flatten(), ignore_index=0)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    run = root / "tagged-run"
+    run.mkdir()
+    save_config(Config(model=cfg, data=data).validate(), run / "config.yaml")
+    shutil.copytree(data_dir / "tokenizer", run / "tokenizer")
+    save_weights(model.eval(), run / "best.safetensors")
+    save_weights(model, run / "last.safetensors")
+    (run / "data_dir.txt").write_text(str(data_dir) + "\n", encoding="utf-8")
+    return run
 
 
 def copy_run(root: Path) -> Path:

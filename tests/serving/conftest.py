@@ -4,16 +4,11 @@ that use any of them slow)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
-import urllib.error
 from typing import TYPE_CHECKING
 
 import pytest
-from helpers import copy_run
-from serve_helpers import free_port, http_json
+from helpers import copy_run, tagged_run
+from serve_helpers import serve_process
 
 from aiayn.inference.translator import Translator
 from aiayn.serving.service import ModelService, ServeLimits
@@ -47,25 +42,8 @@ def client(service) -> TestClient:
 def server(run_dir):
     """`aiayn serve RUN_DIR --port P` as a subprocess, one for test_server.py and test_page.py;
     its base URL once /health answers."""
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "aiayn", "serve", str(run_dir),
-                                "--port", str(port), "--device", "cpu"], env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            http_json(f"{url}/health", timeout=2)
-            break
-        except (urllib.error.URLError, ConnectionError):
-            if process.poll() is not None or time.monotonic() > deadline:
-                process.kill()
-                pytest.fail(f"aiayn serve did not start: {process.stdout.read()}")
-            time.sleep(0.2)
-    yield url
-    process.terminate()
-    process.wait(timeout=10)
+    with serve_process(run_dir) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")
@@ -73,3 +51,10 @@ def run_dir(tmp_path_factory):
     """One trained run for every serve test file, as when they were one file: none of them
     writes into it (those that change a run change a copy)."""
     return copy_run(tmp_path_factory.mktemp("copy"))
+
+
+@pytest.fixture(scope="session")
+def tagged_run_dir(tmp_path_factory):
+    """A tiny run of two target languages, xx and yy (helpers.tagged_run), for
+    test_directions.py and test_page.py; none of them writes into it."""
+    return tagged_run(tmp_path_factory.mktemp("tagged"))

@@ -3,11 +3,16 @@ ways to hold the model, wait for a state, compare answers and call a server."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
 import socket
+import subprocess
+import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -123,3 +128,29 @@ def http_json(url: str, body: dict | None = None, timeout: float = 30) -> dict:
     request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read())
+
+
+@contextlib.contextmanager
+def serve_process(run_dir):
+    """`aiayn serve RUN_DIR --port P` as a subprocess; its base URL once /health answers."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "aiayn", "serve", str(run_dir),
+                                "--port", str(port), "--device", "cpu"], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    try:
+        while True:
+            try:
+                http_json(f"{url}/health", timeout=2)
+                break
+            except (urllib.error.URLError, ConnectionError):
+                if process.poll() is not None or time.monotonic() > deadline:
+                    process.kill()
+                    pytest.fail(f"aiayn serve did not start: {process.stdout.read()}")
+                time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
