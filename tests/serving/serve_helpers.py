@@ -60,15 +60,19 @@ def held_model(service):
     return gate
 
 
-def send_while_held(service, client, requests) -> list:
+def send_while_held(service, client, requests, queued: int | None = None) -> list:
     """POST every (body, _) of ``requests`` at once while the model is held, so they all
-    queue behind the first; release it and return the responses in order."""
+    queue; release it once ``queued`` of them wait (default: all but one, MIXED's last is
+    refused before it queues) and return the responses in order."""
     gate = held_model(service)
+    queued = len(requests) - 1 if queued is None else queued
     try:
         with ThreadPoolExecutor(len(requests)) as pool:
             sent = [pool.submit(client.post, "/translate", json=body) for body, _ in requests]
-            until(lambda: service.batcher.waiting == len(requests) - 1, "the requests to queue")
-            gate.set()
+            try:
+                until(lambda: service.batcher.waiting == queued, "the requests to queue")
+            finally:
+                gate.set()  # before the pool waits for its requests: never a deadlock
             return [f.result() for f in sent]
     finally:
         gate.set()

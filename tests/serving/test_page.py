@@ -14,7 +14,10 @@ pytest.importorskip("fastapi", reason="the serve extra is not installed: pip ins
 from serve_helpers import (  # noqa: E402
     attention_by_hand,
     http_json,
+    serve_process,
 )
+
+from aiayn.inference.translator import Translator  # noqa: E402
 
 
 def chromium_driver():
@@ -77,6 +80,7 @@ def test_the_page_translates_and_draws_the_attention_in_chromium(server, transla
                    or d.find_element(By.ID, "error").text)
         assert driver.find_element(By.ID, "error").text == ""
         assert driver.find_element(By.ID, "source").get_attribute("value") == placeholder
+        assert not driver.find_element(By.ID, "to-choice").is_displayed()  # one direction
         assert driver.find_element(By.ID, "translation").text == \
             translator.translate([placeholder], translator.resolve(beam=4))[0]
         assert driver.find_element(By.ID, "next-target").text != ""
@@ -167,3 +171,44 @@ def test_the_page_translates_and_draws_the_attention_in_chromium(server, transla
             f"{len(best.pieces)} pieces; the least likely")
     finally:
         driver.quit()
+
+
+def test_the_page_of_a_model_of_two_languages_offers_them(tagged_run_dir):
+    """A menu of the target languages, the first chosen; choosing the other translates
+    again into it. (A model of one direction has no menu: the test above.)"""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.select import Select
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    translator = Translator.from_pretrained(tagged_run_dir)
+    sentence = "green blue black"
+    want = {to: translator.toward(to).translate([sentence])[0] for to in ("xx", "yy")}
+    assert want["xx"] != want["yy"]
+    driver = chromium_driver()
+    with serve_process(tagged_run_dir) as server:
+        try:
+            driver.get(server + "/")
+            wait = WebDriverWait(driver, 60)
+            wait.until(lambda d: d.find_element(By.ID, "status").text.startswith("done")
+                       or d.find_element(By.ID, "error").text)
+            assert driver.find_element(By.ID, "error").text == ""
+            menu = Select(driver.find_element(By.ID, "to"))
+            assert driver.find_element(By.ID, "to-choice").is_displayed()
+            assert [o.get_attribute("value") for o in menu.options] == ["xx", "yy"]
+            assert menu.first_selected_option.get_attribute("value") == "xx"
+            placeholder = driver.find_element(By.ID, "source").get_attribute("placeholder")
+            assert driver.find_element(By.ID, "translation").text == \
+                translator.toward("xx").translate([placeholder])[0]
+            driver.find_element(By.ID, "source").clear()
+            driver.find_element(By.ID, "source").send_keys(sentence)
+            driver.find_element(By.ID, "translate").click()
+            wait.until(lambda d: d.find_element(By.ID, "translation").text == want["xx"]
+                       and d.find_element(By.ID, "status").text.startswith("done"))
+            menu.select_by_value("yy")  # translates again, into yy
+            wait.until(lambda d: d.find_element(By.ID, "translation").text == want["yy"]
+                       and d.find_element(By.ID, "status").text.startswith("done"))
+            assert driver.find_element(By.ID, "error").text == ""
+            # the attention was asked for in the same direction: its source starts with yy's tag
+            assert driver.execute_script("return state.attention.src_tokens[0]") == "<2yy>"
+        finally:
+            driver.quit()
