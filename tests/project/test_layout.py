@@ -22,8 +22,6 @@ TESTS = ROOT / "tests"
 NOT_A_MODULE = {
     "serving/test_server.py": "the app under uvicorn, and `aiayn serve` as a process",
     "serving/test_page.py": "the page (aiayn/serving/static/) in a real Chromium",
-    "serving/test_service_directions.py": "a model of several target languages served: the "
-                                          "service, batcher and lanes with a request's \"to\"",
 }
 TORCH_ALONE = ("model", "cache", "loss")  # what an export with aiayn's own code ships
 MAX_LINES = 500

@@ -56,5 +56,5 @@ def run_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tagged_run_dir(tmp_path_factory):
     """A tiny run of two target languages, xx and yy (helpers.tagged_run), for
-    test_directions.py and test_page.py; none of them writes into it."""
+    test_service.py and test_page.py; none of them writes into it."""
     return tagged_run(tmp_path_factory.mktemp("tagged"))
