@@ -74,7 +74,8 @@ def run_info(run_dir: str | Path) -> dict[str, Any]:
 def data_info(data_dir: str | Path) -> dict[str, Any]:
     """A prepared data directory: its splits, tokenizer, the target languages of its
     direction tags (empty: one direction) and per line of its corpus spec (stats.json's
-    "corpora") the line, its languages, its tag (None without) and its pairs per split."""
+    "corpora") the line, its languages, its direction tag and the tag that marks its
+    sources (None without) and its pairs per split."""
     data = load_prepared(data_dir, log=lambda _: None)
     return {
         "kind": "data",
@@ -86,7 +87,8 @@ def data_info(data_dir: str | Path) -> dict[str, Any]:
         "corpora": [{"line": c.get("line"),
                      "languages": {side: (c.get("languages") or {}).get(side)
                                    for side in ("src", "tgt")},
-                     "tag": c.get("tag"), "splits": c.get("splits")} for c in data.corpora],
+                     "tag": c.get("tag"), "source_tag": c.get("source_tag"),
+                     "splits": c.get("splits")} for c in data.corpora],
     }
 
 
@@ -197,6 +199,7 @@ def format_data(info: dict[str, Any]) -> str:
         counts = ", ".join(f"{k} {n}" for k, n in (c["splits"] or {}).items())
         lines.append(f"{name:<10} {c['line']}: {languages['src'] or '?'} -> "
                      f"{languages['tgt'] or '?'}" + (f", tag {c['tag']}" if c["tag"] else "")
+                     + (f", source tag {c['source_tag']}" if c.get("source_tag") else "")
                      + f"; {counts}")
     lines += _directions_line(info["targets"])
     return "\n".join(lines)
