@@ -236,26 +236,32 @@ def tiny_model(seed: int = 0, **settings) -> Transformer:
     return Transformer(replace(load_config(TINY).model, **settings))
 
 
-def tagged_run(root: Path, steps: int = 150) -> Path:
-    """A tiny run directory under ``root`` that translates into two languages, tagged
-    ``<2xx>`` and ``<2yy>`` (aiayn.data.directions): data prepared by `aiayn prepare` from two
-    toy corpora (``toy_tsv``: into xx each sentence's words reversed in upper case, into yy
-    copied), a model trained ``steps`` steps on it, config.yaml, best/last weights."""
-    words = COPY_WORDS[:6]
-    a = toy_tsv(root / "xx.tsv", words, n=200, seed=1, lengths=(1, 6))
-    b = toy_tsv(root / "yy.tsv", words, n=200, seed=2, lengths=(1, 6), copy=True)
-    data = replace(WORD_LEVEL, corpus=f"tsv:{a} tgt=xx\ntsv:{b} tgt=yy")
+def tagged_run(root: Path, corpora: dict[str, Path] | None = None, data: DataConfig = WORD_LEVEL,
+               steps: int = 150, max_len: int = 16, **model) -> Path:
+    """A tiny run directory under ``root`` that translates into two or more languages, each
+    tagged ``<2LANG>`` (aiayn.data.directions): data prepared by `aiayn prepare` (with
+    ``data``'s tokenizer) from ``corpora`` (target language -> tsv file; by default two toy
+    corpora, ``toy_tsv``: into xx each sentence's words reversed in upper case, into yy
+    copied), a model (``model``: settings of ModelConfig) trained ``steps`` steps on its
+    train split, config.yaml, best/last weights."""
+    if corpora is None:
+        words = COPY_WORDS[:6]
+        corpora = {"xx": toy_tsv(root / "xx.tsv", words, n=200, seed=1, lengths=(1, 6)),
+                   "yy": toy_tsv(root / "yy.tsv", words, n=200, seed=2, lengths=(1, 6),
+                                 copy=True)}
+    data = replace(data, corpus="\n".join(f"tsv:{path} tgt={lang}"
+                                          for lang, path in corpora.items()))
     data_dir = root / "tagged-data"
-    prepare(data, data_dir, 16)
+    prepare(data, data_dir, max_len)
     tokenizers = Tokenizers.load(data_dir / "tokenizer")
-    assert sorted(tokenizers.tags) == ["xx", "yy"]
+    assert sorted(tokenizers.tags) == sorted(corpora)
     pairs = [json.loads(line) for line in
              (data_dir / "train.jsonl").read_text(encoding="utf-8").splitlines()]
     torch.manual_seed(0)
-    cfg = ModelConfig(src_vocab_size=tokenizers.src_vocab_size,
-                      tgt_vocab_size=tokenizers.tgt_vocab_size, d_model=32, n_heads=4,
-                      d_ff=64, n_encoder_layers=1, n_decoder_layers=1, dropout=0.0,
-                      max_len=16, tie_embeddings="all")
+    cfg = ModelConfig(**{**dict(src_vocab_size=tokenizers.src_vocab_size,
+                                tgt_vocab_size=tokenizers.tgt_vocab_size, d_model=32, n_heads=4,
+                                d_ff=64, n_encoder_layers=1, n_decoder_layers=1, dropout=0.0,
+                                max_len=max_len, tie_embeddings="all"), **model})
     model = Transformer(cfg)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     rng = random.Random(0)
