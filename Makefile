@@ -39,8 +39,9 @@ browser:
 TEST_WORKERS ?= auto
 PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
+# The full suite names its 15 slowest tests at the end: where the ten minutes go.
 test: venv sword browser
-	$(PYTEST)
+	$(PYTEST) --durations=15
 
 # The fast tier for the edit-run loop: the tests marked slow (tests/conftest.py) left out,
 # about a minute on two cores; needs neither the Bible nor a browser.
