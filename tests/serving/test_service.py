@@ -226,19 +226,26 @@ def mixed_bodies() -> list[tuple[dict, None]]:
             for i, text in enumerate(texts)]
 
 
+def answer_both_directions_as_alone(service: ModelService, translator: Translator) -> int:
+    """Send ``mixed_bodies`` at once while the model is held (all queue) and check each
+    answer is ``translator``'s alone into its "to"; how many requests were sent."""
+    requests = mixed_bodies()
+    responses = send_while_held(service, TestClient(create_app(service)), requests,
+                                queued=len(requests))
+    for (body, _), response in zip(requests, responses, strict=True):
+        assert response.status_code == 200, response.text
+        assert_same_answer(response.json(), alone(translator, body), [])
+    return len(requests)
+
+
 @pytest.mark.slow  # a model is trained for the module
 def test_requests_of_both_directions_share_one_search_and_answer_as_alone(tagged_run_dir,
                                                                           tagged_translator):
     service = ModelService.from_run(tagged_run_dir, lanes="threads")
     try:
-        requests = mixed_bodies()
-        responses = send_while_held(service, TestClient(create_app(service)), requests,
-                                    queued=len(requests))
-        for (body, _), response in zip(requests, responses, strict=True):
-            assert response.status_code == 200, response.text
-            assert_same_answer(response.json(), alone(tagged_translator, body), [])
+        count = answer_both_directions_as_alone(service, tagged_translator)
         # one search took them all: the direction is only the sources' first id
-        assert service.stats()["pass_requests"] == {str(len(requests)): 1}
+        assert service.stats()["pass_requests"] == {str(count): 1}
     finally:
         service.close()
 
@@ -252,12 +259,7 @@ def test_lanes_in_processes_answer_both_directions_as_alone(tagged_run_dir, tagg
                            lanes="processes")
     try:
         assert service.stats()["lanes"] == 2 and service.batcher.lane_kind == "processes"
-        requests = mixed_bodies()
-        responses = send_while_held(service, TestClient(create_app(service)), requests,
-                                    queued=len(requests))
-        for (body, _), response in zip(requests, responses, strict=True):
-            assert response.status_code == 200, response.text
-            assert_same_answer(response.json(), alone(tagged_translator, body), [])
+        answer_both_directions_as_alone(service, tagged_translator)
     finally:
         service.close()
 
