@@ -4,12 +4,15 @@ corpus."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 from dataclasses import replace
 
 import pytest
 from helpers import WORD_LEVEL, run_cli, tagged_run, toy_tsv
 
+from aiayn.cli import build_parser
 from aiayn.data.prepare import prepare
 from aiayn.inspect.info import data_info, format_info, run_info
 
@@ -62,8 +65,14 @@ def test_a_run_of_two_target_languages_says_how_to_choose(tmp_path, capsys):
     info = run_info(run)
     assert info["targets"] == ["xx", "yy"]
     lines = format_info(info).splitlines()
-    assert ("directions into xx, yy: say which with --to LANG (`aiayn translate`, `evaluate`; "
-            'Python: to=; serve: "to")') in lines
+    assert ("directions into xx, yy: say which with --to LANG (`aiayn translate`, `score`, "
+            '`attention`; Python: to=; serve: "to")') in lines
+    # every command the line names takes --to
+    line = next(line for line in lines if line.startswith("directions"))
+    named = re.findall(r"`(?:aiayn )?(\w+)`", line)
+    subcommands = next(a for a in build_parser()._actions
+                       if isinstance(a, argparse._SubParsersAction)).choices
+    assert named and all("--to" in subcommands[name]._option_string_actions for name in named)
     # the corpus spec's two lines on the data line, as one line
     assert [line for line in lines if line.startswith("data ")] == [
         f"data       {tmp_path / 'tagged-data'} (corpus tsv:{tmp_path / 'xx.tsv'} tgt=xx; "

@@ -210,7 +210,7 @@ def _directions_line(targets: list[str]) -> list[str]:
     if not targets:
         return []
     return [f"directions into {', '.join(targets)}: say which with --to LANG (`aiayn "
-            f"translate`, `evaluate`; Python: to=; serve: \"to\")"]
+            f"translate`, `score`, `attention`; Python: to=; serve: \"to\")"]
 
 
 def _describe_dev(record: dict[str, Any] | None, note: str) -> str:
