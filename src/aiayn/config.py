@@ -37,6 +37,8 @@ from aiayn.util.io import atomic_write_text
 TIE_CHOICES = ("none", "decoder", "all")
 EMBEDDING_INITS = ("normal", "xavier")
 OUTPUT_VOCABS = ("all", "targets")
+# model.qk_norm_cross_query: the span a cross-attention query is RMS-normalised over.
+CROSS_QUERY_NORMS = ("heads", "whole")
 SCHEDULES = ("eq3", "linear")
 BEST_METRICS = ("bleu", "chrf", "loss")  # see aiayn.training.early_stopping
 # train.precision: "auto" chooses per device (aiayn.util.device.resolve_precision).
@@ -98,7 +100,7 @@ AUTO = "auto"
 AUTO_SETTINGS = {("model", "dropout"), ("train", "label_smoothing")}
 CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
     "model": {"tie_embeddings": TIE_CHOICES, "embedding_init": EMBEDDING_INITS,
-              "output_vocab": OUTPUT_VOCABS},
+              "output_vocab": OUTPUT_VOCABS, "qk_norm_cross_query": CROSS_QUERY_NORMS},
     "data": {"tokenizer": ("bpe", "wordlevel"), "long_policy": ("drop", "truncate"),
              "bleu_tokenize": BLEU_TOKENIZERS},
     "train": {"schedule": SCHEDULES, "precision": PRECISIONS, "best_metric": BEST_METRICS},
@@ -168,7 +170,12 @@ class ModelConfig:
     bounded attention logits, so high peak rates do not stall."""
     qk_norm_cross: bool = True
     """With qk_norm: also in encoder-decoder attention (true), or in self-attention only
-    (false), which CTranslate2 computes exactly and so can take (docs/export.md)."""
+    (false)."""
+    qk_norm_cross_query: str = "heads"
+    """With qk_norm and qk_norm_cross: encoder-decoder attention's query is RMS-normalised
+    over each head's d_k features ("heads", as its keys and self-attention) or over all of
+    d_model at once, with a gain of d_model ("whole"), as CTranslate2 computes it, so such a
+    model can be exported there (docs/export.md)."""
     output_vocab: str = "all"
     """Which pieces the output layer scores (not in the paper): "all" of the target
     vocabulary, or only the "targets": the pieces that occur in the training targets, found by

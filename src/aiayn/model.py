@@ -107,10 +107,13 @@ class MultiHeadAttention(nn.Module):
 
     ``qk_norm`` (not in the paper; ModelConfig.qk_norm) RMS-normalises every head's query
     and key before the product, so no logit exceeds sqrt(d_k) times the learnt gains.
+    ``whole_query`` (ModelConfig.qk_norm_cross_query "whole") normalises the query over all
+    of d_model at once instead, before it is split into heads, as CTranslate2 computes
+    encoder-decoder attention: the heads' queries share one scale, the logits stay bounded.
     """
 
     def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, cross: bool = False,
-                 qk_norm: bool = False):
+                 qk_norm: bool = False, whole_query: bool = False):
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
@@ -122,8 +125,12 @@ class MultiHeadAttention(nn.Module):
         else:
             self.qkv_proj = nn.Linear(d_model, 3 * d_model)
         self.out_proj = nn.Linear(d_model, d_model)
-        # QK-norm (ModelConfig.qk_norm): q_i / rms(q_i) * g, the same for k, per head.
-        self.q_norm = HeadNorm(self.d_k) if qk_norm else nn.Identity()
+        # QK-norm (ModelConfig.qk_norm): q_i / rms(q_i) * g, the same for k, per head; with
+        # whole_query, q / rms(q) * g over the d_model features of all heads together.
+        if whole_query and not (cross and qk_norm):
+            raise ValueError("whole_query is a QK-norm of cross-attention: it needs cross and qk_norm")
+        self.whole_query = whole_query
+        self.q_norm = HeadNorm(d_model if whole_query else self.d_k) if qk_norm else nn.Identity()
         self.k_norm = HeadNorm(self.d_k) if qk_norm else nn.Identity()
         self.record_weights = False  # set by capture_attention(): keep the last weights
         self.last_weights: Tensor | None = None
@@ -143,7 +150,8 @@ class MultiHeadAttention(nn.Module):
         the new K/V to it; cross-attention fills it once from ``memory`` and reuses it.
         """
         if self.cross:
-            q = self.q_norm(self._heads(self.q_proj(x)))
+            q = self.q_proj(x)
+            q = self._heads(self.q_norm(q)) if self.whole_query else self.q_norm(self._heads(q))
             if cache is not None and "k" in cache:
                 k, v = cache["k"], cache["v"]  # memory's K/V, computed at the first step
             elif memory is None:
@@ -270,7 +278,9 @@ class DecoderLayer(nn.Module):
                                             qk_norm=cfg.qk_norm)
         self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout,
                                              cross=True,
-                                             qk_norm=cfg.qk_norm and cfg.qk_norm_cross)
+                                             qk_norm=cfg.qk_norm and cfg.qk_norm_cross,
+                                             whole_query=cfg.qk_norm and cfg.qk_norm_cross
+                                             and cfg.qk_norm_cross_query == "whole")
         self.feed_forward = FeedForward(cfg.d_model, cfg.d_ff)
         self.sublayer1 = SublayerConnection(cfg.d_model, dropout_rate(cfg), cfg.norm_first)
         self.sublayer2 = SublayerConnection(cfg.d_model, dropout_rate(cfg), cfg.norm_first)

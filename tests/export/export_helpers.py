@@ -36,7 +36,7 @@ TEXTS = ["¡Hola, señor! ¿Cómo estás?", "The Lord is my shepherd.", "red gre
 
 def random_run(root: Path, name: str, tie: str = "all", norm_first: bool = False,
                joint: bool = True, qk_norm: bool = False, output_vocab: str = "all",
-               qk_norm_cross: bool = True) -> Path:
+               qk_norm_cross: bool = True, qk_norm_cross_query: str = "heads") -> Path:
     """A run directory holding a random model (every parameter perturbed) and a BPE
     tokenizer over sentences with punctuation and accents."""
     pairs = [(s, s[::-1]) for s in TEXTS] * 4
@@ -46,7 +46,8 @@ def random_run(root: Path, name: str, tie: str = "all", norm_first: bool = False
                       tgt_vocab_size=tokenizers.tgt_vocab_size, d_model=32, n_heads=4,
                       d_ff=48, n_encoder_layers=2, n_decoder_layers=1, dropout=0.1,
                       max_len=64, tie_embeddings=tie, norm_first=norm_first, qk_norm=qk_norm,
-                      qk_norm_cross=qk_norm_cross, output_vocab=output_vocab)
+                      qk_norm_cross=qk_norm_cross, qk_norm_cross_query=qk_norm_cross_query,
+                      output_vocab=output_vocab)
     torch.manual_seed(0)
     model = Transformer(cfg)
     with torch.no_grad():
@@ -105,7 +106,8 @@ def preset_switches(path: Path) -> dict:
     """The architecture switches of a preset in configs/, for a tiny model built alike."""
     cfg = load_config(path).model
     return {"tie": cfg.tie_embeddings, "norm_first": cfg.norm_first, "qk_norm": cfg.qk_norm,
-            "qk_norm_cross": cfg.qk_norm_cross, "output_vocab": cfg.output_vocab}
+            "qk_norm_cross": cfg.qk_norm_cross, "qk_norm_cross_query": cfg.qk_norm_cross_query,
+            "output_vocab": cfg.output_vocab}
 
 
 PRESETS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))

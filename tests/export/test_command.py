@@ -98,8 +98,8 @@ def test_a_qk_norm_run_is_refused_for_ctranslate2_in_one_line(tmp_path, capsys):
     (run / "best.safetensors").unlink()  # the refusal comes from config.yaml alone
     code, _, err = run_cli(["export", str(run), "--to", "ctranslate2", str(tmp_path / "out")],
                            capsys)
-    assert one_line_error(code, err, "model.qk_norm_cross: true", "--to ctranslate2",
-                          "each head", "--set model.qk_norm_cross=false")
+    assert one_line_error(code, err, "model.qk_norm_cross_query: heads", "--to ctranslate2",
+                          "each head", "--set model.qk_norm_cross_query=whole")
     assert not (tmp_path / "out").exists()
 
 

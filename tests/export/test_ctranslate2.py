@@ -55,13 +55,15 @@ def assert_ct2_log_probs_are_aiayns(run: Path, ct2_dir: Path) -> None:
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
 def test_every_presets_architecture_leaves_for_ctranslate2_exactly_or_is_refused(tmp_path,
                                                                                  capsys, preset):
-    """The same log-probabilities (float32), or, for QK-norm, a one-line refusal."""
+    """The same log-probabilities (float32), or, for a per-head QK-norm of cross-attention's
+    query, a one-line refusal."""
     switches = preset_switches(preset)
     run = random_run(tmp_path, "run", **switches)
     code, _, err = run_cli(["export", str(run), "--to", "ctranslate2", str(tmp_path / "ct2")],
                            capsys)
-    if switches["qk_norm"] and switches["qk_norm_cross"]:
-        assert one_line_error(code, err, "model.qk_norm_cross: true")
+    if switches["qk_norm"] and switches["qk_norm_cross"] \
+            and switches["qk_norm_cross_query"] == "heads":
+        assert one_line_error(code, err, "model.qk_norm_cross_query: heads")
         return
     assert code == 0
     assert_ct2_log_probs_are_aiayns(run, tmp_path / "ct2")
@@ -89,13 +91,15 @@ def test_a_restricted_output_layer_leaves_for_ctranslate2_as_a_bias(tmp_path, qu
 
 
 @needs_ct2
-@pytest.mark.parametrize("tie, norm_first, qk_norm", [
-    ("all", False, False), ("decoder", False, False), ("none", False, False),
-    ("all", True, False), ("all", True, True)])  # the last: QK-norm in self-attention only
+@pytest.mark.parametrize("tie, norm_first, qk_norm, cross", [
+    ("all", False, False, None), ("decoder", False, False, None), ("none", False, False, None),
+    ("all", True, False, None),
+    ("all", True, True, None),  # QK-norm in self-attention only
+    ("all", True, True, "whole"), ("none", False, True, "whole")])  # and the whole cross query
 def test_the_ctranslate2_model_gives_aiayn_log_probabilities(tmp_path, tie, norm_first,
-                                                             qk_norm):
+                                                             qk_norm, cross):
     run = random_run(tmp_path, "run", tie=tie, norm_first=norm_first, qk_norm=qk_norm,
-                     qk_norm_cross=False)
+                     qk_norm_cross=cross is not None, qk_norm_cross_query=cross or "heads")
     export_run(run, "ctranslate2", tmp_path / "ct2")
     assert_ct2_log_probs_are_aiayns(run, tmp_path / "ct2")
 

@@ -162,11 +162,13 @@ def test_capture_attention_records_every_layer_with_queries_as_rows():
 
 
 # ----------------------------------------------------------------- incremental decoding
-@pytest.mark.parametrize("norm_first, qk_norm", [(False, False), (True, False), (True, True)],
-                         ids=["post-norm", "pre-norm", "pre-norm+qk-norm"])
-def test_incremental_decoding_equals_full_forward(norm_first, qk_norm):
+@pytest.mark.parametrize("norm_first, qk_norm, cross_query",
+                         [(False, False, "heads"), (True, False, "heads"), (True, True, "heads"),
+                          (True, True, "whole")],
+                         ids=["post-norm", "pre-norm", "pre-norm+qk-norm", "whole-cross-query"])
+def test_incremental_decoding_equals_full_forward(norm_first, qk_norm, cross_query):
     torch.manual_seed(6)
-    cfg = tiny(norm_first=norm_first, qk_norm=qk_norm)
+    cfg = tiny(norm_first=norm_first, qk_norm=qk_norm, qk_norm_cross_query=cross_query)
     model = Transformer(cfg).eval()
     src, tgt = random_batch(cfg, [8, 5], [7, 7])
     with torch.no_grad():
@@ -180,14 +182,16 @@ def test_incremental_decoding_equals_full_forward(norm_first, qk_norm):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("cross", [False, True], ids=["self", "cross"])
-def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys(cross):
+@pytest.mark.parametrize("cross, whole", [(False, False), (True, False), (True, True)],
+                         ids=["self", "cross", "cross-whole-query"])
+def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys(cross, whole):
     """softmax(norm(q) norm(k)^T / sqrt(d_k)): scaling W_Q and W_K (and their biases) by 50
     changes nothing with QK-norm, and changes the attention weights without it."""
     torch.manual_seed(11)
     x, memory = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
     for qk_norm in (True, False):
-        mha = MultiHeadAttention(32, 4, cross=cross, qk_norm=qk_norm).eval()
+        mha = MultiHeadAttention(32, 4, cross=cross, qk_norm=qk_norm,
+                                 whole_query=whole and qk_norm).eval()
         with torch.no_grad():
             before = mha(x, memory if cross else None, need_weights=True)[1]
             if cross:
@@ -202,6 +206,31 @@ def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys(cross):
             torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-4)
         else:
             assert (after - before).abs().max() > 0.1
+
+
+def test_a_whole_query_norm_is_one_rms_over_every_head_and_per_head_is_not():
+    """qk_norm_cross_query "whole": q / rms(q) * g over all d_model features, then the heads
+    (as CTranslate2's encoder-decoder attention); "heads" normalises each head alone. A query
+    whose heads differ in scale tells the two apart."""
+    torch.manual_seed(12)
+    x = torch.randn(1, 3, 32)
+    whole = MultiHeadAttention(32, 4, cross=True, qk_norm=True, whole_query=True).eval()
+    heads = MultiHeadAttention(32, 4, cross=True, qk_norm=True).eval()
+    assert whole.q_norm.weight.shape == (32,) and heads.q_norm.weight.shape == (8,)
+    with torch.no_grad():
+        heads.q_proj.load_state_dict(whole.q_proj.state_dict())
+        whole.q_norm.weight.copy_(torch.rand(32) + 0.5)
+        heads.q_norm.weight.copy_(whole.q_norm.weight[:8])
+        whole.q_proj.weight[:8].mul_(10.0)  # the first head's query ten times the others'
+        heads.q_proj.weight[:8].mul_(10.0)
+        q = whole.q_proj(x)
+        expected = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + 1e-5) * whole.q_norm.weight
+        got = whole._heads(whole.q_norm(q))
+        torch.testing.assert_close(got, whole._heads(expected))
+        per_head = heads.q_norm(heads._heads(heads.q_proj(x)))
+        assert (per_head - got).abs().max() > 0.1
+    with pytest.raises(ValueError, match="whole_query"):
+        MultiHeadAttention(32, 4, qk_norm=True, whole_query=True)
 
 
 def test_cache_prefill_of_several_tokens_then_single_steps():

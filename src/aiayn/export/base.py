@@ -128,15 +128,18 @@ def write_aiayn_side(config: Config, run_dir: Path, out: Path) -> None:
 def check_target_can_express(cfg: ModelConfig, to: str, where: str) -> None:
     """Refuse what ``to`` cannot compute exactly. Transformers takes every model (Marian, or
     aiayn's own code); CTranslate2 (4.8) RMS-normalises the query of encoder-decoder
-    attention over all of d_model, not per head as aiayn's QK-norm does (its self-attention
-    and the keys it normalises per head, as aiayn)."""
-    if to == "ctranslate2" and cfg.qk_norm and cfg.qk_norm_cross:
+    attention over all of d_model, not per head (its self-attention and the keys it
+    normalises per head, as aiayn), so it takes QK-norm there only with
+    model.qk_norm_cross_query "whole", which computes the same."""
+    if to == "ctranslate2" and cfg.qk_norm and cfg.qk_norm_cross \
+            and cfg.qk_norm_cross_query != "whole":
         raise AiaynError(
-            f"{where}: a model with QK-norm in encoder-decoder attention (model.qk_norm: true, "
-            "model.qk_norm_cross: true) cannot be exported --to ctranslate2 (CTranslate2 4.8 "
-            "normalises the whole query of that attention, not each head, so its translations "
-            "would differ); export it --to hf, translate it with aiayn itself, or train with "
-            "--set model.qk_norm_cross=false (QK-norm in self-attention only)")
+            f"{where}: a model with QK-norm of each head's query in encoder-decoder attention "
+            f"(model.qk_norm_cross_query: {cfg.qk_norm_cross_query}) cannot be exported --to "
+            "ctranslate2 (CTranslate2 4.8 normalises the whole query of that attention, not "
+            "each head, so its translations would differ); export it --to hf, translate it "
+            "with aiayn itself, or train with --set model.qk_norm_cross_query=whole (as "
+            "CTranslate2 computes it)")
 
 
 def output_bias(model: Transformer) -> Tensor | None:

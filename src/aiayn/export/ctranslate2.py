@@ -38,11 +38,13 @@ def ctranslate2_spec(model: Transformer, tokenizers: Tokenizers):
     def norm(spec_, ln) -> None:
         spec_.gamma, spec_.beta = array(ln.weight), array(ln.bias)
 
-    def head_norms(attention_spec, attention) -> None:
-        """QK-norm of self-attention: per head, RMS, a d_k gain, as aiayn's HeadNorm."""
-        if cfg.qk_norm:
-            attention_spec.q_norm.gamma = array(attention.q_norm.weight)
-            attention_spec.k_norm.gamma = array(attention.k_norm.weight)
+    def qk_norms(attention_spec, attention) -> None:
+        """QK-norm: RMS with a learnt gain, as aiayn's HeadNorm. CTranslate2 normalises keys
+        per head (a d_k gain), and queries per head in self-attention but over all of d_model
+        in encoder-decoder attention: aiayn's qk_norm_cross_query "whole", whose gain is d_model
+        long (check_target_can_express refuses "heads" there)."""
+        attention_spec.q_norm.gamma = array(attention.q_norm.weight)
+        attention_spec.k_norm.gamma = array(attention.k_norm.weight)
 
     # CTranslate2 takes the positional table itself: aiayn's interleaved one, unpermuted.
     # Its translate_batch reads up to 1024 source and 256 target positions by default; the
@@ -59,7 +61,8 @@ def ctranslate2_spec(model: Transformer, tokenizers: Tokenizers):
         linear(layer_spec.self_attention.linear[0], layer.self_attn.qkv_proj)  # fused [Q; K; V]
         linear(layer_spec.self_attention.linear[1], layer.self_attn.out_proj)
         norm(layer_spec.self_attention.layer_norm, layer.sublayer1.norm)
-        head_norms(layer_spec.self_attention, layer.self_attn)
+        if cfg.qk_norm:
+            qk_norms(layer_spec.self_attention, layer.self_attn)
         linear(layer_spec.ffn.linear_0, layer.feed_forward.linear1)
         linear(layer_spec.ffn.linear_1, layer.feed_forward.linear2)
         norm(layer_spec.ffn.layer_norm, layer.sublayer2.norm)
@@ -67,8 +70,11 @@ def ctranslate2_spec(model: Transformer, tokenizers: Tokenizers):
         linear(layer_spec.self_attention.linear[0], layer.self_attn.qkv_proj)
         linear(layer_spec.self_attention.linear[1], layer.self_attn.out_proj)
         norm(layer_spec.self_attention.layer_norm, layer.sublayer1.norm)
-        head_norms(layer_spec.self_attention, layer.self_attn)
-        if cfg.qk_norm:  # none in encoder-decoder attention (check_target_can_express)
+        if cfg.qk_norm:
+            qk_norms(layer_spec.self_attention, layer.self_attn)
+        if cfg.qk_norm and cfg.qk_norm_cross:
+            qk_norms(layer_spec.attention, layer.cross_attn)
+        elif cfg.qk_norm:  # QK-norm in self-attention only
             del layer_spec.attention.q_norm, layer_spec.attention.k_norm
         linear(layer_spec.attention.linear[0], layer.cross_attn.q_proj)
         linear(layer_spec.attention.linear[1], layer.cross_attn.kv_proj)  # fused [K; V]

@@ -41,7 +41,8 @@ def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 # metadata with the sizes, and checked against the config on load.
 ARCHITECTURE = ("src_vocab_size", "tgt_vocab_size", "d_model", "n_heads", "d_ff",
                 "n_encoder_layers", "n_decoder_layers", "max_len", "norm_first",
-                "qk_norm", "qk_norm_cross", "output_vocab", "tie_embeddings", "pad_id")
+                "qk_norm", "qk_norm_cross", "qk_norm_cross_query", "output_vocab",
+                "tie_embeddings", "pad_id")
 ARCHITECTURE_KEY = "aiayn_architecture"
 
 
