@@ -3,10 +3,10 @@ CTranslate2 (float32, int8).
 
     python benchmarks/engines.py --run-dir RUN --repeats 3   # beam 4, alpha 0.6, 2 threads
 
-RUN must export to CTranslate2: a model with QK-norm in encoder-decoder attention (the
-demo's) does not (the engine normalises those queries over all of d_model, not per head),
-so train it with ``--set model.qk_norm_cross=false`` (QK-norm in self-attention only); a
-restricted output layer exports as a bias.
+RUN must export to CTranslate2, as the demo's does: a model whose encoder-decoder attention
+normalises each head's query alone (``model.qk_norm_cross_query: heads``) does not (the
+engine normalises that query over all of d_model); a restricted output layer exports as a
+bias.
 
 The run is exported twice with `aiayn.export.command.export_run` (CTranslate2 float32 and int8)
 into a temporary directory. Each engine then translates the same sentences through the same

@@ -16,9 +16,9 @@ aiayn, whose floor is 0.8x:
 - ``aiayn, 1 thread``: one stream of one thread;
 - ``aiayn, 2 streams x 1 thread``: aiayn's default (``aiayn.util.threads.parallel_map``);
 - ``CTranslate2 float32``: the run exported (``aiayn.export``), 2 intra-op threads, decoded
-  through the same Translator (only the search differs). The run must export: a model with
-  QK-norm in encoder-decoder attention (the demo's) does not, so train one with
-  ``--set model.qk_norm_cross=false`` or pass --no-ct2.
+  through the same Translator (only the search differs). The run must export, as the
+  demo's does: a model with ``model.qk_norm_cross_query: heads`` does not, so pass --no-ct2
+  for one.
 
 Every contender goes through ``aiayn.evaluation.evaluate.translate_and_score``; the script checks that
 aiayn's three settings translate every sentence the same.
