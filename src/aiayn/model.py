@@ -85,11 +85,11 @@ class PositionalEncoding(nn.Module):
 
 
 class HeadNorm(nn.RMSNorm):
-    """x / rms(x) * g over each head's d_k features (QK-norm), in fp32 and back to x's dtype:
-    under bf16 autocast RMSNorm's fused kernel needs input and gain of one dtype."""
+    """x / rms(x) * g over the last dim (QK-norm: a head's d_k, or a whole query's d_model), in fp32
+    and back to x's dtype: under bf16 autocast RMSNorm's fused kernel needs input and gain of one dtype."""
 
-    def __init__(self, d_k: int):
-        super().__init__(d_k, eps=1e-5)
+    def __init__(self, features: int):
+        super().__init__(features, eps=1e-5)
 
     def forward(self, x: Tensor) -> Tensor:
         return super().forward(x.float()).to(x.dtype)
@@ -107,9 +107,6 @@ class MultiHeadAttention(nn.Module):
 
     ``qk_norm`` (not in the paper; ModelConfig.qk_norm) RMS-normalises every head's query
     and key before the product, so no logit exceeds sqrt(d_k) times the learnt gains.
-    ``whole_query`` (ModelConfig.qk_norm_cross_query "whole") normalises the query over all
-    of d_model at once instead, before it is split into heads, as CTranslate2 computes
-    encoder-decoder attention: the heads' queries share one scale, the logits stay bounded.
     """
 
     def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0, cross: bool = False,
@@ -125,12 +122,10 @@ class MultiHeadAttention(nn.Module):
         else:
             self.qkv_proj = nn.Linear(d_model, 3 * d_model)
         self.out_proj = nn.Linear(d_model, d_model)
-        # QK-norm (ModelConfig.qk_norm): q_i / rms(q_i) * g, the same for k, per head; with
-        # whole_query, q / rms(q) * g over the d_model features of all heads together.
-        if whole_query and not (cross and qk_norm):
-            raise ValueError("whole_query is a QK-norm of cross-attention: it needs cross and qk_norm")
-        self.whole_query = whole_query
-        self.q_norm = HeadNorm(d_model if whole_query else self.d_k) if qk_norm else nn.Identity()
+        # QK-norm (ModelConfig.qk_norm): q_i / rms(q_i) * g, the same for k, per head. whole_query
+        # (cross only; qk_norm_cross_query): q / rms(q) * g over all d_model at once, as CTranslate2.
+        self.whole_query = whole_query and cross
+        self.q_norm = HeadNorm(d_model if self.whole_query else self.d_k) if qk_norm else nn.Identity()
         self.k_norm = HeadNorm(self.d_k) if qk_norm else nn.Identity()
         self.record_weights = False  # set by capture_attention(): keep the last weights
         self.last_weights: Tensor | None = None
@@ -172,8 +167,7 @@ class MultiHeadAttention(nn.Module):
             if self.record_weights:
                 self.last_weights = weights.detach()
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p,
-                                                 is_causal=is_causal)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
             weights = None
         B, _, T, _ = out.shape
         out = self.out_proj(out.transpose(1, 2).reshape(B, T, self.d_model))  # Concat(...) W^O
@@ -277,10 +271,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout,
                                             qk_norm=cfg.qk_norm)
         self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout,
-                                             cross=True,
-                                             qk_norm=cfg.qk_norm and cfg.qk_norm_cross,
-                                             whole_query=cfg.qk_norm and cfg.qk_norm_cross
-                                             and cfg.qk_norm_cross_query == "whole")
+                                             cross=True, qk_norm=cfg.qk_norm and cfg.qk_norm_cross,
+                                             whole_query=cfg.qk_norm_cross_query == "whole")
         self.feed_forward = FeedForward(cfg.d_model, cfg.d_ff)
         self.sublayer1 = SublayerConnection(cfg.d_model, dropout_rate(cfg), cfg.norm_first)
         self.sublayer2 = SublayerConnection(cfg.d_model, dropout_rate(cfg), cfg.norm_first)
@@ -292,8 +284,7 @@ class DecoderLayer(nn.Module):
         self_cache, cross_cache = (None, None) if cache is None else (cache["self"], cache["cross"])
         x = self.sublayer1(x, lambda h: self.self_attn(h, mask=self_mask, is_causal=is_causal,
                                                        cache=self_cache))
-        x = self.sublayer2(x, lambda h: self.cross_attn(h, memory, mask=src_mask,
-                                                        cache=cross_cache))
+        x = self.sublayer2(x, lambda h: self.cross_attn(h, memory, mask=src_mask, cache=cross_cache))
         return self.sublayer3(x, self.feed_forward)
 
 
@@ -423,8 +414,7 @@ class Transformer(nn.Module):
         self.tgt_pos = PositionalEncoding(cfg.d_model, cfg.max_len, dropout_rate(cfg))
         self.encoder = Encoder(cfg)
         self.decoder = Decoder(cfg)
-        self.generator = Generator(cfg.d_model, cfg.tgt_vocab_size,
-                                   restricted=cfg.output_vocab == "targets")
+        self.generator = Generator(cfg.d_model, cfg.tgt_vocab_size, restricted=cfg.output_vocab == "targets")
         self.reset_parameters()
         self.tie_weights()
 

@@ -229,8 +229,8 @@ def test_a_whole_query_norm_is_one_rms_over_every_head_and_per_head_is_not():
         torch.testing.assert_close(got, whole._heads(expected))
         per_head = heads.q_norm(heads._heads(heads.q_proj(x)))
         assert (per_head - got).abs().max() > 0.1
-    with pytest.raises(ValueError, match="whole_query"):
-        MultiHeadAttention(32, 4, qk_norm=True, whole_query=True)
+    # Self-attention's query stays per head: whole_query is a setting of cross-attention.
+    assert MultiHeadAttention(32, 4, qk_norm=True, whole_query=True).q_norm.weight.shape == (8,)
 
 
 def test_cache_prefill_of_several_tokens_then_single_steps():
