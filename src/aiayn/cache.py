@@ -17,7 +17,9 @@ class KVCache:
 
     ``layers[i]["self"]`` holds the self-attention K/V of all positions decoded so far,
     (B, H, t, d_k), grown by one position per step; ``layers[i]["cross"]`` holds the K/V
-    of the encoder memory, (B, H, S, d_k), computed at the first step and reused.
+    of the encoder memory, (B', H, S, d_k), computed at the first step and reused. A beam
+    search keeps those once per sentence (B' = B / beam: its beams share one memory, and
+    their queries are folded onto it, ``fold_beams``); every other search once per row.
 
     ``start`` (None unless rows joined, see ``join``): (B,) the column where each row's
     target begins. The columns before it are padding that its self-attention never sees,
@@ -54,29 +56,31 @@ class KVCache:
         return mask & (keys >= self.start[:, None])[:, None, None, :]
 
     def reorder(self, index: Tensor, kinds: tuple[str, ...] = ("self", "cross")) -> None:
-        """Keep rows ``index`` of the cached tensors of ``kinds`` (beam search: follow the
-        chosen beams; a reorder within sentences leaves the cross-attention K/V as they are)."""
+        """Keep rows ``index`` of the cached tensors of ``kinds`` (beam search: the
+        self-attention K/V follow the chosen beams, the cross-attention K/V of a sentence's
+        beams the sentence)."""
         for layer in self.layers:
             for kind in kinds:
                 if "k" in layer[kind]:
                     _select_rows(layer[kind], index, room=int(kind == "self"))
-        if self.start is not None:
+        if self.start is not None and "self" in kinds:
             self.start = self.start.index_select(0, index)
 
-    def join(self, other: KVCache) -> None:
+    def join(self, other: KVCache, copies: int = 1) -> None:
         """Append the rows of ``other``, whose cross-attention K/V are filled and which has
-        decoded nothing yet (sentences joining a running search at its next step). Their
+        decoded nothing yet (sentences joining a running search at its next step), each
+        memory row the memory of ``copies`` decoder rows (a sentence's beams). Their
         self-attention columns so far are zeros and masked (``start``); cross-attention K/V
         of other source lengths are zero-padded on the right (the caller's source padding
         mask hides them)."""
         if other.length:
             raise ValueError("only a cache that has decoded nothing can join another")
         joining = other.layers[0]["cross"]["k"]
-        n, device = joining.size(0), joining.device
+        n, device = joining.size(0) * copies, joining.device
         if self.start is None:  # rows of its own so far all began at column 0
             rows = self.layers[0]["cross"].get("k")
-            self.start = torch.zeros(0 if rows is None else rows.size(0), dtype=torch.long,
-                                     device=device)
+            self.start = torch.zeros(0 if rows is None else rows.size(0) * copies,
+                                     dtype=torch.long, device=device)
         self.start = torch.cat([self.start, torch.full((n,), self.length, dtype=torch.long,
                                                        device=device)])
         for mine, theirs in zip(self.layers, other.layers, strict=True):
@@ -110,6 +114,24 @@ class KVCache:
                 cache["buffers"] = tuple(b[:, :, columns:] for b in cache["buffers"])
         self.length -= columns
         self.start = self.start - columns
+
+
+def fold_beams(q: Tensor, sentences: int) -> Tensor:
+    """(sentences * g, H, T, d_k) queries, g sentence-major rows per sentence, as (sentences,
+    H, g * T, d_k): cross-attention then reads each sentence's memory K/V once for all its
+    beams rather than once per beam (a beam step's largest memory traffic)."""
+    n, H, T, d = q.shape
+    if n % sentences:
+        raise ValueError(f"{n} query rows cannot share the memory of {sentences} sentences")
+    return q.view(sentences, n // sentences, H, T, d).transpose(1, 2).reshape(sentences, H, -1, d)
+
+
+def unfold_beams(x: Tensor, rows: int) -> Tensor:
+    """``fold_beams`` undone on what attention made of the folded queries: (sentences, H,
+    g * T, e) -> (rows, H, T, e)."""
+    sentences, H, gT, e = x.shape
+    g = rows // sentences
+    return x.view(sentences, H, g, gT // g, e).transpose(1, 2).reshape(rows, H, gT // g, e)
 
 
 def append_positions(cache: dict, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

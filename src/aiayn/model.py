@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .cache import KVCache, append_positions
+from .cache import KVCache, append_positions, fold_beams, unfold_beams
 from .loss import label_smoothed_loss
 
 # The output layer's product x W^T + b: F.linear, or another with the same values up to
@@ -67,8 +67,7 @@ class PositionalEncoding(nn.Module):
 
     def __init__(self, d_model: int, max_len: int, dropout: float):
         super().__init__()
-        self.max_len = max_len
-        self.dropout = nn.Dropout(dropout)
+        self.max_len, self.dropout = max_len, nn.Dropout(dropout)
         # Not persistent: it is a formula, not a weight, so checkpoints stay free of it.
         self.register_buffer("table", sinusoid_table(max_len, d_model), persistent=False)
 
@@ -161,14 +160,19 @@ class MultiHeadAttention(nn.Module):
             if cache is not None:  # K/V of earlier positions, grown one step at a time
                 k, v = append_positions(cache, k, v)
 
-        p = self.dropout if self.training else 0.0
+        p, rows = self.dropout if self.training else 0.0, q.size(0)
+        if rows != k.size(0):  # a beam search's beams share their sentence's memory (cache.py)
+            q = fold_beams(q, k.size(0))
         if need_weights or self.record_weights or explicit_is_faster(q, k):
             out, weights = explicit_attention(q, k, v, mask, is_causal, p)
-            if self.record_weights:
-                self.last_weights = weights.detach()
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
             weights = None
+        if rows != out.size(0):
+            out = unfold_beams(out, rows)
+            weights = None if weights is None else unfold_beams(weights, rows)
+        if self.record_weights:
+            self.last_weights = weights.detach()
         B, _, T, _ = out.shape
         out = self.out_proj(out.transpose(1, 2).reshape(B, T, self.d_model))  # Concat(...) W^O
         return (out, weights) if need_weights else out
@@ -237,9 +241,7 @@ class SublayerConnection(nn.Module):
 
     def __init__(self, d_model: int, dropout: float, norm_first: bool):
         super().__init__()
-        self.norm = nn.LayerNorm(d_model)
-        self.dropout = nn.Dropout(dropout)
-        self.norm_first = norm_first
+        self.norm, self.dropout, self.norm_first = nn.LayerNorm(d_model), nn.Dropout(dropout), norm_first
 
     def forward(self, x: Tensor, sublayer) -> Tensor:
         if self.norm_first:
@@ -255,8 +257,8 @@ class EncoderLayer(nn.Module):
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attention_dropout,
                                             qk_norm=cfg.qk_norm)
         self.feed_forward = FeedForward(cfg.d_model, cfg.d_ff)
-        self.sublayer1 = SublayerConnection(cfg.d_model, dropout_rate(cfg), cfg.norm_first)
-        self.sublayer2 = SublayerConnection(cfg.d_model, dropout_rate(cfg), cfg.norm_first)
+        self.sublayer1, self.sublayer2 = (
+            SublayerConnection(cfg.d_model, dropout_rate(cfg), cfg.norm_first) for _ in range(2))
 
     def forward(self, x: Tensor, src_mask: Tensor | None) -> Tensor:
         x = self.sublayer1(x, lambda h: self.self_attn(h, mask=src_mask))
@@ -274,13 +276,11 @@ class DecoderLayer(nn.Module):
                                              cross=True, qk_norm=cfg.qk_norm and cfg.qk_norm_cross,
                                              whole_query=cfg.qk_norm_cross_query == "whole")
         self.feed_forward = FeedForward(cfg.d_model, cfg.d_ff)
-        self.sublayer1 = SublayerConnection(cfg.d_model, dropout_rate(cfg), cfg.norm_first)
-        self.sublayer2 = SublayerConnection(cfg.d_model, dropout_rate(cfg), cfg.norm_first)
-        self.sublayer3 = SublayerConnection(cfg.d_model, dropout_rate(cfg), cfg.norm_first)
+        self.sublayer1, self.sublayer2, self.sublayer3 = (
+            SublayerConnection(cfg.d_model, dropout_rate(cfg), cfg.norm_first) for _ in range(3))
 
-    def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor | None,
-                self_mask: Tensor | None, is_causal: bool,
-                cache: dict[str, dict[str, Tensor]] | None = None) -> Tensor:
+    def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor | None, self_mask: Tensor | None,
+                is_causal: bool, cache: dict[str, dict[str, Tensor]] | None = None) -> Tensor:
         self_cache, cross_cache = (None, None) if cache is None else (cache["self"], cache["cross"])
         x = self.sublayer1(x, lambda h: self.self_attn(h, mask=self_mask, is_causal=is_causal,
                                                        cache=self_cache))
@@ -412,8 +412,7 @@ class Transformer(nn.Module):
         self.tgt_embed = TokenEmbedding(cfg.tgt_vocab_size, cfg.d_model)
         self.src_pos = PositionalEncoding(cfg.d_model, cfg.max_len, dropout_rate(cfg))
         self.tgt_pos = PositionalEncoding(cfg.d_model, cfg.max_len, dropout_rate(cfg))
-        self.encoder = Encoder(cfg)
-        self.decoder = Decoder(cfg)
+        self.encoder, self.decoder = Encoder(cfg), Decoder(cfg)
         self.generator = Generator(cfg.d_model, cfg.tgt_vocab_size, restricted=cfg.output_vocab == "targets")
         self.reset_parameters()
         self.tie_weights()
@@ -463,7 +462,8 @@ class Transformer(nn.Module):
 
     def decode(self, tgt: Tensor, memory: Tensor, src_pad: Tensor,
                cache: KVCache | None = None) -> Tensor:
-        """(B, T) target ids (only the new ones when a cache holds the prefix) -> (B, T, d)."""
+        """(B, T) target ids (only the new ones when a cache holds the prefix) -> (B, T, d).
+        memory (B', S, d), src_pad (B', S): B' = B, or B / beam for a beam's sentence-major rows."""
         self._check_ids(tgt, "tgt")
         offset = cache.positions() if cache is not None else 0
         x = self.tgt_pos(self.tgt_embed(tgt), offset=offset)

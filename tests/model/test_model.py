@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from aiayn.cache import KVCache, append_positions
+from aiayn.cache import KVCache, append_positions, fold_beams, unfold_beams
 from aiayn.config import Config, ModelConfig, load_config
 from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from aiayn.errors import AiaynError
@@ -247,6 +247,62 @@ def test_cache_prefill_of_several_tokens_then_single_steps():
         middle = model.generator(model.decode(tgt[:, 3:6], memory, src_pad, cache))
         last = model.generator(model.decode(tgt[:, 6:], memory, src_pad, cache))
     torch.testing.assert_close(torch.cat([first, middle, last], 1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("qk_norm, cross_query", [(False, "heads"), (True, "whole")],
+                         ids=["plain", "qk-norm-whole-query"])
+def test_beams_that_share_their_sentence_memory_decode_as_rows_with_their_own_copy(qk_norm, cross_query):
+    """A beam search keeps the memory and its cross-attention K/V once per sentence and folds
+    the beams' queries onto it: with the cache, without it (the whole prefix each step), and
+    with the weights recorded (attention pictures), every row gets what it gets from a
+    memory repeated for each of its rows, and the shared K/V follow sentences, not beams."""
+    torch.manual_seed(13)
+    cfg = tiny(qk_norm=qk_norm, qk_norm_cross_query=cross_query)
+    model = Transformer(cfg).eval()
+    K = 3
+    src, _ = random_batch(cfg, [8, 5], [2, 2])
+    tgt = torch.randint(4, cfg.tgt_vocab_size, (2 * K, 6))
+    tgt[:, 0] = BOS_ID
+    order = torch.tensor([2, 0, 0, 4, 5, 3])  # beams change parents within their sentence
+    with torch.no_grad():
+        src_pad = model.src_pad_mask(src)
+        memory = model.encode(src, src_pad)
+        rows_pad, rows_memory = src_pad.repeat_interleave(K, 0), memory.repeat_interleave(K, 0)
+        full = model.decode(tgt, rows_memory, rows_pad)
+        torch.testing.assert_close(model.decode(tgt, memory, src_pad), full, atol=1e-5, rtol=1e-5)
+        with capture_attention(model) as maps_rows:
+            model.decode(tgt, rows_memory, rows_pad)
+        with capture_attention(model) as maps_shared:
+            model.decode(tgt, memory, src_pad)
+        for a, b in zip(maps_shared["cross"], maps_rows["cross"], strict=True):
+            assert a.shape == b.shape == (2 * K, cfg.n_heads, tgt.size(1), src.size(1))
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        caches = {"shared": model.new_cache(), "rows": model.new_cache()}
+        for t in range(tgt.size(1)):
+            new = tgt[:, t:t + 1]
+            stepped = {"shared": model.decode(new, memory, src_pad, caches["shared"]),
+                       "rows": model.decode(new, rows_memory, rows_pad, caches["rows"])}
+            torch.testing.assert_close(stepped["shared"], stepped["rows"], atol=1e-5, rtol=1e-5)
+            for cache in caches.values():
+                cache.reorder(order, kinds=("self",))
+        assert caches["shared"].layers[0]["cross"]["k"].size(0) == 2  # one per sentence
+        caches["shared"].reorder(torch.tensor([1]), kinds=("cross",))  # sentence 0 leaves
+        caches["shared"].reorder(torch.tensor([3, 4, 5]), kinds=("self",))
+        caches["rows"].reorder(torch.tensor([3, 4, 5]))
+        last = tgt[3:, -1:]
+        torch.testing.assert_close(model.decode(last, memory[1:], src_pad[1:], caches["shared"]),
+                                   model.decode(last, rows_memory[3:], rows_pad[3:], caches["rows"]),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_folding_beams_onto_their_sentences_is_undone_exactly():
+    q = torch.randn(6, 4, 2, 5)  # 2 sentences x 3 beams, 4 heads, 2 queries
+    folded = fold_beams(q, 2)
+    assert folded.shape == (2, 4, 6, 5)
+    torch.testing.assert_close(folded[1, :, 2:4], q[4], rtol=0, atol=0)  # beam 1 of sentence 1
+    assert torch.equal(unfold_beams(folded, 6), q)
+    with pytest.raises(ValueError, match="cannot share the memory of 4 sentences"):
+        fold_beams(q, 4)
 
 
 def test_cache_reorder_follows_beams():

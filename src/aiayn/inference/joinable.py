@@ -109,8 +109,8 @@ class JoinableSearch:
         K, device = self.beam, self.scores.device
         beam_rows = (keep[:, None] * K + np.arange(K)).reshape(-1)  # every beam, in place
         self.rows.keep(keep, beam_rows)
-        self.state.select(torch.from_numpy(beam_rows).to(device), shrinks=True)
         index = torch.from_numpy(keep).to(device)
+        self.state.select(torch.from_numpy(beam_rows).to(device), index)
         self.scores, self.token = self.scores.index_select(0, index), self.token.index_select(0, index)
         self._trim()
 

@@ -116,7 +116,7 @@ def decode_greedy(model: Transformer, src: Tensor, search: Search, use_cache: bo
         rows.keep(keep)
         index = torch.from_numpy(keep).to(src.device)
         next_token = next_token.index_select(0, index)
-        state.select(index, shrinks=True)
+        state.select(index, index)
     return outputs
 
 
@@ -144,7 +144,7 @@ def decode_beam(model: Transformer, src: Tensor, search: Search, use_cache: bool
     if prefixes is not None:
         check_prefixes(model, prefixes)
     state = DecoderState(model, src, K, use_cache, search.no_repeat_ngram, kernel)
-    rows = Rows(output_limits(model, state.src_pad[::K], search), copies=K,
+    rows = Rows(output_limits(model, state.src_pad, search), copies=K,
                 keys=None if sampling is None else sample_keys(src, seed_of(sampling), K),
                 prefixes=prefixes)
     scores = first_scores(B, K, sampling, device)

@@ -76,18 +76,16 @@ class DecoderState:
     """The encoder output and decoder cache for the rows still being decoded.
 
     Rows are sentences (greedy) or sentence-major beams (``row = sentence * beam + k``).
+    The memory, its padding and its cross-attention K/V are kept once per sentence: the
+    beams of a sentence share them (``cache.fold_beams``).
     """
 
     def __init__(self, model: Transformer, src: Tensor, copies: int, use_cache: bool,
                  no_repeat_ngram: int = 0, kernel: OutputKernel | None = None):
         self.model, self.kernel = model, kernel  # the output layer's product (model.py)
         self.no_repeat_ngram = no_repeat_ngram
-        src_pad = model.src_pad_mask(src)
-        memory = model.encode(src, src_pad)  # encode once, then copy to the beams
-        if copies > 1:
-            memory = memory.repeat_interleave(copies, dim=0)
-            src_pad = src_pad.repeat_interleave(copies, dim=0)
-        self.memory, self.src_pad = memory, src_pad
+        self.src_pad = model.src_pad_mask(src)  # (B, S): one row per sentence, as memory
+        self.memory = model.encode(src, self.src_pad)  # encoded once, read by every beam
         self.cache = model.new_cache() if use_cache else None
         self.ids, self._never = _columns(model)
         dtype = torch.get_autocast_dtype(src.device.type)  # cast once, not at every step
@@ -154,32 +152,31 @@ class DecoderState:
         """Encode ``src`` (n, S) and add its rows (``copies`` per sentence) at the next
         step; returns their (n, S) source padding mask."""
         src_pad = self.model.src_pad_mask(src)
-        memory = self.model.encode(src, src_pad).repeat_interleave(copies, dim=0)
-        self.cache.join(self.model.new_cache(memory))
+        self.cache.join(self.model.new_cache(self.model.encode(src, src_pad)), copies)
         width = max(self.src_pad.size(1), src.size(1))  # padded on the right, masked
-        self.src_pad = torch.cat([
-            F.pad(self.src_pad, (0, width - self.src_pad.size(1)), value=True),
-            F.pad(src_pad.repeat_interleave(copies, dim=0), (0, width - src.size(1)), value=True)])
+        self.src_pad = torch.cat([F.pad(self.src_pad, (0, width - self.src_pad.size(1)), value=True),
+                                  F.pad(src_pad, (0, width - src.size(1)), value=True)])
         return src_pad
 
-    def select(self, rows: Tensor, shrinks: bool) -> None:
-        """Keep (and reorder) rows ``rows``.
+    def select(self, rows: Tensor, sentences: Tensor | None = None) -> None:
+        """Keep (and reorder) rows ``rows``, of the sentences ``sentences`` when some leave
+        (None: every sentence stays).
 
-        The beams of one sentence share one memory and so the same cross-attention K/V:
-        a reorder within sentences leaves those unchanged, and only the self-attention K/V
-        (which differ per beam) need following; the rest is copied only when sentences
-        leave the batch. (Copying the cross-attention cache every step took a third of
-        beam search's time.)
+        The self-attention K/V (which differ per beam) follow the rows; the memory, its
+        padding and the cross-attention K/V, one per sentence, follow the sentences, and
+        so are copied only when sentences leave. (Copying the cross-attention cache every
+        step took a third of beam search's time.)
         """
-        if shrinks:
-            if self.cache is not None:
-                self.cache.reorder(rows)
-            if self.memory is not None:
-                self.memory = self.memory.index_select(0, rows)
-            self.src_pad = self.src_pad.index_select(0, rows)
-            self._narrow()
-        elif self.cache is not None:
+        if self.cache is not None:
             self.cache.reorder(rows, kinds=("self",))
+        if sentences is None:
+            return
+        if self.cache is not None:
+            self.cache.reorder(sentences, kinds=("cross",))
+        if self.memory is not None:
+            self.memory = self.memory.index_select(0, sentences)
+        self.src_pad = self.src_pad.index_select(0, sentences)
+        self._narrow()
 
     def _narrow(self) -> None:
         """Drop the source positions that are padding in every row left (sources are
@@ -323,7 +320,7 @@ def advance(rows: Rows, state: DecoderState, c: Candidates, keep: np.ndarray,
     rows.grow(c.token[keep].reshape(-1), c.scores[keep].reshape(-1))
     device = scores.device
     index = torch.from_numpy(keep).to(device)
-    state.select(torch.from_numpy(beam_rows).to(device), shrinks=keep.size < c.scores.shape[0])
+    state.select(torch.from_numpy(beam_rows).to(device), index if keep.size < c.scores.shape[0] else None)
     return scores.index_select(0, index), token.index_select(0, index)
 
 
