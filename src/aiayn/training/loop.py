@@ -224,9 +224,12 @@ def train(
             on_main(lambda: hold.enter_context(
                 locked(trainer.data_dir, "aiayn train", shared=True)), world)
             try:
-                return trainer.run()
+                result = trainer.run()
             finally:
                 trainer.metrics.close()
+        if world.enabled:  # no rank tears gloo down while another still talks to it (SIGABRT)
+            dist.barrier()
+        return result
     except RuntimeError as exc:
         if not (world.enabled and lost_a_rank(exc)):
             raise
