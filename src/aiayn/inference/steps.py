@@ -35,6 +35,7 @@ from torch import Tensor
 from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from aiayn.inference.sampling import ban_repeated_ngrams, sampling_distribution, uniforms
 from aiayn.inference.settings import Sampling, Search
+from aiayn.inference.topk import topk_rows
 from aiayn.model import OutputKernel, Transformer
 from aiayn.util.device import parameter_device
 
@@ -258,10 +259,14 @@ def expand(logits: Tensor, scores: Tensor, K: int, state: DecoderState,
     to the host. Rows whose token is ``given`` can only take it."""
     A = scores.size(0)
     log_probs = state.only_given(torch.log_softmax(logits, dim=-1), given)  # (A*K, V')
-    V = log_probs.size(-1)
-    candidates = (scores[:, :, None] + log_probs.view(A, K, V)).view(A, K * V)
-    top_scores, top_index = candidates.topk(min(2 * K, K * V), dim=1)  # (A, 2K) best first
-    top_beam, top_token = top_index // V, state.token_ids(top_index % V)
+    # A sentence's 2K best candidates are among its beams' own 2K best each: only those
+    # A*K*2K sums are formed, not all A*K*V' (the same floats, so the same choice).
+    width = min(2 * K, log_probs.size(-1))
+    row_best, row_columns = topk_rows(log_probs, width)  # (A*K, 2K)
+    candidates = (scores[:, :, None] + row_best.view(A, K, width)).view(A, K * width)
+    top_scores, top_index = candidates.topk(min(2 * K, K * width), dim=1)  # (A, 2K) best first
+    top_beam = top_index // width
+    top_token = state.token_ids(row_columns.view(A, K * width).gather(1, top_index))
     # The K best candidates that do not end in EOS stay alive (a stable sort keeps rank).
     alive = top_token.ne(EOS_ID).to(torch.int8).argsort(dim=1, descending=True, stable=True)
     alive = alive[:, :K]
