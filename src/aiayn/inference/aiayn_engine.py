@@ -96,7 +96,7 @@ class AiaynEngine(Engine):
                                "{got}", limit=limit, where=where, per_token=per_token,
                                got=decode_tokens)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def search(self, sources: list[list[int]], search: Search, greedy_ok: bool = False,
                prefixes: list[list[int]] | None = None) -> list[list[Hypothesis]]:
         """On a stream's thread: grad mode and autocast are per thread, so both are set here."""

@@ -70,7 +70,7 @@ class JoinableSearch:
         """Sentences being decoded."""
         return len(self.rows.sentence)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def add(self, keys: list[int], src: Tensor,
             prefixes: Sequence[Sequence[int]] | None = None) -> None:
         """Sentences ``src`` ((n, S) padded source ids), known by ``keys``, join the search;
@@ -92,7 +92,7 @@ class JoinableSearch:
         self.token = torch.cat([self.token, torch.full_like(scores, BOS_ID, dtype=torch.long)])
         self.finished.update((key, []) for key in keys)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def remove(self, keys: Iterable[int]) -> None:
         """Take the sentences ``keys`` out of the search before they are done (their
         requester has gone); the others go on as if they had never been there. Keys not
@@ -114,7 +114,7 @@ class JoinableSearch:
         self.scores, self.token = self.scores.index_select(0, index), self.token.index_select(0, index)
         self._trim()
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self) -> list[tuple[int, list[Hypothesis]]]:
         """Decode one token of every live sentence; the sentences done, with their lists."""
         if not len(self):

@@ -74,7 +74,7 @@ from aiayn.inference.steps import (
 from aiayn.model import OutputKernel, Transformer
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def decode_greedy(model: Transformer, src: Tensor, search: Search, use_cache: bool = True,
                   kernel: OutputKernel | None = None,
                   prefixes: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
@@ -120,7 +120,7 @@ def decode_greedy(model: Transformer, src: Tensor, search: Search, use_cache: bo
     return outputs
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def decode_beam(model: Transformer, src: Tensor, search: Search, use_cache: bool = True,
                 kernel: OutputKernel | None = None,
                 prefixes: Sequence[Sequence[int]] | None = None) -> list[list[Hypothesis]]:
