@@ -1,5 +1,6 @@
 """``topk_rows`` finds what ``Tensor.topk`` finds, and a beam search over a vocabulary wide
-enough for its chunks chooses what it chose with ``topk`` over every candidate."""
+enough for its chunks chooses as it does with ``Tensor.topk`` in its place (that a beam's own
+2K best hold the sentence's 2K best: the exhaustive-search tests of test_search.py)."""
 
 from __future__ import annotations
 
