@@ -18,6 +18,13 @@ N times, the reference after each repeat, and reports medians. After each K the 
 /stats says what it decoded together (sentences per decoding step and requests that joined
 a running search; per pass for the CTranslate2 engine) and how long requests waited.
 
+With continuous batching on a CPU a second reference says what part of the gap is the
+server's: its lanes alone (``lanes_alone_rate``). K clients keep about K / L sentences in
+each of the server's L lanes; one lane's share of the sentences, decoded in this process by
+the search a lane runs (``JoinableSearch``, one thread) with as many kept in flight, times L
+lanes, is what the lanes could answer with no HTTP, no queue and no other process: the
+server near it is limited by the size of its steps, not by serving.
+
 ``--soak SECONDS``: K clients (--soak-clients) keep the server busy for that long, while one
 more client, over and over, sends a request of 8 sentences and hangs up before the answer;
 reports the server's RSS at the start and end (and every 10 s), every polite request
@@ -33,6 +40,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import os
 import random
 import socket
@@ -51,8 +59,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, cpu_model, git_commit  # noqa: E402
 
+from aiayn.data.batching import pad  # noqa: E402
+from aiayn.inference.joinable import JoinableSearch  # noqa: E402
 from aiayn.inference.translator import Translator  # noqa: E402
 from aiayn.runs.directory import read_data_dir  # noqa: E402
+from aiayn.util.threads import on_one_thread  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "serve_load.json"
 
@@ -236,6 +247,35 @@ def offline_rate(translator: Translator, sentences: list[str], args) -> float:
     return len(sentences) / (time.perf_counter() - start)
 
 
+def lanes_alone_rate(translator: Translator, sentences: list[str], clients: int, lanes: int,
+                     args) -> float:
+    """The second reference (module docstring): sentences/s of ``lanes`` lanes, each one
+    thread decoding its share of ``sentences`` with ceil(clients / lanes) of them in flight
+    (a new one joins as one is done, as the clients send their next), measured one lane in
+    this process and multiplied by ``lanes``: an upper bound, each lane with a core to itself."""
+    search = translator.resolve(beam=args.beam, alpha=args.alpha)
+    share = sentences[::lanes]
+    ids = translator.tokenizers.encode_src(translator.tagged(share))
+    in_flight = math.ceil(clients / lanes)
+
+    def decode() -> None:
+        lane = JoinableSearch(translator.model, search, translator.kernel)
+        sent = done = 0
+        while done < len(ids):
+            while sent < len(ids) and len(lane) < in_flight:
+                lane.add([sent], pad([ids[sent]]))
+                sent += 1
+            done += len(lane.step())
+
+    return lanes * len(share) / on_one_thread(lambda: seconds_of(decode))
+
+
+def seconds_of(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def device_name(device: str) -> str:
     """The CPU's model, and on a GPU the GPU's name beside it (the server's Python runs on
     the CPU either way)."""
@@ -256,7 +296,11 @@ ABOUT = (
     "the same run: the same sentences decoded offline as one batch by the `Translator`, the "
     "rate a server could approach, timed before and after each repeat of the server's runs "
     "(each repeat compares with the mean of its two; rows give the medians over the "
-    "repeats): read the ratio. The soak row: steady load for minutes, "
+    "repeats): read the ratio. A second reference says how much of the gap is the "
+    "server's: its lanes alone at each load, in-process (one lane's share of the sentences "
+    "decoded by the search a lane runs, on one thread, with as many in flight as the "
+    "clients keep in a lane, times the lanes: no HTTP, no queue, a core each). The soak row: "
+    "steady load for minutes, "
     "with one more client that hangs up before each answer; the server's memory at the "
     "start and end. The model is the quiet `make demo` run of "
     "[Training to BLEU](#training-to-bleu) (4.7M parameters).")
@@ -376,16 +420,22 @@ def main() -> None:
             # before and after it (a shared machine's speed drifts within minutes), and a
             # row gives the medians over the repeats.
             runs: dict[int, list[dict]] = {k: [] for k in clients}
+            alone: dict[int, list[float]] = {k: [] for k in clients}  # lanes_alone_rate
+            lanes = 0
             references = [offline]
             for _ in range(args.repeats):
                 for k in clients:
                     before = http_json(f"{url}/stats")
                     answers, latencies, wall = load(url, sentences, k, args.beam, args.alpha)
-                    passes = pass_summary(before, http_json(f"{url}/stats"))
+                    after = http_json(f"{url}/stats")
+                    passes = pass_summary(before, after)
                     correct = sum(a == e for a, e in zip(answers, expected))
                     failed |= correct < len(sentences)
                     runs[k].append({"latencies": latencies, "rps": len(sentences) / wall,
                                     "correct": correct, **passes})
+                    if after.get("batching") == "continuous" and args.device == "cpu":
+                        lanes = after["lanes"]
+                        alone[k].append(lanes_alone_rate(translator, sentences, k, lanes, args))
                 references.append(offline_rate(translator, sentences, args))
             reference_of = [(a + b) / 2 for a, b in zip(references, references[1:])]
             how = "".join(f", {name} {value}" for name, value in
@@ -405,6 +455,16 @@ def main() -> None:
                                         f"{len(sentences) * len(done)}",
                              "batches": done[len(done) // 2]["together"],
                              "wait": round(statistics.median(r["mean_wait_ms"] for r in done))})
+            for k in clients:
+                if not alone[k]:
+                    continue
+                ratio = statistics.median(r / ref for r, ref in zip(alone[k], reference_of))
+                rows.append({"who": f"reference: the server's {lanes} lanes alone at {k} "
+                                    f"client{'s' * (k > 1)}' load, in-process (one lane's share "
+                                    f"on one thread, {math.ceil(k / lanes)} in flight, "
+                                    f"times {lanes}){how}{of}",
+                             "rps": round(statistics.median(alone[k]), 1),
+                             "ratio": f"{ratio:.2f}"})
             timed = ", ".join(f"{r:.1f}" for r in references)
             rows.append({"who": f"reference: the same sentences as one batch, in-process "
                                 f"(`Translator.translate`; timed before and after each repeat: "
