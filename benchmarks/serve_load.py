@@ -302,8 +302,7 @@ ABOUT = (
     "clients keep in a lane, times the lanes: no HTTP, no queue, a core each). The soak row: "
     "steady load for minutes, "
     "with one more client that hangs up before each answer; the server's memory at the "
-    "start and end. The model is the quiet `make demo` run of "
-    "[Training to BLEU](#training-to-bleu) (4.7M parameters).")
+    "start and end. The model: a quiet `make demo` run on the rows' CPU (4.7M parameters).")
 COLUMNS = [
     {"key": "who", "label": "translating"},
     *({"key": key, "label": label, "align": "right"} for key, label in [
