@@ -19,11 +19,11 @@ N times, the reference after each repeat, and reports medians. After each K the 
 a running search; per pass for the CTranslate2 engine) and how long requests waited.
 
 With continuous batching on a CPU a second reference says what part of the gap is the
-server's: its lanes alone (``lanes_alone_rate``). K clients keep about K / L sentences in
-each of the server's L lanes; one lane's share of the sentences, decoded in this process by
-the search a lane runs (``JoinableSearch``, one thread) with as many kept in flight, times L
-lanes, is what the lanes could answer with no HTTP, no queue and no other process: the
-server near it is limited by the size of its steps, not by serving.
+server's: its lanes alone (``LanesAlone``). K clients keep about K / L sentences in each of
+the server's L lanes; L processes, each decoding its share of the sentences by the search a
+lane runs (``JoinableSearch``, one thread) with as many kept in flight, all at once, are
+what the lanes could answer with no HTTP, no queue and no server process: a server near
+that rate is limited by the size of its steps, not by serving.
 
 ``--soak SECONDS``: K clients (--soak-clients) keep the server busy for that long, while one
 more client, over and over, sends a request of 8 sentences and hangs up before the answer;
@@ -41,6 +41,7 @@ import contextlib
 import datetime
 import json
 import math
+import multiprocessing
 import os
 import random
 import socket
@@ -51,7 +52,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -63,7 +64,6 @@ from aiayn.data.batching import pad  # noqa: E402
 from aiayn.inference.joinable import JoinableSearch  # noqa: E402
 from aiayn.inference.translator import Translator  # noqa: E402
 from aiayn.runs.directory import read_data_dir  # noqa: E402
-from aiayn.util.threads import on_one_thread  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "serve_load.json"
 
@@ -247,32 +247,55 @@ def offline_rate(translator: Translator, sentences: list[str], args) -> float:
     return len(sentences) / (time.perf_counter() - start)
 
 
-def lanes_alone_rate(translator: Translator, sentences: list[str], clients: int, lanes: int,
-                     args) -> float:
-    """The second reference (module docstring): sentences/s of ``lanes`` lanes, each one
-    thread decoding its share of ``sentences`` with ceil(clients / lanes) of them in flight
-    (a new one joins as one is done, as the clients send their next), measured one lane in
-    this process and multiplied by ``lanes``: an upper bound, each lane with a core to itself."""
-    search = translator.resolve(beam=args.beam, alpha=args.alpha)
-    share = sentences[::lanes]
+class LanesAlone:
+    """The second reference (module docstring): ``lanes`` processes, each with its own copy
+    of the model on one thread as a lane process has, that decode their shares of the same
+    sentences at the same time with K / L of them in flight (a new one joins as one is
+    done, as the clients send their next), timed from a common start to the last done."""
+
+    def __init__(self, args, lanes: int):
+        context = multiprocessing.get_context("spawn")
+        self.lanes, self.barrier = lanes, context.Barrier(lanes)
+        self.pool = ProcessPoolExecutor(lanes, context, initializer=_lane_start,
+                                        initargs=(args.run_dir, args.weights, args.int8,
+                                                  args.beam, args.alpha, self.barrier))
+
+    def rate(self, sentences: list[str], clients: int) -> float:
+        """Sentences/s of the lanes together at the load of ``clients`` clients."""
+        in_flight = math.ceil(clients / self.lanes)
+        shares = [sentences[i::self.lanes] for i in range(self.lanes)]
+        seconds = list(self.pool.map(_lane_decode, shares, [in_flight] * self.lanes))
+        return len(sentences) / max(seconds)
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+_lane: dict = {}  # a LanesAlone process's translator, search and start barrier
+
+
+def _lane_start(run_dir: str, weights: str, int8: bool, beam: int, alpha: float,
+                barrier) -> None:
+    torch.set_num_threads(1)
+    translator = Translator.from_pretrained(run_dir, weights, int8=int8)
+    _lane.update(translator=translator, search=translator.resolve(beam=beam, alpha=alpha),
+                 barrier=barrier)
+
+
+def _lane_decode(share: list[str], in_flight: int) -> float:
+    """Seconds to decode ``share`` as a lane does, ``in_flight`` sentences at a time,
+    after every lane of the reference is ready (the barrier: one share per process)."""
+    translator, search = _lane["translator"], _lane["search"]
     ids = translator.tokenizers.encode_src(translator.tagged(share))
-    in_flight = math.ceil(clients / lanes)
-
-    def decode() -> None:
-        lane = JoinableSearch(translator.model, search, translator.kernel)
-        sent = done = 0
-        while done < len(ids):
-            while sent < len(ids) and len(lane) < in_flight:
-                lane.add([sent], pad([ids[sent]]))
-                sent += 1
-            done += len(lane.step())
-
-    return lanes * len(share) / on_one_thread(lambda: seconds_of(decode))
-
-
-def seconds_of(fn) -> float:
+    _lane["barrier"].wait(timeout=300)  # every lane ready: one share per process
     start = time.perf_counter()
-    fn()
+    lane = JoinableSearch(translator.model, search, translator.kernel)
+    sent = done = 0
+    while done < len(ids):
+        while sent < len(ids) and len(lane) < in_flight:
+            lane.add([sent], pad([ids[sent]]))
+            sent += 1
+        done += len(lane.step())
     return time.perf_counter() - start
 
 
@@ -297,9 +320,9 @@ ABOUT = (
     "rate a server could approach, timed before and after each repeat of the server's runs "
     "(each repeat compares with the mean of its two; rows give the medians over the "
     "repeats): read the ratio. A second reference says how much of the gap is the "
-    "server's: its lanes alone at each load, in-process (one lane's share of the sentences "
-    "decoded by the search a lane runs, on one thread, with as many in flight as the "
-    "clients keep in a lane, times the lanes: no HTTP, no queue, a core each). The soak row: "
+    "server's: its lanes alone at each load, without the server (a process per lane, "
+    "each decoding its share of the sentences at the same time by the search a lane runs, "
+    "on one thread, with as many in flight as the clients keep in a lane). The soak row: "
     "steady load for minutes, "
     "with one more client that hangs up before each answer; the server's memory at the "
     "start and end. The model: a quiet `make demo` run on the rows' CPU (4.7M parameters).")
@@ -390,6 +413,7 @@ def main() -> None:
           f"{device_name(args.device)}")
     process, url = start_server(args)
     rows, failed = [], False
+    lanes_alone: LanesAlone | None = None
     try:
         http_json(f"{url}/translate", {"text": sentences[:2], "beam": args.beam})  # warm-up
         if args.soak:
@@ -419,8 +443,7 @@ def main() -> None:
             # before and after it (a shared machine's speed drifts within minutes), and a
             # row gives the medians over the repeats.
             runs: dict[int, list[dict]] = {k: [] for k in clients}
-            alone: dict[int, list[float]] = {k: [] for k in clients}  # lanes_alone_rate
-            lanes = 0
+            alone: dict[int, list[float]] = {k: [] for k in clients}  # LanesAlone
             references = [offline]
             for _ in range(args.repeats):
                 for k in clients:
@@ -433,8 +456,8 @@ def main() -> None:
                     runs[k].append({"latencies": latencies, "rps": len(sentences) / wall,
                                     "correct": correct, **passes})
                     if after.get("batching") == "continuous" and args.device == "cpu":
-                        lanes = after["lanes"]
-                        alone[k].append(lanes_alone_rate(translator, sentences, k, lanes, args))
+                        lanes_alone = lanes_alone or LanesAlone(args, after["lanes"])
+                        alone[k].append(lanes_alone.rate(sentences, k))
                 references.append(offline_rate(translator, sentences, args))
             reference_of = [(a + b) / 2 for a, b in zip(references, references[1:])]
             how = "".join(f", {name} {value}" for name, value in
@@ -458,10 +481,11 @@ def main() -> None:
                 if not alone[k]:
                     continue
                 ratio = statistics.median(r / ref for r, ref in zip(alone[k], reference_of))
+                lanes = lanes_alone.lanes
                 rows.append({"who": f"reference: the server's {lanes} lanes alone at {k} "
-                                    f"client{'s' * (k > 1)}' load, in-process (one lane's share "
-                                    f"on one thread, {math.ceil(k / lanes)} in flight, "
-                                    f"times {lanes}){how}{of}",
+                                    f"client{'s' * (k > 1)}' load, no server (a process per "
+                                    f"lane, one thread each, {math.ceil(k / lanes)} sentences "
+                                    f"in flight in each){how}{of}",
                              "rps": round(statistics.median(alone[k]), 1),
                              "ratio": f"{ratio:.2f}"})
             timed = ", ".join(f"{r:.1f}" for r in references)
@@ -477,6 +501,8 @@ def main() -> None:
                     "who", "p50", "p95", "p99", "rps", "ratio", "correct", "batches", "wait"))
                       + " |")
     finally:
+        if lanes_alone is not None:
+            lanes_alone.close()
         process.terminate()
         process.wait(timeout=30)
     if args.save:
