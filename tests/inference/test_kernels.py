@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from aiayn.config import ModelConfig
 from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from aiayn.inference import kernels
+from aiayn.inference.steps import DecoderState
 from aiayn.inference.translator import Translator
 from aiayn.model import Transformer
 
@@ -182,3 +183,60 @@ def test_torch_compile_takes_f_linear():
     out.sum().backward()
     torch.testing.assert_close(out, F.linear(x, w))
     torch.testing.assert_close(w.grad, torch.ones(6, 5).t() @ x)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+def test_a_packed_weight_gives_the_unpacked_products_values(rows):
+    g = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 48, generator=g), torch.randn(200, 48, generator=g)
+    b = torch.randn(200, generator=g)
+    packed = kernels.PackedOneDNN(w)
+    with torch.inference_mode():
+        out = packed(x, w, b)
+    torch.testing.assert_close(out, kernels.onednn_linear(x, w, b))
+    torch.testing.assert_close(out, F.linear(x, w, b))
+    torch.testing.assert_close(packed(x.view(rows, 1, 48), w, b), out.view(rows, 1, 200))
+    with pytest.raises(ValueError, match="packed a"):
+        packed(x, w[:-1], b[:-1])
+
+
+@needs_onednn
+def test_what_the_packed_form_does_not_cover_goes_to_the_unpacked_product():
+    w = torch.randn(20, 8)
+    packed = kernels.PackedOneDNN(w)
+    x = torch.randn(3, 8, requires_grad=True)
+    out = packed(x, w)
+    out.sum().backward()  # a graph to differentiate: onednn_linear's
+    torch.testing.assert_close(x.grad, torch.ones(3, 20) @ w)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert packed(x.detach(), w).dtype == torch.bfloat16
+
+
+@needs_onednn
+def test_a_search_packs_only_oneDNNs_fp32_cpu_weight():
+    w = torch.randn(20, 8)
+    assert isinstance(kernels.for_fixed_weight(kernels.onednn_linear, w), kernels.PackedOneDNN)
+    for kernel in (None, F.linear, Counted()):
+        assert kernels.for_fixed_weight(kernel, w) is kernel
+    assert kernels.for_fixed_weight(kernels.onednn_linear, w.bfloat16()) is kernels.onednn_linear
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert kernels.for_fixed_weight(kernels.onednn_linear, w) is kernels.onednn_linear
+
+
+@needs_onednn
+def test_searches_with_the_onednn_product_decode_as_with_f_linear():
+    """Beam and greedy search, batched and joinable, pack the output layer's weight once and
+    choose the tokens F.linear's products lead to."""
+    model = Transformer(CFG).eval()
+    model.generator.set_outputs(torch.arange(4, 37))
+    sources = [[5, 6, 7, EOS_ID], [8, 9, EOS_ID], [10, 11, 12, 13, 9, EOS_ID]]
+    plain = Translator(model, tokenizers=None)
+    onednn = Translator(model, tokenizers=None, kernel=kernels.onednn_linear)
+    for beam in (1, 4):
+        search = plain.resolve(beam=beam)
+        assert onednn.decode_ids(sources, search) == plain.decode_ids(sources, search)
+    state = DecoderState(model, torch.tensor([sources[1]]), 1, True, kernel=kernels.onednn_linear)
+    assert isinstance(state.kernel, kernels.PackedOneDNN)
+    assert isinstance(DecoderState.joinable(model, kernel=kernels.onednn_linear).kernel,
+                      kernels.PackedOneDNN)

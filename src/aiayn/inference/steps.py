@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from aiayn.inference.kernels import for_fixed_weight
 from aiayn.inference.sampling import ban_repeated_ngrams, sampling_distribution, uniforms
 from aiayn.inference.settings import Sampling, Search
 from aiayn.inference.topk import topk_rows
@@ -83,7 +84,7 @@ class DecoderState:
 
     def __init__(self, model: Transformer, src: Tensor, copies: int, use_cache: bool,
                  no_repeat_ngram: int = 0, kernel: OutputKernel | None = None):
-        self.model, self.kernel = model, kernel  # the output layer's product (model.py)
+        self.model = model
         self.no_repeat_ngram = no_repeat_ngram
         self.src_pad = model.src_pad_mask(src)  # (B, S): one row per sentence, as memory
         self.memory = model.encode(src, self.src_pad)  # encoded once, read by every beam
@@ -92,6 +93,7 @@ class DecoderState:
         dtype = torch.get_autocast_dtype(src.device.type)  # cast once, not at every step
         self.rows = model.generator.allowed_rows(  # once per search: the weights are fixed
             dtype if torch.is_autocast_enabled(src.device.type) else None)
+        self.kernel = for_fixed_weight(kernel, self.rows[0])  # the output layer's product
 
     def next_logits(self, tokens: Tensor, history: np.ndarray | None = None,
                     given: np.ndarray | None = None) -> Tensor:
@@ -140,11 +142,12 @@ class DecoderState:
         """No rows yet: sentences ``join`` it. The cross-attention K/V of every row are
         computed when it joins, so the memory itself is not kept."""
         state = cls.__new__(cls)
-        state.model, state.memory, state.kernel = model, None, kernel
+        state.model, state.memory = model, None
         state.no_repeat_ngram = no_repeat_ngram
         state.ids, state._never = _columns(model)
         with torch.no_grad():  # a search's rows are constants, not part of a graph
             state.rows = model.generator.allowed_rows()
+        state.kernel = for_fixed_weight(kernel, state.rows[0])
         state.src_pad = torch.zeros(0, 0, dtype=torch.bool, device=parameter_device(model))
         state.cache = model.new_cache()
         return state
