@@ -10,8 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from aiayn.config import ModelConfig
+from aiayn.data.batching import pad
 from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from aiayn.inference import kernels
+from aiayn.inference.joinable import JoinableSearch
 from aiayn.inference.steps import DecoderState
 from aiayn.inference.translator import Translator
 from aiayn.model import Transformer
@@ -233,10 +235,19 @@ def test_searches_with_the_onednn_product_decode_as_with_f_linear():
     sources = [[5, 6, 7, EOS_ID], [8, 9, EOS_ID], [10, 11, 12, 13, 9, EOS_ID]]
     plain = Translator(model, tokenizers=None)
     onednn = Translator(model, tokenizers=None, kernel=kernels.onednn_linear)
+    tokens = lambda results: [hyps[0].ids for hyps in results]  # noqa: E731  (the best)
     for beam in (1, 4):
         search = plain.resolve(beam=beam)
-        assert onednn.decode_ids(sources, search) == plain.decode_ids(sources, search)
+        expected = tokens(plain.decode_ids(sources, search))
+        assert tokens(onednn.decode_ids(sources, search)) == expected
+        joining = JoinableSearch(model, search, kernels.onednn_linear)
+        assert isinstance(joining.state.kernel, kernels.PackedOneDNN)
+        done = {}
+        for key, source in enumerate(sources):  # each joins the search already running
+            joining.add([key], pad([source]))
+            done.update(joining.step())
+        while len(joining):
+            done.update(joining.step())
+        assert tokens(done[key] for key in range(len(sources))) == expected
     state = DecoderState(model, torch.tensor([sources[1]]), 1, True, kernel=kernels.onednn_linear)
     assert isinstance(state.kernel, kernels.PackedOneDNN)
-    assert isinstance(DecoderState.joinable(model, kernel=kernels.onednn_linear).kernel,
-                      kernels.PackedOneDNN)
