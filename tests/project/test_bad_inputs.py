@@ -1,4 +1,6 @@
-"""Bad inputs and faults, through the real command line (a subprocess per case).
+"""Bad inputs and faults, through the real command line (a process per case: forked from
+one that has imported aiayn, tests/forked_cli.py, or a fresh one where the case needs its own
+environment or must be killed).
 
 Every case must end with: a non-zero exit (or the documented graceful result), exactly
 one line on stderr that starts with "aiayn: error:", names the setting or path, and
@@ -21,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from forked_cli import ForkedCLIs
 from helpers import snapshot, toy_tsv
 
 from aiayn import cli
@@ -34,11 +37,28 @@ TINY = ROOT / "configs" / "tiny.yaml"
 WORDS = "the a red blue cat dog sun sea big small house tree eats sees and old".split()
 
 
-def aiayn(*args: str, stdin: bytes | None = None, env: dict | None = None,
-          cwd: Path = ROOT, timeout: float = 120) -> subprocess.CompletedProcess:
+def fresh_aiayn(*args: str, stdin: bytes | None = None, env: dict | None = None,
+                cwd: Path = ROOT, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "aiayn", *map(str, args)], input=stdin,
                           capture_output=True, timeout=timeout, cwd=cwd,
                           env={**os.environ, "PYTHONWARNINGS": "default", **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def aiayn():
+    """`python -m aiayn ARGS` run as ``subprocess.run`` would (``stdin``, ``cwd``,
+    ``timeout``), in a process forked from one that has imported aiayn; with ``env``, in a
+    fresh process under that environment."""
+    servers = ForkedCLIs(env={**os.environ, "PYTHONWARNINGS": "default"}, cwd=ROOT)
+
+    def run(*args, stdin: bytes | None = None, env: dict | None = None, cwd: Path = ROOT,
+            timeout: float = 120) -> subprocess.CompletedProcess:
+        if env is not None:
+            return fresh_aiayn(*args, stdin=stdin, env=env, cwd=cwd, timeout=timeout)
+        return servers.run(*args, stdin=stdin, cwd=cwd, timeout=timeout)
+
+    yield run
+    servers.close()
 
 
 def one_error_line(result: subprocess.CompletedProcess) -> str:
@@ -202,9 +222,9 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def outcomes(world, tmp_path_factory) -> dict[str, tuple]:
-    """Every case of CASES run once, two at a time (each is a process that mostly imports
-    torch), each in its own temporary directory: {case id: (result, filled expectation,
+def outcomes(aiayn, world, tmp_path_factory) -> dict[str, tuple]:
+    """Every case of CASES run once, two at a time (each a process of its own, forked), each
+    in its own temporary directory: {case id: (result, filled expectation,
     temp dir unchanged?)}; and the shared run and data directories unchanged by all."""
     before_world = snapshot(world["root"], folders=True)
 
@@ -245,7 +265,7 @@ def test_a_bad_input_is_one_line_and_changes_no_file(name, outcomes):
 
 
 # ---------------------------------------------------------------- the run's state
-def test_weights_of_a_config_edited_after_training_are_refused(world, tmp_path):
+def test_weights_of_a_config_edited_after_training_are_refused(aiayn, world, tmp_path):
     run = copy_run(world, tmp_path)
     config = run / "config.yaml"
     config.write_text(config.read_text().replace("n_heads: 4", "n_heads: 8"), encoding="utf-8")
@@ -255,7 +275,7 @@ def test_weights_of_a_config_edited_after_training_are_refused(world, tmp_path):
     assert snapshot(run, folders=True) == before
 
 
-def test_nan_weights_are_refused_not_translated_to_empty_lines(world, tmp_path):
+def test_nan_weights_are_refused_not_translated_to_empty_lines(aiayn, world, tmp_path):
     run = copy_run(world, tmp_path)
     tensors = checkpoint.read_weights(run / "best.safetensors")
     name = sorted(tensors)[0]
@@ -268,7 +288,7 @@ def test_nan_weights_are_refused_not_translated_to_empty_lines(world, tmp_path):
     assert f"{name} holds NaN" in one_error_line(result) and result.stdout == b""
 
 
-def test_no_weights_best_names_the_step_checkpoints_that_exist(world, tmp_path):
+def test_no_weights_best_names_the_step_checkpoints_that_exist(aiayn, world, tmp_path):
     run = copy_run(world, tmp_path)
     for name in ("best.safetensors", "last.safetensors"):
         (run / name).unlink()
@@ -276,7 +296,7 @@ def test_no_weights_best_names_the_step_checkpoints_that_exist(world, tmp_path):
     assert "checkpoints/step_0000008.safetensors" in line and "--weights" in line
 
 
-def test_a_failed_resume_leaves_config_yaml_as_it_was(world, tmp_path):
+def test_a_failed_resume_leaves_config_yaml_as_it_was(aiayn, world, tmp_path):
     run = copy_run(world, tmp_path)
     (run / "train_state.pt").write_bytes(b"not a torch file")
     before = snapshot(run, folders=True)
@@ -285,7 +305,7 @@ def test_a_failed_resume_leaves_config_yaml_as_it_was(world, tmp_path):
     assert snapshot(run, folders=True) == before
 
 
-def test_weights_without_a_train_state_name_the_ways_on(world, tmp_path):
+def test_weights_without_a_train_state_name_the_ways_on(aiayn, world, tmp_path):
     run = copy_run(world, tmp_path)
     (run / "train_state.pt").unlink()
     before = snapshot(run, folders=True)
@@ -294,7 +314,7 @@ def test_weights_without_a_train_state_name_the_ways_on(world, tmp_path):
     assert snapshot(run, folders=True) == before
 
 
-def test_a_run_that_crashed_before_its_first_save_resumes_from_step_0(world, tmp_path):
+def test_a_run_that_crashed_before_its_first_save_resumes_from_step_0(aiayn, world, tmp_path):
     run = copy_run(world, tmp_path)
     for path in [*run.glob("*.safetensors"), run / "train_state.pt"]:
         path.unlink()
@@ -314,7 +334,7 @@ def start_train(*args: str) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def test_a_start_killed_before_config_yaml_names_its_way_on(world, tmp_path):
+def test_a_start_killed_before_config_yaml_names_its_way_on(aiayn, world, tmp_path):
     """`aiayn train` killed in its first moments leaves a directory without config.yaml
     (empty, or with the tokenizer copy): --resume names the command that starts it again,
     changes no file, and that command works."""
@@ -336,7 +356,7 @@ def test_a_start_killed_before_config_yaml_names_its_way_on(world, tmp_path):
         assert load_train_state(run / "train_state.pt")["step"] == 2
 
 
-def test_a_real_kill_in_the_first_moments_leaves_a_way_on(world, tmp_path):
+def test_a_real_kill_in_the_first_moments_leaves_a_way_on(aiayn, world, tmp_path):
     run = tmp_path / "run"
     proc = start_train("--config", TINY, "--data", world["data"], "--out", run)
     deadline = time.time() + 60
@@ -358,7 +378,8 @@ def test_a_real_kill_in_the_first_moments_leaves_a_way_on(world, tmp_path):
     assert load_train_state(run / "train_state.pt")["step"] == 2
 
 
-def test_kills_at_random_moments_then_resumes_end_on_the_uninterrupted_weights(world, tmp_path):
+def test_kills_at_random_moments_then_resumes_end_on_the_uninterrupted_weights(aiayn, world,
+                                                                                tmp_path):
     """SIGKILL at three random moments of a one-thread run, each followed by --resume: the
     final weights equal an uninterrupted run's bit for bit."""
     import random
@@ -433,7 +454,7 @@ WORLD_RUN = ["--set", "train.max_steps=8", "--set", "train.save_every=4", "--set
 
 
 def test_a_kill_in_the_final_save_before_last_safetensors_is_finished_by_the_resume(
-        world, tmp_path):
+        aiayn, world, tmp_path):
     """Killed after the final save's train_state.pt, before its last.safetensors: the resume
     has no step left to train, and still leaves the final weights in last.safetensors (not
     those of the save before), as an uninterrupted run does."""
@@ -451,7 +472,8 @@ def test_a_kill_in_the_final_save_before_last_safetensors_is_finished_by_the_res
     assert_equal_weights(weights(run), weights(world["run"]))
 
 
-def test_a_kill_in_the_first_save_before_its_train_state_starts_the_run_over(world, tmp_path):
+def test_a_kill_in_the_first_save_before_its_train_state_starts_the_run_over(aiayn, world,
+                                                                             tmp_path):
     """Killed in the first save after its step checkpoint (and a validation's best weights)
     but before train_state.pt: nothing was saved to resume from, so --resume starts the run
     again, as for a kill before the first save, and ends on the uninterrupted run's weights."""
@@ -470,7 +492,7 @@ def test_a_kill_in_the_first_save_before_its_train_state_starts_the_run_over(wor
     assert_equal_weights(weights(run), weights(world["run"]))
 
 
-def test_train_force_replaces_the_run_files_and_nothing_else(world, tmp_path):
+def test_train_force_replaces_the_run_files_and_nothing_else(aiayn, world, tmp_path):
     run = copy_run(world, tmp_path)
     (run / "notes.txt").write_text("mine\n", encoding="utf-8")
     result = aiayn("train", "--config", TINY, "--data", world["data"], "--out", run, "--force",
@@ -482,7 +504,7 @@ def test_train_force_replaces_the_run_files_and_nothing_else(world, tmp_path):
 
 
 # ---------------------------------------------------------------- one writer
-def test_a_second_train_on_a_run_is_refused_and_the_first_resumes_exactly(world, tmp_path):
+def test_a_second_train_on_a_run_is_refused_and_the_first_resumes_exactly(aiayn, world, tmp_path):
     run = tmp_path / "run"
     first = subprocess.Popen(
         [sys.executable, "-m", "aiayn", "train", "--config", str(TINY), "--data",
@@ -514,7 +536,7 @@ def test_a_second_train_on_a_run_is_refused_and_the_first_resumes_exactly(world,
     assert load_train_state(run / "train_state.pt")["step"] == step + 3
 
 
-def test_prepare_force_replaces_prepared_data_only_when_not_in_use(world, tmp_path):
+def test_prepare_force_replaces_prepared_data_only_when_not_in_use(aiayn, world, tmp_path):
     data = tmp_path / "data"
     shutil.copytree(world["data"], data)
     with locked(data, "aiayn train", shared=True):  # as a training run holds it
@@ -530,7 +552,7 @@ def test_prepare_force_replaces_prepared_data_only_when_not_in_use(world, tmp_pa
     assert not (data / ".staging.tmp").exists() and not (data / ".lock").exists()
 
 
-def test_a_kill_during_prepare_leaves_the_old_prepared_data(world, tmp_path):
+def test_a_kill_during_prepare_leaves_the_old_prepared_data(aiayn, world, tmp_path):
     data = tmp_path / "data"
     shutil.copytree(world["data"], data)
     before = snapshot(data, folders=True)
@@ -556,7 +578,7 @@ def test_a_kill_during_prepare_leaves_the_old_prepared_data(world, tmp_path):
 
 
 # ---------------------------------------------------------------- line I/O
-def test_one_line_in_one_line_out_for_any_unicode(world, tmp_path):
+def test_one_line_in_one_line_out_for_any_unicode(aiayn, world, tmp_path):
     separators = ["\u2028", "\u2029", "\u0085", "\x0c", "\x0b", "\x1c", "\x1d", "\x1e", "\r"]
     lines = [f"the red{sep}cat" for sep in separators] + ["", "the dog\r"]
     data = "\ufeff" + "\n".join(lines) + "\n"
@@ -573,7 +595,7 @@ def test_one_line_in_one_line_out_for_any_unicode(world, tmp_path):
     assert plain.stdout.decode("utf-8").split("\n")[0] == out[0]
 
 
-def test_translations_are_written_as_utf8_under_an_ascii_locale(world, tmp_path):
+def test_translations_are_written_as_utf8_under_an_ascii_locale(aiayn, world, tmp_path):
     result = aiayn("translate", world["run"], "--beam", "1", stdin="the café\n".encode(),
                    env={"LANG": "C", "LC_ALL": "C", "PYTHONIOENCODING": "ascii",
                         "PYTHONUTF8": "0"})
@@ -581,7 +603,7 @@ def test_translations_are_written_as_utf8_under_an_ascii_locale(world, tmp_path)
     result.stdout.decode("utf-8")  # valid UTF-8 whatever the locale
 
 
-def test_an_over_long_sentence_is_one_warning_line(world, tmp_path):
+def test_an_over_long_sentence_is_one_warning_line(aiayn, world, tmp_path):
     result = aiayn("translate", world["run"], "--beam", "1",
                    stdin=(" ".join(["cat"] * 200) + "\n").encode("utf-8"))
     assert result.returncode == 0

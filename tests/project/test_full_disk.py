@@ -9,10 +9,10 @@ import errno
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from forked_cli import ForkedCLIs
 from helpers import assert_equal_weights, toy_tsv, weights
 
 from aiayn import cli
@@ -27,9 +27,13 @@ RUN_SETTINGS = ["--set", "train.max_steps=12", "--set", "train.save_every=4",
                 "--set", "train.eval_every=4", "--set", "train.keep_checkpoints=2"]
 
 
-def aiayn(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "aiayn", *map(str, args)], capture_output=True,
-                          timeout=300, cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "default"})
+@pytest.fixture(scope="module")
+def aiayn():
+    """`python -m aiayn ARGS`, each a process forked from one that has imported aiayn
+    (tests/forked_cli.py): ``subprocess.run``'s result."""
+    servers = ForkedCLIs(env={**os.environ, "PYTHONWARNINGS": "default"}, cwd=ROOT)
+    yield lambda *args: servers.run(*args, timeout=300)
+    servers.close()
 
 
 def one_error_line(stderr: str) -> str:
@@ -198,7 +202,7 @@ def test_a_resume_on_a_full_disk_changes_nothing(world, small_fs, capsys):
 
 
 # ---------------------------------------------------------------- refused before it starts
-def test_train_is_refused_before_it_starts_when_the_checkpoints_do_not_fit(world, small_fs):
+def test_train_is_refused_before_it_starts_when_the_checkpoints_do_not_fit(aiayn, world, small_fs):
     fill(small_fs, leave=256 << 10)
     run = small_fs / "run"
     result = aiayn("train", "--config", TINY, "--data", world["data"], "--out", run)
@@ -209,7 +213,7 @@ def test_train_is_refused_before_it_starts_when_the_checkpoints_do_not_fit(world
     assert sorted(p.name for p in small_fs.iterdir()) == ["filler"]
 
 
-def test_prepare_is_refused_before_it_starts_when_the_corpus_does_not_fit(world, small_fs):
+def test_prepare_is_refused_before_it_starts_when_the_corpus_does_not_fit(aiayn, world, small_fs):
     fill(small_fs, leave=3 * world["corpus"].stat().st_size // 2)
     out = small_fs / "data"
     result = aiayn("prepare", "--corpus", f"tsv:{world['corpus']}", "--config", TINY,
@@ -221,7 +225,7 @@ def test_prepare_is_refused_before_it_starts_when_the_corpus_does_not_fit(world,
     assert sorted(p.name for p in small_fs.iterdir()) == ["filler"]
 
 
-def test_export_is_refused_before_it_starts_when_the_model_does_not_fit(world, small_fs):
+def test_export_is_refused_before_it_starts_when_the_model_does_not_fit(aiayn, world, small_fs):
     pytest.importorskip("transformers")
     fill(small_fs, leave=64 << 10)
     out = small_fs / "new" / "hf"
@@ -266,7 +270,7 @@ def test_export_stopped_by_a_full_disk_leaves_nothing(world, small_fs, monkeypat
     assert sorted(p.name for p in small_fs.iterdir()) == ["filler"]
 
 
-def test_average_and_evaluate_on_a_full_disk_are_one_line_and_write_nothing(world, small_fs):
+def test_average_and_evaluate_on_a_full_disk_are_one_line_and_write_nothing(aiayn, world, small_fs):
     fill(small_fs, leave=4 << 10)
     avg = small_fs / "avg.safetensors"
     result = aiayn("average", world["run"], "--last", "2", "-o", avg)
@@ -284,7 +288,7 @@ def test_average_and_evaluate_on_a_full_disk_are_one_line_and_write_nothing(worl
     assert sorted(p.name for p in small_fs.iterdir()) == ["filler"]
 
 
-def test_the_metrics_log_and_a_plot_on_a_full_disk(small_fs):
+def test_the_metrics_log_and_a_plot_on_a_full_disk(aiayn, small_fs):
     from aiayn.runs.directory import MetricsLog
 
     run = small_fs / "run"
@@ -307,7 +311,7 @@ def test_the_metrics_log_and_a_plot_on_a_full_disk(small_fs):
     assert not [p for p in small_fs.rglob("*") if p.name.startswith(".")]
 
 
-def test_a_read_only_filesystem_is_one_line_naming_the_file(world, small_fs):
+def test_a_read_only_filesystem_is_one_line_naming_the_file(aiayn, world, small_fs):
     if subprocess.run(["mount", "-o", "remount,ro", str(small_fs)],
                       capture_output=True).returncode != 0:
         pytest.skip("cannot remount the tmpfs read-only here")
@@ -320,7 +324,7 @@ def test_a_read_only_filesystem_is_one_line_naming_the_file(world, small_fs):
 
 
 def test_translate_on_a_full_disk_leaves_nothing_or_whole_chunks_to_resume(
-        world, small_fs, tmp_path, monkeypatch, capsys):
+        aiayn, world, small_fs, tmp_path, monkeypatch, capsys):
     from aiayn.inference.translator import Translator
 
     source = tmp_path / "in.txt"
