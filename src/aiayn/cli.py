@@ -541,8 +541,9 @@ def _add_evaluate(sub) -> None:
     _add_weights(p)
     p.add_argument("-o", "--output", help="file for the hypotheses (default: "
                    "RUN_DIR/eval/SPLIT.WEIGHTS.beamK.alphaA.txt; greedy: .beam1.txt; with "
-                   "--no-repeat-ngram N: .norepeatN before .txt)")
-    p.add_argument("--limit", type=int, default=0, help="only the first N sentences (0: all)")
+                   "--no-repeat-ngram N: .norepeatN before .txt; with --limit N: .firstN)")
+    p.add_argument("--limit", type=int, default=0, help="only the first N sentences (0: all; "
+                   "written to files of their own, never over the whole split's)")
     _add_device(p)
     _add_engine(p)
 

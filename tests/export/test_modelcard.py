@@ -11,14 +11,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
 from export_helpers import needs_ct2, needs_hf
 
 from aiayn.data.tokenizer import Tokenizers
+from aiayn.evaluation.evaluate import evaluate_run
 from aiayn.export.command import export_run
 from aiayn.export.hf import HF_CODE
 from aiayn.export.modelcard import CARD_FILE, model_card
 from aiayn.inference.translator import Translator
-from aiayn.runs.checkpoint import STATE_VERSION, save_train_state, save_weights
+from aiayn.runs.checkpoint import STATE_VERSION, save_train_state, save_weights, weights_fingerprint
 from aiayn.runs.directory import load_run
 
 
@@ -63,15 +65,45 @@ def test_the_model_card_shows_the_runs_own_figures(run_dir, tmp_path):
                                              ("test.last.beam1", "last", 1, 19.87, 47.65)):
         (run / "eval" / f"{name}.json").write_text(json.dumps(
             {"split": "test", "weights": weights, "beam": beam, "alpha": 0.6, "sentences": 40,
-             "bleu": bleu, "chrf": chrf, **signatures}))
+             "bleu": bleu, "chrf": chrf, "limit": 0, "weights_step": "300" if weights == "best"
+             else None, "weights_sha256": weights_fingerprint(run / f"{weights}.safetensors"),
+             **signatures}))
     (run / "eval" / "dev.best.beam1.json").write_text(json.dumps(
         {"split": "dev", "weights": "best", "beam": 1, "alpha": 0.6, "sentences": 20,
          "bleu": 99.0, "chrf": 99.0}))  # the dev split: not a test figure
     evaluation = section(model_card(run, "hf"), "Evaluation")
-    assert "| best (exported) | beam 4, alpha 0.6 | 40 | 23.45 | 51.20 |" in evaluation
+    assert "| best (step 300) (exported) | beam 4, alpha 0.6 | 40 | 23.45 | 51.20 |" in evaluation
     assert "| last | greedy | 40 | 19.87 | 47.65 |" in evaluation
     assert "99" not in evaluation and "Not evaluated" not in evaluation
     assert all(f"`{sig}`" in evaluation for sig in signatures.values())
+
+
+def test_the_card_shows_a_test_figure_only_for_the_weights_that_gave_it(run_dir, tmp_path):
+    """`aiayn evaluate --limit N` writes a file of its own, not over the whole split's, and
+    the card leaves it out; weights saved again under the evaluated name (a resumed run's
+    new best) take the old figure off the card."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    config, model, _ = load_run(run)
+    save_weights(model, run / "best.safetensors", metadata={"step": "8"})  # as training saves it
+    whole = evaluate_run(run, "test", progress=False, device="cpu")
+    sample = evaluate_run(run, "test", limit=2, progress=False, device="cpu")
+    assert Path(sample["output"]).name.endswith(".first2.txt") and sample["sentences"] == 2
+    assert json.loads(Path(whole["scores_file"]).read_text())["sentences"] == whole["sentences"] > 2
+    search = "greedy" if whole["beam"] == 1 else f"beam {whole['beam']}, alpha {whole['alpha']}"
+    assert whole["weights_step"] == "8"
+    row = (f"| best (step 8) (exported) | {search} | {whole['sentences']} | "
+           f"{whole['bleu']:.2f} |")
+    evaluation = section(model_card(run, "hf"), "Evaluation")
+    assert row in evaluation
+    assert "Left out: 1 evaluation(s) of the first sentences only" in evaluation
+    # best.safetensors replaced by other weights: the figure no longer describes it
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    save_weights(model, run / "best.safetensors", metadata={"step": "999"})
+    evaluation = section(model_card(run, "hf"), "Evaluation")
+    assert "| best" not in evaluation and "Not evaluated on the test split" in evaluation
+    assert "1 of weights the run no longer holds under that name" in evaluation
 
 
 @needs_ct2

@@ -412,15 +412,15 @@ def test_cli_translate_and_evaluate_use_the_runs_search(run_dir, tmp_path, capsy
     assert told != out
     code, out, _ = run_cli(["evaluate", str(run), "--limit", "5"], capsys)
     assert code == 0 and "beam 3, alpha 1.5" in out
-    summary = json.loads((run / "eval" / "test.best.beam3.alpha1.5.json").read_text(
+    summary = json.loads((run / "eval" / "test.best.beam3.alpha1.5.first5.json").read_text(
         encoding="utf-8"))
     assert (summary["beam"], summary["alpha"]) == (3, 1.5)
     # the same beam with another alpha keeps its own files
     code, _, _ = run_cli(["evaluate", str(run), "--limit", "5", "--alpha", "0.6"], capsys)
     assert code == 0
     names = {p.name for p in (run / "eval").iterdir()}
-    assert {"test.best.beam3.alpha0.6.txt", "test.best.beam3.alpha1.5.txt"} <= names
-    assert json.loads((run / "eval" / "test.best.beam3.alpha1.5.json").read_text(
+    assert {"test.best.beam3.alpha0.6.first5.txt", "test.best.beam3.alpha1.5.first5.txt"} <= names
+    assert json.loads((run / "eval" / "test.best.beam3.alpha1.5.first5.json").read_text(
         encoding="utf-8"))["alpha"] == 1.5
 
 

@@ -293,7 +293,12 @@ def test_no_weights_best_names_the_step_checkpoints_that_exist(aiayn, world, tmp
     for name in ("best.safetensors", "last.safetensors"):
         (run / name).unlink()
     line = one_error_line(aiayn("translate", run, stdin=b"the red cat\n"))
-    assert "checkpoints/step_0000008.safetensors" in line and "--weights" in line
+    assert "available: checkpoints/step_0000008, checkpoints/step_0000004 (" in line
+    assert "--weights" in line
+    # what the line offers is what --weights takes, inside the run, with or without the suffix
+    for name in ("checkpoints/step_0000008", "checkpoints/step_0000008.safetensors"):
+        result = aiayn("translate", run, "--weights", name, stdin=b"the red cat\n")
+        assert result.returncode == 0 and result.stdout.count(b"\n") == 1, result.stderr.decode()
 
 
 def test_a_failed_resume_leaves_config_yaml_as_it_was(aiayn, world, tmp_path):

@@ -28,7 +28,8 @@ from aiayn.evaluation.metrics import STUTTER_N, Scores, score, stutter_share
 from aiayn.inference.settings import Search, resolve_search
 from aiayn.inference.translator import Translator, TruncationWarning
 from aiayn.model import OutputKernel, Transformer
-from aiayn.runs.directory import load_run_config, read_data_dir, run_decode
+from aiayn.runs.checkpoint import read_metadata, weights_fingerprint
+from aiayn.runs.directory import load_run_config, read_data_dir, resolve_weights, run_decode
 from aiayn.util.device import choose_device
 from aiayn.util.io import atomic_write_text, check_output_file
 from aiayn.util.threads import default_streams, parallel_map
@@ -181,7 +182,10 @@ def evaluate_run(run_dir: str | Path, split: str = "test", search: Search | None
     data_dir.txt. ``output``: default
     RUN_DIR/eval/SPLIT.WEIGHTS.beamK.alphaA.txt (greedy: SPLIT.WEIGHTS.beam1.txt; with a
     repetition guard .norepeatN before .txt: ``search_name``), so searches that differ in
-    alpha alone keep their own files. ``limit``: only the first N sentences (0: all).
+    alpha alone keep their own files. ``limit``: only the first N sentences (0: all; the
+    default name then ends .firstN.txt). The summary names the weights by their step and
+    the sha256 of their file (``weights_fingerprint``: the model card shows an evaluation
+    only for the weights it scored).
     ``decode_tokens``: the decoding budget (``Translator``'s). ``engine="ctranslate2"``:
     ``run_dir`` is an `aiayn export --to ctranslate2` directory, decoded by CTranslate2
     (WEIGHTS in the file name is then "ctranslate2"). ``int8``: aiayn's engine with its output
@@ -224,13 +228,17 @@ def evaluate_run(run_dir: str | Path, split: str = "test", search: Search | None
     own = translator.engine.own_model  # else the engine's name stands for its weights
     weights_name = Path(str(weights)).name.removesuffix(".safetensors") if own else engine
     weights_name += ".int8" if int8 else ""
+    first = f".first{limit}" if limit > 0 else ""  # a sample never replaces the whole split
     output = Path(output) if output else (
-        Path(run_dir) / "eval" / f"{split}.{weights_name}.{search_name(search)}.txt")
+        Path(run_dir) / "eval" / f"{split}.{weights_name}.{search_name(search)}{first}.txt")
+    weights_file = resolve_weights(run_dir, weights) if own else None
     atomic_write_text(output, "".join(h + "\n" for h in hypotheses))
     summary = {
         "run_dir": str(run_dir), "data_dir": str(data_dir),
         "weights": str(weights) if own else weights_name,
-        "split": split, "sentences": len(pairs), "beam": search.beam, "alpha": search.alpha,
+        "weights_step": read_metadata(weights_file).get("step") if own else None,
+        "weights_sha256": weights_fingerprint(weights_file) if own else None,
+        "split": split, "sentences": len(pairs), "limit": limit, "beam": search.beam, "alpha": search.alpha,
         "no_repeat_ngram": search.no_repeat_ngram,
         "loss": loss, "nll": nll,
         "bleu": scores.bleu, "bleu_signature": scores.bleu_signature, "bleu_tokenize": tokenize,

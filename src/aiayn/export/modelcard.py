@@ -23,6 +23,8 @@ from aiayn.errors import AiaynError
 from aiayn.export.base import without_local_paths
 from aiayn.export.hf import HF_CODE
 from aiayn.inspect.info import run_info
+from aiayn.runs.checkpoint import weights_fingerprint
+from aiayn.runs.directory import resolve_weights
 
 CARD_FILE = "README.md"
 
@@ -236,30 +238,63 @@ def _weights_step(info: dict, weights: str | Path) -> int | None:
 
 
 def _evaluation(run_dir: Path, info: dict, weights: str | Path) -> str:
-    rows = read_test_evaluations(run_dir)
+    rows, left_out = _current_evaluations(run_dir)
     lines = ["## Evaluation", ""]
     if not rows:
         lines.append("Not evaluated on the test split: the run has no test evaluation "
-                     "(eval/test.*.json). `aiayn evaluate RUN_DIR --split test` writes one; "
-                     "export again after it to have its figures here.")
-        return "\n".join(lines)
+                     "(eval/test.*.json) of the weights it holds. `aiayn evaluate RUN_DIR "
+                     "--split test` writes one; export again after it to have its figures here.")
+        return "\n".join(lines + left_out)
     lines += ["Test split, scored by sacreBLEU (`aiayn evaluate --split test`):", "",
               "| weights | search | sentences | BLEU | chrF |", "|---|---|---|---|---|"]
-    exported = Path(str(weights)).name.removesuffix(".safetensors")
+    exported = weights_fingerprint(resolve_weights(run_dir, weights))
     signatures: dict[str, None] = {}  # in order, each once
     for r in rows:
         search = "greedy" if r.get("beam") == 1 else f"beam {r.get('beam')}, alpha {r.get('alpha')}"
-        name = Path(str(r.get("weights"))).name.removesuffix(".safetensors")
-        mark = " (exported)" if name == exported else ""
+        step = f" (step {r['weights_step']})" if r.get("weights_step") else ""
+        mark = " (exported)" if r["weights_sha256"] == exported else ""
         chrf = f"{r['chrf']:.2f}" if isinstance(r.get("chrf"), (int, float)) else "?"
-        lines.append(f"| {without_local_paths(str(r.get('weights')))}{mark} | {search} | "
+        lines.append(f"| {without_local_paths(str(r.get('weights')))}{step}{mark} | {search} | "
                      f"{r.get('sentences')} | {r['bleu']:.2f} | {chrf} |")
         for key, label in (("bleu_signature", "BLEU"), ("chrf_signature", "chrF")):
             if r.get(key):
                 signatures[f"{label} `{r[key]}`"] = None
     if signatures:
         lines += ["", "sacreBLEU signatures: " + "; ".join(signatures) + "."]
-    return "\n".join(lines)
+    return "\n".join(lines + left_out)
+
+
+def _current_evaluations(run_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """The test evaluations of the whole split whose weights file still holds the weights
+    they scored (the sha256 they recorded), and a line for those left out: a figure on the
+    card is always one that the run's weights give."""
+    fingerprints: dict[Path, str] = {}
+
+    def current(name: str) -> str | None:
+        try:
+            path = resolve_weights(run_dir, name).resolve()
+        except AiaynError:
+            return None
+        if path not in fingerprints:
+            fingerprints[path] = weights_fingerprint(path)
+        return fingerprints[path]
+
+    rows, partial, replaced = [], 0, 0
+    for r in read_test_evaluations(run_dir):
+        if r.get("limit"):
+            partial += 1
+        elif r.get("weights_sha256") and r["weights_sha256"] == current(str(r.get("weights"))):
+            rows.append(r)
+        else:
+            replaced += 1
+    left_out = []
+    if partial:
+        left_out.append(f"{partial} evaluation(s) of the first sentences only (`--limit`)")
+    if replaced:
+        left_out.append(f"{replaced} of weights the run no longer holds under that name (saved "
+                        "again since, or evaluated before aiayn recorded which weights it scored)")
+    note = ["", f"Left out: {'; '.join(left_out)}."] if left_out else []
+    return rows, note
 
 
 def _decoding(config: Config, target: str) -> str:

@@ -9,6 +9,7 @@ What else a run directory holds, and where: ``aiayn.runs.directory``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -93,6 +94,16 @@ def read_metadata(path: str | Path) -> dict[str, str]:
             return fh.metadata() or {}
     except (SafetensorError, OSError, ValueError) as exc:
         raise AiaynError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
+def weights_fingerprint(path: str | Path) -> str:
+    """The sha256 of a weights file's bytes: which weights an evaluation scored, so that
+    its figures are never shown for other weights saved later under the same name."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:

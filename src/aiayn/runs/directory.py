@@ -200,17 +200,22 @@ def moved_data_line(data_dir: Path, named_by: Path) -> str:
 
 # ---------------------------------------------------------------- loading a run
 def resolve_weights(run_dir: str | Path, weights: str | Path = "best") -> Path:
-    """``best``/``last`` (or any NAME with RUN_DIR/NAME.safetensors) or a file path."""
+    """``best``/``last`` (or any NAME with RUN_DIR/NAME.safetensors), a file inside the run
+    directory (``checkpoints/step_0001000.safetensors``, with or without the suffix) or a
+    file path."""
     run_dir = Path(run_dir)
-    named = run_dir / f"{weights}.safetensors"
+    stem = str(weights).removesuffix(".safetensors")
+    named = run_dir / f"{stem}.safetensors"
     if named.is_file():
         return named
     path = Path(weights)
     if path.is_file():
         return path
     available = sorted(p.stem for p in run_dir.glob("*.safetensors")) + \
-        [str(p) for p in reversed(list_step_checkpoints(run_dir))]
-    hint = (f"available: {', '.join(available[:4])} (choose with --weights)" if available
+        [str(p.relative_to(run_dir).with_suffix("")) for p in reversed(list_step_checkpoints(run_dir))]
+    more = f" and {len(available) - 4} more" if len(available) > 4 else ""
+    hint = (f"available: {', '.join(available[:4])}{more} (choose with --weights; `aiayn info "
+            f"{run_dir}` lists them all)" if available
             else "it holds no weights; has `aiayn train` saved any yet?")
     raise AiaynError(f"{run_dir}: no weights {str(weights)!r} (looked for {named} and "
                      f"{path}); {hint}")
