@@ -121,6 +121,18 @@ def test_fine_tuning_lowers_the_new_corpus_dev_loss_and_keeps_the_vocabulary(
     assert aiayn.run_info(tuned)["init_from"]["step"] == 60
 
 
+def test_a_new_run_records_the_corpus_its_data_was_prepared_from(second_corpus, tmp_path):
+    """A preset names its own corpus (configs/tiny.yaml the Bible's); a run trained from it
+    on data prepared from another records that other corpus, as the data's stats.json says."""
+    run = tmp_path / "run"
+    assert load_config(TINY).data.corpus.startswith("bible:")
+    run_train("--config", TINY, "--data", str(second_corpus), "--out", str(run),
+              *sets(max_steps=1, eval_every=10, save_every=10))
+    recorded = load_config(run / "config.yaml").data.corpus
+    assert recorded == json.loads((second_corpus / "stats.json").read_text())["corpus"]
+    assert recorded.startswith("tsv:")
+
+
 def test_the_new_run_starts_from_exactly_the_given_weights(base_run, second_corpus, tmp_path):
     """One update at a learning rate of 1e-10 leaves the weights where they started: the
     named ones (best here), not a fresh initialisation."""

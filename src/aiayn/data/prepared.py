@@ -179,6 +179,16 @@ class Prepared:
         return examples, list(self.dev)
 
 
+def prepared_corpus(data_dir: str | Path) -> str | None:
+    """The corpus spec a prepared data directory was made from (its stats.json), or None
+    where it cannot be read: what a run trained on it records as ``data.corpus``."""
+    try:
+        corpus = json.loads((Path(data_dir) / STATS_FILE).read_text(encoding="utf-8"))["corpus"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return corpus if isinstance(corpus, str) else None
+
+
 def load_prepared(data_dir: str | Path, log: Callable[[str], object] = print) -> Prepared:
     """Open what ``prepare`` wrote; a clear error when something is missing. The text of
     a split is read when first used."""

@@ -11,12 +11,13 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from torch import nn
 
 from aiayn.config import Config
+from aiayn.data.prepared import prepared_corpus
 from aiayn.errors import AiaynError
 from aiayn.runs.checkpoint import (
     tensors_size,
@@ -137,7 +138,10 @@ class RunStart:
         assert data_dir is not None  # check_run_request
         if init_from is None:
             assert config is not None  # check_run_request
-            return cls(config, Path(data_dir))
+            # The run records the corpus its data was prepared from, not the config's (a
+            # preset names the Bible; own data was prepared from its own file).
+            corpus = prepared_corpus(data_dir) or config.data.corpus
+            return cls(replace(config, data=replace(config.data, corpus=corpus)), Path(data_dir))
         init = InitFrom.parse(init_from)  # fine-tuning: that run's shape and tokenizers
         init.check_data(Path(data_dir))
         return cls(init.config_for_new_run(config, overrides, Path(data_dir)), Path(data_dir),

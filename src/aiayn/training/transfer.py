@@ -36,7 +36,7 @@ from safetensors import safe_open
 
 from aiayn.config import Config, ModelConfig, load_config
 from aiayn.data.prepare import prepare
-from aiayn.data.prepared import TOKENIZER_DIR
+from aiayn.data.prepared import TOKENIZER_DIR, prepared_corpus
 from aiayn.data.tokenizer import META_FILE, Tokenizers, tokenizer_fingerprint
 from aiayn.errors import AiaynError
 from aiayn.runs.checkpoint import load_weights
@@ -127,7 +127,7 @@ class InitFrom:
                     f"(only model.{' and model.'.join(FREE_MODEL_FIELDS)} may change)")
         model = replace(base.model, **{k: getattr(given.model, k) for k in FREE_MODEL_FIELDS})
         data = replace(given.data, **{k: getattr(base.data, k) for k in TOKENIZER_FIELDS})
-        data.corpus = _prepared_corpus(data_dir) or data.corpus
+        data.corpus = prepared_corpus(data_dir) or data.corpus
         return Config(model=model, data=data, train=given.train, decode=given.decode)
 
     def check_data(self, data_dir: str | Path) -> None:
@@ -145,15 +145,6 @@ class InitFrom:
                 "step": int(meta["step"]) if meta.get("step", "").isdigit() else None,
                 "tokenizer_sha256": tokenizer_fingerprint(self.run_dir / "tokenizer")}
         atomic_write_text(Path(new_run) / INIT_FILE, json.dumps(info, indent=2) + "\n")
-
-
-def _prepared_corpus(data_dir: str | Path) -> str | None:
-    """The corpus spec a prepared data directory was made from (its stats.json)."""
-    try:
-        corpus = json.loads((Path(data_dir) / "stats.json").read_text(encoding="utf-8"))["corpus"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return corpus if isinstance(corpus, str) else None
 
 
 def read_init_from(run_dir: str | Path) -> dict[str, Any] | None:
