@@ -43,7 +43,7 @@ from aiayn.inspect.doctor import doctor
 from aiayn.inspect.info import format_info, run_info
 from aiayn.inspect.trace import format_trace, trace_batch, trace_forward
 from aiayn.model import Transformer
-from aiayn.runs.checkpoint import average_checkpoints
+from aiayn.runs.checkpoint import average_checkpoints, load_train_state
 from aiayn.runs.directory import checkpoints_to_average, read_metrics, run_decode
 from aiayn.training.admission import check_run_request
 from aiayn.training.loop import train
@@ -970,9 +970,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _unknown_arguments(parser: argparse.ArgumentParser, command: str, extra: list[str]):
+    """Arguments no option of ``command`` takes: one line, pointing to that command's help;
+    words given to `aiayn translate` are most likely the sentence itself."""
+    hint = ""
+    if command == "translate" and not any(word.startswith("-") for word in extra):
+        hint = ("; translate reads its sentences from stdin or -i FILE, e.g. `echo 'TEXT' | "
+                "aiayn translate RUN_DIR`")
+    parser.exit(2, f"aiayn: error: unrecognized arguments: {' '.join(extra)}{hint} "
+                f"(see `aiayn {command} --help`)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     _utf8_streams()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _unknown_arguments(parser, args.command, extra)
     _, run = COMMANDS[args.command]
     try:
         with _warnings_as_lines():
@@ -994,8 +1008,20 @@ def main(argv: list[str] | None = None) -> int:
         return _error(f"out of memory ({str(exc).splitlines()[0][:120]}); use smaller batches "
                       "(--decode-tokens, or train.max_tokens in training)")
     except KeyboardInterrupt:
-        print("aiayn: interrupted", file=sys.stderr)
+        print(f"aiayn: interrupted{_way_on(args)}", file=sys.stderr)
         return 130
+
+
+def _way_on(args) -> str:
+    """For an interrupted `aiayn train`: the command that goes on, and from which step."""
+    run = (args.resume or args.out) if args.command == "train" else None
+    if not run or not (Path(run) / "config.yaml").is_file():
+        return ""
+    try:
+        step = load_train_state(Path(run) / "train_state.pt")["step"]
+    except (AiaynError, OSError, KeyError, TypeError):
+        return f"; `aiayn train --resume {run}` starts it again (no checkpoint was saved yet)"
+    return f"; `aiayn train --resume {run}` goes on from step {step}, its last checkpoint"
 
 
 def _error(line: str) -> int:

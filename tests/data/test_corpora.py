@@ -231,6 +231,19 @@ def test_seeded_split_is_reproducible_and_depends_on_the_seed(tmp_path):
         assert [line[p] for p in a[name]] == sorted(line[p] for p in a[name])
 
 
+def test_too_few_pairs_to_hold_out_names_the_fix_that_can_work(tmp_path):
+    """Two pairs cannot give a train, a dev and a test pair whatever the fractions: the line
+    asks for more pairs or split files; where smaller fractions would do, it says so."""
+    two = write(tmp_path / "two.tsv", "The cat sleeps.\tEl gato duerme.\nGood day.\tBuen día.\n")
+    with pytest.raises(AiaynError, match=r"only 2 training pairs, too few to hold out 1 dev and "
+                                         r"1 test pairs; give more pairs .* or dev/test files"):
+        first_pass(f"tsv:{two}", DataConfig(), tmp_path)
+    ten = write(tmp_path / "ten.tsv", "".join(f"{s}\t{t}\n" for s, t in numbered_pairs(10)))
+    with pytest.raises(AiaynError, match=r"too few to hold out 5 dev and 5 test pairs; lower "
+                                         r"data.dev_fraction"):
+        first_pass(f"tsv:{ten}", DataConfig(dev_fraction=0.5, test_fraction=0.5), tmp_path)
+
+
 def test_tsv_extra_columns_ignored_and_missing_tab_is_an_error(tmp_path):
     good = write(tmp_path / "g.tsv", "a b\tc d\tCC-BY attribution\n" * 5)
     _, splits = first_pass(f"tsv:{good}", DataConfig(dev_fraction=0.2, test_fraction=0.2),

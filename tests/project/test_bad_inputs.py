@@ -121,7 +121,10 @@ CASES = [
     ("export --to onnx", ["export", "RUN", "--to", "onnx", "--out", "TMP/x"],
      "argument --to: invalid choice: 'onnx'", None),
     ("an unknown option", ["translate", "RUN", "--bem", "4"],
-     "unrecognized arguments: --bem 4 (see `aiayn --help`)", None),
+     "unrecognized arguments: --bem 4 (see `aiayn translate --help`)", None),
+    ("a sentence given to translate", ["translate", "RUN", "The Lord is my shepherd."],
+     "unrecognized arguments: The Lord is my shepherd.; translate reads its sentences from "
+     "stdin or -i FILE", None),
     ("a number that is not", ["translate", "RUN", "--beam", "four"],
      "argument --beam: invalid int value: 'four' (see `aiayn translate --help`)", None),
     # 1. what used to end in a traceback
@@ -539,6 +542,30 @@ def test_a_second_train_on_a_run_is_refused_and_the_first_resumes_exactly(aiayn,
     result = aiayn("train", "--resume", run, "--set", f"train.max_steps={step + 3}")
     assert result.returncode == 0, result.stderr.decode()
     assert load_train_state(run / "train_state.pt")["step"] == step + 3
+
+
+def test_ctrl_c_in_train_names_the_resume_and_its_step(world, tmp_path):
+    run = tmp_path / "run"
+    first = subprocess.Popen(
+        [sys.executable, "-m", "aiayn", "train", "--config", str(TINY), "--data",
+         str(world["data"]), "--out", str(run), "--set", "train.max_steps=100000",
+         "--set", "train.save_every=5", "--set", "train.eval_every=100000",
+         "--set", "train.cpu_threads=1"], cwd=ROOT, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 60
+        while not (run / "train_state.pt").exists() and time.time() < deadline:
+            time.sleep(0.2)
+        first.send_signal(signal.SIGINT)
+        _, err = first.communicate(timeout=60)
+    finally:
+        first.kill()
+    assert first.returncode == 130
+    lines = [line for line in err.decode().replace("\r", "\n").splitlines()
+             if line.startswith("aiayn:")]
+    step = load_train_state(run / "train_state.pt")["step"]
+    assert lines == [f"aiayn: interrupted; `aiayn train --resume {run}` goes on from step "
+                     f"{step}, its last checkpoint"], err.decode()
 
 
 def test_prepare_force_replaces_prepared_data_only_when_not_in_use(aiayn, world, tmp_path):

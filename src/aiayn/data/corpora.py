@@ -157,11 +157,13 @@ def held_out_positions(n_train: int, given: set[str], cfg: DataConfig, spec: str
     sizes = {name: min(math.ceil(frac * n_train), cfg.held_out_max)
              for name, frac in held_out.items()}
     if sum(sizes.values()) >= n_train:
+        # One pair a split is the least a fraction holds out: below that only more pairs help.
+        fix = ("give more pairs (a corpus needs thousands) or dev/test files (tsv:DIR/{split}.tsv)"
+               if max(sizes.values()) <= 1 else
+               "lower data.dev_fraction / data.test_fraction or give dev/test files")
         raise AiaynError(
             f"{spec}: only {n_train} training pairs, too few to hold out "
-            + " and ".join(f"{n} {name}" for name, n in sizes.items())
-            + " pairs; lower data.dev_fraction / data.test_fraction or give dev/test files"
-        )
+            + " and ".join(f"{n} {name}" for name, n in sizes.items()) + f" pairs; {fix}")
     drawn = np.random.default_rng(cfg.split_seed).choice(n_train, sum(sizes.values()),
                                                          replace=False)
     chosen, start = {}, 0
