@@ -292,7 +292,9 @@ def _prepare_summary(stats: dict, out: str) -> str:
         *([] if several else _languages_line(stats.get("languages"))),
         f"splits   train {splits['train']}, dev {splits['dev']}, test {splits['test']} "
         f"({stats['split_rule']})",
-        f"tokens   {tok['kind']}, {vocab} (learnt from {tok['trained_on_pairs']} train pairs); "
+        f"tokens   {tok['kind']}, {vocab} ("
+        + (f"learnt from {tok['trained_on_pairs']} train pairs" if tok['trained_on_pairs']
+           else "a trained run's, copied") + "); "
         f"train lengths p50/p99/max src "
         f"{lengths['src']['p50']}/{lengths['src']['p99']}/{lengths['src']['p100']}, tgt "
         f"{lengths['tgt']['p50']}/{lengths['tgt']['p99']}/{lengths['tgt']['p100']}",
@@ -573,7 +575,8 @@ def _run_evaluate(args) -> int:
         f"stutter {100 * repeats['hypotheses']:.1f}% of the translations repeat a "
         f"{repeats['n']}-gram of words, {100 * repeats['references']:.1f}% of the references",
         f"speed {r['sentences_per_s']:.1f} sentences/s, {r['tokens_per_s']:.0f} tokens/s "
-        f"({r['seconds']:.1f} s on {r['device']}, {r['threads']} threads, {r['engine']})",
+        f"({r['seconds']:.1f} s on {r['device']}, {r['threads']} thread"
+        f"{'' if r['threads'] == 1 else 's'}, {r['engine']})",
         f"wrote {r['output']} and {r['scores_file']}",
     ]))
     return 0

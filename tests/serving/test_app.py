@@ -327,6 +327,16 @@ def test_malformed_requests_get_422_with_one_line(client, path, body, words):
     assert_clean_error(response, 422, words)
 
 
+def test_a_json_body_sent_as_a_form_names_the_header(client):
+    """`curl -d '{...}'` sends application/x-www-form-urlencoded: the line says what to add."""
+    response = client.post("/translate", content='{"text": ["red"]}',
+                           headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert_clean_error(response, 422, "Content-Type: application/json")
+    response = client.post("/translate", content='{"txt": ["red"]}',
+                           headers={"Content-Type": "application/json"})
+    assert "Content-Type" not in response.json()["error"]
+
+
 @pytest.mark.parametrize("path, body, words", [
     # strict types: a string or a boolean is not converted to a number
     ("/translate", '{"text": ["red"], "beam": "4"}', "body.beam: Input should be a valid integer"),

@@ -144,7 +144,7 @@ def with_tag(texts: list[str], tags: dict[str, str], to: str | None, what: str) 
     if not tags:
         if to is not None:
             raise AiaynError(f"{what} translates in one direction and has no direction tags; "
-                             "drop --to (Python: to=)")
+                             "drop --to (Python: to=; serve: \"to\")")
         return texts
     if to is not None and to not in tags:
         raise AiaynError(f"{what} does not translate into {to!r}; it translates into "

@@ -215,7 +215,8 @@ def _training(info: dict, weights: str | Path) -> str:
     if t:
         tokens = f", {t['tokens']:,} target tokens" if isinstance(t.get("tokens"), int) else ""
         lines.append(f"{t['step']:,} steps ({t['epoch']} epochs{tokens}) in "
-                     f"{t['minutes']:.1f} minutes on {t['world_size']} process(es).")
+                     f"{t['minutes']:.1f} minutes on {t['world_size']} "
+                     f"process{'' if t['world_size'] == 1 else 'es'}.")
     else:
         lines.append("The run holds no train_state.pt: its steps and time are not known.")
     step = _weights_step(info, weights)

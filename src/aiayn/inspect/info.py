@@ -181,7 +181,9 @@ def format_info(info: dict[str, Any]) -> str:
     lines.append("best       " + _describe_dev(
         info["best"], f"best.safetensors, by dev {(info['best'] or {}).get('metric')}"))
     lines.append("last dev   " + _describe_dev(info["last_dev"], ""))
-    weights = ", ".join(f"{w['file']} (step {w['step']})" for w in info["weights"])
+    weights = ", ".join(f"{w['file']} (step {w['step']})" if w["step"] is not None
+                        else f"{w['file']} (no step: averaged or written outside training)"
+                        for w in info["weights"])
     lines.append(f"weights    {weights or 'none'}")
     return "\n".join(lines)
 

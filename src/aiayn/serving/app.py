@@ -198,7 +198,10 @@ def create_app(service: ModelService, limits: ServeLimits | None = None) -> Fast
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError):
-        return _error(422, _validation_line(exc.errors()))
+        line = _validation_line(exc.errors())
+        if "json" not in request.headers.get("content-type", ""):  # curl -d sends a form type
+            line += "; send the body as JSON with the header Content-Type: application/json"
+        return _error(422, line)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):  # 404, 405, ...
