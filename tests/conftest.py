@@ -15,6 +15,7 @@ SLOW_FIXTURES = frozenset({
     "bible_stream", "bible_prepared", "run_dir", "translator", "service", "client", "server",
     "world", "small_fs", "data_dir", "trained_run", "random_translator", "steps_att",
     "base_run", "second_corpus", "demo_run", "healthy", "validated", "executed", "reversal",
+    "tagged_run_dir",
 })
 
 
