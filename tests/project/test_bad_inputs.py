@@ -512,18 +512,25 @@ def test_train_force_replaces_the_run_files_and_nothing_else(aiayn, world, tmp_p
 
 
 # ---------------------------------------------------------------- one writer
-def test_a_second_train_on_a_run_is_refused_and_the_first_resumes_exactly(aiayn, world, tmp_path):
-    run = tmp_path / "run"
-    first = subprocess.Popen(
+def saving_train(world, run: Path) -> subprocess.Popen:
+    """`aiayn train` of a long run in a process of its own (stderr piped), once it has saved
+    its first checkpoint (train_state.pt, every 5 steps)."""
+    process = subprocess.Popen(
         [sys.executable, "-m", "aiayn", "train", "--config", str(TINY), "--data",
          str(world["data"]), "--out", str(run), "--set", "train.max_steps=100000",
          "--set", "train.save_every=5", "--set", "train.eval_every=100000",
          "--set", "train.cpu_threads=1"], cwd=ROOT, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE)
+    deadline = time.time() + 60
+    while not (run / "train_state.pt").exists() and time.time() < deadline:
+        time.sleep(0.2)
+    return process
+
+
+def test_a_second_train_on_a_run_is_refused_and_the_first_resumes_exactly(aiayn, world, tmp_path):
+    run = tmp_path / "run"
+    first = saving_train(world, run)
     try:
-        deadline = time.time() + 60
-        while not (run / "train_state.pt").exists() and time.time() < deadline:
-            time.sleep(0.2)
         assert (run / "train_state.pt").exists()
         attempts = [("train", "--resume", run),
                     ("train", "--config", TINY, "--data", world["data"], "--out", run, "--force"),
@@ -546,16 +553,9 @@ def test_a_second_train_on_a_run_is_refused_and_the_first_resumes_exactly(aiayn,
 
 def test_ctrl_c_in_train_names_the_resume_and_its_step(world, tmp_path):
     run = tmp_path / "run"
-    first = subprocess.Popen(
-        [sys.executable, "-m", "aiayn", "train", "--config", str(TINY), "--data",
-         str(world["data"]), "--out", str(run), "--set", "train.max_steps=100000",
-         "--set", "train.save_every=5", "--set", "train.eval_every=100000",
-         "--set", "train.cpu_threads=1"], cwd=ROOT, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE)
+    first = saving_train(world, run)
     try:
-        deadline = time.time() + 60
-        while not (run / "train_state.pt").exists() and time.time() < deadline:
-            time.sleep(0.2)
+        assert (run / "train_state.pt").exists()
         first.send_signal(signal.SIGINT)
         _, err = first.communicate(timeout=60)
     finally:
