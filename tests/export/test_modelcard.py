@@ -88,6 +88,7 @@ def test_the_card_shows_a_test_figure_only_for_the_weights_that_gave_it(run_dir,
     save_weights(model, run / "best.safetensors", metadata={"step": "8"})  # as training saves it
     whole = evaluate_run(run, "test", progress=False, device="cpu")
     sample = evaluate_run(run, "test", limit=2, progress=False, device="cpu")
+    int8 = evaluate_run(run, "test", progress=False, device="cpu", int8=True)
     assert Path(sample["output"]).name.endswith(".first2.txt") and sample["sentences"] == 2
     assert json.loads(Path(whole["scores_file"]).read_text())["sentences"] == whole["sentences"] > 2
     search = "greedy" if whole["beam"] == 1 else f"beam {whole['beam']}, alpha {whole['alpha']}"
@@ -96,6 +97,8 @@ def test_the_card_shows_a_test_figure_only_for_the_weights_that_gave_it(run_dir,
            f"{whole['bleu']:.2f} |")
     evaluation = section(model_card(run, "hf"), "Evaluation")
     assert row in evaluation
+    assert (f"{search}, int8 output layer | {int8['sentences']} | {int8['bleu']:.2f} |"
+            in evaluation)  # the int8 figure is not the exported model's own
     assert "Left out: 1 evaluation(s) of the first sentences only" in evaluation
     # best.safetensors replaced by other weights: the figure no longer describes it
     with torch.no_grad():
@@ -103,7 +106,7 @@ def test_the_card_shows_a_test_figure_only_for_the_weights_that_gave_it(run_dir,
     save_weights(model, run / "best.safetensors", metadata={"step": "999"})
     evaluation = section(model_card(run, "hf"), "Evaluation")
     assert "| best" not in evaluation and "Not evaluated on the test split" in evaluation
-    assert "1 of weights the run no longer holds under that name" in evaluation
+    assert "2 of weights the run no longer holds under that name" in evaluation  # fp32, int8
 
 
 @needs_ct2

@@ -249,6 +249,7 @@ def evaluate_run(run_dir: str | Path, split: str = "test", search: Search | None
         "seconds": speed.seconds, "sentences_per_s": speed.sentences_per_s,
         "tokens_per_s": speed.tokens_per_s, "truncated_sources": speed.truncated,
         "threads": torch.get_num_threads(), "device": translator.device.type, "engine": engine,
+        "int8": int8,
         "output": str(output), "scores_file": str(output.with_suffix(".json")),
     }
     atomic_write_text(output.with_suffix(".json"), json.dumps(summary, indent=2) + "\n")

@@ -252,6 +252,7 @@ def _evaluation(run_dir: Path, info: dict, weights: str | Path) -> str:
     signatures: dict[str, None] = {}  # in order, each once
     for r in rows:
         search = "greedy" if r.get("beam") == 1 else f"beam {r.get('beam')}, alpha {r.get('alpha')}"
+        search += ", int8 output layer" if r.get("int8") else ""  # not what the export computes
         step = f" (step {r['weights_step']})" if r.get("weights_step") else ""
         mark = " (exported)" if r["weights_sha256"] == exported else ""
         chrf = f"{r['chrf']:.2f}" if isinstance(r.get("chrf"), (int, float)) else "?"
