@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -76,16 +78,18 @@ class ForkedCLI:
         self.files = Path(tempfile.mkdtemp(prefix="forked-cli-"))
         self.import_err = self.files / "import.err"
         with open(self.import_err, "wb") as err:
+            # A session of its own: a command that hangs is killed with its server (and its
+            # children) as one process group.
             self.server = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE,
                                            stdout=subprocess.PIPE, stderr=err, cwd=self.cwd,
-                                           env=env)
+                                           env=env, start_new_session=True)
         self.import_out = b""  # what the import printed: the lines before "ready"
         while (line := self.server.stdout.readline()) not in (b"ready\n", b""):
             self.import_out += line
         if not line:
             raise RuntimeError("the forked CLI's server did not start: "
                                + self.import_err.read_text(errors="replace"))
-        self.lock, self.count = threading.Lock(), 0
+        self.lock, self.count, self.dead = threading.Lock(), 0, False
 
     def run(self, *args, stdin: bytes | None = None, cwd: Path | None = None,
             timeout: float = 120) -> subprocess.CompletedProcess:
@@ -97,7 +101,12 @@ class ForkedCLI:
             ask = {"argv": argv, "cwd": str(cwd or self.cwd), **{k: str(v) for k, v in paths.items()}}
             self.server.stdin.write((json.dumps(ask) + "\n").encode())
             self.server.stdin.flush()
-            reply = _read_line(self.server.stdout, timeout)
+            try:
+                reply = _read_line(self.server.stdout, timeout)
+            except TimeoutError:  # as subprocess.run: the command is killed, then raised
+                self.kill()
+                raise subprocess.TimeoutExpired([sys.executable, "-m", "aiayn", *argv],
+                                                timeout) from None
             out, err = paths["stdout"].read_bytes(), paths["stderr"].read_bytes()
             for path in paths.values():
                 path.unlink()
@@ -105,12 +114,25 @@ class ForkedCLI:
             [sys.executable, "-m", "aiayn", *argv], json.loads(reply),
             self.import_out + out, self.import_err.read_bytes() + err)
 
+    def kill(self) -> None:
+        """The server, its command and that command's children, at once."""
+        self.dead = True
+        try:
+            os.killpg(self.server.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.server.wait()
+
     def close(self) -> None:
-        self.server.stdin.close()
-        self.server.wait(timeout=30)
-        for path in self.files.iterdir():
-            path.unlink()
-        self.files.rmdir()
+        try:
+            if not self.dead:
+                self.server.stdin.close()
+                try:
+                    self.server.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    self.kill()
+        finally:
+            shutil.rmtree(self.files, ignore_errors=True)
 
 
 def _read_line(stream, timeout: float) -> bytes:
@@ -144,9 +166,13 @@ class ForkedCLIs:
         try:
             return server.run(*args, **kwargs)
         finally:
-            with self.lock:
-                self.idle.append(server)
+            if not server.dead:  # one whose command hung was killed: never used again
+                with self.lock:
+                    self.idle.append(server)
 
     def close(self) -> None:
         for server in self.all:
-            server.close()
+            try:
+                server.close()
+            except Exception:  # noqa: BLE001 (close the others whatever this one did)
+                server.kill()

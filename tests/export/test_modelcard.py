@@ -11,10 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from export_helpers import needs_ct2, needs_hf
 
 from aiayn.data.tokenizer import Tokenizers
+from aiayn.errors import AiaynError
 from aiayn.evaluation.evaluate import evaluate_run
 from aiayn.export.command import export_run
 from aiayn.export.hf import HF_CODE
@@ -107,6 +109,30 @@ def test_the_card_shows_a_test_figure_only_for_the_weights_that_gave_it(run_dir,
     evaluation = section(model_card(run, "hf"), "Evaluation")
     assert "| best" not in evaluation and "Not evaluated on the test split" in evaluation
     assert "2 of weights the run no longer holds under that name" in evaluation  # fp32, int8
+
+
+def test_weights_saved_again_during_an_evaluation_are_refused_not_recorded(
+        run_dir, tmp_path, monkeypatch):
+    """A training run that saves best.safetensors while `aiayn evaluate` translates with the
+    weights it had: the evaluation writes nothing rather than a figure under the new ones."""
+    import aiayn.evaluation.evaluate as evaluate_module
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    config, model, _ = load_run(run)
+    translate = evaluate_module.translate_and_score
+
+    def and_save_again(*args, **kwargs):
+        done = translate(*args, **kwargs)
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)
+        save_weights(model, run / "best.safetensors", metadata={"step": "999"})
+        return done
+
+    monkeypatch.setattr(evaluate_module, "translate_and_score", and_save_again)
+    with pytest.raises(AiaynError, match="best.safetensors was saved again while it was being read"):
+        evaluate_run(run, "test", progress=False, device="cpu")
+    assert not (run / "eval").exists() or not list((run / "eval").iterdir())
 
 
 @needs_ct2

@@ -28,7 +28,7 @@ from aiayn.evaluation.metrics import STUTTER_N, Scores, score, stutter_share
 from aiayn.inference.settings import Search, resolve_search
 from aiayn.inference.translator import Translator, TruncationWarning
 from aiayn.model import OutputKernel, Transformer
-from aiayn.runs.checkpoint import read_metadata, weights_fingerprint
+from aiayn.runs.checkpoint import check_unchanged, read_metadata, weights_fingerprint
 from aiayn.runs.directory import load_run_config, read_data_dir, resolve_weights, run_decode
 from aiayn.util.device import choose_device
 from aiayn.util.io import atomic_write_text, check_output_file
@@ -203,6 +203,9 @@ def evaluate_run(run_dir: str | Path, split: str = "test", search: Search | None
     translator = Translator.from_pretrained(run_dir, weights, device=choose_device(device),
                                             decode_tokens=decode_tokens, bf16=bf16, engine=engine,
                                             int8=int8)
+    # Which weights are scored: hashed as they were loaded, checked again before writing.
+    weights_file = resolve_weights(run_dir, weights) if translator.engine.own_model else None
+    fingerprint = weights_fingerprint(weights_file) if weights_file else None
     translator.check(search)  # what the model and the decoding budget can hold
     data_dir = Path(data_dir) if data_dir else read_data_dir(run_dir)
     prepared = load_prepared(data_dir)
@@ -231,13 +234,14 @@ def evaluate_run(run_dir: str | Path, split: str = "test", search: Search | None
     first = f".first{limit}" if limit > 0 else ""  # a sample never replaces the whole split
     output = Path(output) if output else (
         Path(run_dir) / "eval" / f"{split}.{weights_name}.{search_name(search)}{first}.txt")
-    weights_file = resolve_weights(run_dir, weights) if own else None
+    if weights_file:
+        check_unchanged(weights_file, fingerprint)
     atomic_write_text(output, "".join(h + "\n" for h in hypotheses))
     summary = {
         "run_dir": str(run_dir), "data_dir": str(data_dir),
         "weights": str(weights) if own else weights_name,
-        "weights_step": read_metadata(weights_file).get("step") if own else None,
-        "weights_sha256": weights_fingerprint(weights_file) if own else None,
+        "weights_step": read_metadata(weights_file).get("step") if weights_file else None,
+        "weights_sha256": fingerprint,
         "split": split, "sentences": len(pairs), "limit": limit, "beam": search.beam, "alpha": search.alpha,
         "no_repeat_ngram": search.no_repeat_ngram,
         "loss": loss, "nll": nll,

@@ -21,7 +21,8 @@ from aiayn.export.base import (
 from aiayn.export.ctranslate2 import write_ctranslate2
 from aiayn.export.hf import check_one_vocabulary, is_marian, write_hf
 from aiayn.export.modelcard import CARD_FILE, model_card
-from aiayn.runs.directory import load_run
+from aiayn.runs.checkpoint import check_unchanged, weights_fingerprint
+from aiayn.runs.directory import load_run, resolve_weights
 from aiayn.util.extras import require
 from aiayn.util.io import atomic_directory, atomic_write_text, check_room, check_writable_dir
 
@@ -52,6 +53,8 @@ def export_run(run_dir: str | Path, to: str, out_dir: str | Path, weights: str |
     if config_path.is_file():  # refuse before reading any weights
         check_target_can_express(load_config(config_path).model, to, str(run_dir))
     config, model, tokenizers = load_run(run_dir, weights)
+    weights_file = resolve_weights(run_dir, weights)
+    fingerprint = weights_fingerprint(weights_file)  # the weights exported, for the card
     if to == "hf":
         check_one_vocabulary(tokenizers, str(run_dir))
     need = export_size(model, run_dir)
@@ -65,6 +68,8 @@ def export_run(run_dir: str | Path, to: str, out_dir: str | Path, weights: str |
         info = {"format": 1, "target": to, "run_dir": run_dir.resolve().name,
                 "weights": without_local_paths(str(weights)), "quantization": quantization}
         atomic_write_text(tmp / EXPORT_INFO, json.dumps(info, indent=2) + "\n")
-        card = model_card(run_dir, to, weights, quantization, marian=is_marian(model.cfg))
+        card = model_card(run_dir, to, weights, quantization, marian=is_marian(model.cfg),
+                          weights_sha256=fingerprint)
         atomic_write_text(tmp / CARD_FILE, card)
+        check_unchanged(weights_file, fingerprint)  # else the export is of other weights
     return out_dir

@@ -55,10 +55,13 @@ def read_data_stats(data_dir: str | None) -> dict[str, Any] | None:
 
 
 def model_card(run_dir: str | Path, target: str, weights: str | Path = "best",
-               quantization: str | None = None, marian: bool = True) -> str:
+               quantization: str | None = None, marian: bool = True,
+               weights_sha256: str | None = None) -> str:
     """The README.md of an export of ``run_dir`` to ``target`` ("hf" or "ctranslate2"):
     ``weights`` exported, CTranslate2's ``quantization``; ``marian``: a Transformers export
-    as MarianMTModel (else aiayn's own code, loaded with trust_remote_code)."""
+    as MarianMTModel (else aiayn's own code, loaded with trust_remote_code);
+    ``weights_sha256``: the fingerprint of the weights exported, as they were loaded
+    (default: the file's now)."""
     run_dir = Path(run_dir)
     info = run_info(run_dir)
     config = load_config(run_dir / "config.yaml")
@@ -74,7 +77,7 @@ def model_card(run_dir: str | Path, target: str, weights: str | Path = "best",
         _architecture(info, config, target, quantization, marian),
         _data(info, stats),
         _training(info, weights),
-        _evaluation(run_dir, info, weights),
+        _evaluation(run_dir, weights_sha256 or weights_fingerprint(resolve_weights(run_dir, weights))),
         _decoding(config, target),
         _use_and_limits(config, stats),
         _loading(target, config, marian, _tokenizer_files(run_dir), tags),
@@ -238,7 +241,7 @@ def _weights_step(info: dict, weights: str | Path) -> int | None:
     return next((w["step"] for w in info["weights"] if Path(w["file"]).name == name), None)
 
 
-def _evaluation(run_dir: Path, info: dict, weights: str | Path) -> str:
+def _evaluation(run_dir: Path, exported: str) -> str:
     rows, left_out = _current_evaluations(run_dir)
     lines = ["## Evaluation", ""]
     if not rows:
@@ -248,13 +251,12 @@ def _evaluation(run_dir: Path, info: dict, weights: str | Path) -> str:
         return "\n".join(lines + left_out)
     lines += ["Test split, scored by sacreBLEU (`aiayn evaluate --split test`):", "",
               "| weights | search | sentences | BLEU | chrF |", "|---|---|---|---|---|"]
-    exported = weights_fingerprint(resolve_weights(run_dir, weights))
     signatures: dict[str, None] = {}  # in order, each once
     for r in rows:
         search = "greedy" if r.get("beam") == 1 else f"beam {r.get('beam')}, alpha {r.get('alpha')}"
         search += ", int8 output layer" if r.get("int8") else ""  # not what the export computes
         step = f" (step {r['weights_step']})" if r.get("weights_step") else ""
-        mark = " (exported)" if r["weights_sha256"] == exported else ""
+        mark = " (exported)" if r["weights_sha256"] == exported and not r.get("int8") else ""
         chrf = f"{r['chrf']:.2f}" if isinstance(r.get("chrf"), (int, float)) else "?"
         lines.append(f"| {without_local_paths(str(r.get('weights')))}{step}{mark} | {search} | "
                      f"{r.get('sentences')} | {r['bleu']:.2f} | {chrf} |")

@@ -106,6 +106,16 @@ def weights_fingerprint(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+def check_unchanged(path: str | Path, fingerprint: str) -> None:
+    """An AiaynError if the weights file ``path`` no longer has ``fingerprint`` (taken before
+    reading it): a training run saved it again meanwhile, and what was computed would be
+    labelled with weights that did not give it."""
+    if weights_fingerprint(path) != fingerprint:
+        raise AiaynError(f"{path} was saved again while it was being read (is `aiayn train` "
+                         "running on this run?); run the command again once it is done, or "
+                         "give a step checkpoint with --weights")
+
+
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     if not path.is_file():
