@@ -203,8 +203,9 @@ def evaluate_run(run_dir: str | Path, split: str = "test", search: Search | None
     translator = Translator.from_pretrained(run_dir, weights, device=choose_device(device),
                                             decode_tokens=decode_tokens, bf16=bf16, engine=engine,
                                             int8=int8)
+    own = translator.engine.own_model  # else the engine's name stands for its weights
     # Which weights are scored: hashed as they were loaded, checked again before writing.
-    weights_file = resolve_weights(run_dir, weights) if translator.engine.own_model else None
+    weights_file = resolve_weights(run_dir, weights) if own else None
     fingerprint = weights_fingerprint(weights_file) if weights_file else None
     translator.check(search)  # what the model and the decoding budget can hold
     data_dir = Path(data_dir) if data_dir else read_data_dir(run_dir)
@@ -216,7 +217,7 @@ def evaluate_run(run_dir: str | Path, split: str = "test", search: Search | None
         raise AiaynError(f"{data_dir}: the {split} split is empty")
     loss = nll = None
     setting = "auto"
-    if translator.engine.own_model:  # scoring given targets needs aiayn's model
+    if own:  # scoring given targets needs aiayn's model
         run_config = load_run_config(Path(run_dir), [])
         setting = run_config.data.bleu_tokenize
         loss, nll = split_loss(translator.model, prepared, split, len(pairs), run_config,
@@ -228,7 +229,6 @@ def evaluate_run(run_dir: str | Path, split: str = "test", search: Search | None
                                                  tokenize)
     speed = translator.last_stats
     directions = direction_scores(prepared, split, hypotheses, pairs, setting)
-    own = translator.engine.own_model  # else the engine's name stands for its weights
     weights_name = Path(str(weights)).name.removesuffix(".safetensors") if own else engine
     weights_name += ".int8" if int8 else ""
     first = f".first{limit}" if limit > 0 else ""  # a sample never replaces the whole split
