@@ -22,7 +22,9 @@ means when a step holds other batches. ``--onednn-output`` adds each config with
 layer's forward product in oneDNN (``aiayn.inference.kernels``), which ``aiayn train`` takes where a
 probe finds it faster; the configs themselves run it as ``F.linear`` does. ``--bf16`` times
 every step under bfloat16 autocast, as ``train.bf16: auto`` trains on a CPU with AMX or
-AVX512-BF16 (on AVX2 alone bf16 is far slower: do not use it there).
+AVX512-BF16 (on AVX2 alone bf16 is far slower: do not use it there). A config whose dropout
+or label smoothing is ``auto`` (the demo's) is priced with the values ``aiayn train`` chooses
+for ``--passes`` passes over the data (none given: 0, what a timed run starts with).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from aiayn.config import load_config  # noqa: E402
 from aiayn.errors import AiaynError  # noqa: E402
 from aiayn.inference.kernels import onednn_available, onednn_linear  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
+from aiayn.training.plan import choose_regularisation, has_auto_regularisation  # noqa: E402
 
 
 def parse_variant(text: str) -> tuple[str, list[str]]:
@@ -86,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-loss", action="store_true",
                         help="also time each config whose output_vocab is all with "
                              "F.cross_entropy in place of aiayn's loss")
+    parser.add_argument("--passes", type=float, default=None,
+                        help="the passes over the training data that \"auto\" dropout and label "
+                             "smoothing are chosen for, as aiayn train chooses them (default: "
+                             "none yet, as a timed run starts: 0)")
     add_json_option(parser)
     args = parser.parse_args(argv)
     set_threads(args.threads)
@@ -96,6 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         configs.update({name: load_config(args.config, sets) for name, sets in args.variant})
     except AiaynError as exc:  # a bad --config or --variant setting: one line
         parser.error(str(exc))
+    # A recipe's "auto" regularisation is a number only once a run knows its passes: price
+    # the step a run of --passes trains (the demo's on a CPU without fast bf16: none).
+    if has_auto_regularisation(configs["recipe"]):
+        print(f"recipe: {choose_regularisation(configs['recipe'], args.passes)[1]}")
+    configs = {name: choose_regularisation(cfg, args.passes)[0] for name, cfg in configs.items()}
     ref = configs["recipe"]
     lengths = sentence_lengths(20_000, mean=31.0, max_len=ref.model.max_len)
     # Random ids valid in every variant's vocabularies (a variant may have smaller ones).

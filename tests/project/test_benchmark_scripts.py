@@ -91,6 +91,33 @@ def test_print_table_writes_what_it_prints_as_json(tmp_path, monkeypatch, capsys
     assert record["device"]  # the machine the figures were measured on
 
 
+def test_step_cost_prices_a_recipe_whose_regularisation_is_auto(tmp_path, monkeypatch, capsys):
+    """step_cost.py's own default, configs/demo.yaml, says dropout and label smoothing "auto":
+    numbers only once a run knows its passes. The script takes them as a run of --passes
+    would (none given: 0, as a timed run starts) and a variant's own value stays its own."""
+    import yaml
+
+    config = yaml.safe_load((BENCHMARKS.parent / "configs" / "demo.yaml").read_text())
+    config["model"].update(d_model=32, n_heads=2, d_ff=64, n_encoder_layers=1,
+                           n_decoder_layers=1)
+    config["data"]["vocab_size"] = 300
+    config["model"]["max_len"] = 64
+    config["train"]["max_tokens"] = 128
+    assert config["model"]["dropout"] == config["train"]["label_smoothing"] == "auto"
+    path = tmp_path / "tiny-auto.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    main = runpy.run_path(str(BENCHMARKS / "step_cost.py"))["main"]
+    for passes, chosen in ((None, "dropout 0, label smoothing 0"),
+                           (6.0, "dropout 0.1, label smoothing 0.1")):
+        argv = ["--config", str(path), "--batches", "1", "--reps", "1", "--output-pieces", "200",
+                "--variant", "drop=model.dropout=0.3"]
+        assert main(argv + ([] if passes is None else ["--passes", str(passes)])) == 0
+        printed = capsys.readouterr().out
+        assert f"regularisation: {chosen}" in printed
+        assert "| recipe |" in printed and "| drop |" in printed
+
+
 # ---------------------------------------------------------------- names that rot
 def module_or_none(name: str) -> ModuleType | None:
     """aiayn's module ``name``, or None where there is none (a missing module of aiayn's; an
