@@ -25,11 +25,14 @@ every step under bfloat16 autocast, as ``train.bf16: auto`` trains on a CPU with
 AVX512-BF16 (on AVX2 alone bf16 is far slower: do not use it there). A config whose dropout
 or label smoothing is ``auto`` (the demo's) is priced with the values ``aiayn train`` chooses
 for ``--passes`` passes over the data (none given: 0, what a timed run starts with).
+``--mfu`` times a large square matmul in the same repetitions and gives each step's matmul
+FLOP/s (``speed.training_flops``) as a share of it.
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -55,7 +58,7 @@ from common import (  # noqa: E402
     set_threads,
     spread,
 )
-from speed import aiayn_loss, torch_loss, training_steps  # noqa: E402
+from speed import aiayn_loss, matmul_peak, torch_loss, training_flops, training_steps  # noqa: E402
 
 from aiayn.config import load_config  # noqa: E402
 from aiayn.errors import AiaynError  # noqa: E402
@@ -93,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the passes over the training data that \"auto\" dropout and label "
                              "smoothing are chosen for, as aiayn train chooses them (default: "
                              "none yet, as a timed run starts: 0)")
+    parser.add_argument("--mfu", action="store_true",
+                        help="also time a large square matmul of the step's precision in the "
+                             "same repetitions and give each step's matmul FLOP/s as a share "
+                             "of it (model FLOP utilisation)")
     add_json_option(parser)
     args = parser.parse_args(argv)
     set_threads(args.threads)
@@ -142,10 +149,27 @@ def main(argv: list[str] | None = None) -> int:
                 steps[f"{name}, F.cross_entropy"] = training_steps(
                     Transformer(cfg.model), batches[cfg.train.max_tokens], bf16=args.bf16,
                     loss_fn=loss)
+    if args.mfu:  # one peak matmul per batch, so it alternates with the steps batch by batch
+        peak, peak_flops = matmul_peak(torch.bfloat16 if args.bf16 else torch.float32)
+        steps["matmul peak"] = [peak] * args.batches
     times = interleave(steps, args.reps)
+    peak_times = times.pop("matmul peak", None)
+    steps.pop("matmul peak", None)
 
     def tokens(name: str) -> int:
         return sum(b.n_tokens for b in batches[configs[name].train.max_tokens])
+
+    def mfu(name: str) -> float:
+        """The step's matmul FLOP/s (speed.training_flops, over the pieces its output layer
+        scores) over the peak matmul's, medians of the repetitions."""
+        model_cfg = configs[name].model
+        if model_cfg.output_vocab == "targets":
+            model_cfg = replace(model_cfg, tgt_vocab_size=args.output_pieces)
+        flops = sum(training_flops(model_cfg, *b.src.shape, b.tgt_in.size(1))
+                    for b in batches[configs[name].train.max_tokens])
+        step_s = median([sum(rep) for rep in times[name]])
+        peak_s = median([sum(rep) for rep in peak_times]) / args.batches
+        return (flops / step_s) / (peak_flops / peak_s)
 
     other_batches = len(batches) > 1
     rows = []
@@ -158,9 +182,15 @@ def main(argv: list[str] | None = None) -> int:
         if other_batches:  # a step of other batches: compare the time of a target token
             per_token = [r * tokens("recipe") / tokens(name) for r in ratios]
             row.append(f"{median(per_token):.3f} ({spread(per_token)})")
+        if args.mfu:
+            row.append(f"{100 * mfu(name):.0f}%")
         rows.append(row)
     header = ["variant", "parameters", "target tokens/s", "step time / recipe's"]
-    print_table(header + ["time a target token / recipe's"] * other_batches, rows,
+    header += ["time a target token / recipe's"] * other_batches
+    if args.mfu:
+        peak_s = median([sum(rep) for rep in peak_times]) / args.batches
+        header.append(f"MFU (peak {peak_flops / peak_s / 1e9:,.0f} GFLOP/s)")
+    print_table(header, rows,
                 f"{device_description()}; {args.threads} thread(s); {args.config}; "
                 f"{'bf16 autocast' if args.bf16 else 'fp32'}; {args.batches} batches of <= "
                 f"{', '.join(map(str, batches))} tokens x {args.reps} reps", args.json)

@@ -9,6 +9,7 @@ was once left importing read_metrics from aiayn.inspect.plots."""
 import ast
 import importlib
 import json
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -111,11 +112,13 @@ def test_step_cost_prices_a_recipe_whose_regularisation_is_auto(tmp_path, monkey
     for passes, chosen in ((None, "dropout 0, label smoothing 0"),
                            (6.0, "dropout 0.1, label smoothing 0.1")):
         argv = ["--config", str(path), "--batches", "1", "--reps", "1", "--output-pieces", "200",
-                "--variant", "drop=model.dropout=0.3"]
+                "--variant", "drop=model.dropout=0.3", "--mfu"]
         assert main(argv + ([] if passes is None else ["--passes", str(passes)])) == 0
         printed = capsys.readouterr().out
         assert f"regularisation: {chosen}" in printed
         assert "| recipe |" in printed and "| drop |" in printed
+        assert re.search(r"\| MFU \(peak [\d,]+ GFLOP/s\) \|", printed)
+        assert re.search(r"\| recipe \|.*\| \d+% \|", printed)
 
 
 # ---------------------------------------------------------------- names that rot
