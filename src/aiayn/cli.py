@@ -973,9 +973,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _unknown_arguments(parser: argparse.ArgumentParser, command: str, extra: list[str]):
-    """Arguments no option of ``command`` takes: one line, pointing to that command's help;
-    words given to `aiayn translate` are most likely the sentence itself."""
+def _unknown_arguments(parser: argparse.ArgumentParser, command: str, extra: list[str],
+                       argv: list[str]):
+    """Arguments no option takes: one line, pointing to the help of where they stood (before
+    the command: `aiayn --help`; after it: the command's); words given to `aiayn translate`
+    are most likely the sentence itself."""
+    before = argv[:argv.index(command)] if command in argv else []
+    if all(word in before for word in extra):
+        parser.exit(2, f"aiayn: error: unrecognized arguments: {' '.join(extra)} (before the "
+                       f"command; see `aiayn --help`)\n")
     hint = ""
     if command == "translate" and not any(word.startswith("-") for word in extra):
         hint = ("; translate reads its sentences from stdin or -i FILE, e.g. `echo 'TEXT' | "
@@ -987,9 +993,10 @@ def _unknown_arguments(parser: argparse.ArgumentParser, command: str, extra: lis
 def main(argv: list[str] | None = None) -> int:
     _utf8_streams()
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
     args, extra = parser.parse_known_args(argv)
     if extra:
-        _unknown_arguments(parser, args.command, extra)
+        _unknown_arguments(parser, args.command, extra, argv)
     _, run = COMMANDS[args.command]
     try:
         with _warnings_as_lines():

@@ -122,6 +122,8 @@ CASES = [
      "argument --to: invalid choice: 'onnx'", None),
     ("an unknown option", ["translate", "RUN", "--bem", "4"],
      "unrecognized arguments: --bem 4 (see `aiayn translate --help`)", None),
+    ("an unknown option before the command", ["--verbose", "translate", "RUN"],
+     "unrecognized arguments: --verbose (before the command; see `aiayn --help`)", None),
     ("a sentence given to translate", ["translate", "RUN", "The Lord is my shepherd."],
      "unrecognized arguments: The Lord is my shepherd.; translate reads its sentences from "
      "stdin or -i FILE", None),
