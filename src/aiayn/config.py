@@ -43,6 +43,7 @@ SCHEDULES = ("eq3", "linear")
 BEST_METRICS = ("bleu", "chrf", "loss")  # see aiayn.training.early_stopping
 # train.precision: "auto" chooses per device (aiayn.util.device.resolve_precision).
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+OPTIMIZERS = ("adam", "muon")
 # train.bf16 (true | false | auto), the setting's name before train.precision: config files,
 # saved runs' config.yaml and --set still give it; ``precision_of_bf16`` alone maps it.
 BF16_TO_PRECISION = {"true": "bf16", "false": "fp32", "auto": "auto"}
@@ -77,6 +78,7 @@ RANGES: dict[str, dict[str, tuple[float, float, bool]]] = {
         "warmup_steps": (1, INF, False),
         "adam_beta1": (0.0, 0.9999, False), "adam_beta2": (0.0, 0.9999999, False),
         "adam_eps": (0.0, 1.0, True), "weight_decay": (0.0, 1.0, False),
+        "muon_lr_ratio": (0.0, INF, True),
         "label_smoothing": (0.0, 0.999, False), "clip_norm": (0.0, INF, False),
         "max_steps": (1, INF, False), "max_epochs": (1, INF, False),
         "max_minutes": (0.0, INF, False), "eval_every": (1, INF, False),
@@ -103,7 +105,8 @@ CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
               "output_vocab": OUTPUT_VOCABS, "qk_norm_cross_query": CROSS_QUERY_NORMS},
     "data": {"tokenizer": ("bpe", "wordlevel"), "long_policy": ("drop", "truncate"),
              "bleu_tokenize": BLEU_TOKENIZERS},
-    "train": {"schedule": SCHEDULES, "precision": PRECISIONS, "best_metric": BEST_METRICS},
+    "train": {"schedule": SCHEDULES, "precision": PRECISIONS, "best_metric": BEST_METRICS,
+              "optimizer": OPTIMIZERS},
 }
 
 
@@ -262,6 +265,11 @@ class TrainConfig:
     """The rate reached at the end of the warm-up (schedule linear only)."""
     warmup_steps: int = 4000
     """Steps of the warm-up (paper, 5.3: 4000)."""
+    optimizer: str = "adam"
+    """"adam" (paper, 5.3); "muon": Muon for the encoder's and decoder's weight matrices,
+    Adam for the embeddings, biases and norm gains (aiayn.training.optim.Muon)."""
+    muon_lr_ratio: float = 1.0
+    """Muon's rate over the schedule's (optimizer muon only; Adam's stays the schedule's)."""
     adam_beta1: float = 0.9
     """Adam's beta1 (paper, 5.3)."""
     adam_beta2: float = 0.98

@@ -228,6 +228,26 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(data_dir, tmp_path):
     assert all(r["loss"] == loss[r["step"]] for r in resumed)
 
 
+def test_a_muon_run_resumes_exactly_like_an_uninterrupted_one(data_dir, tmp_path):
+    """train.optimizer muon: its momentum buffers and Adam's moments travel in the train
+    state, so a resumed run ends with the weights and state of one never stopped."""
+    n = max(2, batches_per_epoch(data_dir) // 2)
+    common = ["--config", TINY, "--data", str(data_dir), *sets(optimizer="muon", log_every=1)]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run_train(*common, "--out", str(straight), *sets(max_steps=2 * n))
+    run_train(*common, "--out", str(split), *sets(max_steps=n))
+    run_train("--resume", str(split), *sets(max_steps=2 * n))
+    assert_equal_weights(weights(split), weights(straight))
+    a = load_train_state(split / "train_state.pt")["optimizer"]
+    b = load_train_state(straight / "train_state.pt")["optimizer"]
+    assert [g["muon"] for g in a["param_groups"]] == [False, True]
+    kinds = {tuple(sorted(state)) for state in a["state"].values()}
+    assert kinds == {("momentum_buffer",), ("exp_avg", "exp_avg_sq", "step")}
+    for key, state in a["state"].items():
+        for name, value in state.items():
+            assert torch.equal(value, b["state"][key][name]), (key, name)
+
+
 def test_collating_ahead_trains_and_resumes_exactly_as_without(data_dir, tmp_path, monkeypatch):
     """The loop that collates the next batch during the step (on a GPU) trains on the same
     batches, and a run saved with a batch drawn ahead resumes at that batch: weights equal to

@@ -110,3 +110,85 @@ def test_schedule_lr_follows_train_schedule():
     assert lrs[-1] == pytest.approx(1e-3 / 110) and all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
     timed = linear.override(["train.max_minutes=2"])  # 60 of 120 seconds: half-way down
     assert schedule_lr(50, timed, elapsed_s=60.0) == pytest.approx(0.5e-3)
+
+
+# ---------------------------------------------------------------- Muon
+def test_orthogonalize_brings_every_singular_value_near_one_in_any_orientation():
+    from aiayn.training.optim import orthogonalize
+
+    torch.manual_seed(0)
+    for shape in ((4, 64, 64), (3, 32, 96), (2, 96, 32)):
+        n, k = shape[0], min(shape[1:])
+        u = torch.linalg.qr(torch.randn(n, shape[1], k)).Q
+        v = torch.linalg.qr(torch.randn(n, shape[2], k)).Q
+        g = u @ torch.diag_embed(torch.logspace(-1, 1, k).expand(n, k)) @ v.mT  # 100x apart
+        o = orthogonalize(g)
+        s = torch.linalg.svdvals(o)
+        assert s.shape == (n, k)
+        assert 0.6 < float(s.min()) and float(s.max()) < 1.25
+        # the same singular directions as g: o is about U V^T
+        assert float((u.mT @ o @ v).diagonal(dim1=1, dim2=2).min()) > 0.6
+        assert float((o - u @ v.mT).norm() / (u @ v.mT).norm()) < 0.3
+
+
+def _tiny_model():
+    from aiayn.config import ModelConfig
+    from aiayn.model import Transformer
+
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=32, n_heads=4,
+                                   d_ff=48, n_encoder_layers=1, n_decoder_layers=1, dropout=0.0,
+                                   max_len=16))
+
+
+def test_muon_moves_the_layers_matrices_part_by_part_and_leaves_the_rest_to_adam():
+    """One update: every other parameter moves exactly as under the same Adam alone; a
+    layer's matrix moves by the orthogonalized momentum of each of its parts (Q, K, V of a
+    fused projection apart), at the rate's 0.2 sqrt(max(rows, cols)) times lr_ratio."""
+    from aiayn.training.optim import Muon, orthogonalize
+
+    model, reference = _tiny_model(), _tiny_model()
+    src = torch.randint(4, 40, (3, 7))
+    tgt = torch.randint(4, 40, (3, 6))
+    for m in (model, reference):
+        m(src, tgt[:, :-1], tgt[:, 1:], 0.0).backward()
+    muon = Muon(model, lr_ratio=2.0, lr=1e-2, betas=(0.9, 0.98), eps=1e-9)
+    chosen = {id(p) for g in muon.param_groups if g["muon"] for p in g["params"]}
+    names, theirs = dict(model.named_parameters()), dict(reference.named_parameters())
+    matrices = [n for n, p in names.items() if id(p) in chosen]
+    assert "encoder.layers.0.self_attn.qkv_proj.weight" in matrices
+    assert not any("embed" in n or "norm" in n or n.endswith("bias") for n in matrices)
+    adam = torch.optim.Adam([theirs[n] for n in names if n not in matrices], lr=1e-2,
+                            betas=(0.9, 0.98), eps=1e-9)
+    before = {n: p.detach().clone() for n, p in names.items()}
+    grads = {n: p.grad.clone() for n, p in names.items()}
+    muon.step()
+    adam.step()
+    for n, p in names.items():
+        if n not in matrices:
+            assert torch.equal(p, theirs[n]), n
+    qkv = "decoder.layers.0.self_attn.qkv_proj.weight"
+    g = grads[qkv]
+    parts = orthogonalize((g + 0.95 * g).view(3, 32, 32))  # Nesterov on a fresh buffer
+    expected = before[qkv] - 1e-2 * 2.0 * 0.2 * 32 ** 0.5 * parts.reshape(96, 32)
+    torch.testing.assert_close(names[qkv], expected)
+    ff = "encoder.layers.0.feed_forward.linear1.weight"  # (48, 32): one part, tall
+    expected = before[ff] - 1e-2 * 2.0 * 0.2 * 48 ** 0.5 * orthogonalize(
+        (1.95 * grads[ff])[None])[0]
+    torch.testing.assert_close(names[ff], expected)
+
+
+def test_muon_is_chosen_by_the_config_and_a_bad_name_is_one_line():
+    from helpers import TINY
+
+    from aiayn.config import load_config
+    from aiayn.errors import AiaynError
+    from aiayn.training.optim import Muon, build_optimizer
+
+    config = load_config(TINY, ["train.optimizer=muon", "train.muon_lr_ratio=1.5",
+                                "train.precision=fp32"])
+    optimizer = build_optimizer(_tiny_model(), config)
+    assert isinstance(optimizer, Muon) and optimizer.lr_ratio == 1.5
+    assert optimizer.ns_dtype == torch.float32
+    with pytest.raises(AiaynError, match="train.optimizer"):
+        load_config(TINY, ["train.optimizer=sgd"])
