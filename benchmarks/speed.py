@@ -149,16 +149,19 @@ def aiayn_loss(model: Transformer, batch: Batch, smoothing: float = LABEL_SMOOTH
 
 def training_steps(model: nn.Module, batches: list[Batch], bf16: bool,
                    loss_fn: Callable[[nn.Module, Batch], Tensor] = aiayn_loss,
+                   optimizer: torch.optim.Optimizer | None = None,
                    ) -> list[Callable[[], float]]:
     """One callable per batch, each running one training step on it; they share an optimizer.
 
     The step: zero grads, forward and label-smoothed cross-entropy per real target token
     (``loss_fn``: aiayn's own for aiayn's models, ``torch_loss`` for the reference; under
-    bf16 autocast when asked), backward, Adam(0.9, 0.98, 1e-9) update -- the paper's
-    optimiser, with the fused kernel as ``aiayn.training.optim.build_optimizer`` makes it.
+    bf16 autocast when asked), backward, an update by ``optimizer``; by default Adam(0.9,
+    0.98, 1e-9) -- the paper's optimiser, with the fused kernel as
+    ``aiayn.training.optim.build_optimizer`` makes it.
     """
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
-                                 fused=True)
+    if optimizer is None:
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
+                                     fused=True)
     device_type = next(model.parameters()).device.type
 
     def step(batch: Batch) -> float:

@@ -64,6 +64,7 @@ from aiayn.config import load_config  # noqa: E402
 from aiayn.errors import AiaynError  # noqa: E402
 from aiayn.inference.kernels import onednn_available, onednn_linear  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
+from aiayn.training.optim import build_optimizer, set_learning_rate  # noqa: E402
 from aiayn.training.plan import choose_regularisation, has_auto_regularisation  # noqa: E402
 
 
@@ -72,6 +73,14 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
     if not sep or not sets:
         raise SystemExit(f"--variant {text!r}: expected NAME=key=value[,key=value...]")
     return name, sets.split(",")
+
+
+def optimizer_of(model: torch.nn.Module, cfg, bf16: bool) -> torch.optim.Optimizer:
+    """The config's optimizer (train.optimizer), as aiayn train builds it, at a small rate."""
+    precision = "bf16" if bf16 else "fp32"
+    optimizer = build_optimizer(model, replace(cfg, train=replace(cfg.train, precision=precision)))
+    set_learning_rate(optimizer, 1e-4)
+    return optimizer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         # each config's own label smoothing: with none, F.cross_entropy takes a cheaper path
         loss = partial(aiayn_loss, smoothing=cfg.train.label_smoothing, kernel=kernel)
         steps[name] = training_steps(model, batches[cfg.train.max_tokens], bf16=args.bf16,
-                                     loss_fn=loss)
+                                     loss_fn=loss, optimizer=optimizer_of(model, cfg, args.bf16))
     if args.torch_loss:  # F.cross_entropy reads logits over the whole vocabulary
         for name, cfg in list(configs.items()):
             if cfg.model.output_vocab == "all":

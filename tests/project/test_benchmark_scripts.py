@@ -95,7 +95,8 @@ def test_print_table_writes_what_it_prints_as_json(tmp_path, monkeypatch, capsys
 def test_step_cost_prices_a_recipe_whose_regularisation_is_auto(tmp_path, monkeypatch, capsys):
     """step_cost.py's own default, configs/demo.yaml, says dropout and label smoothing "auto":
     numbers only once a run knows its passes. The script takes them as a run of --passes
-    would (none given: 0, as a timed run starts) and a variant's own value stays its own."""
+    would (none given: 0, as a timed run starts) and a variant's own value stays its own; a
+    variant's optimizer is the one aiayn train builds for it."""
     import yaml
 
     config = yaml.safe_load((BENCHMARKS.parent / "configs" / "demo.yaml").read_text())
@@ -112,11 +113,12 @@ def test_step_cost_prices_a_recipe_whose_regularisation_is_auto(tmp_path, monkey
     for passes, chosen in ((None, "dropout 0, label smoothing 0"),
                            (6.0, "dropout 0.1, label smoothing 0.1")):
         argv = ["--config", str(path), "--batches", "1", "--reps", "1", "--output-pieces", "200",
-                "--variant", "drop=model.dropout=0.3", "--mfu"]
+                "--variant", "drop=model.dropout=0.3", "--variant", "muon=train.optimizer=muon",
+                "--mfu"]
         assert main(argv + ([] if passes is None else ["--passes", str(passes)])) == 0
         printed = capsys.readouterr().out
         assert f"regularisation: {chosen}" in printed
-        assert "| recipe |" in printed and "| drop |" in printed
+        assert "| recipe |" in printed and "| drop |" in printed and "| muon |" in printed
         assert re.search(r"\| MFU \(peak [\d,]+ GFLOP/s\) \|", printed)
         assert re.search(r"\| recipe \|.*\| \d+% \|", printed)
 
