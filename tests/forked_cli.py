@@ -3,7 +3,8 @@
 A test of the real command line needs a process per command (its exit status, what it writes
 to stdout and stderr, a traceback if one escapes), and most of such a process's seconds go to
 importing torch (~3 s of ~4 on a 2-core CI machine). ``ForkedCLI`` starts one Python that
-imports ``aiayn.cli`` (and so torch) once and then forks a child per command: the child
+imports ``aiayn.cli`` and the modules its commands load when they run (``COMMAND_MODULES``,
+torch with them) once and then forks a child per command: the child
 points its stdin, stdout and stderr at the command's files, changes to its directory and
 runs ``aiayn/__main__.py`` as `python -m aiayn` does; an exception that escapes prints its
 traceback and exits 1, as the interpreter does. What the import printed (a warning, say) is
@@ -28,8 +29,10 @@ import threading
 from pathlib import Path
 
 _SERVER = r"""
-import json, os, runpy, sys, traceback
-import aiayn.cli  # the seconds a command would spend importing torch, once
+import importlib, json, os, runpy, sys, traceback
+import aiayn.cli
+for name in sys.argv[1:]:  # the seconds a command would spend importing torch, once
+    importlib.import_module(name)
 sys.stdout.flush(); sys.stderr.flush()
 requests, replies = os.fdopen(os.dup(0), "rb", buffering=0), os.dup(1)
 os.write(replies, b"ready\n")
@@ -69,6 +72,15 @@ for line in requests:
 """
 
 
+# The modules aiayn.cli's commands import when they run (aiayn.cli itself imports none of
+# them, so that its parser answers without torch).
+COMMAND_MODULES = ("aiayn.data.prepare", "aiayn.training.admission", "aiayn.training.loop",
+                   "aiayn.training.transfer", "aiayn.inference.files", "aiayn.inference.scoring",
+                   "aiayn.inference.translator", "aiayn.evaluation.evaluate",
+                   "aiayn.export.command", "aiayn.inspect.doctor", "aiayn.inspect.info",
+                   "aiayn.inspect.trace")
+
+
 class ForkedCLI:
     """One server (see the module's docstring); ``run`` is safe from several threads, one
     command at a time (start one per thread that runs commands at once)."""
@@ -80,9 +92,10 @@ class ForkedCLI:
         with open(self.import_err, "wb") as err:
             # A session of its own: a command that hangs is killed with its server (and its
             # children) as one process group.
-            self.server = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE,
-                                           stdout=subprocess.PIPE, stderr=err, cwd=self.cwd,
-                                           env=env, start_new_session=True)
+            self.server = subprocess.Popen([sys.executable, "-c", _SERVER, *COMMAND_MODULES],
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                           stderr=err, cwd=self.cwd, env=env,
+                                           start_new_session=True)
         self.import_out = b""  # what the import printed: the lines before "ready"
         while (line := self.server.stdout.readline()) not in (b"ready\n", b""):
             self.import_out += line

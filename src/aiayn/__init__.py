@@ -16,16 +16,14 @@ from importlib import import_module
 
 from aiayn.config import Config, DataConfig, ModelConfig, TrainConfig
 from aiayn.errors import AiaynError
-from aiayn.model import Transformer
 
-# name -> module that defines it (loaded by __getattr__ when first asked for)
-_LAZY = {"train": "aiayn.training.loop", "doctor": "aiayn.inspect.doctor",
+# name -> module that defines it (loaded by __getattr__ when first asked for: torch too)
+_LAZY = {"Transformer": "aiayn.model", "train": "aiayn.training.loop", "doctor": "aiayn.inspect.doctor",
          "run_info": "aiayn.inspect.info", "prepare_from_run": "aiayn.training.transfer",
          "Translator": "aiayn.inference.translator", "load_run": "aiayn.runs.directory",
          "evaluate_run": "aiayn.evaluation.evaluate"}
 
-__all__ = ["AiaynError", "Config", "DataConfig", "ModelConfig", "TrainConfig", "Transformer",
-           *_LAZY]
+__all__ = ["AiaynError", "Config", "DataConfig", "ModelConfig", "TrainConfig", *_LAZY]
 __version__ = "0.1.0"
 
 

@@ -7,6 +7,11 @@ several commands are declared once (``_add_set``, ``_add_device``, ``_add_weight
 ``_add_search``). Errors a user can cause are AiaynError: printed as one line, exit status
 2, no traceback; warnings (e.g. truncated sentences) as one line each.
 
+Building the parser needs no torch (the choices it offers come from aiayn.config and
+aiayn.options): each ``_run_<name>`` imports what it calls, so that `aiayn --help`, a
+command's --help and a mistyped option answer in a fraction of a second, not after the
+seconds torch takes to load.
+
 At about 1,000 lines this module is over the house's ~500: it is thirteen small commands'
 arguments and printing, each pair short and independent, which read best beside the
 options they share.
@@ -23,36 +28,15 @@ import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from importlib import metadata
 from pathlib import Path
 
-import torch
-
 from aiayn.config import AUTO, Config, DecodeConfig, check_setting, load_config, preset_names, validate_given
-from aiayn.data.prepare import prepare, prepare_warnings
 from aiayn.errors import AiaynError, SettingError, is_out_of_memory
-from aiayn.evaluation.evaluate import evaluate_run
-from aiayn.export.base import QUANTIZATIONS
-from aiayn.export.base import TARGETS as EXPORT_TARGETS
-from aiayn.export.command import export_run
-from aiayn.inference.engines import ENGINES
-from aiayn.inference.files import CHUNK_LINES, Job, run_identity, translate_file
-from aiayn.inference.scoring import read_file_pairs, read_split_pairs, read_tsv_pairs, score_lines
 from aiayn.inference.settings import Sampling, resolve_search
-from aiayn.inference.translator import Translator
-from aiayn.inspect.doctor import doctor
-from aiayn.inspect.info import format_info, run_info
-from aiayn.inspect.trace import format_trace, trace_batch, trace_forward
-from aiayn.model import Transformer
-from aiayn.runs.checkpoint import average_checkpoints, load_train_state
-from aiayn.runs.directory import checkpoints_to_average, read_metrics, run_decode
-from aiayn.training.admission import check_run_request
-from aiayn.training.loop import train
-from aiayn.training.transfer import prepare_from_run
-from aiayn.util.device import DEVICES, choose_device
+from aiayn.options import CHUNK_LINES, DEVICES, ENGINES, EXPORT_TARGETS, QUANTIZATIONS
 from aiayn.util.io import DiskError, as_disk_error, atomic_path, check_output_file
 from aiayn.util.progress import bar
-
-# aiayn.inspect.plots (matplotlib) is imported by the commands that draw: the others start faster.
 
 
 def _config_from_args(args, default: str | None = None) -> Config:
@@ -240,6 +224,9 @@ def _add_prepare(sub) -> None:
 
 
 def _run_prepare(args) -> int:
+    from aiayn.data.prepare import prepare
+    from aiayn.training.transfer import prepare_from_run
+
     if args.corpus is not None:  # one line per corpus (aiayn.data.directions)
         args.corpus = "\n".join(args.corpus)
     if args.tokenizer_from:
@@ -264,6 +251,8 @@ def _run_prepare(args) -> int:
 
 
 def _print_prepared(stats: dict, out: str) -> int:
+    from aiayn.data.prepare import prepare_warnings
+
     print(_prepare_summary(stats, out))
     for line in prepare_warnings(stats):
         print(f"aiayn: warning: {line}", file=sys.stderr)
@@ -348,6 +337,9 @@ def _add_train(sub) -> None:
 
 
 def _run_train(args) -> int:
+    from aiayn.training.admission import check_run_request
+    from aiayn.training.loop import train
+
     overrides = list(args.set or [])
     if args.max_minutes is not None:
         _check_max_minutes(args.max_minutes)
@@ -428,6 +420,11 @@ def _add_translate(sub) -> None:
 
 
 def _run_translate(args) -> int:
+    from aiayn.inference.files import Job, run_identity, translate_file
+    from aiayn.inference.translator import Translator
+    from aiayn.runs.directory import run_decode
+    from aiayn.util.device import choose_device
+
     # The one resolution of the search (the run's decode section and these options),
     # before waiting for stdin or loading; every layer below gets this very value.
     search = resolve_search(run_decode(args.run_dir), beam=args.beam, alpha=args.alpha,
@@ -551,6 +548,9 @@ def _add_evaluate(sub) -> None:
 
 
 def _run_evaluate(args) -> int:
+    from aiayn.evaluation.evaluate import evaluate_run
+    from aiayn.runs.directory import run_decode
+
     search = resolve_search(run_decode(args.run_dir), beam=args.beam, alpha=args.alpha,
                             no_repeat_ngram=args.no_repeat_ngram)
     r = evaluate_run(args.run_dir, args.split, search, data_dir=args.data,
@@ -621,6 +621,11 @@ def _add_score(sub) -> None:
 
 
 def _run_score(args) -> int:
+    from aiayn.inference.scoring import read_file_pairs, read_split_pairs, read_tsv_pairs, score_lines
+    from aiayn.inference.translator import Translator
+    from aiayn.runs.directory import run_decode
+    from aiayn.util.device import choose_device
+
     search = resolve_search(run_decode(args.run_dir), alpha=args.alpha,
                             no_repeat_ngram=args.no_repeat_ngram)
     if (args.source is None) != (args.target is None):
@@ -663,6 +668,9 @@ def _add_average(sub) -> None:
 
 
 def _run_average(args) -> int:
+    from aiayn.runs.checkpoint import average_checkpoints
+    from aiayn.runs.directory import checkpoints_to_average
+
     files = checkpoints_to_average(args.paths, args.last)
     average_checkpoints(files, args.output)
     print(f"averaged {len(files)} checkpoints:")
@@ -689,6 +697,8 @@ def _add_export(sub) -> None:
 
 
 def _run_export(args) -> int:
+    from aiayn.export.command import export_run
+
     out = export_run(args.run_dir, args.to, args.out_dir, args.weights, args.quantization)
     print(f"wrote {out}")
     return 0
@@ -708,6 +718,11 @@ def _add_trace(sub) -> None:
 
 
 def _run_trace(args) -> int:
+    import torch
+
+    from aiayn.inspect.trace import format_trace, trace_batch, trace_forward
+    from aiayn.model import Transformer
+
     _at_least(args.depth, 0, "--depth")
     _at_least(args.batch_size, 1, "--batch-size")
     config = _config_from_args(args)
@@ -751,6 +766,7 @@ def _add_attention(sub) -> None:
 
 
 def _run_attention(args) -> int:
+    from aiayn.inference.translator import Translator
     from aiayn.inspect.plots import save_attention_figures
 
     if args.steps:
@@ -771,8 +787,7 @@ def _run_attention(args) -> int:
 def _attention_steps(args) -> int:
     from aiayn.inspect.attention_steps import attention_over_steps
     from aiayn.inspect.plots import save_attention_steps
-    from aiayn.runs.directory import step_weights
-    from aiayn.util.progress import bar
+    from aiayn.runs.directory import run_decode, step_weights
 
     search = resolve_search(run_decode(args.run_dir), beam=args.beam, alpha=args.alpha)
     saved = step_weights(args.run_dir)
@@ -806,6 +821,7 @@ def _add_plot(sub) -> None:
 
 def _run_plot(args) -> int:
     from aiayn.inspect import plots
+    from aiayn.runs.directory import read_metrics
 
     chosen = [bool(args.run_dirs), args.pe, args.schedule is not None]
     if sum(chosen) != 1:
@@ -874,6 +890,8 @@ def _add_serve(sub) -> None:
 
 
 def _run_serve(args) -> int:
+    from aiayn.util.device import choose_device
+
     try:
         from aiayn.serving.app import serve
     except ImportError as exc:
@@ -907,6 +925,8 @@ def _add_doctor(sub) -> None:
 
 
 def _run_doctor(args) -> int:
+    from aiayn.inspect.doctor import doctor
+
     report = doctor(args.run_dir, args.data, args.weights)
     print(report)
     return 0 if report.ok else 1
@@ -924,6 +944,8 @@ def _add_info(sub) -> None:
 
 
 def _run_info(args) -> int:
+    from aiayn.inspect.info import format_info, run_info
+
     info = run_info(args.run_dir)
     print(json.dumps(info, indent=2) if args.json else format_info(info))
     return 0
@@ -955,10 +977,12 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def _version_line() -> str:
-    """aiayn's version and torch's (what a bug report needs first)."""
+    """aiayn's version and torch's (what a bug report needs first; torch's from its
+    installed metadata, without loading it)."""
     from aiayn import __version__
 
-    return f"aiayn {__version__} (torch {torch.__version__}, Python {sys.version.split()[0]})"
+    return (f"aiayn {__version__} (torch {metadata.version('torch')}, Python "
+            f"{sys.version.split()[0]})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1027,6 +1051,8 @@ def _way_on(args) -> str:
     run = (args.resume or args.out) if args.command == "train" else None
     if not run or not (Path(run) / "config.yaml").is_file():
         return ""
+    from aiayn.runs.checkpoint import load_train_state
+
     try:
         step = load_train_state(Path(run) / "train_state.pt")["step"]
     except (AiaynError, OSError, KeyError, TypeError):

@@ -75,14 +75,6 @@ from aiayn.model import Transformer
 from aiayn.runs.checkpoint import tensors_size, unique_state_dict
 from aiayn.runs.directory import copy_tokenizer
 
-TARGETS = ("hf", "ctranslate2")
-
-
-# CTranslate2's weight types (its Converter's --quantization); none keeps float32.
-QUANTIZATIONS = ("int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16",
-                 "bfloat16", "float32")
-
-
 CT2_POSITIONS = 1024  # CTranslate2's default max_input_length
 
 

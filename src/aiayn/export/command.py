@@ -11,8 +11,6 @@ from aiayn.config import load_config
 from aiayn.errors import AiaynError
 from aiayn.export.base import (
     EXPORT_INFO,
-    QUANTIZATIONS,
-    TARGETS,
     check_target_can_express,
     export_size,
     without_local_paths,
@@ -21,6 +19,7 @@ from aiayn.export.base import (
 from aiayn.export.ctranslate2 import write_ctranslate2
 from aiayn.export.hf import check_one_vocabulary, is_marian, write_hf
 from aiayn.export.modelcard import CARD_FILE, model_card
+from aiayn.options import EXPORT_TARGETS, QUANTIZATIONS
 from aiayn.runs.checkpoint import check_unchanged, weights_fingerprint
 from aiayn.runs.directory import load_run, resolve_weights
 from aiayn.util.extras import require
@@ -37,8 +36,8 @@ def export_run(run_dir: str | Path, to: str, out_dir: str | Path, weights: str |
     renamed).
     """
     run_dir, out_dir = Path(run_dir), Path(out_dir)
-    if to not in TARGETS:
-        raise AiaynError(f"--to must be one of {', '.join(TARGETS)}, got {to!r}")
+    if to not in EXPORT_TARGETS:
+        raise AiaynError(f"--to must be one of {', '.join(EXPORT_TARGETS)}, got {to!r}")
     if quantization is not None and to != "ctranslate2":
         raise AiaynError("--quantization applies to --to ctranslate2 only")
     if quantization is not None and quantization not in QUANTIZATIONS:

@@ -9,5 +9,5 @@ maps of a translation (attention) and word alignments from them (align), files o
 length translated chunk by chunk, resumable (files), and the teacher-forced scores of given
 pairs (scoring).
 
-May import: aiayn.errors, aiayn.util, aiayn.config, aiayn.model, aiayn.data, aiayn.runs.
+May import: aiayn.errors, aiayn.options, aiayn.util, aiayn.config, aiayn.model, aiayn.data, aiayn.runs.
 """

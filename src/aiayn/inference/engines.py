@@ -10,8 +10,8 @@ from aiayn.errors import AiaynError
 from aiayn.inference.aiayn_engine import AiaynEngine
 from aiayn.inference.ct2 import CTranslate2Engine
 from aiayn.inference.engine import Engine
+from aiayn.options import ENGINES  # the names --engine takes
 
-ENGINES = ("aiayn", "ctranslate2")  # the names --engine takes (``engine_class``)
 _CLASSES: dict[str, type[Engine]] = {"aiayn": AiaynEngine, "ctranslate2": CTranslate2Engine}
 
 

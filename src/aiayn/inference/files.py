@@ -37,15 +37,12 @@ from pathlib import Path
 
 from aiayn.errors import AiaynError
 from aiayn.inference.settings import Search
+from aiayn.options import CHUNK_LINES
 from aiayn.runs.directory import resolve_weights
 from aiayn.util.io import DiskError, as_disk_error, atomic_write_text
 from aiayn.util.lock import hold_file, process_alive
 from aiayn.util.progress import bar
 
-# Input lines per chunk: each is decoded, written and recorded at once. At the end of a chunk
-# the CPU streams wait for its last batches: 2,000 lines lost 7-9% of the lines/s of one
-# call, 10,000 0-4% (docs/translating.md#large-files-progress-and-resume).
-CHUNK_LINES = 10_000
 BOM = b"\xef\xbb\xbf"
 SIDECAR_VERSION = 1
 

@@ -2,5 +2,5 @@
 directory (lock), progress bars and log lines (progress), CPU threads on a busy machine
 (threads), the device and its precision (device), optional dependencies (extras).
 
-May import: aiayn.errors.
+May import: aiayn.errors, aiayn.options.
 """

@@ -14,9 +14,8 @@ import time
 import torch
 
 from aiayn.errors import AiaynError
+from aiayn.options import DEVICES
 from aiayn.util.threads import on_one_thread
-
-DEVICES = ("auto", "cpu", "cuda", "mps")
 
 
 def choose_device(choice: str | None = "auto", index: int = 0) -> torch.device:
