@@ -54,8 +54,8 @@ from common import (  # noqa: E402  (benchmarks/ is not a package)
 )
 
 from aiayn.data.prepared import load_prepared  # noqa: E402
-from aiayn.options import CHUNK_LINES  # noqa: E402
 from aiayn.inference.translator import Translator  # noqa: E402
+from aiayn.options import CHUNK_LINES  # noqa: E402
 from aiayn.runs.directory import read_data_dir  # noqa: E402
 
 
