@@ -44,6 +44,7 @@ BEST_METRICS = ("bleu", "chrf", "loss")  # see aiayn.training.early_stopping
 # train.precision: "auto" chooses per device (aiayn.util.device.resolve_precision).
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "muon")
+CURRICULA = ("none", "length")  # train.curriculum (aiayn.data.batching.length_curriculum)
 # train.bf16 (true | false | auto), the setting's name before train.precision: config files,
 # saved runs' config.yaml and --set still give it; ``precision_of_bf16`` alone maps it.
 BF16_TO_PRECISION = {"true": "bf16", "false": "fp32", "auto": "auto"}
@@ -78,7 +79,7 @@ RANGES: dict[str, dict[str, tuple[float, float, bool]]] = {
         "warmup_steps": (1, INF, False),
         "adam_beta1": (0.0, 0.9999, False), "adam_beta2": (0.0, 0.9999999, False),
         "adam_eps": (0.0, 1.0, True), "weight_decay": (0.0, 1.0, False),
-        "muon_lr_ratio": (0.0, INF, True),
+        "muon_lr_ratio": (0.0, INF, True), "curriculum_start": (0.0, 1.0, True),
         "label_smoothing": (0.0, 0.999, False), "clip_norm": (0.0, INF, False),
         "max_steps": (1, INF, False), "max_epochs": (1, INF, False),
         "max_minutes": (0.0, INF, False), "eval_every": (1, INF, False),
@@ -106,7 +107,7 @@ CHOICES: dict[str, dict[str, tuple[str, ...]]] = {
     "data": {"tokenizer": ("bpe", "wordlevel"), "long_policy": ("drop", "truncate"),
              "bleu_tokenize": BLEU_TOKENIZERS},
     "train": {"schedule": SCHEDULES, "precision": PRECISIONS, "best_metric": BEST_METRICS,
-              "optimizer": OPTIMIZERS},
+              "optimizer": OPTIMIZERS, "curriculum": CURRICULA},
 }
 
 
@@ -255,6 +256,14 @@ class TrainConfig:
     """Token budget of one batch: sentences x the longer side, padding included."""
     grad_accum: int = 1
     """Micro-batches accumulated into one optimizer update."""
+    curriculum: str = "none"
+    """The order of the first pass over the training batches: "none", shuffled as every
+    pass; "length", a competence curriculum (Platanios et al. 2019): the pass's step p of n
+    draws among its unused batches of the narrowest c(p) = min(1, sqrt(s^2 + (1 - s^2) p /
+    n)), s = curriculum_start, so it starts on short sentences and ends with the longest;
+    later passes are shuffled (docs/findings.md#a-length-curriculum)."""
+    curriculum_start: float = 0.1
+    """The share of the batches, the narrowest, a "length" curriculum starts on, in (0, 1]."""
     schedule: str = "eq3"
     """"eq3": lr = lr_scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) (paper,
     eq. 3); "linear": warm up to peak_lr, then fall linearly to 0 at the end of the budget

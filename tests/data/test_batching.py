@@ -4,12 +4,20 @@ resume, collate and the one batcher, token_batches."""
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
 import torch
 
-from aiayn.data.batching import Example, TokenBatchSampler, collate, length_multiple, token_batches
+from aiayn.data.batching import (
+    Example,
+    TokenBatchSampler,
+    collate,
+    length_curriculum,
+    length_multiple,
+    token_batches,
+)
 from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from aiayn.errors import AiaynError
 
@@ -148,3 +156,59 @@ def test_token_batches_cover_every_sentence_once_within_the_padded_budget():
         longest = max(lengths[i] for i in batch)
         assert len(batch) == 1 or len(batch) * longest * 2 <= 120
     assert [len(b) for b in batches if lengths[b[0]] == 100] == [1]
+
+
+# ------------------------------------------------------------------ the length curriculum
+def test_a_length_curriculum_widens_from_the_narrowest_batches_to_all():
+    rng = random.Random(0)
+    widths = [rng.randint(3, 90) for _ in range(400)]
+    order = length_curriculum(widths, 0.1, random.Random(1))
+    assert sorted(order) == list(range(400))  # each batch once
+    ranked = sorted(widths)
+    for p, b in enumerate(order):  # step p draws among the narrowest ceil(c(p) n)
+        allowed = math.ceil(min(1.0, math.sqrt(0.01 + 0.99 * p / 400)) * 400)
+        assert widths[b] <= ranked[allowed - 1]
+    first, last = [widths[b] for b in order[:40]], [widths[b] for b in order[-40:]]
+    assert sum(first) / 40 < sum(widths) / 400 < sum(last) / 40
+    assert length_curriculum(widths, 0.1, random.Random(1)) == order  # its rng decides
+    assert length_curriculum(widths, 0.1, random.Random(2)) != order
+    assert length_curriculum(widths, 1.0, random.Random(1)) != order  # start 1: all at once
+
+
+def test_a_curriculum_orders_the_first_epoch_only_and_resumes_exactly():
+    src, tgt = random_lengths(900)
+    plain = TokenBatchSampler(src, tgt, 300, seed=9)
+    sampler = TokenBatchSampler(src, tgt, 300, seed=9, curriculum_start=0.1)
+    first, second = list(sampler), list(sampler)
+    assert sorted(map(tuple, first)) == sorted(map(tuple, list(plain)))  # the same batches
+    assert second == list(plain)  # epoch 1: shuffled as without a curriculum
+
+    def width(batch):
+        return max(max(src[i], tgt[i]) for i in batch)
+    tenth = len(first) // 10
+    assert sum(map(width, first[:tenth])) < sum(map(width, first[-tenth:]))
+
+    again = TokenBatchSampler(src, tgt, 300, seed=9, curriculum_start=0.1)
+    it = iter(again)
+    seen = [next(it) for _ in range(7)]
+    state = json.loads(json.dumps(again.state_dict()))
+    resumed = TokenBatchSampler(src, tgt, 300, seed=9, curriculum_start=0.1)
+    resumed.load_state_dict(state)
+    assert seen + list(resumed) == first
+    for other in (None, 0.3):  # another curriculum would take other batches of the pass
+        with pytest.raises(AiaynError, match="first pass's batch order"):
+            TokenBatchSampler(src, tgt, 300, seed=9, curriculum_start=other).load_state_dict(state)
+    state["epoch"], state["batches_yielded"] = 1, 0  # later passes are the same either way
+    TokenBatchSampler(src, tgt, 300, seed=9).load_state_dict(state)
+
+
+def test_ranks_share_one_curriculum_order():
+    src, tgt = random_lengths(997, seed=3)
+    two = [TokenBatchSampler(src, tgt, 700, seed=5, rank=r, world_size=2, curriculum_start=0.2)
+           for r in range(2)]
+    per_rank = [list(s) for s in two]
+    flat = sorted(i for batches in per_rank for batch in batches for i in batch)
+    assert flat == list(range(997)) and len(per_rank[0]) == len(per_rank[1])
+    widths = [[max(max(src[i], tgt[i]) for i in b) for b in batches] for batches in per_rank]
+    for w in widths:  # both ranks start on narrow batches
+        assert sum(w[:len(w) // 10]) < sum(w[-(len(w) // 10):])

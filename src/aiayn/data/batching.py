@@ -10,6 +10,8 @@ the benchmarks; it reads no files (the examples come from ``aiayn.data.prepared`
 
 from __future__ import annotations
 
+import bisect
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -79,6 +81,24 @@ def token_batches(widths: Sequence[int], max_tokens: int, copies: int = 1,
     return np.split(order, boundaries) if len(order) else []
 
 
+def length_curriculum(widths: Sequence[int], start: float, rng: random.Random) -> list[int]:
+    """The order in which a competence curriculum (Platanios et al. 2019) takes n batches of
+    these widths: step p draws uniformly among the batches not yet taken of the narrowest
+    c(p) = min(1, sqrt(start^2 + (1 - start^2) p / n)) (ties in width broken at random), so
+    the pass starts on the narrowest ``start`` of them and widens to all by its end; each
+    batch comes once. Deterministic given ``rng``'s state."""
+    n = len(widths)
+    keys = [rng.random() for _ in range(n)]
+    by_ease = sorted(range(n), key=lambda i: (widths[i], keys[i]))
+    unused = list(range(n))  # ranks in by_ease not taken yet, ascending
+    order = []
+    for p in range(n):
+        competence = min(1.0, math.sqrt(start ** 2 + (1 - start ** 2) * p / n))
+        allowed = bisect.bisect_left(unused, math.ceil(competence * n)) or len(unused)
+        order.append(by_ease[unused.pop(rng.randrange(allowed))])
+    return order
+
+
 class TokenBatchSampler:
     """Length-bucketed batches under a token budget, shuffled per epoch, sharded by rank.
 
@@ -108,6 +128,10 @@ class TokenBatchSampler:
     shuffled together. Each epoch's order is a function of ``seed`` and its number alone,
     so a resume continues it exactly.
 
+    ``curriculum_start`` (None: none): the first epoch's batches in the order of a length
+    curriculum (``length_curriculum``) instead of shuffled, from the narrowest up; the
+    ranks take every ``world_size``-th of that one order, so they all start short.
+
     The iterator moves to the next epoch by itself when it is exhausted; ``set_epoch(e)``
     with a different epoch jumps there (and is a no-op for the current one, so a resumed
     position is kept). ``state_dict`` records the epoch and the batches already yielded in
@@ -116,7 +140,8 @@ class TokenBatchSampler:
 
     def __init__(self, src_lens: Sequence[int], tgt_lens: Sequence[int], max_tokens: int,
                  shuffle: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1,
-                 groups: Sequence[int] | None = None, weights: Sequence[float] | None = None):
+                 groups: Sequence[int] | None = None, weights: Sequence[float] | None = None,
+                 curriculum_start: float | None = None):
         src_lens = np.asarray(src_lens, dtype=np.int64)
         tgt_lens = np.asarray(tgt_lens, dtype=np.int64)
         if len(src_lens) != len(tgt_lens):
@@ -135,6 +160,7 @@ class TokenBatchSampler:
         self.src_lens, self.tgt_lens = src_lens, tgt_lens
         self.max_tokens = max_tokens
         self.shuffle, self.seed = shuffle, seed
+        self.curriculum_start = curriculum_start
         self.rank, self.world_size = rank, world_size
         self.shares: list[int] = []  # batches of each corpus per epoch (weighted corpora)
         if weights is None:
@@ -155,11 +181,19 @@ class TokenBatchSampler:
     def _epoch_order(self, epoch: int) -> list[np.ndarray]:
         """This rank's batches for ``epoch``."""
         if self.shares:
-            return self._weighted_order(epoch)[self.rank::self.world_size]
-        order = list(range(len(self.batches)))
-        if self.shuffle:
-            random.Random(f"aiayn-batches-{self.seed}-{epoch}").shuffle(order)
-        return [self.batches[b] for b in order[self.rank::self.world_size]]
+            batches = self._weighted_order(epoch)
+        elif epoch == 0 and self.curriculum_start is not None:
+            batches = self.batches
+        else:
+            order = list(range(len(self.batches)))
+            if self.shuffle:
+                random.Random(f"aiayn-batches-{self.seed}-{epoch}").shuffle(order)
+            batches = [self.batches[b] for b in order]
+        if epoch == 0 and self.curriculum_start is not None:
+            widths = [int(max(self.src_lens[b].max(), self.tgt_lens[b].max())) for b in batches]
+            rng = random.Random(f"curriculum-{self.seed}")
+            batches = [batches[i] for i in length_curriculum(widths, self.curriculum_start, rng)]
+        return batches[self.rank::self.world_size]
 
     def _weighted_order(self, epoch: int) -> list[np.ndarray]:
         """Every rank's batches of ``epoch`` with weighted corpora: corpus g's batches
@@ -192,13 +226,14 @@ class TokenBatchSampler:
         """Batches per epoch on this rank (the same on every rank)."""
         return (sum(self.shares) if self.shares else len(self.batches)) // self.world_size
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, int | float | None]:
         """Epoch and batches yielded in it (``aiayn.training.loop.BatchStream`` saves the state from
         before a batch it drew ahead, so a saved state counts the batches trained on)."""
         return {"epoch": self.epoch, "batches_yielded": self._offset, "n_batches": len(self.batches),
-                "world_size": self.world_size, "seed": self.seed}
+                "world_size": self.world_size, "seed": self.seed,
+                "curriculum_start": self.curriculum_start}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, int | float | None]) -> None:
         for key in ("n_batches", "world_size", "seed"):
             mine = len(self.batches) if key == "n_batches" else getattr(self, key)
             if state.get(key) != mine:
@@ -207,6 +242,14 @@ class TokenBatchSampler:
                     f"now {key}={mine} (same prepared data, train.max_tokens, seed and number "
                     "of processes are needed for an exact resume)"
                 )
+        saved = state.get("curriculum_start")  # a state saved before curricula: none
+        if state["epoch"] == 0 and saved != self.curriculum_start:
+            def said(start):
+                return "none" if start is None else f"length from {start:g}"
+            raise AiaynError(
+                f"cannot resume the first pass's batch order: it was saved with the curriculum "
+                f"{said(saved)}, now {said(self.curriculum_start)} (give the run's "
+                "train.curriculum and train.curriculum_start again)")
         self.epoch, self._offset = int(state["epoch"]), int(state["batches_yielded"])
 
     def padding_stats(self) -> dict[str, float | int]:

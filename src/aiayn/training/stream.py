@@ -91,12 +91,17 @@ def load_data(data_dir: Path, config: Config, world: Dist, log=print) -> TrainDa
     if weights:  # the corpus of each kept pair: the train split holds them one after another
         ends = np.cumsum([c["splits"]["train"] for c in corpora])
         groups = np.searchsorted(ends, train.positions, side="right")
+    start = t.curriculum_start if t.curriculum == "length" else None
     sampler = TokenBatchSampler(train.src_lens, train.tgt_lens,
                                 t.max_tokens, shuffle=True, seed=t.seed,
                                 rank=world.rank, world_size=world.world_size,
-                                groups=groups, weights=weights)
+                                groups=groups, weights=weights, curriculum_start=start)
     log(f"data: {len(train)} training pairs ({_describe(train.counts)}), {len(dev)} dev pairs, "
         f"{len(sampler)} batches per epoch per rank")
+    if start is not None:
+        log(f"curriculum: the first pass from its narrowest batches up (train.curriculum length: "
+            f"its first steps draw among the narrowest {start:.0%}, its last among all), the "
+            "others shuffled")
     if weights:
         log("corpora: " + "; ".join(
             f"{c['line']}: {n} of an epoch's batches" for c, n in zip(corpora, sampler.shares,
