@@ -325,14 +325,16 @@ ABOUT = (
     "on one thread, with as many in flight as the clients keep in a lane). The soak row: "
     "steady load for minutes, "
     "with one more client that hangs up before each answer; the server's memory at the "
-    "start and end. The model: a quiet `make demo` run on the rows' CPU (4.7M parameters).")
+    "start, its least and most over the samples of the load (every 10 s from the first on: "
+    "flat there means nothing leaks), and at the end. The model: a quiet `make demo` run on "
+    "the rows' CPU (4.7M parameters).")
 COLUMNS = [
     {"key": "who", "label": "translating"},
     *({"key": key, "label": label, "align": "right"} for key, label in [
         ("p50", "p50 ms"), ("p95", "p95 ms"), ("p99", "p99 ms"), ("rps", "requests/s"),
         ("ratio", "/ offline batch"), ("correct", "answered correctly"),
         ("batches", "decoded together"), ("wait", "mean wait ms"),
-        ("memory", "server RSS start → end")]),
+        ("memory", "server RSS: start → under load (least–most) → end")]),
 ]
 
 
@@ -436,7 +438,8 @@ def main() -> None:
                          "p50": round(1000 * result["p50"]), "p95": round(1000 * result["p95"]),
                          "p99": round(1000 * result["p99"]), "rps": round(result["rps"], 1),
                          "correct": f"{result['correct']}/{result['requests']}",
-                         "memory": f"{rss[0]:.0f} → {rss[-1]:.0f} MB"})
+                         "memory": f"{rss[0]:.0f} → {min(rss[1:]):.0f}–{max(rss[1:]):.0f} → "
+                                   f"{rss[-1]:.0f} MB"})
         else:
             # Each repeat runs every client count in turn, then times the reference again
             # with the server idle; a repeat compares with the mean of the references
