@@ -421,6 +421,7 @@ def main() -> None:
         if args.soak:
             result = soak(url, process.pid, sentences, dict(zip(sentences, expected)), args)
             rss = result["rss_mb"]
+            loaded = rss[1:-1] or rss  # the samples taken under load (the last: after it)
             print(f"soak: {args.soak:g} s, {args.soak_clients} clients + one that hung up "
                   f"{result['hung_up']} times ({result['dropped']} of those requests dropped "
                   f"before decoding, {result['abandoned']} taken out mid-search): "
@@ -438,7 +439,7 @@ def main() -> None:
                          "p50": round(1000 * result["p50"]), "p95": round(1000 * result["p95"]),
                          "p99": round(1000 * result["p99"]), "rps": round(result["rps"], 1),
                          "correct": f"{result['correct']}/{result['requests']}",
-                         "memory": f"{rss[0]:.0f} → {min(rss[1:]):.0f}–{max(rss[1:]):.0f} → "
+                         "memory": f"{rss[0]:.0f} → {min(loaded):.0f}–{max(loaded):.0f} → "
                                    f"{rss[-1]:.0f} MB"})
         else:
             # Each repeat runs every client count in turn, then times the reference again
