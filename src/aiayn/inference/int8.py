@@ -6,7 +6,7 @@ builds ship (``torch.ops.quantized.linear_dynamic``). ``Int8Output`` is that pro
 the model do not change.
 
 Why this kernel, and only there (measured on an AVX2-only CPU, one thread:
-docs/translating.md#the-int8-output-layer): FBGEMM runs the demo's output layer, 256 x 5,302,
+docs/translating.md#the-int8-output-layer): FBGEMM runs the demo's output layer, 256 x 5,131,
 ~1.9x faster than fp32 at the rows a decoding step holds; its other layers, 256 to 768
 wide, gain nothing once each row is quantized on its own scale (below), so they stay
 fp32. PyTorch's other int8 products are slow there: ``torch._int_mm`` and

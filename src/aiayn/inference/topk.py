@@ -1,6 +1,6 @@
 """The k largest values of each row of a wide matrix, as ``Tensor.topk`` finds them, faster
 when k is small: a beam search's step takes the 2K best of every row's
-log-probabilities over the output pieces (5,302 in the demo), and ``topk`` itself scans
+log-probabilities over the output pieces (5,131 in the demo), and ``topk`` itself scans
 every value with a heap (~2.5 ns a value on a CPU), where a running maximum is vectorised.
 
 Cut each row into chunks of ``CHUNK`` columns and take every chunk's maximum; the k largest
