@@ -439,7 +439,7 @@ def _run_translate(args) -> int:
                                         " (stdin cannot be read again)"))
     _at_least(args.chunk_lines, 1, "--chunk-lines")
     if args.output is not None:
-        check_output_file(args.output, "-o")
+        check_output_file(args.output, "-o", {"-i": args.input})
     if args.input is not None and Path(args.input).is_dir():
         raise AiaynError(f"-i {args.input}: is a directory, not a file")
     terminal = sys.stdin is not None and sys.stdin.isatty()
@@ -539,7 +539,8 @@ def _add_evaluate(sub) -> None:
     p.add_argument("--data", help="prepared data directory (default: the one the run used, "
                    "from RUN_DIR/data_dir.txt)")
     _add_weights(p)
-    p.add_argument("-o", "--output", help="file for the hypotheses (default: "
+    p.add_argument("-o", "--output", help="file for the hypotheses, the scores beside it with "
+                   "the suffix .json (default: "
                    "RUN_DIR/eval/SPLIT.WEIGHTS.beamK.alphaA.txt; greedy: .beam1.txt; with "
                    "--no-repeat-ngram N: .norepeatN before .txt; with --limit N: .firstN)")
     p.add_argument("--limit", type=int, default=0, help="only the first N sentences (0: all; "
@@ -635,7 +636,8 @@ def _run_score(args) -> int:
     if args.data is not None and args.split is None:
         raise AiaynError("--data goes with --split")
     if args.output is not None:
-        check_output_file(args.output, "-o")
+        check_output_file(args.output, "-o", {"-i": args.input, "--source": args.source,
+                                              "--target": args.target})
     if args.input is not None:
         sources, targets = read_tsv_pairs(args.input)
     elif args.source is not None:

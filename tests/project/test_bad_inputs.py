@@ -113,6 +113,15 @@ def _sentences(tmp: Path) -> None:
     (tmp / "in.txt").write_text("the red cat\n", encoding="utf-8")
 
 
+def _sentences_and_link(tmp: Path) -> None:
+    _sentences(tmp)
+    (tmp / "link.txt").symlink_to(tmp / "in.txt")
+
+
+def _pairs(tmp: Path) -> None:
+    (tmp / "pairs.tsv").write_text("the red cat\tel gato rojo\n", encoding="utf-8")
+
+
 CASES = [
     # 0. argument errors: one line and a pointer to --help, not the whole usage
     ("evaluate --split nosuch", ["evaluate", "RUN", "--split", "nosuch"],
@@ -135,6 +144,15 @@ CASES = [
     ("translate -o DIR", ["translate", "RUN", "-i", "TMP/in.txt", "-o", "TMP"],
      "-o TMP: is a directory", _sentences),
     ("evaluate -o DIR", ["evaluate", "RUN", "-o", "TMP"], "--output TMP: is a directory", None),
+    ("evaluate -o X.json", ["evaluate", "RUN", "-o", "TMP/hyp.json"],
+     "--output TMP/hyp.json: the scores are written to the output's name with .json", None),
+    # an output that is the input would replace the text being read
+    ("translate -o IN", ["translate", "RUN", "-i", "TMP/in.txt", "-o", "TMP/in.txt"],
+     "-o TMP/in.txt: is the file -i reads", _sentences),
+    ("translate -o a link to IN", ["translate", "RUN", "-i", "TMP/in.txt", "-o", "TMP/link.txt"],
+     "-o TMP/link.txt: is the file -i reads", _sentences_and_link),
+    ("score -o IN", ["score", "RUN", "-i", "TMP/pairs.tsv", "-o", "TMP/pairs.tsv"],
+     "-o TMP/pairs.tsv: is the file -i reads", _pairs),
     ("train --out FILE", ["train", "--config", str(TINY), "--data", "DATA", "--out", "TMP/file"],
      "--out TMP/file: exists and is not a directory", _a_file),
     ("prepare --out FILE", ["prepare", "--corpus", "tsv:CORPUS", "--out", "TMP/file"],
@@ -516,13 +534,19 @@ def test_train_force_replaces_the_run_files_and_nothing_else(aiayn, world, tmp_p
 # ---------------------------------------------------------------- one writer
 def saving_train(world, run: Path) -> subprocess.Popen:
     """`aiayn train` of a long run in a process of its own (stderr piped), once it has saved
-    its first checkpoint (train_state.pt, every 5 steps)."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "aiayn", "train", "--config", str(TINY), "--data",
-         str(world["data"]), "--out", str(run), "--set", "train.max_steps=100000",
-         "--set", "train.save_every=5", "--set", "train.eval_every=100000",
-         "--set", "train.cpu_threads=1"], cwd=ROOT, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE)
+    its first checkpoint (train_state.pt, every 5 steps). Its Ctrl-C is Python's whatever
+    started the suite: a shell's background job (`make test &`) ignores SIGINT, a child
+    inherits that, and Python then never raises KeyboardInterrupt."""
+    inherited = signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "aiayn", "train", "--config", str(TINY), "--data",
+             str(world["data"]), "--out", str(run), "--set", "train.max_steps=100000",
+             "--set", "train.save_every=5", "--set", "train.eval_every=100000",
+             "--set", "train.cpu_threads=1"], cwd=ROOT, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     deadline = time.time() + 60
     while not (run / "train_state.pt").exists() and time.time() < deadline:
         time.sleep(0.2)

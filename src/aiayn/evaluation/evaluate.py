@@ -200,6 +200,10 @@ def evaluate_run(run_dir: str | Path, split: str = "test", search: Search | None
         raise AiaynError(f"--limit must be 0 (all) or a positive number of sentences, got {limit}")
     if output is not None:
         check_output_file(output, "--output")
+        if Path(output).suffix == ".json":  # the scores go to OUTPUT with .json for its suffix
+            raise AiaynError(f"--output {output}: the scores are written to the output's name "
+                             "with .json for its suffix, the same file; give the translations "
+                             "another suffix (e.g. .txt)")
     translator = Translator.from_pretrained(run_dir, weights, device=choose_device(device),
                                             decode_tokens=decode_tokens, bf16=bf16, engine=engine,
                                             int8=int8)

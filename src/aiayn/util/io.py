@@ -203,13 +203,21 @@ def check_writable_dir(path: str | Path, option: str) -> Path:
     return path
 
 
-def check_output_file(path: str | Path, option: str) -> Path:
-    """``path`` can be written as a file (it is not a directory; its directory exists)."""
+def check_output_file(path: str | Path, option: str,
+                      inputs: dict[str, str | Path | None] | None = None) -> Path:
+    """``path`` can be written as a file (it is not a directory; its directory exists) and
+    is none of the command's ``inputs`` (option -> file; None: not given), which writing it
+    would replace before or while they are read."""
     path = Path(path)
     if path.is_dir():
         raise AiaynError(f"{option} {path}: is a directory, not a file")
     if not path.parent.is_dir():
         raise AiaynError(f"{option} {path}: directory {path.parent} does not exist")
+    for name, given in (inputs or {}).items():
+        if given is not None and path.exists() and Path(given).exists() \
+                and os.path.samefile(path, given):
+            raise AiaynError(f"{option} {path}: is the file {name} reads; writing it would "
+                             f"replace the input: choose another {option}")
     return path
 
 
