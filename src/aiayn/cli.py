@@ -67,7 +67,8 @@ def _add_direction(p: argparse.ArgumentParser) -> None:
 
 def _add_weights(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="best",
-                   help="best, last, NAME for RUN_DIR/NAME.safetensors (as averaged) or a .safetensors path")
+                   help="best, last, NAME for RUN_DIR/NAME.safetensors (e.g. averaged), or a "
+                   ".safetensors path")
 
 
 def _add_engine(p: argparse.ArgumentParser) -> None:

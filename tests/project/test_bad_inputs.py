@@ -534,9 +534,9 @@ def test_train_force_replaces_the_run_files_and_nothing_else(aiayn, world, tmp_p
 # ---------------------------------------------------------------- one writer
 def saving_train(world, run: Path) -> subprocess.Popen:
     """`aiayn train` of a long run in a process of its own (stderr piped), once it has saved
-    its first checkpoint (train_state.pt, every 5 steps). Its Ctrl-C is Python's whatever
-    started the suite: a shell's background job (`make test &`) ignores SIGINT, a child
-    inherits that, and Python then never raises KeyboardInterrupt."""
+    its first checkpoint (train_state.pt, every 5 steps). It starts with SIGINT at its
+    default however the suite was started: a shell's background job (`make test &`) ignores
+    SIGINT, a child inherits that, and Python then never raises KeyboardInterrupt."""
     inherited = signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:
         process = subprocess.Popen(
