@@ -61,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, cpu_model, git_commit  # noqa: E402
 
 from aiayn.data.batching import pad  # noqa: E402
+from aiayn.errors import AiaynError  # noqa: E402
 from aiayn.inference.joinable import JoinableSearch  # noqa: E402
 from aiayn.inference.translator import Translator  # noqa: E402
 from aiayn.runs.directory import read_data_dir  # noqa: E402
@@ -357,6 +358,9 @@ def save(key: str, rows: list[dict], args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir")
+    parser.add_argument("--data", metavar="DIR",
+                        help="the prepared data whose test split is sent (default: the run's; "
+                             "needed with --engine ctranslate2, an export names none)")
     parser.add_argument("--requests", type=int, default=120, help="requests per client count")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run every client count this many times; medians are reported")
@@ -396,7 +400,12 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device cuda: this torch ({torch.__version__}) sees no CUDA GPU")
 
-    test = read_data_dir(args.run_dir) / "test.jsonl"
+    try:
+        test = (Path(args.data) if args.data else read_data_dir(args.run_dir)) / "test.jsonl"
+    except AiaynError as e:
+        raise SystemExit(f"{e}") from None
+    if not test.is_file():
+        raise SystemExit(f"--data: {test} not found (a directory from `aiayn prepare`)")
     pairs = [json.loads(line) for line in test.read_text(encoding="utf-8").splitlines() if line]
     sentences = [pairs[i % len(pairs)]["src"] for i in range(args.requests)]
 

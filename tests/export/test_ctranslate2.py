@@ -197,6 +197,38 @@ def test_translate_and_evaluate_with_the_ctranslate2_engine(run_dir, tmp_path, c
 
 
 @needs_ct2
+def test_an_export_given_where_a_run_is_needed_is_named(run_dir, tmp_path, capsys, monkeypatch):
+    """A CTranslate2 export is not a run: translate without --engine, export and train from it
+    say what it is and where it came from in one line, writing nothing; info describes it."""
+    out = tmp_path / "ct2"
+    assert run_cli(["export", str(run_dir), "--to", "ctranslate2", str(out),
+                    "--quantization", "int8"], capsys)[0] == 0
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in out.rglob("*"))
+    what = f"a CTranslate2 export (int8) of run {run_dir.name}, weights best, not a run directory"
+    code, _, err = run_cli(["translate", str(out)], capsys, "red sun\n", monkeypatch)
+    assert one_line_error(code, err, what, "--engine ctranslate2")
+    code, _, err = run_cli(["export", str(out), "--to", "ctranslate2", str(tmp_path / "again")],
+                           capsys)
+    assert one_line_error(code, err, what) and not (tmp_path / "again").exists()
+    data = (run_dir / "data_dir.txt").read_text(encoding="utf-8").strip()
+    code, _, err = run_cli(["train", "--init-from", str(out), "--data", data, "--out",
+                            str(tmp_path / "new")], capsys)
+    assert one_line_error(code, err, f"--init-from {out}", what) and not (tmp_path / "new").exists()
+    code, printed, err = run_cli(["info", str(out)], capsys)
+    assert code == 0 and err == ""
+    assert f"export     a CTranslate2 export (int8) of run {run_dir.name}" in printed
+    assert not any(line.startswith(("trained", "best", "weights")) for line in printed.splitlines())
+    code, printed, _ = run_cli(["info", str(out), "--json"], capsys)
+    assert json.loads(printed)["export"]["quantization"] == "int8"
+    # Converted by hand (no aiayn_export.json): still told apart by its model.bin.
+    (out / "aiayn_export.json").unlink()
+    code, _, err = run_cli(["translate", str(out)], capsys, "red sun\n", monkeypatch)
+    assert one_line_error(code, err, "a CTranslate2 export, not a run directory")
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in out.rglob("*")
+                  ) == [b for b in before if b[0] != "aiayn_export.json"]
+
+
+@needs_ct2
 def test_ctranslate2_translates_each_direction_as_aiayn(tagged_run_dir, tagged_ct2):
     """`Translator.from_pretrained(export, engine="ctranslate2", to=lang)` puts the tag in
     front as aiayn's engine does: the same greedy translations and best of beam 4; the

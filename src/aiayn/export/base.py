@@ -78,11 +78,6 @@ from aiayn.runs.directory import copy_tokenizer
 CT2_POSITIONS = 1024  # CTranslate2's default max_input_length
 
 
-
-
-EXPORT_INFO = "aiayn_export.json"  # what was exported from where (both targets)
-
-
 # ---------------------------------------------------------------- the command
 
 

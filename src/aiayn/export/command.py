@@ -10,7 +10,6 @@ from pathlib import Path
 from aiayn.config import load_config
 from aiayn.errors import AiaynError
 from aiayn.export.base import (
-    EXPORT_INFO,
     check_target_can_express,
     export_size,
     without_local_paths,
@@ -21,7 +20,7 @@ from aiayn.export.hf import check_one_vocabulary, is_marian, write_hf
 from aiayn.export.modelcard import CARD_FILE, model_card
 from aiayn.options import EXPORT_TARGETS, QUANTIZATIONS
 from aiayn.runs.checkpoint import check_unchanged, weights_fingerprint
-from aiayn.runs.directory import load_run, resolve_weights
+from aiayn.runs.directory import EXPORT_INFO, load_run, resolve_weights
 from aiayn.util.extras import require
 from aiayn.util.io import atomic_directory, atomic_write_text, check_room, check_writable_dir
 

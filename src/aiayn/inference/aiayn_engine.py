@@ -70,11 +70,8 @@ class AiaynEngine(Engine):
     def load(cls, run_dir: str | Path, weights: str | Path = "best",
              device: str | torch.device | None = None, **options):
         """A run directory's engine, tokenizers and config (``load_run``)."""
-        from aiayn.runs.directory import load_run
+        from aiayn.runs.directory import load_run  # an export is refused there, named
 
-        if (Path(run_dir) / "model.bin").is_file() and not any(Path(run_dir).glob("*.safetensors")):
-            raise AiaynError(f"{run_dir}: a CTranslate2 export, not a run directory; "
-                             "`aiayn translate|evaluate` read it with --engine ctranslate2")
         config, model, tokenizers = load_run(run_dir, weights)
         return cls(model, device or "cpu", **options), tokenizers, config
 

@@ -10,7 +10,9 @@ was started from (``--init-from``). Reads files only; loads no weights::
     print(aiayn.inspect.info.format_info(info))
 
 Given a prepared data directory (`aiayn prepare --out DIR`), its corpora instead: per line
-of the corpus spec its languages, direction tag and pairs per split (``data_info``).
+of the corpus spec its languages, direction tag and pairs per split (``data_info``). Given a
+CTranslate2 export (`aiayn export --to ctranslate2`), the model and search it carries and
+what it was exported from (``"export"``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ from aiayn.data.tokenizer import Tokenizers
 from aiayn.errors import AiaynError
 from aiayn.model import Transformer
 from aiayn.runs.checkpoint import load_train_state, read_metadata
-from aiayn.runs.directory import list_step_checkpoints, read_metrics
+from aiayn.runs.directory import (
+    describe_export,
+    list_step_checkpoints,
+    not_a_run_error,
+    read_export_info,
+    read_metrics,
+)
 from aiayn.training.transfer import describe_tokenizer, read_init_from
 
 
@@ -36,6 +44,9 @@ def run_info(run_dir: str | Path) -> dict[str, Any]:
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file() and (run_dir / STATS_FILE).is_file():
         return data_info(run_dir)
+    exported = read_export_info(run_dir)
+    if exported is not None and not (run_dir / "config.yaml").is_file():
+        raise not_a_run_error(run_dir, exported)  # a Transformers export: no config of ours
     if not (run_dir / "config.yaml").is_file():
         raise AiaynError(f"{run_dir}: no config.yaml; is it a run directory written by "
                          "`aiayn train`? (`aiayn doctor` says what is wrong with it)")
@@ -56,12 +67,15 @@ def run_info(run_dir: str | Path) -> dict[str, Any]:
         "targets": _targets(run_dir / "tokenizer"),
         "decode": {"beam": config.decode.beam, "alpha": config.decode.alpha,
                    "no_repeat_ngram": config.decode.no_repeat_ngram},
+        "export": exported,
         "init_from": read_init_from(run_dir),
         "training": _training(run_dir),
         "best": None,
         "last_dev": None,
         "weights": _weights(run_dir),
     }
+    if exported is not None:  # the model and search it carries; no training of its own
+        return info
     devs = [r for r in read_metrics(run_dir, missing_ok=True) if r["kind"] == "dev"]
     if devs:
         last = devs[-1]
@@ -169,6 +183,9 @@ def format_info(info: dict[str, Any]) -> str:
         f"{_guard_words(info['decode'].get('no_repeat_ngram', 0))} (its config's decode: what "
         "translate, evaluate and serve use when not told)",
     ]
+    if info.get("export") is not None:
+        return "\n".join(lines + [f"export     {describe_export(info['export'])} "
+                                  "(decode it with --engine ctranslate2)"])
     if info["init_from"]:
         i = info["init_from"]
         lines.append(f"init from  {i.get('weights')} (step {i.get('step')})")

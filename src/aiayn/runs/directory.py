@@ -16,7 +16,8 @@
 Creating one (``create_run_dir``), the model its config describes (``build_model``: a
 fresh one for training, the one its weights load into), reading it back (``load_run``,
 ``read_data_dir``, ``load_run_config``, ``resolve_weights``), its metrics log, and its step
-checkpoints (list, prune, choose for averaging).
+checkpoints (list, prune, choose for averaging). A directory `aiayn export` wrote is told
+apart from a run (``read_export_info``), so a command given one says what it is.
 """
 
 from __future__ import annotations
@@ -226,6 +227,47 @@ def build_model(config: Config, device: torch.device) -> Transformer:
     return Transformer(config.model).to(device)
 
 
+EXPORT_INFO = "aiayn_export.json"  # written by `aiayn export` (both targets): what, from where
+_TARGET_NAMES = {"ctranslate2": "CTranslate2", "hf": "Hugging Face Transformers"}
+
+
+def read_export_info(directory: str | Path) -> dict[str, Any] | None:
+    """What `aiayn export` wrote into ``directory`` (its aiayn_export.json: target, run_dir,
+    weights, quantization), or None where it is no export. A CTranslate2 model directory
+    without that file (converted by hand) counts too, as target "ctranslate2"."""
+    directory = Path(directory)
+    path = directory / EXPORT_INFO
+    if path.is_file():
+        try:
+            info = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # unreadable: still an export, of unknown origin
+            info = {}
+        return info if isinstance(info, dict) else {}
+    if (directory / "model.bin").is_file() and not any(directory.glob("*.safetensors")):
+        return {"target": "ctranslate2"}
+    return None
+
+
+def describe_export(info: dict[str, Any]) -> str:
+    """An export in words: 'a CTranslate2 export (int8) of run demo, weights best'."""
+    target = _TARGET_NAMES.get(info.get("target"), "an aiayn")
+    kind = f" ({info['quantization']})" if info.get("quantization") else ""
+    origin = f" of run {info['run_dir']}" if info.get("run_dir") else ""
+    weights = f", weights {info['weights']}" if info.get("weights") else ""
+    return f"a {target} export{kind}{origin}{weights}"
+
+
+def not_a_run_error(run_dir: Path, info: dict[str, Any]) -> AiaynError:
+    """The error of a command that needs a run directory and was given an export: what
+    reads the export instead (docs/export.md)."""
+    if info.get("target") == "ctranslate2":
+        reader = "`aiayn translate|evaluate|serve` read it with --engine ctranslate2"
+    else:
+        reader = "Transformers loads it (docs/export.md)"
+    return AiaynError(f"{run_dir}: {describe_export(info)}, not a run directory; {reader}; "
+                      "training and export need the run directory it came from")
+
+
 def load_run(run_dir: str | Path, weights: str | Path = "best"):
     """Load a run directory: ``(Config, Transformer in eval mode on the CPU, Tokenizers)``.
 
@@ -236,6 +278,9 @@ def load_run(run_dir: str | Path, weights: str | Path = "best"):
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise AiaynError(f"run directory not found: {run_dir}")
+    exported = read_export_info(run_dir)
+    if exported is not None:
+        raise not_a_run_error(run_dir, exported)
     config_path = run_dir / "config.yaml"
     if not config_path.is_file():
         raise AiaynError(f"{run_dir}: no config.yaml here; is it a run directory written by "

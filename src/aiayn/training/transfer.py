@@ -40,7 +40,12 @@ from aiayn.data.prepared import TOKENIZER_DIR, prepared_corpus
 from aiayn.data.tokenizer import META_FILE, Tokenizers, tokenizer_fingerprint
 from aiayn.errors import AiaynError
 from aiayn.runs.checkpoint import load_weights
-from aiayn.runs.directory import check_vocabularies, resolve_weights
+from aiayn.runs.directory import (
+    check_vocabularies,
+    not_a_run_error,
+    read_export_info,
+    resolve_weights,
+)
 from aiayn.util.io import atomic_write_text
 
 INIT_FILE = "init_from.json"
@@ -98,6 +103,9 @@ class InitFrom:
         if not Path(spec).is_dir() and ":" in spec:
             run_dir, _, weights = spec.rpartition(":")
         run_dir = Path(run_dir)
+        exported = read_export_info(run_dir)
+        if exported is not None:
+            raise AiaynError(f"--init-from {spec}: {not_a_run_error(run_dir, exported)}")
         if not (run_dir / "config.yaml").is_file():
             raise AiaynError(f"--init-from {spec}: {run_dir} is not a run directory (no "
                              "config.yaml); give RUN_DIR or RUN_DIR:best|last|FILE")
