@@ -24,6 +24,7 @@ import dataclasses
 import errno
 import io
 import json
+import math
 import sys
 import warnings
 from collections.abc import Iterator
@@ -35,7 +36,7 @@ from aiayn.config import AUTO, Config, DecodeConfig, check_setting, load_config,
 from aiayn.errors import AiaynError, SettingError, is_out_of_memory
 from aiayn.inference.settings import Sampling, resolve_search
 from aiayn.options import CHUNK_LINES, DEVICES, ENGINES, EXPORT_TARGETS, QUANTIZATIONS
-from aiayn.util.io import DiskError, as_disk_error, atomic_path, check_output_file
+from aiayn.util.io import DiskError, as_disk_error, atomic_path, check_output_file, check_writable_dir
 from aiayn.util.progress import bar
 
 
@@ -114,25 +115,29 @@ class _Given(argparse.Action):
 
 
 # The settings whose flag is not their Python name with dashes; in `aiayn train`, the
-# config keys that set the validation's search and budget.
+# config keys that set the validation's search and budget; the settings a command may have
+# no flag for, in words.
 FLAGS = {"sampling": "--sample"}
 TRAIN_KEYS = {"beam": "train.eval_beam", "decode_tokens": "train.max_tokens"}
+UNFLAGGED = {"decode_tokens": "the decoding budget"}
 
 
 def _flag(name: str, args) -> str:
     """A setting as the command line names it (``SettingError.spelled``): its flag, as typed
     (--max-tokens for --decode-tokens if so); a setting without a flag in this command, as
-    the config names it (decode.max_len_b; train.eval_beam in `aiayn train`)."""
+    the config names it (decode.max_len_b; train.eval_beam in `aiayn train`), else in words
+    (never a flag of another command: `aiayn attention` has no --decode-tokens)."""
     typed = getattr(args, "given_flags", {}).get(name)
     if typed:
         return typed
-    if name in FLAGS:
-        return FLAGS[name]
-    if hasattr(args, name):
-        return "--" + name.replace("_", "-")
+    flag = FLAGS.get(name, "--" + name.replace("_", "-"))
+    if hasattr(args, flag.lstrip("-").replace("-", "_")):
+        return flag
     if args.command == "train" and name in TRAIN_KEYS:
         return TRAIN_KEYS[name]
-    return f"decode.{name}" if hasattr(DecodeConfig, name) else "--" + name.replace("_", "-")
+    if hasattr(DecodeConfig, name):
+        return f"decode.{name}"
+    return UNFLAGGED.get(name, name)
 
 
 def _setting_line(exc: SettingError, args) -> str:
@@ -236,9 +241,11 @@ def _run_prepare(args) -> int:
             raise AiaynError("--tokenizer-from RUN_DIR takes the data settings from the run; "
                              "drop --config (change data.* settings with --set)")
         given = {"vocab_size": args.vocab_size, "tokenizer": args.tokenizer}
-        overrides = [*args.set, *(f"data.{k}={v}" for k, v in given.items() if v is not None)]
+        given = {key: value for key, value in given.items() if value is not None}
+        overrides = [*args.set, *(f"data.{k}={v}" for k, v in given.items())]
         stats = prepare_from_run(args.tokenizer_from, args.out, args.corpus, overrides,
-                                 progress=True, force=args.force)
+                                 progress=True, force=args.force,
+                                 flags={key: "--" + key.replace("_", "-") for key in given})
         return _print_prepared(stats, args.out)
     config = _config_from_args(args)
     changes = {"corpus": args.corpus, "vocab_size": args.vocab_size, "tokenizer": args.tokenizer}
@@ -363,12 +370,12 @@ def _run_train(args) -> int:
 
 def _check_max_minutes(minutes: float) -> None:
     """--max-minutes is a budget: 0 would silently mean none (train.max_minutes' 0), a run
-    to train.max_steps that can take hours, so asking for no time limit is said in full."""
-    if minutes == 0:
-        raise AiaynError("--max-minutes 0: a time budget must be above 0 minutes; for no time "
-                         "limit give --set train.max_minutes=0 (the run then trains to "
-                         "train.max_steps: --set train.max_steps=N)")
-    check_setting(f"--max-minutes {minutes:g}", "train.max_minutes", minutes)
+    to train.max_steps that can take hours, so asking for no time limit is said in full,
+    and the flag's range is train.max_minutes' without its 0."""
+    if not (math.isfinite(minutes) and minutes > 0):
+        raise AiaynError(f"--max-minutes {minutes:g}: a time budget must be in (0, inf) "
+                         "minutes; for no time limit give --set train.max_minutes=0 (the run "
+                         "then trains to train.max_steps: --set train.max_steps=N)")
 
 
 # ---------------------------------------------------------------- translate
@@ -675,6 +682,7 @@ def _run_average(args) -> int:
     from aiayn.runs.checkpoint import average_checkpoints
     from aiayn.runs.directory import checkpoints_to_average
 
+    check_output_file(args.output, "-o", make_dirs=True)  # not after reading every file
     files = checkpoints_to_average(args.paths, args.last)
     average_checkpoints(files, args.output)
     print(f"averaged {len(files)} checkpoints:")
@@ -729,6 +737,10 @@ def _run_trace(args) -> int:
 
     _at_least(args.depth, 0, "--depth")
     _at_least(args.batch_size, 1, "--batch-size")
+    if args.png:  # before the trace, not after it
+        from aiayn.inspect.canvas import check_picture_path
+
+        check_picture_path(args.png, "--png")
     config = _config_from_args(args)
     torch.manual_seed(args.seed)
     src, tgt = trace_batch(config, args.data, args.batch_size)
@@ -773,6 +785,7 @@ def _run_attention(args) -> int:
     from aiayn.inference.translator import Translator
     from aiayn.inspect.plots import save_attention_figures
 
+    check_writable_dir(args.out, "-o")  # before the model loads, as --out of train and prepare
     if args.steps:
         return _attention_steps(args)
     for option in ("target", "layer", "head"):
@@ -831,9 +844,13 @@ def _run_plot(args) -> int:
     if sum(chosen) != 1:
         raise AiaynError("plot what? give run directories, --pe, or --schedule CONFIG "
                          "(exactly one of them)")
+    if args.output is not None:
+        plots.check_picture_path(args.output, "-o")
+    if args.set and args.schedule is None:
+        Config().override(args.set)  # an unknown setting is refused as everywhere
+        raise AiaynError("--set goes with --schedule CONFIG (--pe and run directories read "
+                         "no config settings)")
     if args.pe:
-        _at_least(args.positions, 1, "--positions")
-        _at_least(args.d_model, 2, "--d-model")
         fig = plots.positional_encoding_figure(args.positions, args.d_model)
         output = args.output or "positional_encoding.png"
     elif args.schedule:

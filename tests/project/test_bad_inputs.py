@@ -109,6 +109,10 @@ def _a_dir(tmp: Path) -> None:
     (tmp / "dir").mkdir()
 
 
+def _a_picture_dir(tmp: Path) -> None:
+    (tmp / "dir.png").mkdir()
+
+
 def _sentences(tmp: Path) -> None:
     (tmp / "in.txt").write_text("the red cat\n", encoding="utf-8")
 
@@ -143,9 +147,20 @@ CASES = [
      _a_dir),
     ("translate -o DIR", ["translate", "RUN", "-i", "TMP/in.txt", "-o", "TMP"],
      "-o TMP: is a directory", _sentences),
-    ("evaluate -o DIR", ["evaluate", "RUN", "-o", "TMP"], "--output TMP: is a directory", None),
+    ("evaluate -o DIR", ["evaluate", "RUN", "-o", "TMP"], "-o TMP: is a directory", None),
     ("evaluate -o X.json", ["evaluate", "RUN", "-o", "TMP/hyp.json"],
-     "--output TMP/hyp.json: the scores are written to the output's name with .json", None),
+     "-o TMP/hyp.json: the scores are written to the output's name with .json", None),
+    # an output that is a directory, refused before the work (not by the rename at its end)
+    ("average -o DIR", ["average", "RUN", "-o", "TMP"], "-o TMP: is a directory, not a file",
+     None),
+    ("plot -o DIR.png", ["plot", "RUN", "-o", "TMP/dir.png"],
+     "-o TMP/dir.png: is a directory, not a file", _a_picture_dir),
+    ("plot --pe -o DIR.png", ["plot", "--pe", "-o", "TMP/dir.png"],
+     "-o TMP/dir.png: is a directory, not a file", _a_picture_dir),
+    ("trace --png DIR.png", ["trace", "--config", str(TINY), "--png", "TMP/dir.png"],
+     "--png TMP/dir.png: is a directory, not a file", _a_picture_dir),
+    ("attention -o FILE", ["attention", "RUN", "the red cat", "-o", "TMP/file"],
+     "-o TMP/file: exists and is not a directory", _a_file),
     # an output that is the input would replace the text being read
     ("translate -o IN", ["translate", "RUN", "-i", "TMP/in.txt", "-o", "TMP/in.txt"],
      "-o TMP/in.txt: is the file -i reads", _sentences),
@@ -165,18 +180,24 @@ CASES = [
     ("trace --batch-size 0", ["trace", "--config", str(TINY), "--batch-size", "0"],
      "--batch-size must be at least 1", None),
     ("plot --pe --positions 0", ["plot", "--pe", "--positions", "0", "-o", "TMP/pe.png"],
-     "--positions must be at least 1", None),
+     "--positions must be at least 2", None),
+    ("plot --pe --positions 1", ["plot", "--pe", "--positions", "1", "-o", "TMP/pe.png"],
+     "--positions must be at least 2, got 1", None),
+    ("plot --pe --d-model 3", ["plot", "--pe", "--d-model", "3", "-o", "TMP/pe.png"],
+     "--d-model must be even and at least 2", None),
     # 2. nonsense that used to be accepted
     ("negative lr_scale", ["train", "--config", str(TINY), "--data", "DATA", "--out", "TMP/new",
                            "--set", "train.lr_scale=-1"],
      "train.lr_scale must be in (0, inf), got -1", None),
+    # the flag's one range, not train.max_minutes' [0, inf) (its 0 is no time limit)
     ("--max-minutes -1", ["train", "--config", str(TINY), "--data", "DATA", "--out", "TMP/new",
-                          "--max-minutes", "-1"], "train.max_minutes must be in [0, inf)", None),
+                          "--max-minutes", "-1"],
+     "--max-minutes -1: a time budget must be in (0, inf) minutes; for no time limit", None),
     ("--max-minutes nan", ["train", "--config", str(TINY), "--data", "DATA", "--out", "TMP/new",
-                           "--max-minutes", "nan"], "train.max_minutes must be in [0, inf), got nan",
-     None),
+                           "--max-minutes", "nan"],
+     "--max-minutes nan: a time budget must be in (0, inf) minutes", None),
     ("resume --max-minutes nan", ["train", "--resume", "RUN", "--max-minutes", "nan"],
-     "train.max_minutes must be in [0, inf), got nan", None),
+     "--max-minutes nan: a time budget must be in (0, inf) minutes", None),
     ("evaluate --max-tokens 0", ["evaluate", "RUN", "--max-tokens", "0"],
      "--max-tokens must be between 1 and", None),
     ("translate --max-tokens huge", ["translate", "RUN", "-i", "TMP/in.txt", "--max-tokens",
@@ -203,6 +224,21 @@ CASES = [
      "--nbest must be between 1 and the beam", _sentences),
     ("average --last 0", ["average", "RUN", "--last", "0", "-o", "TMP/avg.safetensors"],
      "--last must be at least 1", None),
+    ("plot --pe --set an unknown key", ["plot", "--pe", "--set", "unknown.key=1", "-o",
+                                        "TMP/pe.png"],
+     "--set 'unknown.key=1': unknown section 'unknown'", None),
+    ("plot --pe --set a known setting", ["plot", "--pe", "--set", "model.d_model=256", "-o",
+                                         "TMP/pe.png"],
+     "--set goes with --schedule CONFIG", None),
+    # an option the engine would ignore: an export decodes its own weights
+    ("translate --engine ctranslate2 --weights", ["translate", "RUN", "-i", "TMP/in.txt",
+                                                  "--engine", "ctranslate2", "--weights", "last"],
+     "--weights last: a CTranslate2 export decodes the weights it was written with", _sentences),
+    # a tokenizer setting --tokenizer-from keeps, named by its flag whatever its range
+    ("prepare --tokenizer-from --vocab-size -1", ["prepare", "--tokenizer-from", "RUN",
+                                                  "--vocab-size", "-1", "--corpus", "tsv:CORPUS",
+                                                  "--out", "TMP/new"],
+     "--vocab-size: data.vocab_size: the run RUN's tokenizer has", None),
     # 3. what would overwrite
     ("train --out over a run", ["train", "--config", str(TINY), "--data", "DATA", "--out", "RUN"],
      "RUN already holds a run; continue it with `aiayn train --resume RUN`", None),
@@ -215,6 +251,9 @@ CASES = [
     # 6. limits
     ("--beam 100000", ["translate", "RUN", "-i", "TMP/in.txt", "--beam", "100000"],
      "--beam must be at most", _sentences),
+    # attention has no --decode-tokens: its budget is named in words
+    ("attention --beam 9000", ["attention", "RUN", "the red cat", "--beam", "9000", "-o",
+                               "TMP/att"], "for this model and the decoding budget", None),
     ("hf: a local file that does not exist", ["prepare", "--corpus", "hf:./no/such.tsv", "--out",
                                               "TMP/new"], "hf:./no/such.tsv: no such file", None),
     ("tsv: a file that does not exist", ["prepare", "--corpus", "tsv:TMP/none.tsv", "--out",

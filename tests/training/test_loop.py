@@ -165,12 +165,12 @@ def test_the_three_ways_to_start_are_checked_once_with_one_message(
 
 
 @pytest.mark.parametrize(("flags", "blamed"), [
-    (["--max-minutes", "-1"], "--max-minutes -1: train.max_minutes must be in [0, inf)"),
+    (["--max-minutes", "-1"], "--max-minutes -1: a time budget must be in (0, inf) minutes"),
     (["--set", "train.peak_lr=-1"], "--set train.peak_lr=-1: train.peak_lr must be in (0, inf)"),
     (["--set", "train.seed=3", "--set", "train.max_tokens=10"],
      "--set train.max_tokens=10: train.max_tokens (10) is smaller than model.max_len"),
-    (["--max-minutes", "0"], "--max-minutes 0: a time budget must be above 0 minutes; for no "
-     "time limit give --set train.max_minutes=0"),
+    (["--max-minutes", "0"], "--max-minutes 0: a time budget must be in (0, inf) minutes; for "
+     "no time limit give --set train.max_minutes=0"),
 ])
 def test_a_bad_value_is_blamed_on_the_flag_or_set_that_gave_it(flags, blamed, tmp_path, capsys):
     """Not on the preset, which holds no such value; and --max-minutes 0 is no silent

@@ -199,9 +199,9 @@ def evaluate_run(run_dir: str | Path, split: str = "test", search: Search | None
     if limit < 0:
         raise AiaynError(f"--limit must be 0 (all) or a positive number of sentences, got {limit}")
     if output is not None:
-        check_output_file(output, "--output")
+        check_output_file(output, "-o")  # the spelling translate and score use
         if Path(output).suffix == ".json":  # the scores go to OUTPUT with .json for its suffix
-            raise AiaynError(f"--output {output}: the scores are written to the output's name "
+            raise AiaynError(f"-o {output}: the scores are written to the output's name "
                              "with .json for its suffix, the same file; give the translations "
                              "another suffix (e.g. .txt)")
     translator = Translator.from_pretrained(run_dir, weights, device=choose_device(device),

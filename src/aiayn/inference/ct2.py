@@ -73,9 +73,14 @@ class CTranslate2Engine(Engine):
     def load(cls, run_dir: str | Path, weights: str | Path = "best",
              device: str | torch.device | None = None, **options):
         """An export directory's engine, tokenizers and config (``load_ctranslate2``), with
-        as many threads as torch uses; ``weights`` and bf16 are unused (the exported
-        weight type decides; ``int8`` is refused: an export's weight type is chosen when it
-        is written)."""
+        as many threads as torch uses; bf16 is unused (the exported weight type decides).
+        ``weights`` other than "best" (the default) and ``int8`` are refused: an export's
+        weights and weight type are chosen when it is written, and silently decoding
+        others than those asked for would mislead."""
+        if str(weights) != "best":
+            raise AiaynError(f"--weights {weights}: a CTranslate2 export decodes the weights it "
+                             "was written with; choose them when exporting (aiayn export "
+                             f"RUN_DIR --to ctranslate2 --weights {weights} OUT_DIR)")
         if options.get("int8"):
             raise AiaynError("--int8 is aiayn's engine's; a CTranslate2 export decodes in the "
                              "weight type it was written with (aiayn export --quantization int8)")

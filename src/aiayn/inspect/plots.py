@@ -12,8 +12,8 @@ needed and no global figure state leaks between calls).
     trace_figure         the shapes of a forward pass through the layers (``aiayn trace``)
 
 The attention pictures are ``aiayn.inspect.attention_plots``'s; this module also names its
-savers (and ``save_figure``, ``DPI``) so that ``from aiayn.inspect.plots import ...`` reaches
-every picture.
+savers (and ``save_figure``, ``check_picture_path``, ``DPI``) so that ``from
+aiayn.inspect.plots import ...`` reaches every picture.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
 from matplotlib.ticker import StrMethodFormatter
 
-from aiayn.errors import AiaynError
+from aiayn.errors import SettingError
 from aiayn.inspect.attention_plots import (  # noqa: F401  (the commands reach them here)
     save_attention_figures,
     save_attention_steps,
 )
-from aiayn.inspect.canvas import DPI, new_figure, save_figure  # noqa: F401  (as above)
+from aiayn.inspect.canvas import DPI, check_picture_path, new_figure, save_figure  # noqa: F401  (as above)
 from aiayn.model import sinusoid_table
 from aiayn.training.optim import schedule_lr
 
@@ -164,9 +164,12 @@ def positional_encoding_figure(positions: int = 100, d_model: int = 128) -> Figu
     """The sinusoid table of section 3.5 as a heatmap (position x dimension), and a few
     of its columns as curves: each pair of dimensions is a sine/cosine of its own
     wavelength, from 2*pi (dimension 0) up to 10000*2*pi."""
-    if positions < 2 or d_model < 2 or d_model % 2:
-        raise AiaynError(f"positional encoding needs >= 2 positions and an even d_model >= 2, "
-                         f"got {positions} and {d_model}")
+    # SettingError: each command names the two as its users give them (--positions).
+    if positions < 2:
+        raise SettingError("{positions} must be at least 2, got {got}", got=positions)
+    if d_model < 2 or d_model % 2:
+        raise SettingError("{d_model} must be even and at least 2 (sines and cosines come in "
+                           "pairs), got {got}", got=d_model)
     table = sinusoid_table(positions, d_model).numpy()
     fig = new_figure(figsize=(12, 4.8), layout="constrained")
     heat, curves = fig.subplots(1, 2, width_ratios=[1.25, 1])

@@ -169,24 +169,30 @@ def read_init_from(run_dir: str | Path) -> dict[str, Any] | None:
 # ---------------------------------------------------------------- the library calls
 def prepare_from_run(run_dir: str | Path, out_dir: str | Path, corpus: str | None = None,
                      overrides: list[str] | None = None, progress: bool = False,
-                     force: bool = False) -> dict[str, Any]:
+                     force: bool = False, flags: dict[str, str] | None = None
+                     ) -> dict[str, Any]:
     """``aiayn prepare --tokenizer-from RUN_DIR``: read ``corpus`` (default: the run's) with
     the run's data settings and ``overrides`` (``data.*``), split it, and save the run's
     tokenizers (the same bytes) instead of training new ones. Returns the stats.
     ``out_dir`` as for ``aiayn.data.prepare.prepare`` (new or empty, unless ``force``).
 
-    A ``data.*`` tokenizer setting that differs from the run's is refused, naming both."""
+    A ``data.*`` tokenizer setting that differs from the run's is refused, naming both, and
+    the flag that gave it where ``flags`` names one (``{"vocab_size": "--vocab-size"}``)."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise AiaynError(f"--tokenizer-from {run_dir}: not a run directory (no config.yaml)")
     base = load_config(run_dir / "config.yaml")
-    config = base.override(list(overrides or []), "--set").validate("--set")
+    config = base.override(list(overrides or []), "--set")
+    # Before the ranges: any value but the run's is refused, whatever its range says.
     for name in TOKENIZER_FIELDS:
         ours, theirs = getattr(base.data, name), getattr(config.data, name)
         if ours != theirs:
-            raise AiaynError(f"data.{name}: the run {run_dir}'s tokenizer has {ours!r}, the "
-                             f"command line asks for {theirs!r}; --tokenizer-from keeps the "
-                             "run's tokenizer (drop the setting)")
+            flag = (flags or {}).get(name)
+            where = f"{flag}: data.{name}" if flag else f"data.{name}"  # as check_setting's
+            raise AiaynError(f"{where}: the run {run_dir}'s tokenizer has {ours!r}, the command "
+                             f"line asks for {theirs!r}; --tokenizer-from keeps the run's "
+                             f"tokenizer (drop {flag or 'the setting'})")
+    config.validate("--set")
     if corpus:
         config.data = replace(config.data, corpus=corpus)
     tokenizers = Tokenizers.load(run_dir / "tokenizer")

@@ -129,6 +129,8 @@ def atomic_path(path: str | Path, need: int | None = None,
     temporary one goes.
     """
     path = Path(path)
+    if path.is_dir():  # else os.replace fails at the end, naming the temporary file
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
     with disk_errors(path, need, what):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -204,14 +206,23 @@ def check_writable_dir(path: str | Path, option: str) -> Path:
 
 
 def check_output_file(path: str | Path, option: str,
-                      inputs: dict[str, str | Path | None] | None = None) -> Path:
-    """``path`` can be written as a file (it is not a directory; its directory exists) and
-    is none of the command's ``inputs`` (option -> file; None: not given), which writing it
-    would replace before or while they are read."""
+                      inputs: dict[str, str | Path | None] | None = None,
+                      make_dirs: bool = False) -> Path:
+    """``path`` can be written as a file (it is not a directory; its directory exists, or
+    with ``make_dirs``, as ``atomic_path`` makes it, no file stands in its way) and is none
+    of the command's ``inputs`` (option -> file; None: not given), which writing it would
+    replace before or while they are read. Called before the work, so that a command
+    does not fail at its end."""
     path = Path(path)
     if path.is_dir():
         raise AiaynError(f"{option} {path}: is a directory, not a file")
-    if not path.parent.is_dir():
+    if make_dirs:
+        parent = path.parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir():
+            raise AiaynError(f"{option} {path}: {parent} is not a directory")
+    elif not path.parent.is_dir():
         raise AiaynError(f"{option} {path}: directory {path.parent} does not exist")
     for name, given in (inputs or {}).items():
         if given is not None and path.exists() and Path(given).exists() \
