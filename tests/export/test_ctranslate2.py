@@ -164,6 +164,34 @@ def test_both_engines_answer_the_engine_interface_alike(run_dir, tmp_path):
         engines[1].supports(Search(2, sampling=Sampling(seed=1)))
 
 
+@needs_ct2
+def test_ctranslate2_decodes_a_batch_per_stream_as_one_at_a_time(run_dir, tmp_path):
+    """On a CPU the engine decodes one batch per torch thread at once (CTranslate2's
+    inter_threads), each on one thread: the same hypotheses and scores as one batch at a
+    time, and loading it leaves torch's thread count as it was (CTranslate2 sets the
+    calling thread's OpenMP count, which torch and aiayn's streams read)."""
+    export_run(run_dir, "ctranslate2", tmp_path / "ct2")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = Translator.from_pretrained(tmp_path / "ct2", engine="ctranslate2", decode_tokens=64)
+        assert torch.get_num_threads() == 2 and two.engine.streams == 2
+        torch.set_num_threads(1)
+        one = Translator.from_pretrained(tmp_path / "ct2", engine="ctranslate2", decode_tokens=64)
+        assert one.engine.streams == 1
+    finally:
+        torch.set_num_threads(before)
+    sentences = [random_sentence(random.Random(i)) for i in range(40)]
+    sources, _ = one.encode(sentences)
+    search = one.resolve(beam=3, nbest=2)
+    batches, _ = two.engine.decode(sources, search, two.decode_tokens)
+    assert len(batches) > 2  # several batches, so the two workers overlap
+    theirs = two.decode_ids(sources, search)
+    assert ids(theirs) == ids(one.decode_ids(sources, search))
+    assert [[h.score for h in hyps] for hyps in theirs] == [
+        [h.score for h in hyps] for hyps in one.decode_ids(sources, search)]
+
+
 def ids(results) -> list[list[list[int]]]:
     return [[h.ids for h in hyps] for hyps in results]
 

@@ -10,15 +10,14 @@ from pathlib import Path
 
 import torch
 
-from aiayn.data.batching import pad, token_batches
-from aiayn.errors import AiaynError, SettingError, is_out_of_memory
+from aiayn.data.batching import pad
+from aiayn.errors import AiaynError, SettingError
 from aiayn.inference.budget import (
     decode_bytes_per_token,
     default_decode_tokens,
     memory_bytes,
-    stream_budget,
 )
-from aiayn.inference.engine import Engine, pick
+from aiayn.inference.engine import Engine
 from aiayn.inference.int8 import Int8Output
 from aiayn.inference.kernels import choose_output_kernel
 from aiayn.inference.search import decode_beam, decode_greedy
@@ -26,7 +25,6 @@ from aiayn.inference.settings import Search
 from aiayn.inference.steps import Hypothesis, unwritable
 from aiayn.model import OutputKernel, Transformer
 from aiayn.util.device import parameter_device
-from aiayn.util.threads import default_streams, parallel_map
 
 # Rows of a decoding step the output layer's kernel is chosen for (aiayn.inference.kernels): a beam
 # of 4-6 over the ~50 sentences of an 8,192-token batch.
@@ -105,27 +103,3 @@ class AiaynEngine(Engine):
                 return [[Hypothesis(ids, 0.0)] for ids in decode_greedy(
                     self.model, src, search, kernel=self.kernel, prefixes=prefixes)]
             return decode_beam(self.model, src, search, kernel=self.kernel, prefixes=prefixes)
-
-    def decode(self, sources, search, decode_tokens, greedy_ok=False, prefixes=None):
-        """Batches cut for the streams (``stream_budget``: a few sentences still fill each
-        stream), decoded several at once (``parallel_map``)."""
-        streams = self.streams or default_streams(self.device)
-        widths = [len(s) for s in sources]
-        batches = token_batches(widths, stream_budget(widths, decode_tokens, search.beam,
-                                                      streams), copies=search.beam)
-
-        def one(batch: list[int]) -> list[list[Hypothesis]]:
-            rows = [sources[i] for i in batch]
-            try:
-                return self.search(rows, search, greedy_ok, pick(prefixes, batch))
-            except (RuntimeError, MemoryError) as exc:
-                if not is_out_of_memory(exc):
-                    raise
-                tokens = len(rows) * max(map(len, rows)) * search.beam
-                raise SettingError(
-                    "out of memory decoding a batch of {rows} sentence(s) x beam {width} "
-                    "({tokens} padded tokens) on {device}; give a smaller {decode_tokens} "
-                    "(now {budget})", rows=len(rows), width=search.beam, tokens=tokens,
-                    device=self.device, budget=decode_tokens) from None
-
-        return batches, parallel_map(one, batches, streams, self.threads_per_stream)

@@ -8,8 +8,8 @@ serve` and `aiayn evaluate` never ask which one they hold: they ask the engine w
 
 An engine searches a batch of source id lists (tokens + EOS) with a search and answers, per
 sentence, up to ``search.nbest`` hypotheses with their scores, best first (``search``), and
-decodes many batches of a budget (``decode``: aiayn's several at once on CPU streams,
-CTranslate2's one after another, on its own threads).
+decodes many batches of a budget (``decode``: several at once, one per stream: on a CPU one
+per core, each on one thread; aiayn's and CTranslate2's alike).
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ import torch
 
 from aiayn.data.batching import token_batches
 from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
-from aiayn.errors import AiaynError, SettingError
-from aiayn.inference.budget import default_decode_tokens
+from aiayn.errors import AiaynError, SettingError, is_out_of_memory
+from aiayn.inference.budget import default_decode_tokens, stream_budget
 from aiayn.inference.settings import Search
 from aiayn.inference.steps import Hypothesis
 from aiayn.model import OutputKernel, Transformer
+from aiayn.util.threads import default_streams, parallel_map
 
 
 class Engine(ABC):
@@ -42,7 +43,8 @@ class Engine(ABC):
     max_len: int  # the model's positions: sources and outputs are cut to fit
     tgt_vocab_size: int
     model: Transformer | None  # aiayn's model where ``own_model``
-    streams: int | None = None  # batches decoded at once (an engine with threads of its own: None)
+    streams: int | None = None  # batches decoded at once (None: ``default_streams``)
+    threads_per_stream: int = 1  # torch's intra-op threads in each (aiayn's engine: see there)
     kernel: OutputKernel | None = None  # the output layer's product aiayn's model computes with
 
     def supports(self, search: Search) -> None:  # noqa: B027 (runs everything, by default)
@@ -80,12 +82,29 @@ class Engine(ABC):
                greedy_ok: bool = False, prefixes: list[list[int]] | None = None
                ) -> tuple[list[list[int]], Iterable[list[list[Hypothesis]]]]:
         """Every source, in batches of at most ``decode_tokens`` padded source tokens x beam
-        (``token_batches``): the batches (indices into ``sources``) and, lazily, each one's
-        hypotheses. This default decodes the batches one after another."""
-        batches = token_batches([len(s) for s in sources], decode_tokens, copies=search.beam)
-        return batches, (self.search([sources[i] for i in batch], search, greedy_ok,
-                                     pick(prefixes, batch))
-                         for batch in batches)
+        (``token_batches``), cut for the streams (``stream_budget``: a few sentences still
+        fill each stream): the batches (indices into ``sources``) and, lazily, each one's
+        hypotheses, decoded several at once (``parallel_map``; one stream: one after another)."""
+        streams = self.streams or default_streams(self.device)
+        widths = [len(s) for s in sources]
+        batches = token_batches(widths, stream_budget(widths, decode_tokens, search.beam,
+                                                      streams), copies=search.beam)
+
+        def one(batch: list[int]) -> list[list[Hypothesis]]:
+            rows = [sources[i] for i in batch]
+            try:
+                return self.search(rows, search, greedy_ok, pick(prefixes, batch))
+            except (RuntimeError, MemoryError) as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                tokens = len(rows) * max(map(len, rows)) * search.beam
+                raise SettingError(
+                    "out of memory decoding a batch of {rows} sentence(s) x beam {width} "
+                    "({tokens} padded tokens) on {device}; give a smaller {decode_tokens} "
+                    "(now {budget})", rows=len(rows), width=search.beam, tokens=tokens,
+                    device=self.device, budget=decode_tokens) from None
+
+        return batches, parallel_map(one, batches, streams, self.threads_per_stream)
 
 
 def pick(prefixes: list[list[int]] | None, batch: list[int]) -> list[list[int]] | None:
