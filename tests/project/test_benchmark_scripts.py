@@ -285,8 +285,10 @@ def test_translate_file_times_the_command_against_one_batch(run_dir, tmp_path, m
     assert {"title", "order", "about", "columns"} <= set(record)  # a results-page table
     row = rows[0]
     assert row["command_lines_per_s"] > 0 and row["batch_lines_per_s"] > 0
+    # The ratio is kept to 3 decimals and the rates to 1: at a tiny, loaded size the ratio
+    # can be ~0.01, where its own rounding alone is several percent.
     assert row["ratio"] == pytest.approx(row["command_lines_per_s"] / row["batch_lines_per_s"],
-                                         rel=0.01)
+                                         rel=0.02, abs=5e-4)
     assert 0.9 <= row["same_lines"] <= 1  # greedy: the same lines but a float's rare flip
     assert {"command", "commit", "cpu", "torch", "load", "date"} <= set(
         record["conditions"]["40-lines-beam1"])
