@@ -134,14 +134,17 @@ def measure(args, work: Path) -> list[dict]:
         written = (work / f"out{chunk}.txt").read_text(encoding="utf-8").split("\n")[:-1]
         same = sum(a == b for a, b in zip(written, reference, strict=True)) / max(1, len(lines))
         wall = statistics.median(command[chunk])
-        net = max(wall - fixed, 1e-9)
+        net = wall - fixed
+        # A start that varies by more than the work leaves no rate to report (a few lines: the
+        # difference of two noisy times could even be negative): None, said in words.
+        measured = net > 0.1 * fixed
         rows.append({"lines": args.lines, "beam": args.beam, "chunk_lines": chunk,
                      "threads": args.threads, "command_s": round(wall, 2),
                      "start_s": round(fixed, 2),
-                     "command_lines_per_s": round(args.lines / net, 1),
+                     "command_lines_per_s": round(args.lines / net, 1) if measured else None,
                      "command_lines_per_s_with_start": round(args.lines / wall, 1),
                      "batch_lines_per_s": round(args.lines / alone, 1),
-                     "ratio": round((args.lines / net) / (args.lines / alone), 3),
+                     "ratio": round(alone / net, 3) if measured else None,
                      "peak_rss_mb": round(max(rss[chunk])), "same_lines": round(same, 4)})
     return rows
 
@@ -182,10 +185,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"{args.lines:,} lines, beam {args.beam}, {args.threads} thread(s); one "
           f"Translator.translate call {rows[0]['batch_lines_per_s']:,.1f} lines/s")
     for row in rows:
-        print(f"  aiayn translate -i FILE -o OUT, chunks of {row['chunk_lines']:,}: "
-              f"{row['command_lines_per_s']:,.1f} lines/s (start {row['start_s']:.1f} s "
-              f"excluded), ratio {row['ratio']:.3f}, peak RSS {row['peak_rss_mb']} MB, "
-              f"{100 * row['same_lines']:.2f}% of lines as the call's")
+        rate = (f"{row['command_lines_per_s']:,.1f} lines/s (start {row['start_s']:.1f} s "
+                f"excluded), ratio {row['ratio']:.3f}" if row["ratio"] is not None else
+                f"{row['command_s']:.1f} s, within the noise of its {row['start_s']:.1f} s "
+                "start (no rate: give more --lines)")
+        print(f"  aiayn translate -i FILE -o OUT, chunks of {row['chunk_lines']:,}: {rate}, "
+              f"peak RSS {row['peak_rss_mb']} MB, {100 * row['same_lines']:.2f}% of lines as "
+              "the call's")
     if args.json:
         label = f"{args.lines}-lines-beam{args.beam}"
         record = {**TABLE, "rows": [{**row, "conditions": label} for row in rows],
