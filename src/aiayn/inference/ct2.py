@@ -67,7 +67,7 @@ class CTranslate2Engine(Engine):
         supports it."""
         ctranslate2 = require("ctranslate2", "--engine ctranslate2")
         self.device, self.threads = torch.device(device), threads
-        if self.device.type == "cpu":  # a worker (and a replica of the model) per stream
+        if self.device.type == "cpu":  # a worker per stream; CTranslate2 shares the weights
             self.streams = max(1, threads or default_streams(self.device))
             workers = {"inter_threads": self.streams, "intra_threads": 1}
         else:
