@@ -378,7 +378,7 @@ def main() -> None:
     parser.add_argument("--lanes", choices=["processes", "threads"],
                         help="the server's (default: its own)")
     parser.add_argument("--int8", action="store_true",
-                        help="the server and the reference with the int8 output layer")
+                        help="the server and the reference decoding in int8")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="torch threads of the server and of the reference")
     parser.add_argument("--soak", type=float, default=0.0, metavar="SECONDS",
@@ -465,7 +465,10 @@ def main() -> None:
                     after = http_json(f"{url}/stats")
                     passes = pass_summary(before, after)
                     correct = sum(a == e for a, e in zip(answers, expected))
-                    failed |= correct < len(sentences)
+                    # int8 rounding can make an answer depend on its batch (rarely: counted
+                    # in the table, docs/translating.md#int8-decoding); a lost one fails.
+                    failed |= (correct < len(sentences) if not args.int8
+                               else any(a is None for a in answers))
                     runs[k].append({"latencies": latencies, "rps": len(sentences) / wall,
                                     "correct": correct, **passes})
                     if after.get("batching") == "continuous" and args.device == "cpu":

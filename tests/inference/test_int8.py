@@ -1,6 +1,7 @@
-"""The int8 output layer (aiayn.inference.int8): close to fp32's product, a row's result
-independent of the rows beside it (so a sentence's translation of its batch), translations
-held to an agreement tolerance against fp32 (not to exactness), and one-line refusals.
+"""int8 decoding (aiayn.inference.int8 over aiayn.inference.native's kernel): the product
+close to fp32's on every row, a row's result independent of the rows beside it (so a
+sentence's translation of its batch), the model given left as it was, translations held to
+an agreement tolerance against fp32 (not to exactness), and one-line refusals.
 """
 
 from __future__ import annotations
@@ -9,17 +10,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import run_cli
+from torch import nn
 
+from aiayn.config import ModelConfig
 from aiayn.data.prepared import load_prepared
 from aiayn.errors import AiaynError
-from aiayn.inference import int8
+from aiayn.inference import native
 from aiayn.inference.ct2 import CTranslate2Engine
-from aiayn.inference.int8 import Int8Output, anchor, check_int8, fbgemm_available, int8_product, pack
+from aiayn.inference.int8 import Int8Linear, Int8Output, check_int8, int8_decoder
+from aiayn.inference.native import PackedInt8, build
 from aiayn.inference.translator import Translator
-from aiayn.model import Generator
+from aiayn.model import Generator, Transformer
 from aiayn.runs.directory import read_data_dir
 
-pytestmark = pytest.mark.skipif(not fbgemm_available(), reason="this PyTorch has no FBGEMM")
+pytestmark = pytest.mark.skipif(not native.cpu_supported(), reason="int8 decoding needs AVX2")
 
 
 def rows_of_many_scales(n: int = 12, d: int = 64, seed: int = 0) -> torch.Tensor:
@@ -27,29 +31,37 @@ def rows_of_many_scales(n: int = 12, d: int = 64, seed: int = 0) -> torch.Tensor
     return torch.randn(n, d, generator=g) * torch.logspace(-2, 2, n)[:, None]
 
 
-def test_the_product_is_close_to_fp32_on_every_row():
-    """Each row within 2% of its own size: rows 10^4 apart in scale are each quantized on
-    their own range."""
+@pytest.mark.parametrize("features", [64, 66])  # 66: not a multiple of the kernel's 4
+def test_the_product_is_close_to_fp32_on_every_row(features):
+    """Each row within 3% of its own size (7-bit weights, 8-bit inputs: ~1.6% on random
+    values): rows 10^4 apart in scale are each quantized on their own range. 300 outputs:
+    not a multiple of the kernel's panel of 16."""
     g = torch.Generator().manual_seed(1)
-    weight, bias = torch.randn(300, 64, generator=g) * 0.1, torch.randn(300, generator=g)
-    x = rows_of_many_scales()
+    weight, bias = torch.randn(300, features, generator=g) * 0.1, torch.randn(300, generator=g)
+    x = rows_of_many_scales(d=features)
     exact = F.linear(x, weight, bias)
-    got = int8_product(x, pack(weight), 300, bias, anchor(64))
+    got = PackedInt8(weight, bias)(x)
     error = (got - exact).norm(dim=1) / (exact - bias).norm(dim=1)
-    assert error.max() < 0.02, error
+    assert error.max() < 0.03, error
+    zeros = PackedInt8(weight, bias)(torch.zeros(2, features))  # an all-zero row: the bias
+    assert torch.allclose(zeros, bias.expand(2, -1))
 
 
 def test_a_row_gets_the_same_result_alone_as_beside_others():
     """The same kernel on both sides, so exact: a sentence's logits (and so its translation)
-    do not depend on the batch it is decoded in."""
+    do not depend on the batch it is decoded in, whatever the rows' tiling."""
     weight = torch.randn(200, 64, generator=torch.Generator().manual_seed(2))
-    packed, row = pack(weight), anchor(64)
-    x = rows_of_many_scales()
-    together = int8_product(x, packed, 200, None, row)
-    for i in (0, 5, 11):
-        assert torch.equal(int8_product(x[i:i + 1], packed, 200, None, row), together[i:i + 1])
-    shaped = int8_product(x.view(3, 4, 64), packed, 200, None, row)  # (..., d) inputs
-    assert torch.equal(shaped.view(12, 200), together)
+    product = PackedInt8(weight)
+    x = rows_of_many_scales(n=13)
+    together = product(x)
+    for i in (0, 5, 11, 12):
+        assert torch.equal(product(x[i:i + 1]), together[i:i + 1])
+    assert torch.equal(product(x[3:10]), together[3:10])
+    shaped = product(x[:12].view(3, 4, 64))  # (..., d) inputs
+    assert torch.equal(shaped.view(12, 200), together[:12])
+    assert product(x[:0]).shape == (0, 200)
+    with pytest.raises(ValueError, match="float32 CPU input"):
+        product(x.double())
 
 
 def test_the_output_kernel_packs_the_allowed_rows_and_refuses_others():
@@ -60,20 +72,54 @@ def test_the_output_kernel_packs_the_allowed_rows_and_refuses_others():
     h = torch.randn(3, 2, 32)
     got = generator.output_logits(h, kernel=kernel)
     assert got.shape == (3, 2, 30)
-    assert ((got - F.linear(h, weight)).norm() / F.linear(h, weight).norm()) < 0.02
+    assert ((got - F.linear(h, weight)).norm() / F.linear(h, weight).norm()) < 0.03
     with pytest.raises(ValueError, match="packed a"):
         kernel(h, generator.proj.weight, None)
 
 
-def test_refusals_are_one_line(monkeypatch):
+def test_the_int8_decoder_is_a_copy_and_the_model_given_is_unchanged():
+    torch.manual_seed(0)
+    cfg = ModelConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=32, n_heads=4, d_ff=64,
+                      n_encoder_layers=1, n_decoder_layers=2, dropout=0.0, max_len=32)
+    model = Transformer(cfg).eval()
+    src, tgt = torch.randint(4, 40, (3, 7)), torch.randint(4, 40, (3, 5))
+    with torch.no_grad():
+        before = model(src, tgt)
+        quantized = int8_decoder(model)
+        after, approx = model(src, tgt), quantized(src, tgt)
+    assert torch.equal(before, after)
+    assert not any(isinstance(m, Int8Linear) for m in model.modules())
+    linears = [m for m in quantized.decoder.modules() if isinstance(m, Int8Linear)]
+    assert len(linears) == 2 * 7  # self qkv and out; cross q, kv and out; two feed-forward
+    assert not any(type(m) is nn.Linear for m in quantized.decoder.modules())
+    assert quantized.encoder is model.encoder  # shared, not copied
+    assert quantized.decoder.layers[0].sublayer1.norm is model.decoder.layers[0].sublayer1.norm
+    assert (approx.softmax(-1) - before.softmax(-1)).abs().max() < 0.05
+
+
+def test_refusals_are_one_line(monkeypatch, tmp_path):
     with pytest.raises(AiaynError, match="runs on a CPU") as info:
         check_int8("cuda")
     assert "\n" not in str(info.value)
-    monkeypatch.setattr(int8, "fbgemm_available", lambda: False)
-    with pytest.raises(AiaynError, match="needs FBGEMM"):
+    monkeypatch.setenv("CC", "no-such-compiler")
+    with pytest.raises(AiaynError, match="'no-such-compiler' is not on PATH") as info:
+        build(directory=tmp_path)
+    assert "\n" not in str(info.value)
+    monkeypatch.setenv("CC", "false")  # a compiler that fails
+    with pytest.raises(AiaynError, match="could not build its kernel"):
+        build(directory=tmp_path)
+    assert not list(tmp_path.glob("*.so"))  # nothing half-written left behind
+    monkeypatch.setattr(native, "cpu_supported", lambda: False)
+    with pytest.raises(AiaynError, match="needs an x86 CPU with AVX2"):
         check_int8("cpu")
     with pytest.raises(AiaynError, match="--quantization int8"):
         CTranslate2Engine.load("unused", int8=True)
+
+
+def test_a_build_is_kept_and_used_again(tmp_path):
+    first = build(directory=tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert build(directory=tmp_path) == first and first.stat().st_mtime_ns == stamp
 
 
 def test_int8_translations_agree_with_fp32_and_with_themselves_alone(run_dir):
@@ -86,8 +132,12 @@ def test_int8_translations_agree_with_fp32_and_with_themselves_alone(run_dir):
     search = fp32.resolve(beam=4, alpha=0.6)
     ours, theirs = quantized.translate(sources, search), fp32.translate(sources, search)
     agree = sum(a == b for a, b in zip(ours, theirs, strict=True))
-    assert agree >= 0.8 * len(sources), (agree, len(sources))
-    assert [quantized.translate([s], search)[0] for s in sources[:8]] == ours[:8]
+    assert agree >= 0.6 * len(sources), (agree, len(sources))
+    # Alone as in the batch: each row is quantized on its own scale. Not guaranteed to the
+    # last bit (rounding can turn fp32's last-bit differences between batches into another
+    # integer: docs/translating.md#int8-decoding), so 7 of 8.
+    alone = [quantized.translate([s], search)[0] for s in sources[:8]]
+    assert sum(a == b for a, b in zip(alone, ours[:8], strict=True)) >= 7, (alone, ours[:8])
 
 
 def test_evaluate_with_int8_keeps_its_own_file(run_dir, capsys):
@@ -95,3 +145,13 @@ def test_evaluate_with_int8_keeps_its_own_file(run_dir, capsys):
                               "--int8"], capsys)
     assert code == 0, err
     assert list((run_dir / "eval").glob("test.best.int8.beam*.txt"))
+
+
+def test_the_int8_copy_keeps_the_models_weights_by_name():
+    """A serving lane's process rebuilds the int8 copy from its state_dict: the fp32 model's."""
+    cfg = ModelConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=32, n_heads=4, d_ff=64,
+                      n_encoder_layers=1, n_decoder_layers=1, dropout=0.0, max_len=32)
+    model = Transformer(cfg)
+    mine, theirs = int8_decoder(model).state_dict(), model.state_dict()
+    assert mine.keys() == theirs.keys()
+    assert all(mine[k].data_ptr() == theirs[k].data_ptr() for k in theirs)  # shared, not copied

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from cjk_corpus import write_tsv
 
+from aiayn.inference.native import cpu_supported
+
 ROOT = Path(__file__).resolve().parents[2]
 TORCH = "torch==2.13.0"  # the CPU build, first: a bare torch requirement pulls CUDA's
 
@@ -40,7 +42,7 @@ def test_the_wheel_installs_with_pip_alone_and_takes_own_data(tmp_path):
     # Every subpackage and the page's files travel (pyproject.toml lists them one by one).
     inside = set(zipfile.ZipFile(wheels[0]).namelist())
     wanted = {p.relative_to(ROOT / "src").as_posix() for p in (ROOT / "src" / "aiayn").rglob("*")
-              if p.is_file() and p.suffix in (".py", ".html", ".js", ".css")
+              if p.is_file() and p.suffix in (".py", ".html", ".js", ".css", ".c")
               and "__pycache__" not in p.parts}
     assert wanted - inside == set()
 
@@ -68,3 +70,9 @@ def test_the_wheel_installs_with_pip_alone_and_takes_own_data(tmp_path):
     translated = run(aiayn, "translate", "runs/mine", "--beam", "1", cwd=tmp_path, env=env,
                      stdin="I read a book.\n")
     assert len(translated.splitlines()) == 1
+    if cpu_supported():  # int8's C source travels in the wheel and builds where it lands
+        translated = run(aiayn, "translate", "runs/mine", "--beam", "1", "--int8", cwd=tmp_path,
+                         env={**env, "XDG_CACHE_HOME": str(tmp_path / "cache")},
+                         stdin="I read a book.\n")
+        assert len(translated.splitlines()) == 1
+        assert list((tmp_path / "cache" / "aiayn").glob("int8_linear-*.so"))

@@ -13,6 +13,7 @@ import re
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import torch
 
@@ -165,9 +166,12 @@ def test_bad_lanes_are_refused_in_one_line(run_dir, lanes, device, batching, wor
     assert {p.pid for p in multiprocessing.active_children()} == before  # none started
 
 
-def test_lane_processes_decode_with_the_servers_int8_output_layer(run_dir):
-    """With int8 (aiayn.inference.int8) each lane process packs the output layer again from
-    the weights it gets: every answer is the in-process int8 translator's."""
+def test_lane_processes_decode_in_int8_as_the_server_does(run_dir):
+    """With int8 (aiayn.inference.int8) each lane process packs its decoder and output layer from
+    the weights it gets: the answers are the in-process int8 translator's. Not to the last bit:
+    int8 rounding can turn fp32's last-bit differences between batches into a different
+    integer (docs/translating.md#int8-decoding), so the scores within 0.05; the translations
+    of this model, which copies its input, with margins far above that."""
     translator = Translator.from_pretrained(run_dir, streams=2, int8=True)
     config = load_config(run_dir / "config.yaml")
     service = ModelService(translator, config, serve_info(run_dir, "best", config, translator),
@@ -182,6 +186,10 @@ def test_lane_processes_decode_with_the_servers_int8_output_layer(run_dir):
             answers = list(pool.map(lambda b: client.post("/translate", json=b), bodies))
         for body, response in zip(bodies, answers, strict=True):
             assert response.status_code == 200, response.text
-            assert_same_answer(response.json(), *expected_answer(translator, body, (4, 0.6)))
+            hyps, _ = expected_answer(translator, body, (4, 0.6))
+            answer = response.json()
+            assert answer["translations"] == [h[0][0] for h in hyps]
+            scores = [h["score"] for nbest in answer["nbest"] for h in nbest]
+            assert np.allclose(scores, [s for h in hyps for _, s in h], atol=0.05)
     finally:
         service.close()

@@ -18,7 +18,7 @@ from aiayn.inference.budget import (
     memory_bytes,
 )
 from aiayn.inference.engine import Engine
-from aiayn.inference.int8 import Int8Output
+from aiayn.inference.int8 import Int8Output, check_int8, int8_decoder
 from aiayn.inference.kernels import choose_output_kernel
 from aiayn.inference.search import decode_beam, decode_greedy
 from aiayn.inference.settings import Search
@@ -47,8 +47,9 @@ class AiaynEngine(Engine):
         has threads when decoding starts); ``threads_per_stream`` > 1 only to measure the
         barriers that one thread avoids. ``kernel``: the output layer's product
         (``aiayn.inference.kernels``: a Trainer's choice for its model); None: chosen here.
-        ``int8``: the output layer's product in int8 (``aiayn.inference.int8``; a CPU, not
-        with ``bf16``); ``model``'s weights must then stay as they are while it decodes."""
+        ``int8``: the decoder's and the output layer's products in int8 (``aiayn.inference.int8``;
+        a CPU, not with ``bf16``), computed by a copy of ``model``'s decoder that shares its
+        other weights; ``model``'s weights must then stay as they are while it decodes."""
         self.device = torch.device(device) if device is not None else parameter_device(model)
         self.model = model.to(self.device).eval()
         self.kernel = kernel  # the searches compute with it; the model keeps none
@@ -56,6 +57,8 @@ class AiaynEngine(Engine):
         if int8:
             if bf16:
                 raise AiaynError("int8 and bf16 decoding exclude each other: choose one")
+            check_int8(self.device)
+            self.model = int8_decoder(self.model)
             self.kernel = Int8Output(self.model.generator)
         elif kernel is None:  # not chosen yet (a Trainer chooses for its own)
             self.kernel = choose_output_kernel(model.generator, DECODE_PROBE_ROWS,

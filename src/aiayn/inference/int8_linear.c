@@ -1,0 +1,118 @@
+/* y = x W^T + b in int8 on an x86 CPU with AVX2: aiayn's `--int8` product for every linear
+ * layer of the decoder and its output layer (aiayn/inference/native.py builds and calls it).
+ *
+ * W is quantized once, each output row j on its own scale: W_jk ~ s_j q_jk with q_jk in
+ * [-63, 63] (7 bits, see below). Each row of x is quantized at every call on its own scale:
+ * x_ik ~ t_i (u_ik - 128) with u_ik in [1, 255]. Then
+ *     y_ij = s_j t_i (sum_k u_ik q_jk - 128 sum_k q_jk) + b_j,
+ * the sum computed exactly in integers and the column sums kept with the packed weights.
+ * A row's result depends on that row alone: a sentence's translation not on its batch.
+ *
+ * The integer products run on AVX2's vpmaddubsw (32 u8 x s8 products a call, summed in pairs
+ * into 16-bit lanes, saturating): with 7-bit weights a pair is at most 2 * 255 * 63 = 32,130,
+ * below 32,767, so it never saturates; vpmaddwd then sums pairs of pairs into 32 bits. That is
+ * four products per 32-bit lane a cycle where fp32's FMA does one.
+ *
+ * Packed layout: panels of 16 output rows; a panel holds, for each group of 4 input columns,
+ * 64 bytes: rows 0-7 (4 bytes each, the group's 4 weights), then rows 8-15. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PANEL 16 /* output rows per panel: two vectors of 8 */
+#define TILE 4   /* rows of x per tile: 2 x 4 accumulators, 16 registers in all */
+#define BLOCK 32 /* panels per pass over the rows of x: 512 output columns, whose weights stay in
+                    the L2 cache while every row reads them, and whose results each row writes
+                    side by side */
+
+/* Row i of x (n columns) as bytes u (padded with 128, a zero, to `width`) and its scale. */
+static void quantize_row(const float *x, long n, long width, uint8_t *u, float *scale) {
+  __m256 top = _mm256_setzero_ps();
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  long k = 0;
+  for (; k + 8 <= n; k += 8) top = _mm256_max_ps(top, _mm256_and_ps(_mm256_loadu_ps(x + k), magnitude));
+  float lanes[8], largest = 0.0f;
+  _mm256_storeu_ps(lanes, top);
+  for (int i = 0; i < 8; i++) largest = lanes[i] > largest ? lanes[i] : largest;
+  for (; k < n; k++) largest = fabsf(x[k]) > largest ? fabsf(x[k]) : largest;
+  const float s = largest > 0.0f ? largest / 127.0f : 1.0f;
+  *scale = s;
+  const __m256 inverse = _mm256_set1_ps(1.0f / s);
+  const __m256i offset = _mm256_set1_epi32(128);
+  for (k = 0; k + 8 <= n; k += 8) {  /* round to nearest, + 128: in [1, 255] */
+    __m256i q = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), inverse)), offset);
+    int32_t v[8];
+    _mm256_storeu_si256((__m256i *)v, q);
+    for (int i = 0; i < 8; i++) u[k + i] = (uint8_t)v[i];
+  }
+  for (; k < n; k++) u[k] = (uint8_t)(lrintf(x[k] / s) + 128);
+  for (; k < width; k++) u[k] = 128;
+}
+
+#define ACCUMULATE(r)                                                                  \
+  if (rows > r) {                                                                      \
+    const __m256i a = _mm256_set1_epi32(*(const int32_t *)(u + r * width + 4 * g));    \
+    acc##r##0 = _mm256_add_epi32(acc##r##0, _mm256_madd_epi16(_mm256_maddubs_epi16(a, w0), ones)); \
+    acc##r##1 = _mm256_add_epi32(acc##r##1, _mm256_madd_epi16(_mm256_maddubs_epi16(a, w1), ones)); \
+  }
+#define STORE(r)                                                                       \
+  if (rows > r) {                                                                      \
+    const __m256 t = _mm256_set1_ps(scales[r]);                                        \
+    float out[PANEL];                                                                  \
+    _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(           \
+        _mm256_sub_epi32(acc##r##0, sum0)), t), s0, b0));                              \
+    _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(       \
+        _mm256_sub_epi32(acc##r##1, sum1)), t), s1, b1));                              \
+    memcpy(y + r * ldy, out, sizeof(float) * columns);                                 \
+  }
+
+/* y[0:rows, 0:columns] of one panel for up to TILE rows of u. */
+static inline __attribute__((always_inline)) void tile(
+    const uint8_t *u, const float *scales, long width, const int rows, const int8_t *panel,
+    const int32_t *sums, const float *s, const float *b, float *y, long ldy, long columns) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc00 = _mm256_setzero_si256(), acc01 = acc00, acc10 = acc00, acc11 = acc00,
+          acc20 = acc00, acc21 = acc00, acc30 = acc00, acc31 = acc00;
+  for (long g = 0; g < width / 4; g++) {
+    const __m256i w0 = _mm256_loadu_si256((const __m256i *)(panel + g * 64));
+    const __m256i w1 = _mm256_loadu_si256((const __m256i *)(panel + g * 64 + 32));
+    ACCUMULATE(0) ACCUMULATE(1) ACCUMULATE(2) ACCUMULATE(3)
+  }
+  /* 128 sum_k q_jk, and s_j, b_j of the panel's rows */
+  const __m256i sum0 = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)sums), 7);
+  const __m256i sum1 = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(sums + 8)), 7);
+  const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
+  const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+  STORE(0) STORE(1) STORE(2) STORE(3)
+}
+
+static void any_tile(const uint8_t *u, const float *scales, long width, int rows, const int8_t *panel,
+                     const int32_t *sums, const float *s, const float *b, float *y, long ldy, long columns) {
+  switch (rows) {  /* one copy of the loop per row count: the accumulators stay in registers */
+    case 4: tile(u, scales, width, 4, panel, sums, s, b, y, ldy, columns); break;
+    case 3: tile(u, scales, width, 3, panel, sums, s, b, y, ldy, columns); break;
+    case 2: tile(u, scales, width, 2, panel, sums, s, b, y, ldy, columns); break;
+    default: tile(u, scales, width, 1, panel, sums, s, b, y, ldy, columns); break;
+  }
+}
+
+/* y (m x n, row-major) = x (m x k, row-major) W^T + b for W packed as above: `width` = k
+ * rounded up to 4, `panels` * 16 >= n; sums, s and b hold panels * 16 values (b zeros where
+ * the layer has none). u (m x width bytes) and scales (m floats) are the caller's scratch. */
+void int8_linear(const float *x, long m, long k, const int8_t *packed, const int32_t *sums,
+                 const float *s, const float *b, long n, long width, float *y, uint8_t *u,
+                 float *scales) {
+  for (long i = 0; i < m; i++) quantize_row(x + i * k, k, width, u + i * width, scales + i);
+  const long panels = (n + PANEL - 1) / PANEL;
+  for (long first = 0; first < panels; first += BLOCK) {
+    const long last = panels < first + BLOCK ? panels : first + BLOCK;
+    for (long i = 0; i < m; i += TILE)
+      for (long p = first; p < last; p++) {
+        const long columns = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
+        any_tile(u + i * width, scales + i, width, m - i < TILE ? (int)(m - i) : TILE,
+                 packed + p * width * PANEL, sums + p * PANEL, s + p * PANEL, b + p * PANEL,
+                 y + i * n + p * PANEL, n, columns);
+      }
+  }
+}
