@@ -77,9 +77,9 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                    help="who decodes: aiayn (a run directory) or ctranslate2 (a directory from "
                    "`aiayn export --to ctranslate2`)")
     p.add_argument("--int8", action="store_true",
-                   help="aiayn's engine on a CPU: the output layer with int8 weights (faster; "
-                   "the translations differ a little from fp32: "
-                   "docs/translating.md#the-int8-output-layer)")
+                   help="aiayn's engine on a CPU: the decoder and the output layer in int8, "
+                   "through aiayn's own kernel (faster; the translations differ a little from "
+                   "fp32: docs/translating.md#int8-decoding)")
 
 
 def _add_search(p: argparse.ArgumentParser, beam: int | None = None,

@@ -99,7 +99,7 @@ def test_the_card_shows_a_test_figure_only_for_the_weights_that_gave_it(run_dir,
            f"{whole['bleu']:.2f} |")
     evaluation = section(model_card(run, "hf"), "Evaluation")
     assert row in evaluation
-    assert (f"{search}, int8 output layer | {int8['sentences']} | {int8['bleu']:.2f} |"
+    assert (f"{search}, int8 decoding | {int8['sentences']} | {int8['bleu']:.2f} |"
             in evaluation)  # the int8 figure is not the exported model's own
     assert "Left out: 1 evaluation(s) of the first sentences only" in evaluation
     # best.safetensors replaced by other weights: the figure no longer describes it

@@ -188,8 +188,8 @@ def evaluate_run(run_dir: str | Path, split: str = "test", search: Search | None
     only for the weights it scored).
     ``decode_tokens``: the decoding budget (``Translator``'s). ``engine="ctranslate2"``:
     ``run_dir`` is an `aiayn export --to ctranslate2` directory, decoded by CTranslate2
-    (WEIGHTS in the file name is then "ctranslate2"). ``int8``: aiayn's engine with its output
-    layer in int8 (``aiayn.inference.int8``; WEIGHTS.int8 in the file name, and the loss is
+    (WEIGHTS in the file name is then "ctranslate2"). ``int8``: aiayn's engine with its decoder
+    and output layer in int8 (``aiayn.inference.int8``; WEIGHTS.int8 in the file name, and the loss is
     computed with it). The summary's "repeats" gives the
     share of hypotheses and of references that repeat a 4-gram of words
     (``aiayn.evaluation.metrics.stutter_share``).

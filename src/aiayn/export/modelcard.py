@@ -254,7 +254,7 @@ def _evaluation(run_dir: Path, exported: str) -> str:
     signatures: dict[str, None] = {}  # in order, each once
     for r in rows:
         search = "greedy" if r.get("beam") == 1 else f"beam {r.get('beam')}, alpha {r.get('alpha')}"
-        search += ", int8 output layer" if r.get("int8") else ""  # not what the export computes
+        search += ", int8 decoding" if r.get("int8") else ""  # not what the export computes
         step = f" (step {r['weights_step']})" if r.get("weights_step") else ""
         mark = " (exported)" if r["weights_sha256"] == exported and not r.get("int8") else ""
         chrf = f"{r['chrf']:.2f}" if isinstance(r.get("chrf"), (int, float)) else "?"

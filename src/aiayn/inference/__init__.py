@@ -4,10 +4,10 @@ and serve's continuous search (joinable) both drive (steps) and the k best of ea
 log-probabilities that a beam step takes (topk), the one decode driver (translator) and what
 it takes and gives (translations), the engines it drives behind one interface (engine:
 aiayn's own, aiayn_engine, or CTranslate2's, ct2; by --engine name: engines), the batch
-budget (budget), the output layer's kernel (kernels) and its int8 form (int8), attention
-maps of a translation (attention) and word alignments from them (align), files of any
-length translated chunk by chunk, resumable (files), and the teacher-forced scores of given
-pairs (scoring).
+budget (budget), the output layer's kernel (kernels), int8 decoding (int8) through aiayn's
+own C kernel (native), attention maps of a translation (attention) and word alignments from
+them (align), files of any length translated chunk by chunk, resumable (files), and the
+teacher-forced scores of given pairs (scoring).
 
 May import: aiayn.errors, aiayn.options, aiayn.util, aiayn.config, aiayn.model, aiayn.data, aiayn.runs.
 """

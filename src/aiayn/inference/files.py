@@ -445,7 +445,7 @@ def run_identity(run_dir: str | Path, weights: str, engine: str, device: str,
     """What the model is, for the sidecar: the run directory, the weights file (its size and
     modification time: a run that trained on since then decodes otherwise), the engine,
     the device and the decoding budget (batches of another size may round otherwise), and
-    the int8 output layer where it decodes (``aiayn.inference.int8``), and the target
+    int8 decoding where it decodes so (``aiayn.inference.int8``), and the target
     language of a model of several (``to``: another would translate every line otherwise)."""
     identity = {"run_dir": str(Path(run_dir).resolve()), "weights": str(weights),
                 "engine": engine, "device": str(device), "decode_tokens": decode_tokens}

@@ -102,8 +102,8 @@ class Translator:
         beam (``token_batches``; None: the engine's default, 8,192 on a CPU). ``decode``: the
         search that settings left out mean (the run's config section; default the paper's
         beam 4, alpha 0.6). ``kernel``: the output layer's product for aiayn's engine
-        (``AiaynEngine``; None: chosen there); ``int8``: its output layer in int8
-        (``aiayn.inference.int8``). ``to``: the target language, for a model that translates
+        (``AiaynEngine``; None: chosen there); ``int8``: its decoder and output layer in
+        int8 (``aiayn.inference.int8``). ``to``: the target language, for a model that translates
         into several (its direction tags, aiayn.data.directions); ``toward`` gives another."""
         self.engine = engine or AiaynEngine(model, device, bf16, streams, threads_per_stream,
                                             kernel, int8)
@@ -167,7 +167,8 @@ class Translator:
         directory (``load_run``; ``device`` defaults to the CPU), or with ``"ctranslate2"``
         a directory written by `aiayn export --to ctranslate2` (``weights`` and bf16 then
         unused), decoded by CTranslate2 with as many threads as torch uses. ``int8``
-        (aiayn's engine): the output layer in int8 (an export has its own weight type).
+        (aiayn's engine): the decoder and output layer in int8 (an export has its own weight
+        type).
         ``to``: the target language of a model with several (``Translator``)."""
         options = {k: kwargs.pop(k) for k in ("bf16", "streams", "threads_per_stream", "int8")
                    if k in kwargs}

@@ -108,7 +108,7 @@ class ModelService:
         default_decode_tokens``). ``batching``: see ``Batcher``
         (None: continuous where the engine allows it); ``lanes``: where continuous
         batching decodes, "processes" or "threads" (None: ``default_lanes``); ``int8``:
-        aiayn's engine with its output layer in int8 (``aiayn.inference.int8``)."""
+        aiayn's engine with its decoder and output layer in int8 (``aiayn.inference.int8``)."""
         translator = Translator.from_pretrained(run_dir, weights, device=device, engine=engine,
                                                 decode_tokens=decode_tokens,
                                                 int8=int8)
