@@ -3,11 +3,12 @@ file, whose comment has the arithmetic), built here with the machine's C compile
 through ctypes; ``aiayn.inference.int8`` puts it in the decoder and the output layer.
 
 Why a kernel of our own: at the few rows of a decoding step (4-64), PyTorch's int8 products
-cost more than fp32 here: FBGEMM's dynamic product has a fixed cost of 50-100 us a call and
-quantizes a whole batch on one scale, ``torch._int_mm`` and ``_weight_int8pack_mm`` fall back
-to loops without AVX-512, and ``torch.ao.quantization`` is deprecated. This kernel quantizes
-each row on its own scale and runs the demo's decoder products 1.2-3.5x faster than fp32 at
-those rows (docs/translating.md#int8-decoding has the figures).
+cost more than fp32 here: FBGEMM's dynamic product quantizes a whole batch on one scale, and
+with each row on its own scale it is slower than fp32 on the demo's decoder layers;
+``torch._int_mm`` and ``_weight_int8pack_mm`` fall back to loops without AVX-512;
+``torch.ao.quantization`` is deprecated. This kernel quantizes each row on its own scale and
+runs the demo's decoder layers 1.3-2.3x faster than fp32 at 4-256 rows on an AVX2 EPYC, its
+output layer 2.8-5.3x (``benchmarks/int8_kernel.py``; docs/results.md).
 
 The source is compiled once per machine (``$CC``, else ``cc``, with AVX2 and FMA) into
 ``$XDG_CACHE_HOME/aiayn`` (``~/.cache/aiayn``), named by a hash of the source, compiler and
