@@ -8,7 +8,7 @@ BROWSER_PACKAGES := chromium chromium-driver fonts-liberation
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 DEMO_MINUTES ?= 12
 
-.PHONY: venv sword browser test test-fast lint docs notebook demo bench peers pins clean
+.PHONY: venv sword browser compiler test test-fast lint docs notebook demo bench peers pins clean
 
 # torch first, pinned: an unpinned torch would pull a multi-GB CUDA build. Then the project
 # at the versions of constraints.txt, the set the tests last passed with.
@@ -33,6 +33,11 @@ browser:
 	  $(SUDO) apt-get update -qq && \
 	  $(SUDO) apt-get install -y -qq $(BROWSER_PACKAGES); fi
 
+# A C compiler for `--int8`'s kernel (aiayn/inference/native.py builds it on first use).
+compiler:
+	@if command -v $${CC:-cc} >/dev/null 2>&1; then echo "C compiler present"; else \
+	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq gcc; fi
+
 # Both tiers spread the test files over the cores (pytest-xdist; TEST_WORKERS=0 runs them in
 # this one process): each worker runs torch on one thread (tests/conftest.py), and a file's
 # tests stay on one worker, so a module's trained run or server is built once.
@@ -40,12 +45,12 @@ TEST_WORKERS ?= auto
 PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The full suite names its 15 slowest tests at the end: where the ten minutes go.
-test: venv sword browser
+test: venv sword browser compiler
 	$(PYTEST) --durations=15
 
 # The fast tier for the edit-run loop: the tests marked slow (tests/conftest.py) left out,
 # about a minute on two cores; needs neither the Bible nor a browser.
-test-fast: venv
+test-fast: venv compiler
 	$(PYTEST) -m "not slow"
 
 lint: venv
