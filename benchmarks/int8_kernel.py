@@ -41,7 +41,7 @@ from common import (  # noqa: E402  (benchmarks/ is not a package)
     set_threads,
 )
 
-from aiayn.inference.native import PackedInt8, check_native  # noqa: E402
+from aiayn.inference.native import PackedInt8, check_int8  # noqa: E402
 
 SHAPES = [(768, 256), (256, 256), (512, 256), (256, 512), (5131, 256)]
 ROWS = [4, 16, 64, 256]
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     add_repeats_option(p, 5)
     add_json_option(p)
     args = p.parse_args(argv)
-    check_native()
+    check_int8()
     set_threads(1)
     note_load()
     numbers = torch.Generator().manual_seed(0)

@@ -17,8 +17,8 @@ from aiayn.data.prepared import load_prepared
 from aiayn.errors import AiaynError
 from aiayn.inference import native
 from aiayn.inference.ct2 import CTranslate2Engine
-from aiayn.inference.int8 import Int8Linear, Int8Output, check_int8, int8_decoder
-from aiayn.inference.native import PackedInt8, build
+from aiayn.inference.int8 import Int8Linear, Int8Output, int8_decoder
+from aiayn.inference.native import PackedInt8, build, check_int8
 from aiayn.inference.translator import Translator
 from aiayn.model import Generator, Transformer
 from aiayn.runs.directory import read_data_dir

@@ -18,8 +18,9 @@ from aiayn.inference.budget import (
     memory_bytes,
 )
 from aiayn.inference.engine import Engine
-from aiayn.inference.int8 import Int8Output, check_int8, int8_decoder
+from aiayn.inference.int8 import Int8Output, int8_decoder
 from aiayn.inference.kernels import choose_output_kernel
+from aiayn.inference.native import check_int8
 from aiayn.inference.search import decode_beam, decode_greedy
 from aiayn.inference.settings import Search
 from aiayn.inference.steps import Hypothesis, unwritable

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from aiayn.inference.native import PackedInt8, check_native
-
-check_int8 = check_native  # an AiaynError in one line unless int8 decoding runs here
+from aiayn.inference.native import PackedInt8
 
 
 class Int8Output:

@@ -6,7 +6,9 @@
  * x_ik ~ t_i (u_ik - 128) with u_ik in [1, 255]. Then
  *     y_ij = s_j t_i (sum_k u_ik q_jk - 128 sum_k q_jk) + b_j,
  * the sum computed exactly in integers and the column sums kept with the packed weights.
- * A row's result depends on that row alone: a sentence's translation not on its batch.
+ * A row's result depends on that row's values alone, whatever the rows beside it (a
+ * translation can still differ between batches, rarely: rounding to 8 bits can turn fp32's
+ * last-bit differences before the product into another integer).
  *
  * The integer products run on AVX2's vpmaddubsw (32 u8 x s8 products a call, summed in pairs
  * into 16-bit lanes, saturating): with 7-bit weights a pair is at most 2 * 255 * 63 = 32,130,

@@ -13,7 +13,7 @@ output layer 2.8-5.3x (``benchmarks/int8_kernel.py``; docs/results.md).
 The source is compiled once per machine (``$CC``, else ``cc``, with AVX2 and FMA) into
 ``$XDG_CACHE_HOME/aiayn`` (``~/.cache/aiayn``), named by a hash of the source, compiler and
 flags, and loaded with ctypes, which lets go of the GIL during a call, so that decoding
-streams run it at once. ``check_native`` says in one line why it cannot run where it cannot
+streams run it at once. ``check_int8`` says in one line why it cannot run where it cannot
 (not an x86 CPU with AVX2, no C compiler, a failed build).
 """
 
@@ -91,7 +91,7 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
-def check_native(device: torch.device | str = "cpu") -> None:
+def check_int8(device: torch.device | str = "cpu") -> None:
     """An AiaynError in one line unless the int8 kernel runs here (building it if need be)."""
     if torch.device(device).type != "cpu":
         raise AiaynError(f"int8 decoding runs on a CPU, not on {device}: leave out --int8 "
@@ -115,7 +115,7 @@ class PackedInt8:
     x W^T + b for (..., k) float32 x on a CPU."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None):
-        check_native(weight.device)
+        check_int8(weight.device)
         self.lib = _library()
         n, k = weight.shape
         self.n, self.k, self.width = n, k, -(-k // 4) * 4
