@@ -305,3 +305,51 @@ def copy_run(root: Path) -> Path:
     save_weights(model, run / "last.safetensors")
     (run / "data_dir.txt").write_text(str(data_dir) + "\n", encoding="utf-8")
     return run
+
+
+def cache_walk(caches, steps: int = 40, heads: int = 2, d: int = 8, seed: int = 12):
+    """Drive one-layer ``KVCache``s alike through a search's life: a new position per step,
+    beams changing parents, sentences leaving, sentences joining (sources shorter and
+    longer), trims. Yields after each step's position, with the (B, H, 1, d) queries of that
+    step, before the step's reorder: the caches then hold the same positions."""
+    from aiayn.cache import KVCache, append_positions
+
+    rng = torch.Generator().manual_seed(seed)
+    width = 5
+
+    def cross_only(kv):
+        joining = KVCache(1)
+        joining.layers[0]["cross"].update(k=kv, v=kv)
+        return joining
+
+    cross = torch.randn(4, heads, width, d, generator=rng)
+    for cache in caches:
+        cache.join(cross_only(cross))
+    rows = 4
+    for step in range(steps):
+        new = torch.randn(rows, heads, 1, d, generator=rng)
+        values = torch.randn(rows, heads, 1, d, generator=rng)
+        for cache in caches:
+            append_positions(cache.layers[0]["self"], new, values)
+            cache.length += 1
+        yield torch.randn(rows, heads, 1, d, generator=rng)
+        action = step % 4
+        if action == 0:  # beams change parents
+            index = torch.randint(0, rows, (rows,), generator=rng)
+        elif action == 1 and rows > 2:  # a sentence leaves
+            index = torch.tensor([i for i in range(rows) if i != step % rows])
+        else:
+            index = None
+        if index is not None:
+            for cache in caches:
+                cache.reorder(index, kinds=("self", "cross") if action == 1 else ("self",))
+            rows = index.numel()
+        if action in (2, 3):  # sentences join, their sources shorter or longer
+            n, S = 1 + step % 3, width + (step % 5) - 2
+            joining = torch.randn(n, heads, S, d, generator=rng)
+            for cache in caches:
+                cache.join(cross_only(joining))
+            rows += n
+        if step % 7 == 6:
+            for cache in caches:
+                cache.trim(int(cache.start.min()) if cache.start is not None else 0)

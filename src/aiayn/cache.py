@@ -32,14 +32,26 @@ class KVCache:
     written into the spare column instead of concatenated (which copied everything a
     second time per step), and sentences that join are written into the spare rows (a
     join copies only its own rows). The figures: docs/translating.md#how-decoding-works.
+
+    ``indirect`` keeps each self-attention K/V where it was written instead: a step's new
+    position goes to the row's own slot of a ``Store``, and each row keeps, per position, the
+    slot its beam's ancestor wrote it in, so a beam's reorder copies a small table of slots
+    rather than every cached K/V. A kernel that reads keys through the table
+    (aiayn.inference.native's step attention) then never gathers them; ``append_positions``
+    gathers them for everyone else. ``positions``: the room each store has from the start
+    (the model's ``max_len``), so that it seldom grows.
     """
 
-    def __init__(self, n_layers: int):
+    def __init__(self, n_layers: int, indirect: bool = False, positions: int = 256):
         self.layers: list[dict[str, dict[str, Tensor]]] = [
             {"self": {}, "cross": {}} for _ in range(n_layers)
         ]
         self.length = 0  # positions already decoded (the next position's index)
         self.start: Tensor | None = None
+        self.indirect = indirect
+        if indirect:
+            for layer in self.layers:
+                layer["self"]["store"] = Store(positions)
 
     def positions(self) -> int | Tensor:
         """The position of the next token: one for all rows, or (B,) with ``start``."""
@@ -61,7 +73,9 @@ class KVCache:
         beams the sentence)."""
         for layer in self.layers:
             for kind in kinds:
-                if "k" in layer[kind]:
+                if kind == "self" and self.indirect:
+                    layer[kind]["store"].reorder(index)
+                elif "k" in layer[kind]:
                     _select_rows(layer[kind], index, room=int(kind == "self"))
         if self.start is not None and "self" in kinds:
             self.start = self.start.index_select(0, index)
@@ -88,7 +102,9 @@ class KVCache:
                 _join_rows(mine["cross"], theirs["cross"]["k"], theirs["cross"]["v"])
             else:
                 mine["cross"].update(k=theirs["cross"]["k"], v=theirs["cross"]["v"])
-            if self.length:
+            if self.indirect:
+                mine["self"]["store"].add_rows(n)
+            elif self.length:
                 zeros = joining.new_zeros(n, *mine["self"]["k"].shape[1:])
                 _join_rows(mine["self"], zeros, zeros, room=1)
 
@@ -108,12 +124,111 @@ class KVCache:
             return
         for layer in self.layers:
             cache = layer["self"]
+            if self.indirect:
+                cache["store"].trim(columns)
+                continue
             for name in ("k", "v"):
                 cache[name] = cache[name][:, :, columns:]
             if "buffers" in cache:
                 cache["buffers"] = tuple(b[:, :, columns:] for b in cache["buffers"])
         self.length -= columns
         self.start = self.start - columns
+
+
+class Store:
+    """One layer's self-attention K/V in an indirect cache: R row slots of L positions, kept
+    position-major ((L, R, H, d_k): a step writes one block), ``k`` and ``v`` their (R, H, L,
+    d_k) views. Row r of the search writes its positions into slot r and reads position j
+    from slot ``ancestry[r, j]`` for the first ``ancestry.size(1)`` positions, from slot r
+    after: a beam's reorder records where its new rows' pasts lie (``reorder``) instead of
+    copying them. Every slot's positions from ``length`` on are unwritten, so the rows after a
+    reorder can write there whichever rows they came from. Room for ``positions`` positions
+    and spare rows from the start (pages never written take no memory), grown when full;
+    every position a row reads, seen or masked, was written (``add_rows``), so is finite."""
+
+    def __init__(self, positions: int = 256):
+        self.keys: Tensor | None = None  # (L, R, H, d_k)
+        self.values: Tensor | None = None
+        self.ancestry: Tensor | None = None  # (B, c) slots, int64
+        self.rows = 0  # B, the live rows
+        self.length = 0  # positions written
+        self.positions = positions
+
+    @property
+    def k(self) -> Tensor:
+        return self.keys.permute(1, 2, 0, 3)
+
+    @property
+    def v(self) -> Tensor:
+        return self.values.permute(1, 2, 0, 3)
+
+    def append(self, k: Tensor, v: Tensor) -> None:
+        """Write the new positions (B, H, T, d_k) of the B live rows into their own slots."""
+        B, H, T, d = k.shape
+        if self.keys is None:
+            self.keys, self.values = (k.new_empty(max(self.positions, T), _spare_rows(B), H, d)
+                                      for _ in range(2))
+            self.ancestry = torch.empty(B, 0, dtype=torch.long, device=k.device)
+            self.rows = B
+        if B != self.rows:
+            raise ValueError(f"{B} rows appended to a store of {self.rows}")
+        self._reserve(B, self.length + T)
+        self.keys[self.length:self.length + T, :B] = k.permute(2, 0, 1, 3)
+        self.values[self.length:self.length + T, :B] = v.permute(2, 0, 1, 3)
+        self.length += T
+
+    def slots(self) -> Tensor:
+        """(B, length): the slot each row reads each position from."""
+        B, c = self.ancestry.shape
+        own = torch.arange(B, device=self.ancestry.device)[:, None].expand(B, self.length - c)
+        return torch.cat([self.ancestry, own], dim=1)
+
+    def gather(self) -> tuple[Tensor, Tensor]:
+        """Every live row's K/V of all positions, (B, H, length, d_k), gathered."""
+        slots, positions = self.slots(), torch.arange(self.length, device=self.keys.device)
+        return tuple(x[positions, slots].permute(0, 2, 1, 3) for x in (self.keys, self.values))
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep rows ``index``: row i reads row index[i]'s past."""
+        if self.keys is not None:
+            self.ancestry = self.slots().index_select(0, index)
+            self.rows = index.numel()
+
+    def add_rows(self, n: int) -> None:
+        """n rows that start now: their earlier positions, masked (``KVCache.start``), read
+        the first row's (finite values; their own slots may hold another row's past)."""
+        if self.keys is None:
+            return  # nothing written: the first ``append`` has them
+        B = self.rows
+        self._reserve(B + n, self.length)
+        if B:
+            past = self.slots()[:1].expand(n, self.length)
+        else:  # no row reads any slot: theirs are zeroed
+            self.keys[:self.length, :n] = 0
+            self.values[:self.length, :n] = 0
+            past = torch.arange(n, device=self.keys.device)[:, None].expand(n, self.length)
+        self.ancestry = torch.cat([self.slots(), past])
+        self.rows = B + n
+
+    def trim(self, columns: int) -> None:
+        """Drop the first ``columns`` positions of every row."""
+        if self.keys is None:
+            return
+        self.keys, self.values = self.keys[columns:], self.values[columns:]
+        self.ancestry = self.ancestry[:, min(columns, self.ancestry.size(1)):]
+        self.length -= columns
+
+    def _reserve(self, rows: int, positions: int) -> None:
+        L, R, H, d = self.keys.shape
+        if rows <= R and positions <= L:
+            return
+        R2 = _spare_rows(rows) if rows > R else R
+        L2 = max(positions, 2 * L) if positions > L else L
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_empty(L2, R2, H, d)
+            new[:self.length, :R] = old[:self.length]
+            setattr(self, name, new)
 
 
 def fold_beams(q: Tensor, sentences: int) -> Tensor:
@@ -137,7 +252,12 @@ def unfold_beams(x: Tensor, rows: int) -> Tensor:
 def append_positions(cache: dict, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """A decoder layer's self-attention cache with the new positions' K/V (B, H, T, d_k)
     appended: the K/V of every position so far. Written into the buffers' spare column
-    when they have one for exactly these (``_select_rows``), else concatenated."""
+    when they have one for exactly these (``_select_rows``), else concatenated; with an
+    indirect cache's ``Store``, written to the rows' own slots and gathered."""
+    if "store" in cache:
+        store = cache["store"]
+        store.append(k, v)
+        return store.gather()
     if "k" not in cache:
         cache["k"], cache["v"] = k, v
         return k, v

@@ -17,7 +17,8 @@ passed by callers follow PyTorch's key_padding_mask convention: True marks a pad
 Targets are right-padded, so the causal mask alone keeps real target positions from
 seeing target padding.
 
-This file depends on torch alone, as do the decoder's KV cache (``cache.py``) and the
+Over 500 lines so that the whole model reads top to bottom in one file, every block of the
+paper in its own class. This file depends on torch alone, as do the decoder's KV cache (``cache.py``) and the
 label-smoothed loss (``loss.py``) beside it: ``cfg`` is any object with the fields of
 ``aiayn.config.ModelConfig``, and ``aiayn export --to hf`` ships the three beside the weights.
 """
@@ -155,27 +156,40 @@ class MultiHeadAttention(nn.Module):
                 if cache is not None:
                     cache["k"], cache["v"] = k, v
         else:
-            q, k, v = (self._heads(t) for t in self.qkv_proj(x).chunk(3, dim=-1))
-            q, k = self.q_norm(q), self.k_norm(k)  # per position: the cache keeps normed K
+            q, k, v = self.self_qkv(x)
             if cache is not None:  # K/V of earlier positions, grown one step at a time
                 k, v = append_positions(cache, k, v)
 
+        out, weights = self.attend(q, k, v, mask, is_causal, need_weights or self.record_weights)
+        if self.record_weights:
+            self.last_weights = weights.detach()
+        return (self.concat(out), weights) if need_weights else self.concat(out)
+
+    def self_qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Self-attention's Q, K, V of x, (B, H, T, d_k) each, Q and K normed (a cache keeps K so)."""
+        q, k, v = (self._heads(t) for t in self.qkv_proj(x).chunk(3, dim=-1))
+        return self.q_norm(q), self.k_norm(k), v
+
+    def concat(self, heads: Tensor) -> Tensor:
+        """Concat(head_1..head_h) W^O: (B, H, T, d_k) -> (B, T, d)."""
+        B, _, T, _ = heads.shape
+        return self.out_proj(heads.transpose(1, 2).reshape(B, T, self.d_model))
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
+               need_weights: bool) -> tuple[Tensor, Tensor | None]:
+        """Attention(Q, K, V): (B, H, T_q, d_k) queries, (B', H, T_k, d_k) keys and values (B' = B /
+        g where g beams share a memory: cache.py) -> (B, H, T_q, d_k), weights or None."""
         p, rows = self.dropout if self.training else 0.0, q.size(0)
-        if rows != k.size(0):  # a beam search's beams share their sentence's memory (cache.py)
+        if rows != k.size(0):
             q = fold_beams(q, k.size(0))
-        if need_weights or self.record_weights or explicit_is_faster(q, k):
+        if need_weights or explicit_is_faster(q, k):
             out, weights = explicit_attention(q, k, v, mask, is_causal, p)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
-            weights = None
+            out, weights = F.scaled_dot_product_attention(q, k, v, mask, p, is_causal), None
         if rows != out.size(0):
             out = unfold_beams(out, rows)
             weights = None if weights is None else unfold_beams(weights, rows)
-        if self.record_weights:
-            self.last_weights = weights.detach()
-        B, _, T, _ = out.shape
-        out = self.out_proj(out.transpose(1, 2).reshape(B, T, self.d_model))  # Concat(...) W^O
-        return (out, weights) if need_weights else out
+        return out, weights
 
     def memory_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         """Cross-attention's K and V of the encoder memory, (B, H, S, d_k) each."""
@@ -405,6 +419,8 @@ class Generator(nn.Module):
 class Transformer(nn.Module):
     """Encoder-decoder Transformer (Figure 1 of the paper)."""
 
+    indirect_cache = False  # KVCache(indirect=...) of new_cache
+
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
@@ -470,9 +486,9 @@ class Transformer(nn.Module):
         return self.decoder(x, memory, padding_mask(src_pad), cache)
 
     def new_cache(self, memory: Tensor | None = None) -> KVCache:
-        """An empty decoding cache; with ``memory`` its cross-attention K/V are computed now
-        rather than at the first step (so that it can ``join`` a running one)."""
-        cache = KVCache(len(self.decoder.layers))
+        """An empty decoding cache (``indirect_cache``: aiayn.inference.int8's decoder reads one); with
+        ``memory`` its cross-attention K/V computed now, not at the first step (to ``join`` one)."""
+        cache = KVCache(len(self.decoder.layers), indirect=self.indirect_cache, positions=self.cfg.max_len)
         if memory is not None:
             for layer, layer_cache in zip(self.decoder.layers, cache.layers, strict=True):
                 k, v = layer.cross_attn.memory_kv(memory)

@@ -1,7 +1,9 @@
-"""int8 decoding (aiayn.inference.int8 over aiayn.inference.native's kernel): the product
+"""int8 decoding (aiayn.inference.int8 over aiayn.inference.native's kernels): the product
 close to fp32's on every row, a row's result independent of the rows beside it (so a
-sentence's translation of its batch), the model given left as it was, translations held to
-an agreement tolerance against fp32 (not to exactness), and one-line refusals.
+sentence's translation of its batch), the step's attention and QK-norm equal to PyTorch's up
+to rounding, the model given left as it was, incremental decoding equal to a full pass,
+translations held to an agreement tolerance against fp32 (not to exactness), and one-line
+refusals.
 """
 
 from __future__ import annotations
@@ -9,18 +11,26 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import run_cli
+from helpers import cache_walk, run_cli
 from torch import nn
 
+from aiayn.cache import KVCache
 from aiayn.config import ModelConfig
 from aiayn.data.prepared import load_prepared
 from aiayn.errors import AiaynError
 from aiayn.inference import native
 from aiayn.inference.ct2 import CTranslate2Engine
-from aiayn.inference.int8 import Int8Linear, Int8Output, int8_decoder
-from aiayn.inference.native import PackedInt8, build, check_int8
+from aiayn.inference.int8 import Int8Linear, Int8Output, NativeHeadNorm, StepAttention, int8_decoder
+from aiayn.inference.native import (
+    PackedInt8,
+    build,
+    check_int8,
+    rms_norm,
+    step_attention,
+    step_attention_fits,
+)
 from aiayn.inference.translator import Translator
-from aiayn.model import Generator, Transformer
+from aiayn.model import Generator, HeadNorm, MultiHeadAttention, Transformer
 from aiayn.runs.directory import read_data_dir
 
 pytestmark = pytest.mark.skipif(not native.cpu_supported(), reason="int8 decoding needs AVX2")
@@ -64,6 +74,95 @@ def test_a_row_gets_the_same_result_alone_as_beside_others():
         product(x.double())
 
 
+@pytest.mark.parametrize("rows, group, keys, masked", [
+    (8, 1, 1, False),  # a first step: one key
+    (8, 1, 13, False),  # self-attention: each row its own keys, not a multiple of 8
+    (12, 4, 37, True),  # cross-attention: a beam of 4 over each sentence's padded memory
+    (30, 6, 16, True),
+])
+def test_the_step_attention_equals_pytorchs(rows, group, keys, masked):
+    """One query per row against PyTorch's fused attention (through the model's own
+    ``attend``, which folds the beams), up to float rounding: the keys and values views of
+    wider buffers, as a cache keeps them, the queries a view of a fused projection."""
+    g = torch.Generator().manual_seed(rows + keys)
+    heads, d, sets = 4, 64, rows // group
+    qkv = torch.randn(rows, 1, 3 * heads * d, generator=g)
+    q = qkv[..., :heads * d].view(rows, 1, heads, d).transpose(1, 2)
+    k = torch.randn(sets + 3, heads, keys + 5, d, generator=g)[:sets, :, :keys]
+    v = (3 * torch.randn(sets + 3, heads, keys + 5, d, generator=g))[:sets, :, :keys]
+    mask = None
+    if masked:  # padding on the right, at least one key seen
+        lengths = torch.randint(1, keys + 1, (sets,), generator=g)
+        mask = (torch.arange(keys) < lengths[:, None])[:, None, None, :]
+    assert step_attention_fits(q, k, v, mask)
+    reference, _ = MultiHeadAttention(heads * d, heads).eval().attend(q, k, v, mask, False, False)
+    got = step_attention(q, k, v, mask)
+    assert got.shape == reference.shape
+    assert torch.allclose(got, reference, atol=1e-5, rtol=1e-5), (got - reference).abs().max()
+
+
+def test_the_step_attention_reads_an_indirect_cache_as_pytorch_reads_the_copying_one():
+    """Through reorders, joins and trims (``helpers.cache_walk``), the kernel reading the
+    indirect cache's store through its ancestry equals PyTorch's attention over the copying
+    cache's K/V, each row masked before its ``start``."""
+    copying, indirect = KVCache(1), KVCache(1, indirect=True)
+    attention = MultiHeadAttention(16, 2).eval()
+    for q in cache_walk([copying, indirect], heads=2, d=8):
+        dense, store = copying.layers[0]["self"], indirect.layers[0]["self"]["store"]
+        mask = None
+        if copying.start is not None:
+            mask = (torch.arange(store.length) >= copying.start[:, None])[:, None, None, :]
+        assert step_attention_fits(q, store.k, store.v, mask, store.length, store.ancestry)
+        got = step_attention(q, store.k, store.v, mask, store.length, store.ancestry)
+        reference, _ = attention.attend(q, dense["k"], dense["v"], mask, False, False)
+        assert torch.allclose(got, reference, atol=1e-5, rtol=1e-5), (got - reference).abs().max()
+
+
+def test_the_step_attention_takes_only_what_it_computes():
+    q, k = torch.randn(4, 2, 1, 16), torch.randn(4, 2, 5, 16)
+    assert step_attention_fits(q, k, k, None)
+    assert not step_attention_fits(torch.randn(4, 2, 3, 16), k, k, None)  # several queries
+    assert not step_attention_fits(q.double(), k.double(), k.double(), None)
+    assert not step_attention_fits(torch.randn(4, 2, 1, 12), torch.randn(4, 2, 5, 12),
+                                   torch.randn(4, 2, 5, 12), None)  # d_k not a multiple of 8
+    assert not step_attention_fits(q, k[:3], k[:3], None)  # 4 rows over 3 key sets
+    assert not step_attention_fits(q, k, k, torch.ones(4, 2, 1, 5, dtype=torch.bool))  # per head
+
+
+@pytest.mark.parametrize("shape", [(6, 4, 1, 64), (6, 1, 256)])
+def test_the_native_rms_norm_equals_torchs(shape):
+    """Per head and over a whole query, on a strided view; the input is left as it was."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(*shape[:-1], 2 * shape[-1], generator=g) * 5)[..., ::2]
+    norm = HeadNorm(shape[-1])
+    nn.init.normal_(norm.weight, generator=g)
+    before = x.clone()
+    got = rms_norm(x, norm.weight, norm.eps)
+    assert torch.equal(x, before)
+    assert torch.allclose(got, norm(x), atol=1e-5, rtol=1e-5)
+
+
+def test_int8_steps_equal_the_int8_full_pass():
+    """The int8 copy decoding one token at a time (its step attention and QK-norm in aiayn's
+    kernels, the cache growing) gives the logits of one pass over the whole prefix (PyTorch's
+    attention and norm), up to rounding: the same int8 products on both sides."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=64, n_heads=4, d_ff=64,
+                      n_encoder_layers=1, n_decoder_layers=2, dropout=0.0, max_len=32,
+                      norm_first=True, qk_norm=True, qk_norm_cross_query="whole")
+    model = int8_decoder(Transformer(cfg).eval())
+    src, tgt = torch.randint(4, 40, (3, 7)), torch.randint(4, 40, (3, 6))
+    src[1, 5:] = cfg.pad_id
+    with torch.no_grad():
+        src_pad = model.src_pad_mask(src)
+        memory = model.encode(src, src_pad)
+        full = model.decode(tgt, memory, src_pad)
+        cache = model.new_cache()
+        steps = torch.cat([model.decode(tgt[:, i:i + 1], memory, src_pad, cache)
+                           for i in range(tgt.size(1))], dim=1)
+    assert torch.allclose(steps, full, atol=1e-4), (steps - full).abs().max()
+
+
 def test_the_output_kernel_packs_the_allowed_rows_and_refuses_others():
     generator = Generator(32, 50, restricted=True)
     generator.set_outputs(torch.arange(10, 40))
@@ -92,6 +191,9 @@ def test_the_int8_decoder_is_a_copy_and_the_model_given_is_unchanged():
     linears = [m for m in quantized.decoder.modules() if isinstance(m, Int8Linear)]
     assert len(linears) == 2 * 7  # self qkv and out; cross q, kv and out; two feed-forward
     assert not any(type(m) is nn.Linear for m in quantized.decoder.modules())
+    attention = [m for m in quantized.decoder.modules() if isinstance(m, MultiHeadAttention)]
+    assert len(attention) == 4 and all(isinstance(m, StepAttention) for m in attention)
+    assert not any(isinstance(m, (StepAttention, NativeHeadNorm)) for m in model.modules())
     assert quantized.encoder is model.encoder  # shared, not copied
     assert quantized.decoder.layers[0].sublayer1.norm is model.decoder.layers[0].sublayer1.norm
     assert (approx.softmax(-1) - before.softmax(-1)).abs().max() < 0.05

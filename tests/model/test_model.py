@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import cache_walk
 from torch import Tensor, nn
 
 from aiayn.cache import KVCache, append_positions, fold_beams, unfold_beams
@@ -383,6 +384,26 @@ def test_cache_buffers_hold_exactly_what_concatenation_and_index_select_would():
         assert torch.equal(tensor, copy)
     assert in_place >= 5  # joins that fitted the spare rows did happen
 
+
+def test_an_indirect_cache_reads_what_the_copying_one_holds():
+    """An indirect cache (each position kept where it was written, beams recording their
+    ancestry) gives every row the keys and values of the copying cache at every position the
+    row may see (from its ``start`` on), through reorders, joins and trims, and stays finite
+    where it may not; its store grows (room for 4 positions at first)."""
+    copying, indirect = KVCache(1), KVCache(1, indirect=True, positions=4)
+    grown = 0
+    for _ in cache_walk([copying, indirect]):
+        dense, store = copying.layers[0]["self"], indirect.layers[0]["self"]["store"]
+        k, v = store.gather()
+        assert k.shape == dense["k"].shape and torch.isfinite(k).all()
+        start = torch.zeros(k.size(0), dtype=torch.long) if copying.start is None else copying.start
+        seen = torch.arange(k.size(2)) >= start[:, None]  # (B, t)
+        for mine, theirs in ((k, dense["k"]), (v, dense["v"])):
+            assert torch.equal(mine.transpose(1, 2)[seen], theirs.transpose(1, 2)[seen])
+        assert torch.equal(copying.start if copying.start is not None else start,
+                           indirect.start if indirect.start is not None else start)
+        grown = max(grown, store.keys.size(0))
+    assert grown > 4
 
 def _pad_keys(kv: Tensor, width: int) -> Tensor:
     return torch.nn.functional.pad(kv, (0, 0, 0, width - kv.size(2)))

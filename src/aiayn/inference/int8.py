@@ -16,9 +16,12 @@ The figures: docs/translating.md#int8-decoding.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
+from aiayn.inference import native
 from aiayn.inference.native import PackedInt8
+from aiayn.model import HeadNorm, MultiHeadAttention
 
 
 class Int8Output:
@@ -37,6 +40,11 @@ class Int8Output:
             raise ValueError(f"Int8Output packed a {self.shape} output layer, "
                              f"got {tuple(weight.shape)}")
         return self.product(x)
+
+    def log_softmax(self, logits: Tensor) -> Tensor:
+        """The softmax after the output layer, in aiayn's kernel (``native.log_softmax``):
+        the searches and scoring call it (``aiayn.inference.steps.log_softmax``)."""
+        return native.log_softmax(logits)
 
 
 class Int8Linear(nn.Module):
@@ -57,12 +65,77 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
+def _same_module(cls, module: nn.Module) -> nn.Module:
+    """``module`` as an instance of its subclass ``cls``: a shallow copy sharing its
+    submodules, parameters and buffers (so its ``state_dict`` is the module's)."""
+    copy = cls.__new__(cls)
+    copy.__dict__ = dict(module.__dict__)
+    for name in ("_modules", "_parameters", "_buffers"):
+        copy.__dict__[name] = dict(module.__dict__[name])
+    return copy
+
+
+class NativeHeadNorm(HeadNorm):
+    """A ``model.HeadNorm`` (QK-norm) computed by aiayn's kernel (``native.rms_norm``) on float32
+    CPU input of a multiple of 8 features, as the model computes it otherwise."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32 and x.is_cpu and x.size(-1) % 8 == 0 and not x.requires_grad:
+            return native.rms_norm(x, self.weight, self.eps)
+        return super().forward(x)
+
+
+class StepAttention(MultiHeadAttention):
+    """A ``model.MultiHeadAttention`` whose product of one new query per row, a decoding step's,
+    runs in aiayn's kernel (``native.step_attention``: PyTorch's fused attention spends most of
+    its time on setup at that size); every other product as the model computes it. Its
+    self-attention reads an indirect cache's ``Store`` in place (``cache.KVCache``): a beam's
+    reorder then copies no K/V."""
+
+    def forward(self, x: Tensor, memory: Tensor | None = None, mask: Tensor | None = None,
+                is_causal: bool = False, cache: dict[str, Tensor] | None = None,
+                need_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        store = None if cache is None or self.cross else cache.get("store")
+        if store is None or x.size(1) != 1 or need_weights or self.record_weights or is_causal:
+            return super().forward(x, memory, mask, is_causal, cache, need_weights)
+        q, k, v = self.self_qkv(x)
+        store.append(k, v)
+        if not native.step_attention_fits(q, store.k, store.v, mask, store.length, store.ancestry):
+            k, v = store.gather()
+            return self.concat(super().attend(q, k, v, mask, False, False)[0])
+        return self.concat(native.step_attention(q, store.k, store.v, mask, store.length,
+                                                 store.ancestry))
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
+               need_weights: bool) -> tuple[Tensor, Tensor | None]:
+        if (need_weights or is_causal or self.training or q.requires_grad
+                or not native.step_attention_fits(q, k, v, mask)):
+            return super().attend(q, k, v, mask, is_causal, need_weights)
+        return native.step_attention(q, k, v, mask), None
+
+
 def int8_decoder(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose decoder's linear layers compute in int8 (``Int8Linear``),
-    sharing every other module and weight with ``model``, which does not change."""
-    return _replaced(model, lambda name, module: (
-        Int8Linear(module) if isinstance(module, nn.Linear) and name.startswith("decoder.")
-        else None))
+    """A copy of ``model`` whose decoder's linear layers compute in int8 (``Int8Linear``) and
+    whose decoder's attention and QK-norm of a decoding step run in aiayn's kernels
+    (``StepAttention``, ``NativeHeadNorm``), sharing every other module and weight with
+    ``model``, which does not change."""
+    def swap(name: str, module: nn.Module) -> nn.Module | None:
+        if not name.startswith("decoder."):
+            return None
+        if isinstance(module, nn.Linear):
+            return Int8Linear(module)
+        if isinstance(module, HeadNorm):
+            return _same_module(NativeHeadNorm, module)
+        return None
+
+    def attention(name: str, module: nn.Module) -> nn.Module | None:
+        if name.startswith("decoder.") and isinstance(module, MultiHeadAttention):
+            return _same_module(StepAttention, module)
+        return None
+
+    copy = _replaced(_replaced(model, swap), attention)
+    copy.indirect_cache = True  # read in place by StepAttention
+    return copy
 
 
 def _replaced(module: nn.Module, swap, prefix: str = "") -> nn.Module:
@@ -74,7 +147,6 @@ def _replaced(module: nn.Module, swap, prefix: str = "") -> nn.Module:
         children[name] = new if new is not None else _replaced(child, swap, f"{prefix}{name}.")
     if all(children[name] is child for name, child in module.named_children()):
         return module
-    copy = module.__new__(type(module))
-    copy.__dict__ = dict(module.__dict__)
-    copy._modules = {**module._modules, **children}
+    copy = _same_module(type(module), module)
+    copy._modules.update(children)
     return copy

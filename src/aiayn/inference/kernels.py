@@ -176,3 +176,12 @@ def output_kernel(name: str) -> OutputKernel:
     """The product of an :func:`output_kernel_name` (a choice made before: kept by a resume,
     or rank 0's for every rank), without probing; F.linear where oneDNN is missing."""
     return onednn_linear if name == "oneDNN" and onednn_available() else F.linear
+
+
+def log_softmax(logits: Tensor, kernel: OutputKernel | None) -> Tensor:
+    """(N, V') float logits -> log-probabilities: the output kernel's own softmax where it
+    brings one (aiayn's int8 engine's, ``Int8Output.log_softmax``), else PyTorch's. The
+    searches (aiayn.inference.steps) and scoring (aiayn.inference.scoring) share it: a
+    search's score is what scoring its translation gives."""
+    own = getattr(kernel, "log_softmax", None)
+    return own(logits) if own is not None else torch.log_softmax(logits, dim=-1)

@@ -34,7 +34,8 @@ from torch import Tensor
 
 from aiayn.errors import AiaynError
 
-SOURCE = Path(__file__).with_name("int8_linear.c")
+# The kernels, compiled into one library: the int8 product and one-query attention.
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("int8_linear.c", "step_attention.c"))
 FLAGS = ["-O3", "-fPIC", "-shared", "-std=gnu99", "-mavx2", "-mfma"]
 PANEL = 16  # output rows per packed panel (int8_linear.c)
 WEIGHT_LEVELS = 63  # 7-bit weights: no pair of u8 x s8 products saturates 16 bits (int8_linear.c)
@@ -51,8 +52,8 @@ def cpu_supported() -> bool:
             and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"))
 
 
-def build(source: Path = SOURCE, directory: Path | None = None) -> Path:
-    """The shared library of ``source``, compiled now unless an identical build is kept.
+def build(sources: tuple[Path, ...] = SOURCES, directory: Path | None = None) -> Path:
+    """The shared library of ``sources``, compiled now unless an identical build is kept.
     Written under a temporary name and renamed into place: processes building it at once
     never load a half-written one. An AiaynError in one line where it cannot be built."""
     name = os.environ.get("CC") or "cc"
@@ -60,16 +61,17 @@ def build(source: Path = SOURCE, directory: Path | None = None) -> Path:
     if compiler is None:
         raise AiaynError(f"int8 decoding builds its kernel with a C compiler, and {name!r} is "
                          "not on PATH: install one (gcc or clang; or set CC) or leave out --int8")
-    digest = hashlib.sha256(source.read_bytes() + " ".join([compiler, *FLAGS]).encode())
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in sources)
+                            + " ".join([compiler, *FLAGS]).encode())
     directory = directory or cache_dir()
-    library = directory / f"{source.stem}-{digest.hexdigest()[:16]}.so"
+    library = directory / f"aiayn-native-{digest.hexdigest()[:16]}.so"
     if library.exists():
         return library
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=directory) as scratch:
             built = Path(scratch) / library.name
-            subprocess.run([compiler, *FLAGS, str(source), "-o", str(built), "-lm"],
+            subprocess.run([compiler, *FLAGS, *map(str, sources), "-o", str(built), "-lm"],
                            check=True, capture_output=True, text=True, timeout=300)
             os.replace(built, library)
     except subprocess.CalledProcessError as e:
@@ -88,6 +90,15 @@ def _library() -> ctypes.CDLL:
     lib.int8_linear.argtypes = [pointer, size, size, pointer, pointer, pointer, pointer, size, size,
                                 pointer, pointer, pointer]
     lib.int8_linear.restype = None
+    lib.step_attention.argtypes = [pointer, size, size, size, size, size,
+                                   pointer, size, size, size, pointer, size, size, size, size,
+                                   pointer, size, size,
+                                   pointer, size, pointer, size, pointer, pointer]
+    lib.step_attention.restype = None
+    lib.log_softmax.argtypes = [pointer, size, size, pointer]
+    lib.log_softmax.restype = None
+    lib.rms_norm.argtypes = [pointer, size, size, pointer, ctypes.c_float]
+    lib.rms_norm.restype = None
     return lib
 
 
@@ -147,3 +158,90 @@ class PackedInt8:
                                  self.sums.data_ptr(), self.scales.data_ptr(), self.bias.data_ptr(),
                                  self.n, self.width, y.data_ptr(), u.data_ptr(), row_scales.data_ptr())
         return y.view(*x.shape[:-1], self.n)
+
+
+def _pointer(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def step_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
+                   keys: int | None = None, ancestry: Tensor | None = None) -> Tensor:
+    """softmax(q K^T / sqrt(d_k)) V (eq. 1) for one query per row, q (n, H, 1, d_k), over the
+    first ``keys`` positions (default all) of k, v (m, H, t, d_k). Without
+    ``ancestry`` each of the m key sets is shared by n / m consecutive rows (a beam's, as
+    ``cache.fold_beams`` groups them); with it (an indirect cache's ``Store``: (n, c) int64),
+    row r reads position j < c from row ``ancestry[r, j]`` of k and v, and later ones from row
+    r. mask: None or bool (n / m or n, 1, 1, keys), True = may attend. ``step_attention_fits``
+    says what it takes. Returns (n, H, 1, d_k), a view of (n, 1, H, d_k) rows."""
+    n, H, _, d = q.shape
+    keys = k.size(2) if keys is None else keys
+    group = 1 if ancestry is not None else n // k.size(0)
+    out = torch.empty(n, 1, H, d)
+    scores, at = torch.empty(max(keys, 1)), torch.empty(2 * max(keys, 1), dtype=torch.long)
+    mask_row = 0
+    if mask is not None:
+        mask = mask.reshape(mask.size(0), keys)
+        mask_row = mask.stride(0) if mask.size(0) > 1 else 0
+    written, ancestry_row = (0, 0) if ancestry is None else (ancestry.size(1), ancestry.stride(0))
+    _library().step_attention(q.data_ptr(), q.stride(0), n, group, H, d,
+                              k.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
+                              v.data_ptr(), v.stride(0), v.stride(1), v.stride(2), keys,
+                              _pointer(ancestry), ancestry_row, written,
+                              _pointer(mask), mask_row, out.data_ptr(), H * d, scores.data_ptr(),
+                              at.data_ptr())
+    return out.transpose(1, 2)
+
+
+def step_attention_fits(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                        keys: int | None = None, ancestry: Tensor | None = None) -> bool:
+    """Whether ``step_attention`` computes this product: one float32 query per row on a CPU
+    whose heads lie d_k apart, d_k a multiple of 8 up to 128, k and v of one shape with
+    their last dimension contiguous; rows a multiple of the key sets (without ``ancestry``)
+    or at most as many as k's (with one, (rows, c) int64 whose last dimension is
+    contiguous); a mask of one row of ``keys`` per key set or per row (or one for all)."""
+    n, H, T, d = q.shape
+    keys = k.size(2) if keys is None else keys
+    if (T != 1 or d % 8 or d > 128 or q.dtype != torch.float32 or not q.is_cpu
+            or q.stride(1) != d or q.stride(3) != 1 or k.size(0) == 0 or keys > k.size(2)):
+        return False
+    if any(x.dtype != torch.float32 or not x.is_cpu or x.stride(3) != 1 for x in (k, v)):
+        return False
+    if k.shape != v.shape:
+        return False
+    if ancestry is None:
+        sets = k.size(0)
+        if n % sets:
+            return False
+    else:
+        sets = n
+        if (ancestry.dtype != torch.long or ancestry.size(0) != n or n > k.size(0)
+                or ancestry.size(1) > keys or (ancestry.size(1) > 1 and ancestry.stride(1) != 1)):
+            return False
+    if mask is None:
+        return True
+    return (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1:3] == (1, 1)
+            and mask.size(0) in (1, sets) and mask.size(3) == keys and mask.stride(3) == 1)
+
+
+def rms_norm(x: Tensor, gain: Tensor, eps: float) -> Tensor:
+    """x / rms(x) * gain over the last dimension, a new contiguous float32 tensor
+    (torch.nn.RMSNorm's values up to rounding): QK-norm's, for one head's d_k values or a
+    whole query's d_model, a multiple of 8."""
+    out = x.clone(memory_format=torch.contiguous_format)
+    d = x.size(-1)
+    _library().rms_norm(out.data_ptr(), out.numel() // d, d, gain.data_ptr(), eps)
+    return out
+
+
+def log_softmax(x: Tensor) -> Tensor:
+    """log softmax over the last dimension of float32 CPU x (torch.log_softmax's values up to
+    rounding), a new contiguous tensor: a search's log-probabilities in one pass of AVX2's
+    exponentials, where PyTorch's takes several times longer at a step's 5,000 pieces."""
+    if x.dtype != torch.float32 or not x.is_cpu:
+        raise ValueError(f"the native log softmax takes float32 CPU input, got {x.dtype} on {x.device}")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    n = x.size(-1)
+    if x.numel():
+        _library().log_softmax(x.data_ptr(), x.numel() // n, n, out.data_ptr())
+    return out

@@ -55,6 +55,7 @@ from aiayn.data.batching import pad, token_batches
 from aiayn.data.prepared import load_prepared
 from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from aiayn.errors import AiaynError
+from aiayn.inference.kernels import log_softmax
 from aiayn.inference.sampling import ban_repeated_ngrams
 from aiayn.inference.settings import Search
 from aiayn.inference.steps import NEVER_GENERATED, length_penalty
@@ -120,7 +121,7 @@ def target_log_probs(model: Transformer, sources: Sequence[list[int]],
             ban_repeated_ngrams(at_t, history[rows.cpu().numpy(), :t], no_repeat_ngram,
                                 to_column)
             by_position[rows, t] = at_t
-    log_probs = torch.log_softmax(logits, dim=-1).view(B, T, -1)
+    log_probs = log_softmax(logits, kernel).view(B, T, -1)
     columns = label_ids if to_column is None else to_column[label_ids]
     cannot = columns.eq(generator.IGNORE)  # a piece outside a restricted layer
     picked = log_probs.gather(2, columns.clamp(min=0)[:, :, None]).squeeze(2)

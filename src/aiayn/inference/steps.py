@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
-from aiayn.inference.kernels import for_fixed_weight
+from aiayn.inference.kernels import for_fixed_weight, log_softmax
 from aiayn.inference.sampling import ban_repeated_ngrams, sampling_distribution, uniforms
 from aiayn.inference.settings import Sampling, Search
 from aiayn.inference.topk import topk_rows
@@ -225,7 +225,7 @@ def draw(logits: Tensor, scores: Tensor, K: int, state: DecoderState, sampling: 
     whose token is ``given`` draws that one (its uniform is spent all the same, so that
     the draws after a prefix are the draws without it)."""
     A = scores.size(0)
-    log_probs = torch.log_softmax(logits, dim=-1)  # the model's: a sample's score
+    log_probs = log_softmax(logits, state.kernel)  # the model's: a sample's score
     probs, order = sampling_distribution(state.only_given(logits, given, rest=float("-inf")),
                                          sampling)
     cdf = probs.cumsum(dim=-1)
@@ -261,7 +261,7 @@ def expand(logits: Tensor, scores: Tensor, K: int, state: DecoderState,
     live scores -> the survivors' (A, K) scores and tokens, and the step's choices copied
     to the host. Rows whose token is ``given`` can only take it."""
     A = scores.size(0)
-    log_probs = state.only_given(torch.log_softmax(logits, dim=-1), given)  # (A*K, V')
+    log_probs = state.only_given(log_softmax(logits, state.kernel), given)  # (A*K, V')
     # A sentence's 2K best candidates are among its beams' own 2K best each: only those
     # A*K*2K sums are formed, not all A*K*V' (the same floats, so the same choice).
     width = min(2 * K, log_probs.size(-1))

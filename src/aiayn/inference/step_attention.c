@@ -1,0 +1,227 @@
+/* Attention of one new query per row, the decoder's work at every step of a search: aiayn's
+ * `--int8` engine calls it (aiayn/inference/native.py builds and calls it) where PyTorch's
+ * scaled_dot_product_attention spends most of its time on setup at this size (one query,
+ * a head of 64 values, a few dozen keys).
+ *
+ *     out_r = softmax(q_r K^T / sqrt(d_k)) V      (Attention Is All You Need, eq. 1)
+ *
+ * for each row r and head h, over the keys that row may see. `group` rows in a row share
+ * one set of keys (a beam search's beams share their sentence's encoder memory, which
+ * cross-attention reads once for all of them); self-attention has a set per row (group 1).
+ *
+ * rms_norm is QK-norm's x / rms(x) * g over each head (or whole query) of each row, in place,
+ * torch.nn.RMSNorm's values up to rounding. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+/* e^x for 8 floats, x <= 0 (softmax's shifted scores): x = n ln 2 + r with |r| <= ln 2 / 2,
+ * e^r by its Taylor polynomial of degree 7 (relative error below 2e-7), 2^n by the exponent
+ * bits. Below -87 it is 0, as expf's result underflows there. */
+static inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 low = _mm256_set1_ps(-87.0f);
+  const __m256 underflow = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, low);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  /* r = x - n ln 2, ln 2 in two parts so that the product is exact */
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                              _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(exponent)));
+}
+
+static inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+static inline float max8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+/* The 8 sums of a[i] (8 vectors) in one vector, lane i. */
+static inline __m256 sums8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
+                           __m256 a6, __m256 a7) {
+  const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
+  const __m256 b2 = _mm256_hadd_ps(a4, a5), b3 = _mm256_hadd_ps(a6, a7);
+  const __m256 c0 = _mm256_hadd_ps(b0, b1), c1 = _mm256_hadd_ps(b2, b3);
+  /* c0 lanes: (0 1 2 3 | 0 1 2 3) halves, c1 the same for 4-7 */
+  return _mm256_add_ps(_mm256_permute2f128_ps(c0, c1, 0x20), _mm256_permute2f128_ps(c0, c1, 0x31));
+}
+
+/* s[j] = q . k_j for j < n, k_j at k + at[j], d a multiple of 8. */
+static void dots(const float *q, const float *k, const long *at, long n, long d, float *s) {
+  long j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    const float *k0 = k + at[j], *k1 = k + at[j + 1], *k2 = k + at[j + 2], *k3 = k + at[j + 3],
+                *k4 = k + at[j + 4], *k5 = k + at[j + 5], *k6 = k + at[j + 6], *k7 = k + at[j + 7];
+    for (long c = 0; c < d; c += 8) {
+      const __m256 qc = _mm256_loadu_ps(q + c);
+      a0 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k0 + c), a0);
+      a1 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k1 + c), a1);
+      a2 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k2 + c), a2);
+      a3 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k3 + c), a3);
+      a4 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k4 + c), a4);
+      a5 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k5 + c), a5);
+      a6 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k6 + c), a6);
+      a7 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k7 + c), a7);
+    }
+    _mm256_storeu_ps(s + j, sums8(a0, a1, a2, a3, a4, a5, a6, a7));
+  }
+  for (; j < n; j++) {
+    __m256 a = _mm256_setzero_ps();
+    for (long c = 0; c < d; c += 8)
+      a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + at[j] + c), a);
+    s[j] = sum8(a);
+  }
+}
+
+/* out = sum_j w_j v_j for j < n, v_j at v + at[j], skipping the j of weight 0 (masked keys,
+ * whose values are never read); d a multiple of 8, at most 128. */
+static void weighted_sum(const float *w, const float *v, const long *at, long n, long d, float *out) {
+  __m256 acc[16];
+  const long vectors = d / 8;
+  for (long c = 0; c < vectors; c++) acc[c] = _mm256_setzero_ps();
+  for (long j = 0; j < n; j++) {
+    if (w[j] == 0.0f) continue;
+    const __m256 wj = _mm256_set1_ps(w[j]);
+    const float *vj = v + at[j];
+    for (long c = 0; c < vectors; c++) acc[c] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(vj + 8 * c), acc[c]);
+  }
+  for (long c = 0; c < vectors; c++) _mm256_storeu_ps(out + 8 * c, acc[c]);
+}
+
+/* Row r, head h: q at q + r * q_row + h * d. Its key j of head h is at k + slot * k_row +
+ * h * k_head + j * k_pos (v alike, with v's strides), where slot is its key set r / group,
+ * or, given `ancestry` (group 1: a cache that keeps each position where it was written),
+ * ancestry[r * ancestry_row + j] for j < written, r itself after. mask (NULL: every key
+ * visible) holds one byte per key of each key set, at mask + (r / group) * mask_row + j,
+ * nonzero where the key may be seen; masked keys are never read beyond their product with q
+ * (a cache's unwritten positions may hold anything). out at out + r * out_row + h * d. scores,
+ * at: n_keys floats and 2 n_keys longs of the caller's scratch. A row that may see no key gets
+ * zeros. d: a multiple of 8, at most 128. */
+void step_attention(const float *q, long q_row, long rows, long group, long heads, long d,
+                    const float *k, long k_row, long k_head, long k_pos,
+                    const float *v, long v_row, long v_head, long v_pos, long n_keys,
+                    const int64_t *ancestry, long ancestry_row, long written,
+                    const uint8_t *mask, long mask_row, float *out, long out_row, float *scores,
+                    long *at) {
+  const float scale = 1.0f / sqrtf((float)d);
+  const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
+  for (long r = 0; r < rows; r++) {
+    const long s = r / group;
+    const uint8_t *visible = mask ? mask + s * mask_row : 0;
+    long *at_v = at + n_keys;
+    for (long j = 0; j < n_keys; j++) {
+      const long slot = ancestry && j < written ? ancestry[r * ancestry_row + j] : s;
+      at[j] = slot * k_row + j * k_pos;
+      at_v[j] = slot * v_row + j * v_pos;
+    }
+    for (long h = 0; h < heads; h++) {
+      float *o = out + r * out_row + h * d;
+      dots(q + r * q_row + h * d, k + h * k_head, at, n_keys, d, scores);
+      /* scale, mask, and the largest score (softmax's shift) */
+      __m256 top = minus_inf;
+      long j = 0;
+      const __m256 scale8 = _mm256_set1_ps(scale);
+      for (; j + 8 <= n_keys; j += 8) {
+        __m256 x = _mm256_mul_ps(_mm256_loadu_ps(scores + j), scale8);
+        if (visible) {
+          const __m128i bytes = _mm_loadl_epi64((const __m128i *)(visible + j));
+          const __m256 seen = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+              _mm256_cvtepu8_epi32(bytes), _mm256_setzero_si256()));
+          x = _mm256_blendv_ps(minus_inf, x, seen);
+        }
+        _mm256_storeu_ps(scores + j, x);
+        top = _mm256_max_ps(top, x);
+      }
+      float largest = max8(top);
+      for (; j < n_keys; j++) {
+        scores[j] = (!visible || visible[j]) ? scores[j] * scale : -INFINITY;
+        largest = scores[j] > largest ? scores[j] : largest;
+      }
+      if (largest == -INFINITY) {  /* nothing to attend to */
+        for (long c = 0; c < d; c += 8) _mm256_storeu_ps(o + c, _mm256_setzero_ps());
+        continue;
+      }
+      /* w_j = e^(x_j - max) / sum */
+      const __m256 shift = _mm256_set1_ps(largest);
+      __m256 total8 = _mm256_setzero_ps();
+      for (j = 0; j + 8 <= n_keys; j += 8) {
+        const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + j), shift));
+        _mm256_storeu_ps(scores + j, e);
+        total8 = _mm256_add_ps(total8, e);
+      }
+      float total = sum8(total8);
+      for (; j < n_keys; j++) {
+        scores[j] = scores[j] == -INFINITY ? 0.0f : expf(scores[j] - largest);
+        total += scores[j];
+      }
+      const float inverse = 1.0f / total;
+      weighted_sum(scores, v + h * v_head, at_v, n_keys, d, o);
+      const __m256 inverse8 = _mm256_set1_ps(inverse);
+      for (long c = 0; c < d; c += 8) _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(o + c), inverse8));
+    }
+  }
+}
+
+/* x / sqrt(mean(x^2) + eps) * g over each of `rows` runs of d values, in place; d a multiple of 8. */
+void rms_norm(float *x, long rows, long d, const float *g, float eps) {
+  for (long r = 0; r < rows; r++) {
+    float *y = x + r * d;
+    __m256 squares = _mm256_setzero_ps();
+    for (long c = 0; c < d; c += 8) {
+      const __m256 v = _mm256_loadu_ps(y + c);
+      squares = _mm256_fmadd_ps(v, v, squares);
+    }
+    const __m256 factor = _mm256_set1_ps(1.0f / sqrtf(sum8(squares) / (float)d + eps));
+    for (long c = 0; c < d; c += 8)
+      _mm256_storeu_ps(y + c, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(y + c), factor),
+                                            _mm256_loadu_ps(g + c)));
+  }
+}
+
+/* y = x - max - log(sum_j e^(x_j - max)) over each of `rows` rows of n values (log softmax:
+ * a search's log-probabilities of the next piece), y may be x; -inf stays -inf, and a row
+ * of -inf alone gives -inf. */
+void log_softmax(const float *x, long rows, long n, float *y) {
+  for (long r = 0; r < rows; r++) {
+    const float *a = x + r * n;
+    float *b = y + r * n;
+    __m256 top = _mm256_set1_ps(-INFINITY);
+    long j = 0;
+    for (; j + 8 <= n; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(a + j));
+    float largest = max8(top);
+    for (; j < n; j++) largest = a[j] > largest ? a[j] : largest;
+    if (largest == -INFINITY) {
+      for (j = 0; j < n; j++) b[j] = -INFINITY;
+      continue;
+    }
+    const __m256 shift = _mm256_set1_ps(largest);
+    __m256 total8 = _mm256_setzero_ps();
+    for (j = 0; j + 8 <= n; j += 8)
+      total8 = _mm256_add_ps(total8, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(a + j), shift)));
+    float total = sum8(total8);
+    for (; j < n; j++) total += expf(a[j] - largest);
+    const float offset = largest + logf(total);
+    const __m256 offset8 = _mm256_set1_ps(offset);
+    for (j = 0; j + 8 <= n; j += 8) _mm256_storeu_ps(b + j, _mm256_sub_ps(_mm256_loadu_ps(a + j), offset8));
+    for (; j < n; j++) b[j] = a[j] - offset;
+  }
+}
