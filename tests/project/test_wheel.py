@@ -75,4 +75,4 @@ def test_the_wheel_installs_with_pip_alone_and_takes_own_data(tmp_path):
                          env={**env, "XDG_CACHE_HOME": str(tmp_path / "cache")},
                          stdin="I read a book.\n")
         assert len(translated.splitlines()) == 1
-        assert list((tmp_path / "cache" / "aiayn").glob("int8_linear-*.so"))
+        assert list((tmp_path / "cache" / "aiayn").glob("aiayn-native-*.so"))

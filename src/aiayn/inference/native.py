@@ -1,20 +1,25 @@
-"""aiayn's own int8 product for CPU decoding, ``PackedInt8`` (``int8_linear.c`` beside this
-file, whose comment has the arithmetic), built here with the machine's C compiler and called
-through ctypes; ``aiayn.inference.int8`` puts it in the decoder and the output layer.
+"""aiayn's own kernels for CPU decoding, built here with the machine's C compiler and called
+through ctypes: the int8 product ``PackedInt8`` (``int8_linear.c`` beside this file, whose
+comment has the arithmetic) and a step's one-query attention, QK-norm and log-softmax
+(``step_attention``, ``rms_norm``, ``log_softmax``: ``step_attention.c``);
+``aiayn.inference.int8`` puts them in the decoder and the output layer.
 
-Why a kernel of our own: at the few rows of a decoding step (4-64), PyTorch's int8 products
+Why a product of our own: at the few rows of a decoding step (4-64), PyTorch's int8 products
 cost more than fp32 here: FBGEMM's dynamic product quantizes a whole batch on one scale, and
 with each row on its own scale it is slower than fp32 on the demo's decoder layers;
 ``torch._int_mm`` and ``_weight_int8pack_mm`` fall back to loops without AVX-512;
 ``torch.ao.quantization`` is deprecated. This kernel quantizes each row on its own scale and
 runs the demo's decoder layers 1.3-2.3x faster than fp32 at 4-256 rows on an AVX2 EPYC, its
-output layer 2.8-5.3x (``benchmarks/int8_kernel.py``; docs/results.md).
+output layer 2.8-5.3x (``benchmarks/int8_kernel.py``; docs/results.md). Why attention of our
+own: PyTorch's fused attention spends most of its time setting up for one query per row, and
+reads keys only where they lie contiguously, where an indirect cache (``aiayn.cache.Store``)
+keeps them where they were written.
 
-The source is compiled once per machine (``$CC``, else ``cc``, with AVX2 and FMA) into
-``$XDG_CACHE_HOME/aiayn`` (``~/.cache/aiayn``), named by a hash of the source, compiler and
-flags, and loaded with ctypes, which lets go of the GIL during a call, so that decoding
-streams run it at once. ``check_int8`` says in one line why it cannot run where it cannot
-(not an x86 CPU with AVX2, no C compiler, a failed build).
+The sources are compiled once per machine (``$CC``, else ``cc``, with AVX2 and FMA) into one
+library in ``$XDG_CACHE_HOME/aiayn`` (``~/.cache/aiayn``), named by a hash of the sources,
+compiler and flags, and loaded with ctypes, which lets go of the GIL during a call, so that
+decoding streams run it at once. ``check_int8`` says in one line why it cannot run where it
+cannot (not an x86 CPU with AVX2, no C compiler, a failed build).
 """
 
 from __future__ import annotations
