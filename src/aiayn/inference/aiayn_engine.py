@@ -18,9 +18,8 @@ from aiayn.inference.budget import (
     memory_bytes,
 )
 from aiayn.inference.engine import Engine
-from aiayn.inference.int8 import Int8Output, int8_decoder
+from aiayn.inference.int8 import int8_decoding
 from aiayn.inference.kernels import choose_output_kernel
-from aiayn.inference.native import check_int8
 from aiayn.inference.search import decode_beam, decode_greedy
 from aiayn.inference.settings import Search
 from aiayn.inference.steps import Hypothesis, unwritable
@@ -58,9 +57,7 @@ class AiaynEngine(Engine):
         if int8:
             if bf16:
                 raise AiaynError("int8 and bf16 decoding exclude each other: choose one")
-            check_int8(self.device)
-            self.model = int8_decoder(self.model)
-            self.kernel = Int8Output(self.model.generator)
+            self.model, self.kernel = int8_decoding(self.model)
         elif kernel is None:  # not chosen yet (a Trainer chooses for its own)
             self.kernel = choose_output_kernel(model.generator, DECODE_PROBE_ROWS,
                                                enabled=not bf16)[0]

@@ -1,13 +1,15 @@
-"""Decoding in int8 on a CPU (`--int8`): every linear layer of the decoder and the output
-layer compute x W^T + b with W in 7-bit integers (one scale per output row) and each row of
-x quantized to 8 bits on its own scale, through aiayn's own kernel
-(``aiayn.inference.native.PackedInt8``). The encoder, run once per sentence, stays fp32.
+"""Decoding in int8 on a CPU (`--int8`), aiayn's own engine: every linear layer of the decoder
+and the output layer compute x W^T + b with W in 7-bit integers (one scale per output row) and
+each row of x quantized to 8 bits on its own scale (``aiayn.inference.native.PackedInt8``); a
+step's attention, QK-norm and log-softmax run in aiayn's C kernels too, over a cache that
+beams read in place (``aiayn.cache.Store``). The encoder, run once per sentence, stays fp32.
 
-``int8_decoder`` gives a copy of the model whose decoder computes so (the model given does not
-change: the copy shares its other modules and weights), ``Int8Output`` the output layer's
-product as a ``model.OutputKernel``, as ``aiayn.inference.kernels``' oneDNN product is: the
-searches and the model do not change. Both pack the weights once, so the weights must not
-change while they decode (a loaded run's do not).
+``int8_decoding`` gives both pieces a search needs: ``int8_decoder``'s copy of the model, whose
+decoder computes so (the model given does not change: the copy shares its other modules and
+weights), and ``Int8Output``, the output layer's product and softmax as a
+``model.OutputKernel``, as ``aiayn.inference.kernels``' oneDNN product is: the searches and
+the model do not change. Both pack the weights once, so the weights must not change while
+they decode (a loaded run's do not).
 
 int8 changes the translations a little (held to a BLEU and agreement tolerance, not to
 exactness: tests/inference/test_int8.py); fp32 stays the reference of every exactness test.
@@ -43,7 +45,7 @@ class Int8Output:
 
     def log_softmax(self, logits: Tensor) -> Tensor:
         """The softmax after the output layer, in aiayn's kernel (``native.log_softmax``):
-        the searches and scoring call it (``aiayn.inference.steps.log_softmax``)."""
+        the searches and scoring call it (``aiayn.inference.kernels.log_softmax``)."""
         return native.log_softmax(logits)
 
 
@@ -136,6 +138,14 @@ def int8_decoder(model: nn.Module) -> nn.Module:
     copy = _replaced(_replaced(model, swap), attention)
     copy.indirect_cache = True  # read in place by StepAttention
     return copy
+
+
+def int8_decoding(model: nn.Module) -> tuple[nn.Module, Int8Output]:
+    """What an int8 search decodes with: the ``int8_decoder`` copy of ``model`` and its output
+    layer's ``Int8Output``; an AiaynError in one line where the kernels cannot run here."""
+    native.check_int8(next(model.parameters()).device)
+    copy = int8_decoder(model)
+    return copy, Int8Output(copy.generator)
 
 
 def _replaced(module: nn.Module, swap, prefix: str = "") -> nn.Module:

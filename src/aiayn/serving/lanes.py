@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from aiayn.data.batching import pad
-from aiayn.inference.int8 import Int8Output, int8_decoder
+from aiayn.inference.int8 import Int8Output, int8_decoding
 from aiayn.inference.joinable import JoinableSearch
 from aiayn.inference.search import Hypothesis
 from aiayn.inference.settings import Search
@@ -206,8 +206,7 @@ def _lane_main(conn, cfg, state: dict, kernel, bf16: bool, int8: bool) -> None:
     model.eval()
     del state
     if int8:  # the server decodes in int8 (aiayn.inference.int8)
-        model = int8_decoder(model)
-        kernel = Int8Output(model.generator)
+        model, kernel = int8_decoding(model)
     lane, steps, sentences, seconds = LaneSearches(model, bf16, kernel), 0, 0, 0.0
     while True:
         adds: Adds = []
