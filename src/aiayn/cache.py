@@ -257,7 +257,7 @@ def append_positions(cache: dict, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]
     if "store" in cache:
         store = cache["store"]
         store.append(k, v)
-        return store.gather()
+        return tuple(x.to(k.dtype) for x in store.gather())  # as given, whatever it keeps
     if "k" not in cache:
         cache["k"], cache["v"] = k, v
         return k, v

@@ -25,9 +25,11 @@ from aiayn.inference.native import (
     PackedInt8,
     build,
     check_int8,
+    log_softmax,
     rms_norm,
     step_attention,
     step_attention_fits,
+    top_log_softmax,
 )
 from aiayn.inference.translator import Translator
 from aiayn.model import Generator, HeadNorm, MultiHeadAttention, Transformer
@@ -41,11 +43,11 @@ def rows_of_many_scales(n: int = 12, d: int = 64, seed: int = 0) -> torch.Tensor
     return torch.randn(n, d, generator=g) * torch.logspace(-2, 2, n)[:, None]
 
 
-@pytest.mark.parametrize("features", [64, 66])  # 66: not a multiple of the kernel's 4
+@pytest.mark.parametrize("features", [64, 66])  # 66: not a multiple of the kernel's 8
 def test_the_product_is_close_to_fp32_on_every_row(features):
-    """Each row within 3% of its own size (7-bit weights, 8-bit inputs: ~1.6% on random
-    values): rows 10^4 apart in scale are each quantized on their own range. 300 outputs:
-    not a multiple of the kernel's panel of 16."""
+    """Each row within 3% of its own size (7-bit weights and inputs: ~2% on random values):
+    rows 10^4 apart in scale are each quantized on their own range. 300 outputs: not a
+    multiple of the kernel's panel of 16."""
     g = torch.Generator().manual_seed(1)
     weight, bias = torch.randn(300, features, generator=g) * 0.1, torch.randn(300, generator=g)
     x = rows_of_many_scales(d=features)
@@ -74,28 +76,31 @@ def test_a_row_gets_the_same_result_alone_as_beside_others():
         product(x.double())
 
 
+@pytest.mark.parametrize("kept", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows, group, keys, masked", [
     (8, 1, 1, False),  # a first step: one key
     (8, 1, 13, False),  # self-attention: each row its own keys, not a multiple of 8
     (12, 4, 37, True),  # cross-attention: a beam of 4 over each sentence's padded memory
     (30, 6, 16, True),
 ])
-def test_the_step_attention_equals_pytorchs(rows, group, keys, masked):
+def test_the_step_attention_equals_pytorchs(rows, group, keys, masked, kept):
     """One query per row against PyTorch's fused attention (through the model's own
     ``attend``, which folds the beams), up to float rounding: the keys and values views of
-    wider buffers, as a cache keeps them, the queries a view of a fused projection."""
+    wider buffers, as a cache keeps them, the queries a view of a fused projection; keys and
+    values kept in float32 or float16 (PyTorch's reading the same halves as float32)."""
     g = torch.Generator().manual_seed(rows + keys)
     heads, d, sets = 4, 64, rows // group
     qkv = torch.randn(rows, 1, 3 * heads * d, generator=g)
     q = qkv[..., :heads * d].view(rows, 1, heads, d).transpose(1, 2)
-    k = torch.randn(sets + 3, heads, keys + 5, d, generator=g)[:sets, :, :keys]
-    v = (3 * torch.randn(sets + 3, heads, keys + 5, d, generator=g))[:sets, :, :keys]
+    k = torch.randn(sets + 3, heads, keys + 5, d, generator=g).to(kept)[:sets, :, :keys]
+    v = (3 * torch.randn(sets + 3, heads, keys + 5, d, generator=g)).to(kept)[:sets, :, :keys]
     mask = None
     if masked:  # padding on the right, at least one key seen
         lengths = torch.randint(1, keys + 1, (sets,), generator=g)
         mask = (torch.arange(keys) < lengths[:, None])[:, None, None, :]
     assert step_attention_fits(q, k, v, mask)
-    reference, _ = MultiHeadAttention(heads * d, heads).eval().attend(q, k, v, mask, False, False)
+    reference, _ = MultiHeadAttention(heads * d, heads).eval().attend(q, k.float(), v.float(), mask,
+                                                                     False, False)
     got = step_attention(q, k, v, mask)
     assert got.shape == reference.shape
     assert torch.allclose(got, reference, atol=1e-5, rtol=1e-5), (got - reference).abs().max()
@@ -126,6 +131,9 @@ def test_the_step_attention_takes_only_what_it_computes():
     assert not step_attention_fits(torch.randn(4, 2, 1, 12), torch.randn(4, 2, 5, 12),
                                    torch.randn(4, 2, 5, 12), None)  # d_k not a multiple of 8
     assert not step_attention_fits(q, k[:3], k[:3], None)  # 4 rows over 3 key sets
+    assert step_attention_fits(q, k.half(), k.half(), None)
+    assert not step_attention_fits(q, k.half(), k, None)  # keys and values of two dtypes
+    assert not step_attention_fits(q, k.bfloat16(), k.bfloat16(), None)
     assert not step_attention_fits(q, k, k, torch.ones(4, 2, 1, 5, dtype=torch.bool))  # per head
 
 
@@ -142,10 +150,47 @@ def test_the_native_rms_norm_equals_torchs(shape):
     assert torch.allclose(got, norm(x), atol=1e-5, rtol=1e-5)
 
 
+def logits_with_banned_columns(n: int) -> torch.Tensor:
+    """Rows as a search's logits: wide-ranging values, some columns -inf (banned pieces), one
+    row -inf alone (nothing allowed)."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(5, n, generator=g) * torch.tensor([1.0, 3.0, 10.0, 30.0, 1.0])[:, None]
+    x[1, ::3] = float("-inf")
+    x[4] = float("-inf")
+    return x
+
+
+@pytest.mark.parametrize("n", [5, 8, 61, 5131])
+def test_the_native_log_softmax_equals_torchs(n):
+    x = logits_with_banned_columns(n)
+    before = x.clone()
+    got = log_softmax(x)
+    assert torch.equal(x, before)
+    assert torch.allclose(got[:4], torch.log_softmax(x[:4], dim=-1), atol=1e-5, rtol=1e-5)
+    assert torch.equal(got.isinf(), x.isinf())  # the row of -inf alone: -inf (torch's: nan)
+
+
+@pytest.mark.parametrize("n, k", [(5, 5), (8, 1), (61, 12), (5131, 8), (5131, 12)])
+def test_the_top_log_probabilities_are_the_log_softmaxs_floats_topk(n, k):
+    """One kernel computes both sides (the same sum of exponentials): exact equality, the same
+    columns where the values differ; a row with fewer than k finite values ends in -inf, every
+    column once."""
+    x = logits_with_banned_columns(n)
+    values, columns = top_log_softmax(x, k)
+    want, want_columns = log_softmax(x).topk(k, dim=1)
+    assert torch.equal(values, want)
+    finite = want.isfinite()
+    assert torch.equal(columns[finite], want_columns[finite])
+    assert all(len(set(row)) == k for row in columns.tolist())
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        top_log_softmax(x, n + 1)
+
+
 def test_int8_steps_equal_the_int8_full_pass():
     """The int8 copy decoding one token at a time (its step attention and QK-norm in aiayn's
     kernels, the cache growing) gives the logits of one pass over the whole prefix (PyTorch's
-    attention and norm), up to rounding: the same int8 products on both sides."""
+    attention and norm), up to rounding: the same int8 products, and the same K/V rounded to
+    the float16 the steps keep, on both sides."""
     torch.manual_seed(0)
     cfg = ModelConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=64, n_heads=4, d_ff=64,
                       n_encoder_layers=1, n_decoder_layers=2, dropout=0.0, max_len=32,
@@ -161,6 +206,8 @@ def test_int8_steps_equal_the_int8_full_pass():
         steps = torch.cat([model.decode(tgt[:, i:i + 1], memory, src_pad, cache)
                            for i in range(tgt.size(1))], dim=1)
     assert torch.allclose(steps, full, atol=1e-4), (steps - full).abs().max()
+    kept = cache.layers[0]
+    assert kept["self"]["store"].keys.dtype == kept["cross"]["k"].dtype == torch.float16
 
 
 def test_the_output_kernel_packs_the_allowed_rows_and_refuses_others():

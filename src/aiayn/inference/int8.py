@@ -1,8 +1,9 @@
 """Decoding in int8 on a CPU (`--int8`), aiayn's own engine: every linear layer of the decoder
 and the output layer compute x W^T + b with W in 7-bit integers (one scale per output row) and
-each row of x quantized to 8 bits on its own scale (``aiayn.inference.native.PackedInt8``); a
+each row of x quantized to 7 bits on its own scale (``aiayn.inference.native.PackedInt8``); a
 step's attention, QK-norm and log-softmax run in aiayn's C kernels too, over a cache that
-beams read in place (``aiayn.cache.Store``). The encoder, run once per sentence, stays fp32.
+beams read in place (``aiayn.cache.Store``), its keys and values in float16. The encoder, run
+once per sentence, stays fp32.
 
 ``int8_decoding`` gives both pieces a search needs: ``int8_decoder``'s copy of the model, whose
 decoder computes so (the model given does not change: the copy shares its other modules and
@@ -48,6 +49,11 @@ class Int8Output:
         the searches and scoring call it (``aiayn.inference.kernels.log_softmax``)."""
         return native.log_softmax(logits)
 
+    def top_log_softmax(self, logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """The k best log-probabilities of each row and their columns (a beam step's), the
+        same floats as ``log_softmax`` and then topk: ``native.top_log_softmax``."""
+        return native.top_log_softmax(logits, k)
+
 
 class Int8Linear(nn.Module):
     """An ``nn.Linear`` whose weights do not change, computed in int8 (``PackedInt8``). It
@@ -92,7 +98,11 @@ class StepAttention(MultiHeadAttention):
     runs in aiayn's kernel (``native.step_attention``: PyTorch's fused attention spends most of
     its time on setup at that size); every other product as the model computes it. Its
     self-attention reads an indirect cache's ``Store`` in place (``cache.KVCache``): a beam's
-    reorder then copies no K/V."""
+    reorder then copies no K/V. The keys and values it keeps (the Store's, the memory's) are
+    float16: a step reads all of them, and reads half the bytes so (their rounding, 2^-11 of
+    a value, is far below the products' 7-bit inputs')."""
+
+    kept = torch.float16  # the dtype of the K/V it keeps between steps
 
     def forward(self, x: Tensor, memory: Tensor | None = None, mask: Tensor | None = None,
                 is_causal: bool = False, cache: dict[str, Tensor] | None = None,
@@ -101,19 +111,32 @@ class StepAttention(MultiHeadAttention):
         if store is None or x.size(1) != 1 or need_weights or self.record_weights or is_causal:
             return super().forward(x, memory, mask, is_causal, cache, need_weights)
         q, k, v = self.self_qkv(x)
-        store.append(k, v)
+        store.append(_as(k, self.kept), _as(v, self.kept))
         if not native.step_attention_fits(q, store.k, store.v, mask, store.length, store.ancestry):
             k, v = store.gather()
-            return self.concat(super().attend(q, k, v, mask, False, False)[0])
+            return self.concat(self.attend(q, k, v, mask, False, False)[0])
         return self.concat(native.step_attention(q, store.k, store.v, mask, store.length,
                                                  store.ancestry))
 
+    def memory_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        k, v = super().memory_kv(memory)
+        if self.training or k.requires_grad:
+            return k, v
+        return _as(k, self.kept), _as(v, self.kept)
+
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
                need_weights: bool) -> tuple[Tensor, Tensor | None]:
+        if not (self.training or q.requires_grad):  # read as kept, by every pass alike
+            k, v = _as(k, self.kept), _as(v, self.kept)
         if (need_weights or is_causal or self.training or q.requires_grad
                 or not native.step_attention_fits(q, k, v, mask)):
-            return super().attend(q, k, v, mask, is_causal, need_weights)
+            return super().attend(q, _as(k, q.dtype), _as(v, q.dtype), mask, is_causal, need_weights)
         return native.step_attention(q, k, v, mask), None
+
+
+def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """x in ``dtype`` (x itself where it is: at every step, a call to ``to`` is not free)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def int8_decoder(model: nn.Module) -> nn.Module:

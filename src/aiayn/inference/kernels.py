@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from aiayn.inference.topk import topk_rows
 from aiayn.model import OutputKernel
 from aiayn.util.threads import on_one_thread
 
@@ -185,3 +186,11 @@ def log_softmax(logits: Tensor, kernel: OutputKernel | None) -> Tensor:
     search's score is what scoring its translation gives."""
     own = getattr(kernel, "log_softmax", None)
     return own(logits) if own is not None else torch.log_softmax(logits, dim=-1)
+
+
+def top_log_probs(logits: Tensor, k: int, kernel: OutputKernel | None) -> tuple[Tensor, Tensor]:
+    """(N, V') float logits -> the k best log-probabilities of each row, best first, and their
+    columns (N, k): ``log_softmax``'s values, then ``topk_rows``; in one pass where the output
+    kernel brings one (``Int8Output.top_log_softmax``: the same floats)."""
+    own = getattr(kernel, "top_log_softmax", None)
+    return own(logits, k) if own is not None else topk_rows(log_softmax(logits, kernel), k)

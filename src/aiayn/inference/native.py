@@ -1,7 +1,7 @@
 """aiayn's own kernels for CPU decoding, built here with the machine's C compiler and called
 through ctypes: the int8 product ``PackedInt8`` (``int8_linear.c`` beside this file, whose
 comment has the arithmetic) and a step's one-query attention, QK-norm and log-softmax
-(``step_attention``, ``rms_norm``, ``log_softmax``: ``step_attention.c``);
+(``step_attention``, ``rms_norm``, ``log_softmax``, ``top_log_softmax``: ``step_attention.c``);
 ``aiayn.inference.int8`` puts them in the decoder and the output layer.
 
 Why a product of our own: at the few rows of a decoding step (4-64), PyTorch's int8 products
@@ -15,7 +15,8 @@ own: PyTorch's fused attention spends most of its time setting up for one query 
 reads keys only where they lie contiguously, where an indirect cache (``aiayn.cache.Store``)
 keeps them where they were written.
 
-The sources are compiled once per machine (``$CC``, else ``cc``, with AVX2 and FMA) into one
+The sources are compiled once per machine (``$CC``, else ``cc``, with AVX2, FMA and F16C, which
+every AVX2 CPU has) into one
 library in ``$XDG_CACHE_HOME/aiayn`` (``~/.cache/aiayn``), named by a hash of the sources,
 compiler and flags, and loaded with ctypes, which lets go of the GIL during a call, so that
 decoding streams run it at once. ``check_int8`` says in one line why it cannot run where it
@@ -41,9 +42,9 @@ from aiayn.errors import AiaynError
 
 # The kernels, compiled into one library: the int8 product and one-query attention.
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("int8_linear.c", "step_attention.c"))
-FLAGS = ["-O3", "-fPIC", "-shared", "-std=gnu99", "-mavx2", "-mfma"]
+FLAGS = ["-O3", "-fPIC", "-shared", "-std=gnu99", "-mavx2", "-mfma", "-mf16c"]
 PANEL = 16  # output rows per packed panel (int8_linear.c)
-WEIGHT_LEVELS = 63  # 7-bit weights: no pair of u8 x s8 products saturates 16 bits (int8_linear.c)
+WEIGHT_LEVELS = 63  # 7-bit weights: two pairs of 7-bit products add in 16 bits (int8_linear.c)
 
 
 def cache_dir() -> Path:
@@ -93,15 +94,17 @@ def _library() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build()))
     pointer, size = ctypes.c_void_p, ctypes.c_long
     lib.int8_linear.argtypes = [pointer, size, size, pointer, pointer, pointer, pointer, size, size,
-                                pointer, pointer, pointer]
-    lib.int8_linear.restype = None
+                                pointer]
+    lib.int8_linear.restype = ctypes.c_int
     lib.step_attention.argtypes = [pointer, size, size, size, size, size,
                                    pointer, size, size, size, pointer, size, size, size, size,
-                                   pointer, size, size,
-                                   pointer, size, pointer, size, pointer, pointer]
-    lib.step_attention.restype = None
+                                   ctypes.c_int, pointer, size, size,
+                                   pointer, size, pointer, size]
+    lib.step_attention.restype = ctypes.c_int
     lib.log_softmax.argtypes = [pointer, size, size, pointer]
     lib.log_softmax.restype = None
+    lib.top_log_softmax.argtypes = [pointer, size, size, size, pointer, pointer]
+    lib.top_log_softmax.restype = None
     lib.rms_norm.argtypes = [pointer, size, size, pointer, ctypes.c_float]
     lib.rms_norm.restype = None
     return lib
@@ -134,7 +137,7 @@ class PackedInt8:
         check_int8(weight.device)
         self.lib = _library()
         n, k = weight.shape
-        self.n, self.k, self.width = n, k, -(-k // 4) * 4
+        self.n, self.k, self.width = n, k, -(-k // 8) * 8
         panels = -(-n // PANEL)
         q, scales = quantize_weight(weight)
         padded = torch.zeros(panels * PANEL, self.width, dtype=torch.int8)
@@ -156,12 +159,10 @@ class PackedInt8:
         rows = x.reshape(-1, self.k).contiguous()
         m = rows.size(0)
         y = torch.empty(m, self.n)
-        if m:
-            u = torch.empty(m, self.width, dtype=torch.uint8)
-            row_scales = torch.empty(m)
-            self.lib.int8_linear(rows.data_ptr(), m, self.k, self.packed.data_ptr(),
-                                 self.sums.data_ptr(), self.scales.data_ptr(), self.bias.data_ptr(),
-                                 self.n, self.width, y.data_ptr(), u.data_ptr(), row_scales.data_ptr())
+        if m and self.lib.int8_linear(rows.data_ptr(), m, self.k, self.packed.data_ptr(),
+                                      self.sums.data_ptr(), self.scales.data_ptr(),
+                                      self.bias.data_ptr(), self.n, self.width, y.data_ptr()):
+            raise MemoryError(f"the int8 product could not allocate its scratch for {m} rows")
         return y.view(*x.shape[:-1], self.n)
 
 
@@ -172,7 +173,7 @@ def _pointer(t: Tensor | None) -> int | None:
 def step_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
                    keys: int | None = None, ancestry: Tensor | None = None) -> Tensor:
     """softmax(q K^T / sqrt(d_k)) V (eq. 1) for one query per row, q (n, H, 1, d_k), over the
-    first ``keys`` positions (default all) of k, v (m, H, t, d_k). Without
+    first ``keys`` positions (default all) of k, v (m, H, t, d_k), float32 or float16. Without
     ``ancestry`` each of the m key sets is shared by n / m consecutive rows (a beam's, as
     ``cache.fold_beams`` groups them); with it (an indirect cache's ``Store``: (n, c) int64),
     row r reads position j < c from row ``ancestry[r, j]`` of k and v, and later ones from row
@@ -182,36 +183,38 @@ def step_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
     keys = k.size(2) if keys is None else keys
     group = 1 if ancestry is not None else n // k.size(0)
     out = torch.empty(n, 1, H, d)
-    scores, at = torch.empty(max(keys, 1)), torch.empty(2 * max(keys, 1), dtype=torch.long)
     mask_row = 0
     if mask is not None:
         mask = mask.reshape(mask.size(0), keys)
         mask_row = mask.stride(0) if mask.size(0) > 1 else 0
     written, ancestry_row = (0, 0) if ancestry is None else (ancestry.size(1), ancestry.stride(0))
-    _library().step_attention(q.data_ptr(), q.stride(0), n, group, H, d,
-                              k.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
-                              v.data_ptr(), v.stride(0), v.stride(1), v.stride(2), keys,
-                              _pointer(ancestry), ancestry_row, written,
-                              _pointer(mask), mask_row, out.data_ptr(), H * d, scores.data_ptr(),
-                              at.data_ptr())
+    failed = _library().step_attention(
+        q.data_ptr(), q.stride(0), n, group, H, d, k.data_ptr(), k.stride(0), k.stride(1),
+        k.stride(2), v.data_ptr(), v.stride(0), v.stride(1), v.stride(2), keys,
+        int(k.dtype == torch.float16), _pointer(ancestry), ancestry_row, written, _pointer(mask),
+        mask_row, out.data_ptr(), H * d)
+    if failed:
+        raise MemoryError(f"the step attention could not allocate its scratch for {keys} keys")
     return out.transpose(1, 2)
 
 
 def step_attention_fits(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
                         keys: int | None = None, ancestry: Tensor | None = None) -> bool:
     """Whether ``step_attention`` computes this product: one float32 query per row on a CPU
-    whose heads lie d_k apart, d_k a multiple of 8 up to 128, k and v of one shape with
-    their last dimension contiguous; rows a multiple of the key sets (without ``ancestry``)
-    or at most as many as k's (with one, (rows, c) int64 whose last dimension is
-    contiguous); a mask of one row of ``keys`` per key set or per row (or one for all)."""
+    whose heads lie d_k apart, d_k a multiple of 8 up to 128, k and v of one shape and dtype
+    (float32 or float16) with their last dimension contiguous; rows a multiple of the key
+    sets (without ``ancestry``) or at most as many as k's (with one, (rows, c) int64 whose
+    last dimension is contiguous); a mask of one row of ``keys`` per key set or per row (or
+    one for all)."""
     n, H, T, d = q.shape
     keys = k.size(2) if keys is None else keys
     if (T != 1 or d % 8 or d > 128 or q.dtype != torch.float32 or not q.is_cpu
             or q.stride(1) != d or q.stride(3) != 1 or k.size(0) == 0 or keys > k.size(2)):
         return False
-    if any(x.dtype != torch.float32 or not x.is_cpu or x.stride(3) != 1 for x in (k, v)):
+    if any(x.dtype not in (torch.float32, torch.float16) or not x.is_cpu or x.stride(3) != 1
+           for x in (k, v)):
         return False
-    if k.shape != v.shape:
+    if k.shape != v.shape or k.dtype != v.dtype:
         return False
     if ancestry is None:
         sets = k.size(0)
@@ -250,3 +253,18 @@ def log_softmax(x: Tensor) -> Tensor:
     if x.numel():
         _library().log_softmax(x.data_ptr(), x.numel() // n, n, out.data_ptr())
     return out
+
+
+def top_log_softmax(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The k largest log-probabilities of each row of (R, n) float32 CPU logits, largest
+    first, and their columns (R, k): ``log_softmax(x).topk(k)``'s values, the same floats,
+    in one pass that writes no row of n log-probabilities (a beam step needs 2K of them)."""
+    if x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or not 1 <= k <= x.size(1):
+        raise ValueError(f"the native top log softmax takes (rows, n) float32 CPU input and "
+                         f"1 <= k <= n, got {tuple(x.shape)} {x.dtype} on {x.device}, k={k}")
+    x = x.contiguous()
+    values, columns = torch.empty(x.size(0), k), torch.empty(x.size(0), k, dtype=torch.long)
+    if x.size(0):
+        _library().top_log_softmax(x.data_ptr(), x.size(0), x.size(1), k, values.data_ptr(),
+                                   columns.data_ptr())
+    return values, columns

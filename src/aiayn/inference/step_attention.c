@@ -14,6 +14,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 /* e^x for 8 floats, x <= 0 (softmax's shifted scores): x = n ln 2 + r with |r| <= ln 2 / 2,
  * e^r by its Taylor polynomial of degree 7 (relative error below 2e-7), 2^n by the exponent
@@ -64,48 +65,62 @@ static inline __m256 sums8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4
   return _mm256_add_ps(_mm256_permute2f128_ps(c0, c1, 0x20), _mm256_permute2f128_ps(c0, c1, 0x31));
 }
 
-/* s[j] = q . k_j for j < n, k_j at k + at[j], d a multiple of 8. */
-static void dots(const float *q, const float *k, const long *at, long n, long d, float *s) {
-  long j = 0;
-  for (; j + 8 <= n; j += 8) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-    const float *k0 = k + at[j], *k1 = k + at[j + 1], *k2 = k + at[j + 2], *k3 = k + at[j + 3],
-                *k4 = k + at[j + 4], *k5 = k + at[j + 5], *k6 = k + at[j + 6], *k7 = k + at[j + 7];
-    for (long c = 0; c < d; c += 8) {
-      const __m256 qc = _mm256_loadu_ps(q + c);
-      a0 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k0 + c), a0);
-      a1 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k1 + c), a1);
-      a2 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k2 + c), a2);
-      a3 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k3 + c), a3);
-      a4 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k4 + c), a4);
-      a5 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k5 + c), a5);
-      a6 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k6 + c), a6);
-      a7 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k7 + c), a7);
-    }
-    _mm256_storeu_ps(s + j, sums8(a0, a1, a2, a3, a4, a5, a6, a7));
-  }
-  for (; j < n; j++) {
-    __m256 a = _mm256_setzero_ps();
-    for (long c = 0; c < d; c += 8)
-      a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + at[j] + c), a);
-    s[j] = sum8(a);
-  }
+/* Keys and values are float32 or float16 (half the memory a step reads; F16C converts 8 at a
+ * time): the products below are written once for each, as dots_f32 / dots_f16 and so on. */
+static inline __m256 load_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 load_f16(const uint16_t *p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
+
+/* s[j] = q . k_j for j < n, k_j at k + at[j], d a multiple of 8. */
+#define DOTS(name, type, load)                                                          \
+  static void name(const float *q, const type *k, const long *at, long n, long d, float *s) { \
+    long j = 0;                                                                         \
+    for (; j + 8 <= n; j += 8) {                                                        \
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, \
+             a7 = a0;                                                                   \
+      const type *k0 = k + at[j], *k1 = k + at[j + 1], *k2 = k + at[j + 2], *k3 = k + at[j + 3], \
+                 *k4 = k + at[j + 4], *k5 = k + at[j + 5], *k6 = k + at[j + 6],          \
+                 *k7 = k + at[j + 7];                                                   \
+      for (long c = 0; c < d; c += 8) {                                                 \
+        const __m256 qc = _mm256_loadu_ps(q + c);                                       \
+        a0 = _mm256_fmadd_ps(qc, load(k0 + c), a0);                                     \
+        a1 = _mm256_fmadd_ps(qc, load(k1 + c), a1);                                     \
+        a2 = _mm256_fmadd_ps(qc, load(k2 + c), a2);                                     \
+        a3 = _mm256_fmadd_ps(qc, load(k3 + c), a3);                                     \
+        a4 = _mm256_fmadd_ps(qc, load(k4 + c), a4);                                     \
+        a5 = _mm256_fmadd_ps(qc, load(k5 + c), a5);                                     \
+        a6 = _mm256_fmadd_ps(qc, load(k6 + c), a6);                                     \
+        a7 = _mm256_fmadd_ps(qc, load(k7 + c), a7);                                     \
+      }                                                                                 \
+      _mm256_storeu_ps(s + j, sums8(a0, a1, a2, a3, a4, a5, a6, a7));                   \
+    }                                                                                   \
+    for (; j < n; j++) {                                                                \
+      __m256 a = _mm256_setzero_ps();                                                   \
+      for (long c = 0; c < d; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), load(k + at[j] + c), a); \
+      s[j] = sum8(a);                                                                   \
+    }                                                                                   \
+  }
+DOTS(dots_f32, float, load_f32)
+DOTS(dots_f16, uint16_t, load_f16)
 
 /* out = sum_j w_j v_j for j < n, v_j at v + at[j], skipping the j of weight 0 (masked keys,
  * whose values are never read); d a multiple of 8, at most 128. */
-static void weighted_sum(const float *w, const float *v, const long *at, long n, long d, float *out) {
-  __m256 acc[16];
-  const long vectors = d / 8;
-  for (long c = 0; c < vectors; c++) acc[c] = _mm256_setzero_ps();
-  for (long j = 0; j < n; j++) {
-    if (w[j] == 0.0f) continue;
-    const __m256 wj = _mm256_set1_ps(w[j]);
-    const float *vj = v + at[j];
-    for (long c = 0; c < vectors; c++) acc[c] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(vj + 8 * c), acc[c]);
+#define WEIGHTED_SUM(name, type, load)                                                   \
+  static void name(const float *w, const type *v, const long *at, long n, long d, float *out) { \
+    __m256 acc[16];                                                                     \
+    const long vectors = d / 8;                                                         \
+    for (long c = 0; c < vectors; c++) acc[c] = _mm256_setzero_ps();                    \
+    for (long j = 0; j < n; j++) {                                                      \
+      if (w[j] == 0.0f) continue;                                                       \
+      const __m256 wj = _mm256_set1_ps(w[j]);                                           \
+      const type *vj = v + at[j];                                                       \
+      for (long c = 0; c < vectors; c++) acc[c] = _mm256_fmadd_ps(wj, load(vj + 8 * c), acc[c]); \
+    }                                                                                   \
+    for (long c = 0; c < vectors; c++) _mm256_storeu_ps(out + 8 * c, acc[c]);           \
   }
-  for (long c = 0; c < vectors; c++) _mm256_storeu_ps(out + 8 * c, acc[c]);
-}
+WEIGHTED_SUM(weighted_sum_f32, float, load_f32)
+WEIGHTED_SUM(weighted_sum_f16, uint16_t, load_f16)
 
 /* Row r, head h: q at q + r * q_row + h * d. Its key j of head h is at k + slot * k_row +
  * h * k_head + j * k_pos (v alike, with v's strides), where slot is its key set r / group,
@@ -113,15 +128,22 @@ static void weighted_sum(const float *w, const float *v, const long *at, long n,
  * ancestry[r * ancestry_row + j] for j < written, r itself after. mask (NULL: every key
  * visible) holds one byte per key of each key set, at mask + (r / group) * mask_row + j,
  * nonzero where the key may be seen; masked keys are never read beyond their product with q
- * (a cache's unwritten positions may hold anything). out at out + r * out_row + h * d. scores,
- * at: n_keys floats and 2 n_keys longs of the caller's scratch. A row that may see no key gets
- * zeros. d: a multiple of 8, at most 128. */
-void step_attention(const float *q, long q_row, long rows, long group, long heads, long d,
-                    const float *k, long k_row, long k_head, long k_pos,
-                    const float *v, long v_row, long v_head, long v_pos, long n_keys,
+ * (a cache's unwritten positions may hold anything). k and v: float16 where `half`, else
+ * float32; strides in elements. out at out + r * out_row + h * d. A row that may see no key
+ * gets zeros. d: a multiple of 8, at most 128. Returns 0, or -1 where its scratch (n_keys
+ * floats and 2 n_keys offsets) could not be allocated. */
+int step_attention(const float *q, long q_row, long rows, long group, long heads, long d,
+                    const void *k, long k_row, long k_head, long k_pos,
+                    const void *v, long v_row, long v_head, long v_pos, long n_keys, int half,
                     const int64_t *ancestry, long ancestry_row, long written,
-                    const uint8_t *mask, long mask_row, float *out, long out_row, float *scores,
-                    long *at) {
+                    const uint8_t *mask, long mask_row, float *out, long out_row) {
+  float *scores = malloc(sizeof(float) * (n_keys + 8));
+  long *at = malloc(sizeof(long) * 2 * (n_keys + 1));
+  if (!scores || !at) {
+    free(scores);
+    free(at);
+    return -1;
+  }
   const float scale = 1.0f / sqrtf((float)d);
   const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
   for (long r = 0; r < rows; r++) {
@@ -135,7 +157,10 @@ void step_attention(const float *q, long q_row, long rows, long group, long head
     }
     for (long h = 0; h < heads; h++) {
       float *o = out + r * out_row + h * d;
-      dots(q + r * q_row + h * d, k + h * k_head, at, n_keys, d, scores);
+      if (half)
+        dots_f16(q + r * q_row + h * d, (const uint16_t *)k + h * k_head, at, n_keys, d, scores);
+      else
+        dots_f32(q + r * q_row + h * d, (const float *)k + h * k_head, at, n_keys, d, scores);
       /* scale, mask, and the largest score (softmax's shift) */
       __m256 top = minus_inf;
       long j = 0;
@@ -174,11 +199,17 @@ void step_attention(const float *q, long q_row, long rows, long group, long head
         total += scores[j];
       }
       const float inverse = 1.0f / total;
-      weighted_sum(scores, v + h * v_head, at_v, n_keys, d, o);
+      if (half)
+        weighted_sum_f16(scores, (const uint16_t *)v + h * v_head, at_v, n_keys, d, o);
+      else
+        weighted_sum_f32(scores, (const float *)v + h * v_head, at_v, n_keys, d, o);
       const __m256 inverse8 = _mm256_set1_ps(inverse);
       for (long c = 0; c < d; c += 8) _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(o + c), inverse8));
     }
   }
+  free(scores);
+  free(at);
+  return 0;
 }
 
 /* x / sqrt(mean(x^2) + eps) * g over each of `rows` runs of d values, in place; d a multiple of 8. */
@@ -197,6 +228,19 @@ void rms_norm(float *x, long rows, long d, const float *g, float eps) {
   }
 }
 
+/* max + log(sum_j e^(x_j - max)) of n values whose largest is `largest` (finite): what log
+ * softmax subtracts from each. */
+static float log_sum_exp(const float *a, long n, float largest) {
+  const __m256 shift = _mm256_set1_ps(largest);
+  __m256 total8 = _mm256_setzero_ps();
+  long j = 0;
+  for (; j + 8 <= n; j += 8)
+    total8 = _mm256_add_ps(total8, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(a + j), shift)));
+  float total = sum8(total8);
+  for (; j < n; j++) total += expf(a[j] - largest);
+  return largest + logf(total);
+}
+
 /* y = x - max - log(sum_j e^(x_j - max)) over each of `rows` rows of n values (log softmax:
  * a search's log-probabilities of the next piece), y may be x; -inf stays -inf, and a row
  * of -inf alone gives -inf. */
@@ -213,15 +257,61 @@ void log_softmax(const float *x, long rows, long n, float *y) {
       for (j = 0; j < n; j++) b[j] = -INFINITY;
       continue;
     }
-    const __m256 shift = _mm256_set1_ps(largest);
-    __m256 total8 = _mm256_setzero_ps();
-    for (j = 0; j + 8 <= n; j += 8)
-      total8 = _mm256_add_ps(total8, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(a + j), shift)));
-    float total = sum8(total8);
-    for (; j < n; j++) total += expf(a[j] - largest);
-    const float offset = largest + logf(total);
+    const float offset = log_sum_exp(a, n, largest);
     const __m256 offset8 = _mm256_set1_ps(offset);
     for (j = 0; j + 8 <= n; j += 8) _mm256_storeu_ps(b + j, _mm256_sub_ps(_mm256_loadu_ps(a + j), offset8));
     for (; j < n; j++) b[j] = a[j] - offset;
+  }
+}
+
+/* Put a[j] among the k best so far (value[0] largest), if it is larger than the last. */
+static inline void keep_best(float x, long j, long k, float *value, long *column) {
+  if (!(x > value[k - 1])) return;
+  long i = k - 1;
+  for (; i > 0 && x > value[i - 1]; i--) {
+    value[i] = value[i - 1];
+    column[i] = column[i - 1];
+  }
+  value[i] = x;
+  column[i] = j;
+}
+
+/* The k largest log-probabilities of each row of x (rows x n), largest first, and their
+ * columns, 1 <= k <= n: log_softmax's values (the same floats) and then topk, without writing
+ * the n log-probabilities. One pass finds the k largest x_j: the first k, then any value
+ * above the k-th best so far (few, after the first hundred: a vector compare skips the rest);
+ * their largest is the max the sum of exponentials needs. Among equal values the first
+ * column wins. */
+void top_log_softmax(const float *x, long rows, long n, long k, float *value, long *column) {
+  for (long r = 0; r < rows; r++) {
+    const float *a = x + r * n;
+    float *v = value + r * k;
+    long *c = column + r * k;
+    for (long i = 0; i < k; i++) {
+      v[i] = -INFINITY;
+      c[i] = i;
+    }
+    for (long i = 0; i < k; i++) {  /* the first k, -inf or not, sorted in */
+      long at = i;
+      for (; at > 0 && a[i] > v[at - 1]; at--) {
+        v[at] = v[at - 1];
+        c[at] = c[at - 1];
+      }
+      v[at] = a[i];
+      c[at] = i;
+    }
+    long j = k;
+    for (; j < n && j % 8; j++) keep_best(a[j], j, k, v, c);
+    __m256 bar = _mm256_set1_ps(v[k - 1]);
+    for (; j + 8 <= n; j += 8) {
+      int above = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(a + j), bar, _CMP_GT_OQ));
+      if (!above) continue;
+      for (; above; above &= above - 1) keep_best(a[j + __builtin_ctz(above)], j + __builtin_ctz(above), k, v, c);
+      bar = _mm256_set1_ps(v[k - 1]);
+    }
+    for (; j < n; j++) keep_best(a[j], j, k, v, c);
+    if (v[0] == -INFINITY) continue;  /* a row of -inf alone: -inf */
+    const float offset = log_sum_exp(a, n, v[0]);
+    for (long i = 0; i < k; i++) v[i] -= offset;
   }
 }

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
-from aiayn.inference.kernels import for_fixed_weight, log_softmax
+from aiayn.inference.kernels import for_fixed_weight, log_softmax, top_log_probs
 from aiayn.inference.sampling import ban_repeated_ngrams, sampling_distribution, uniforms
 from aiayn.inference.settings import Sampling, Search
 from aiayn.inference.topk import topk_rows
@@ -261,11 +261,13 @@ def expand(logits: Tensor, scores: Tensor, K: int, state: DecoderState,
     live scores -> the survivors' (A, K) scores and tokens, and the step's choices copied
     to the host. Rows whose token is ``given`` can only take it."""
     A = scores.size(0)
-    log_probs = state.only_given(log_softmax(logits, state.kernel), given)  # (A*K, V')
     # A sentence's 2K best candidates are among its beams' own 2K best each: only those
     # A*K*2K sums are formed, not all A*K*V' (the same floats, so the same choice).
-    width = min(2 * K, log_probs.size(-1))
-    row_best, row_columns = topk_rows(log_probs, width)  # (A*K, 2K)
+    width = min(2 * K, logits.size(-1))
+    if given is None:
+        row_best, row_columns = top_log_probs(logits, width, state.kernel)  # (A*K, 2K)
+    else:  # rows that follow a prefix: their other columns -inf after the softmax
+        row_best, row_columns = topk_rows(state.only_given(log_softmax(logits, state.kernel), given), width)
     candidates = (scores[:, :, None] + row_best.view(A, K, width)).view(A, K * width)
     top_scores, top_index = candidates.topk(min(2 * K, K * width), dim=1)  # (A, 2K) best first
     top_beam = top_index // width
