@@ -9,8 +9,8 @@ cost more than fp32 here: FBGEMM's dynamic product quantizes a whole batch on on
 with each row on its own scale it is slower than fp32 on the demo's decoder layers;
 ``torch._int_mm`` and ``_weight_int8pack_mm`` fall back to loops without AVX-512;
 ``torch.ao.quantization`` is deprecated. This kernel quantizes each row on its own scale and
-runs the demo's decoder layers 1.3-2.3x faster than fp32 at 4-256 rows on an AVX2 EPYC, its
-output layer 2.8-5.3x (``benchmarks/int8_kernel.py``; docs/results.md). Why attention of our
+runs the demo's decoder layers 1.25-2.3x faster than fp32 at 4-256 rows on an AVX2 EPYC, its
+output layer 3.6-6.9x (``benchmarks/int8_kernel.py``; docs/results.md). Why attention of our
 own: PyTorch's fused attention spends most of its time setting up for one query per row, and
 reads keys only where they lie contiguously, where an indirect cache (``aiayn.cache.Store``)
 keeps them where they were written.
