@@ -100,7 +100,8 @@ class StepAttention(MultiHeadAttention):
     self-attention reads an indirect cache's ``Store`` in place (``cache.KVCache``): a beam's
     reorder then copies no K/V. The keys and values it keeps (the Store's, the memory's) are
     float16: a step reads all of them, and reads half the bytes so (their rounding, 2^-11 of
-    a value, is far below the products' 7-bit inputs')."""
+    a value, is far below the products' 7-bit inputs'; a trained model's keys and values lie
+    far inside float16's range of +-65,504)."""
 
     kept = torch.float16  # the dtype of the K/V it keeps between steps
 

@@ -258,7 +258,9 @@ def log_softmax(x: Tensor) -> Tensor:
 def top_log_softmax(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The k largest log-probabilities of each row of (R, n) float32 CPU logits, largest
     first, and their columns (R, k): ``log_softmax(x).topk(k)``'s values, the same floats,
-    in one pass that writes no row of n log-probabilities (a beam step needs 2K of them)."""
+    in one pass that writes no row of n log-probabilities (a beam step needs 2K of them).
+    Among equal values the first column comes first (topk's order is not fixed); a NaN logit
+    is never ranked."""
     if x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or not 1 <= k <= x.size(1):
         raise ValueError(f"the native top log softmax takes (rows, n) float32 CPU input and "
                          f"1 <= k <= n, got {tuple(x.shape)} {x.dtype} on {x.device}, k={k}")

@@ -8,9 +8,11 @@
  * for each row r and head h, over the keys that row may see. `group` rows in a row share
  * one set of keys (a beam search's beams share their sentence's encoder memory, which
  * cross-attention reads once for all of them); self-attention has a set per row (group 1).
+ * Keys and values may be float32 or float16 (the int8 engine keeps float16: half the bytes).
  *
  * rms_norm is QK-norm's x / rms(x) * g over each head (or whole query) of each row, in place,
- * torch.nn.RMSNorm's values up to rounding. */
+ * torch.nn.RMSNorm's values up to rounding; log_softmax and top_log_softmax are the search's
+ * log-probabilities of the next piece, the whole row or its k best. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -281,7 +283,8 @@ static inline void keep_best(float x, long j, long k, float *value, long *column
  * the n log-probabilities. One pass finds the k largest x_j: the first k, then any value
  * above the k-th best so far (few, after the first hundred: a vector compare skips the rest);
  * their largest is the max the sum of exponentials needs. Among equal values the first
- * column wins. */
+ * column wins (topk's order among ties is not fixed). NaN, a broken model's logit, is never
+ * ranked (topk puts it first). */
 void top_log_softmax(const float *x, long rows, long n, long k, float *value, long *column) {
   for (long r = 0; r < rows; r++) {
     const float *a = x + r * n;
