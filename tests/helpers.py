@@ -307,21 +307,25 @@ def copy_run(root: Path) -> Path:
     return run
 
 
+def cross_only(kv):
+    """A one-layer ``KVCache`` holding only cross-attention K/V (k = v = ``kv``): what a
+    sentence joining a search brings."""
+    from aiayn.cache import KVCache
+
+    joining = KVCache(1)
+    joining.layers[0]["cross"].update(k=kv, v=kv)
+    return joining
+
+
 def cache_walk(caches, steps: int = 40, heads: int = 2, d: int = 8, seed: int = 12):
     """Drive one-layer ``KVCache``s alike through a search's life: a new position per step,
     beams changing parents, sentences leaving, sentences joining (sources shorter and
     longer), trims. Yields after each step's position, with the (B, H, 1, d) queries of that
     step, before the step's reorder: the caches then hold the same positions."""
-    from aiayn.cache import KVCache, append_positions
+    from aiayn.cache import append_positions
 
     rng = torch.Generator().manual_seed(seed)
     width = 5
-
-    def cross_only(kv):
-        joining = KVCache(1)
-        joining.layers[0]["cross"].update(k=kv, v=kv)
-        return joining
-
     cross = torch.randn(4, heads, width, d, generator=rng)
     for cache in caches:
         cache.join(cross_only(cross))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import cache_walk
+from helpers import cache_walk, cross_only
 from torch import Tensor, nn
 
 from aiayn.cache import KVCache, append_positions, fold_beams, unfold_beams
@@ -340,7 +340,7 @@ def test_cache_buffers_hold_exactly_what_concatenation_and_index_select_would():
     handed_out, in_place = [], 0
     width = 5
     cross = torch.randn(4, H, width, d, generator=rng)
-    cache.join(_cross_only(cross))
+    cache.join(cross_only(cross))
     ref["cross"] = cross
     for step in range(40):
         B = ref["cross"].size(0)
@@ -367,7 +367,7 @@ def test_cache_buffers_hold_exactly_what_concatenation_and_index_select_would():
             joining = torch.randn(n, H, S, d, generator=rng)
             before = cache.layers[0]["cross"]["k"].data_ptr()
             fits = S <= ref["cross"].size(2) and cache_buffer_rows(cache) >= B + n
-            cache.join(_cross_only(joining))
+            cache.join(cross_only(joining))
             w = max(ref["cross"].size(2), S)
             ref["cross"] = torch.cat([_pad_keys(ref["cross"], w), _pad_keys(joining, w)])
             ref["self"] = torch.cat([ref["self"], ref["self"].new_zeros(n, H, cache.length, d)])
@@ -407,12 +407,6 @@ def test_an_indirect_cache_reads_what_the_copying_one_holds():
 
 def _pad_keys(kv: Tensor, width: int) -> Tensor:
     return torch.nn.functional.pad(kv, (0, 0, 0, width - kv.size(2)))
-
-
-def _cross_only(kv: Tensor) -> KVCache:
-    joining = KVCache(1)
-    joining.layers[0]["cross"].update(k=kv, v=kv)
-    return joining
 
 
 def cache_buffer_rows(cache: KVCache) -> int:
