@@ -76,6 +76,27 @@ def test_a_row_gets_the_same_result_alone_as_beside_others():
         product(x.double())
 
 
+@pytest.mark.skipif(not native.cpu_supported() or not native.vnni_supported(),
+                    reason="the VNNI path needs AVX-512 VNNI")
+@pytest.mark.parametrize("rows, features, outputs", [(1, 64, 16), (7, 66, 300), (13, 512, 5000)])
+def test_the_vnni_path_gives_avx2s_floats(rows, features, outputs):
+    """Two kernels, one integer sum: AVX-512 VNNI's vpdpbusd sums the same 7-bit products
+    exactly, and the epilogue is the same operations per element, so every float is equal
+    (whatever the rows, the columns' padding and a last panel short of 16 outputs)."""
+    g = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(outputs, features, generator=g), torch.randn(outputs, generator=g)
+    x = rows_of_many_scales(n=rows, d=features, seed=rows)
+    vnni, avx2 = PackedInt8(weight, bias, vnni=True), PackedInt8(weight, bias, vnni=False)
+    assert torch.equal(vnni(x), avx2(x))
+
+
+def test_the_vnni_path_is_refused_where_the_cpu_lacks_it(monkeypatch):
+    monkeypatch.setattr(native, "vnni_supported", lambda: False)
+    with pytest.raises(ValueError, match="no AVX-512 VNNI"):
+        PackedInt8(torch.randn(16, 8), vnni=True)
+    assert PackedInt8(torch.randn(16, 8)).vnni is False
+
+
 @pytest.mark.parametrize("kept", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows, group, keys, masked", [
     (8, 1, 1, False),  # a first step: one key
