@@ -20,7 +20,7 @@ from aiayn.data.prepared import load_prepared
 from aiayn.errors import AiaynError
 from aiayn.inference import native
 from aiayn.inference.ct2 import CTranslate2Engine
-from aiayn.inference.int8 import Int8Linear, Int8Output, NativeHeadNorm, StepAttention, int8_decoder
+from aiayn.inference.int8 import Int8Linear, Int8Output, NativeHeadNorm, StepAttention, int8_model
 from aiayn.inference.native import (
     PackedInt8,
     build,
@@ -76,7 +76,7 @@ def test_a_row_gets_the_same_result_alone_as_beside_others():
         product(x.double())
 
 
-@pytest.mark.skipif(not native.cpu_supported() or not native.vnni_supported(),
+@pytest.mark.skipif(not native.cpu_supported() or not native.avx512_supported(),
                     reason="the VNNI path needs AVX-512 VNNI")
 @pytest.mark.parametrize("rows, features, outputs", [(1, 64, 16), (7, 66, 300), (13, 512, 5000)])
 def test_the_vnni_path_gives_avx2s_floats(rows, features, outputs):
@@ -86,17 +86,28 @@ def test_the_vnni_path_gives_avx2s_floats(rows, features, outputs):
     g = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(outputs, features, generator=g), torch.randn(outputs, generator=g)
     x = rows_of_many_scales(n=rows, d=features, seed=rows)
-    vnni, avx2 = PackedInt8(weight, bias, vnni=True), PackedInt8(weight, bias, vnni=False)
+    vnni, avx2 = PackedInt8(weight, bias, avx512=True), PackedInt8(weight, bias, avx512=False)
     assert torch.equal(vnni(x), avx2(x))
 
 
-def test_the_vnni_path_is_refused_where_the_cpu_lacks_it(monkeypatch):
-    monkeypatch.setattr(native, "vnni_supported", lambda: False)
-    with pytest.raises(ValueError, match="no AVX-512 VNNI"):
-        PackedInt8(torch.randn(16, 8), vnni=True)
-    assert PackedInt8(torch.randn(16, 8)).vnni is False
+def test_the_avx512_paths_are_refused_where_the_cpu_lacks_them(monkeypatch):
+    monkeypatch.setattr(native, "avx512_supported", lambda: False)
+    with pytest.raises(ValueError, match="lacks AVX-512"):
+        PackedInt8(torch.randn(16, 8), avx512=True)
+    with pytest.raises(ValueError, match="lacks AVX-512"):
+        q = torch.randn(2, 1, 1, 16)
+        step_attention(q, q, q, avx512=True)
+    assert PackedInt8(torch.randn(16, 8)).avx512 is False
 
 
+def path(avx512: bool) -> bool:
+    """The kernels' path a test asks for: AVX2's everywhere, AVX-512's where the CPU has it."""
+    if avx512 and not native.avx512_supported():
+        pytest.skip("this CPU lacks AVX-512")
+    return avx512
+
+
+@pytest.mark.parametrize("avx512", [False, True])
 @pytest.mark.parametrize("kept", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows, group, keys, masked", [
     (8, 1, 1, False),  # a first step: one key
@@ -104,11 +115,12 @@ def test_the_vnni_path_is_refused_where_the_cpu_lacks_it(monkeypatch):
     (12, 4, 37, True),  # cross-attention: a beam of 4 over each sentence's padded memory
     (30, 6, 16, True),
 ])
-def test_the_step_attention_equals_pytorchs(rows, group, keys, masked, kept):
+def test_the_step_attention_equals_pytorchs(rows, group, keys, masked, kept, avx512):
     """One query per row against PyTorch's fused attention (through the model's own
     ``attend``, which folds the beams), up to float rounding: the keys and values views of
     wider buffers, as a cache keeps them, the queries a view of a fused projection; keys and
-    values kept in float32 or float16 (PyTorch's reading the same halves as float32)."""
+    values kept in float32 or float16 (PyTorch's reading the same halves as float32); on
+    AVX2's products and on AVX-512's."""
     g = torch.Generator().manual_seed(rows + keys)
     heads, d, sets = 4, 64, rows // group
     qkv = torch.randn(rows, 1, 3 * heads * d, generator=g)
@@ -122,24 +134,26 @@ def test_the_step_attention_equals_pytorchs(rows, group, keys, masked, kept):
     assert step_attention_fits(q, k, v, mask)
     reference, _ = MultiHeadAttention(heads * d, heads).eval().attend(q, k.float(), v.float(), mask,
                                                                      False, False)
-    got = step_attention(q, k, v, mask)
+    got = step_attention(q, k, v, mask, avx512=path(avx512))
     assert got.shape == reference.shape
     assert torch.allclose(got, reference, atol=1e-5, rtol=1e-5), (got - reference).abs().max()
 
 
-def test_the_step_attention_reads_an_indirect_cache_as_pytorch_reads_the_copying_one():
+@pytest.mark.parametrize("d, avx512", [(8, False), (16, False), (16, True)])
+def test_the_step_attention_reads_an_indirect_cache_as_pytorch_reads_the_copying_one(d, avx512):
     """Through reorders, joins and trims (``helpers.cache_walk``), the kernel reading the
     indirect cache's store through its ancestry equals PyTorch's attention over the copying
-    cache's K/V, each row masked before its ``start``."""
+    cache's K/V, each row masked before its ``start`` (d_k 8: AVX2's products alone)."""
     copying, indirect = KVCache(1), KVCache(1, indirect=True)
-    attention = MultiHeadAttention(16, 2).eval()
-    for q in cache_walk([copying, indirect], heads=2, d=8):
+    attention = MultiHeadAttention(2 * d, 2).eval()
+    for q in cache_walk([copying, indirect], heads=2, d=d):
         dense, store = copying.layers[0]["self"], indirect.layers[0]["self"]["store"]
         mask = None
         if copying.start is not None:
             mask = (torch.arange(store.length) >= copying.start[:, None])[:, None, None, :]
         assert step_attention_fits(q, store.k, store.v, mask, store.length, store.ancestry)
-        got = step_attention(q, store.k, store.v, mask, store.length, store.ancestry)
+        got = step_attention(q, store.k, store.v, mask, store.length, store.ancestry,
+                             avx512=path(avx512))
         reference, _ = attention.attend(q, dense["k"], dense["v"], mask, False, False)
         assert torch.allclose(got, reference, atol=1e-5, rtol=1e-5), (got - reference).abs().max()
 
@@ -216,7 +230,7 @@ def test_int8_steps_equal_the_int8_full_pass():
     cfg = ModelConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=64, n_heads=4, d_ff=64,
                       n_encoder_layers=1, n_decoder_layers=2, dropout=0.0, max_len=32,
                       norm_first=True, qk_norm=True, qk_norm_cross_query="whole")
-    model = int8_decoder(Transformer(cfg).eval())
+    model = int8_model(Transformer(cfg).eval())
     src, tgt = torch.randint(4, 40, (3, 7)), torch.randint(4, 40, (3, 6))
     src[1, 5:] = cfg.pad_id
     with torch.no_grad():
@@ -244,7 +258,7 @@ def test_the_output_kernel_packs_the_allowed_rows_and_refuses_others():
         kernel(h, generator.proj.weight, None)
 
 
-def test_the_int8_decoder_is_a_copy_and_the_model_given_is_unchanged():
+def test_the_int8_model_is_a_copy_and_the_model_given_is_unchanged():
     torch.manual_seed(0)
     cfg = ModelConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=32, n_heads=4, d_ff=64,
                       n_encoder_layers=1, n_decoder_layers=2, dropout=0.0, max_len=32)
@@ -252,7 +266,7 @@ def test_the_int8_decoder_is_a_copy_and_the_model_given_is_unchanged():
     src, tgt = torch.randint(4, 40, (3, 7)), torch.randint(4, 40, (3, 5))
     with torch.no_grad():
         before = model(src, tgt)
-        quantized = int8_decoder(model)
+        quantized = int8_model(model)
         after, approx = model(src, tgt), quantized(src, tgt)
     assert torch.equal(before, after)
     assert not any(isinstance(m, Int8Linear) for m in model.modules())
@@ -262,7 +276,11 @@ def test_the_int8_decoder_is_a_copy_and_the_model_given_is_unchanged():
     attention = [m for m in quantized.decoder.modules() if isinstance(m, MultiHeadAttention)]
     assert len(attention) == 4 and all(isinstance(m, StepAttention) for m in attention)
     assert not any(isinstance(m, (StepAttention, NativeHeadNorm)) for m in model.modules())
-    assert quantized.encoder is model.encoder  # shared, not copied
+    encoder_linears = [m for m in quantized.encoder.modules() if isinstance(m, Int8Linear)]
+    assert len(encoder_linears) == 4  # self qkv and out; two feed-forward
+    assert not any(type(m) is nn.Linear for m in quantized.encoder.modules())
+    assert quantized.encoder is not model.encoder  # its linears replaced in a copy; the rest shared
+    assert quantized.encoder.norm is model.encoder.norm
     assert quantized.decoder.layers[0].sublayer1.norm is model.decoder.layers[0].sublayer1.norm
     assert (approx.softmax(-1) - before.softmax(-1)).abs().max() < 0.05
 
@@ -322,6 +340,6 @@ def test_the_int8_copy_keeps_the_models_weights_by_name():
     cfg = ModelConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=32, n_heads=4, d_ff=64,
                       n_encoder_layers=1, n_decoder_layers=1, dropout=0.0, max_len=32)
     model = Transformer(cfg)
-    mine, theirs = int8_decoder(model).state_dict(), model.state_dict()
+    mine, theirs = int8_model(model).state_dict(), model.state_dict()
     assert mine.keys() == theirs.keys()
     assert all(mine[k].data_ptr() == theirs[k].data_ptr() for k in theirs)  # shared, not copied

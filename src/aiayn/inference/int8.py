@@ -1,12 +1,12 @@
-"""Decoding in int8 on a CPU (`--int8`), aiayn's own engine: every linear layer of the decoder
-and the output layer compute x W^T + b with W in 7-bit integers (one scale per output row) and
-each row of x quantized to 7 bits on its own scale (``aiayn.inference.native.PackedInt8``); a
-step's attention, QK-norm and log-softmax run in aiayn's C kernels too, over a cache that
-beams read in place (``aiayn.cache.Store``), its keys and values in float16. The encoder, run
-once per sentence, stays fp32.
+"""Decoding in int8 on a CPU (`--int8`), aiayn's own engine: every linear layer of the encoder
+and the decoder and the output layer compute x W^T + b with W in 7-bit integers (one scale per
+output row) and each row of x quantized to 7 bits on its own scale
+(``aiayn.inference.native.PackedInt8``); a step's attention, QK-norm and log-softmax run in
+aiayn's C kernels too, over a cache that beams read in place (``aiayn.cache.Store``), its keys
+and values in float16. The encoder's attention, norms and embeddings stay fp32.
 
-``int8_decoding`` gives both pieces a search needs: ``int8_decoder``'s copy of the model, whose
-decoder computes so (the model given does not change: the copy shares its other modules and
+``int8_decoding`` gives both pieces a search needs: ``int8_model``'s copy of the model, which
+computes so (the model given does not change: the copy shares its other modules and
 weights), and ``Int8Output``, the output layer's product and softmax as a
 ``model.OutputKernel``, as ``aiayn.inference.kernels``' oneDNN product is: the searches and
 the model do not change. Both pack the weights once, so the weights must not change while
@@ -140,13 +140,13 @@ def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
     return x if x.dtype == dtype else x.to(dtype)
 
 
-def int8_decoder(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose decoder's linear layers compute in int8 (``Int8Linear``) and
-    whose decoder's attention and QK-norm of a decoding step run in aiayn's kernels
-    (``StepAttention``, ``NativeHeadNorm``), sharing every other module and weight with
-    ``model``, which does not change."""
+def int8_model(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose encoder's and decoder's linear layers compute in int8
+    (``Int8Linear``), whose QK-norm runs in aiayn's kernel (``NativeHeadNorm``) and whose
+    decoder's attention of a decoding step does too (``StepAttention``), sharing every other
+    module and weight with ``model``, which does not change."""
     def swap(name: str, module: nn.Module) -> nn.Module | None:
-        if not name.startswith("decoder."):
+        if not name.startswith(("encoder.", "decoder.")):
             return None
         if isinstance(module, nn.Linear):
             return Int8Linear(module)
@@ -165,10 +165,10 @@ def int8_decoder(model: nn.Module) -> nn.Module:
 
 
 def int8_decoding(model: nn.Module) -> tuple[nn.Module, Int8Output]:
-    """What an int8 search decodes with: the ``int8_decoder`` copy of ``model`` and its output
+    """What an int8 search decodes with: the ``int8_model`` copy of ``model`` and its output
     layer's ``Int8Output``; an AiaynError in one line where the kernels cannot run here."""
     native.check_int8(next(model.parameters()).device)
-    copy = int8_decoder(model)
+    copy = int8_model(model)
     return copy, Int8Output(copy.generator)
 
 

@@ -21,7 +21,7 @@
  * Where the CPU has AVX-512 VNNI (AMD Zen 4 and later, Intel Ice Lake and later), one
  * vpdpbusd does all of that for 64 products: the same integer sums, so the same floats as the
  * AVX2 path to the last bit (the epilogue is the same operations per element), in a quarter of
- * the instructions. The caller chooses the path (`int8_vnni` says whether this CPU has it).
+ * the instructions. The caller chooses the path (`avx512` says whether this CPU has it).
  *
  * Packed layout: panels of 16 output rows; a panel holds, for each group of 4 input columns,
  * 64 bytes: rows 0-7 (4 bytes each, the group's 4 weights), then rows 8-15 (one 512-bit
@@ -160,8 +160,9 @@ static VNNI void any_tile_vnni(const uint8_t *u, const float *scales, long width
   }
 }
 
-/* 1 where this CPU runs the VNNI path (and the OS keeps its 512-bit registers), else 0. */
-int int8_vnni(void) {
+/* 1 where this CPU runs aiayn's AVX-512 paths (F, BW, VL and VNNI: AMD Zen 4 and later, Intel
+ * Ice Lake and later), this product's and step_attention.c's, else 0. */
+int avx512(void) {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
@@ -170,10 +171,10 @@ int int8_vnni(void) {
 /* y (m x n, row-major) = x (m x k, row-major) W^T + b for W packed as above: `width` = k
  * rounded up to 8, `panels` * 16 >= n; sums, s and b hold panels * 16 values (b zeros where
  * the layer has none). Returns 0, or -1 where the quantized rows' scratch (m x width bytes
- * and m scales) could not be allocated. vnni: 1 for the AVX-512 VNNI path (where int8_vnni()
+ * and m scales) could not be allocated. wide: 1 for the AVX-512 VNNI path (where avx512()
  * says so), 0 for AVX2's; both give the same floats. */
 int int8_linear(const float *x, long m, long k, const int8_t *packed, const int32_t *sums,
-                const float *s, const float *b, long n, long width, float *y, int vnni) {
+                const float *s, const float *b, long n, long width, float *y, int wide) {
   uint8_t *u = malloc(m * width + 32);
   float *scales = malloc(sizeof(float) * (m + 1));
   if (!u || !scales) {
@@ -188,7 +189,7 @@ int int8_linear(const float *x, long m, long k, const int8_t *packed, const int3
     for (long i = 0; i < m; i += TILE)
       for (long p = first; p < last; p++) {
         const long columns = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
-        (vnni ? any_tile_vnni : any_tile)(u + i * width, scales + i, width, m - i < TILE ? (int)(m - i) : TILE,
+        (wide ? any_tile_vnni : any_tile)(u + i * width, scales + i, width, m - i < TILE ? (int)(m - i) : TILE,
                                           packed + p * width * PANEL, sums + p * PANEL, s + p * PANEL,
                                           b + p * PANEL, y + i * n + p * PANEL, n, columns);
       }

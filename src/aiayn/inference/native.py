@@ -97,12 +97,12 @@ def _library() -> ctypes.CDLL:
     lib.int8_linear.argtypes = [pointer, size, size, pointer, pointer, pointer, pointer, size, size,
                                 pointer, ctypes.c_int]
     lib.int8_linear.restype = ctypes.c_int
-    lib.int8_vnni.argtypes = []
-    lib.int8_vnni.restype = ctypes.c_int
+    lib.avx512.argtypes = []
+    lib.avx512.restype = ctypes.c_int
     lib.step_attention.argtypes = [pointer, size, size, size, size, size,
                                    pointer, size, size, size, pointer, size, size, size, size,
                                    ctypes.c_int, pointer, size, size,
-                                   pointer, size, pointer, size]
+                                   pointer, size, pointer, size, ctypes.c_int]
     lib.step_attention.restype = ctypes.c_int
     lib.log_softmax.argtypes = [pointer, size, size, pointer]
     lib.log_softmax.restype = None
@@ -132,22 +132,28 @@ def quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
     return q, scales
 
 
-def vnni_supported() -> bool:
-    """Whether this CPU runs the int8 product's AVX-512 VNNI path (the same floats as AVX2's)."""
-    return bool(_library().int8_vnni())
+@functools.cache
+def avx512_supported() -> bool:
+    """Whether this CPU runs the kernels' AVX-512 paths (F, BW, VL and VNNI): the int8 product's,
+    the same floats as AVX2's, and the step attention's, the same up to rounding."""
+    return bool(_library().avx512())
+
+
+def _avx512_path(asked: bool | None) -> bool:
+    if asked and not avx512_supported():
+        raise ValueError("this CPU lacks AVX-512 (F, BW, VL and VNNI): the kernels run on AVX2 here")
+    return avx512_supported() if asked is None else asked
 
 
 class PackedInt8:
     """A weight (and bias) in ``int8_linear.c``'s layout, packed once; ``__call__`` is
-    x W^T + b for (..., k) float32 x on a CPU. ``vnni``: the AVX-512 VNNI path or AVX2's
-    (default: VNNI where the CPU has it); both give the same floats."""
+    x W^T + b for (..., k) float32 x on a CPU. ``avx512``: the AVX-512 VNNI path or AVX2's
+    (default: AVX-512 where the CPU has it); both give the same floats."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None, vnni: bool | None = None):
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, avx512: bool | None = None):
         check_int8(weight.device)
         self.lib = _library()
-        if vnni and not vnni_supported():
-            raise ValueError("this CPU has no AVX-512 VNNI: the int8 product runs on AVX2 here")
-        self.vnni = vnni_supported() if vnni is None else vnni
+        self.avx512 = _avx512_path(avx512)
         n, k = weight.shape
         self.n, self.k, self.width = n, k, -(-k // 8) * 8
         panels = -(-n // PANEL)
@@ -174,7 +180,7 @@ class PackedInt8:
         if m and self.lib.int8_linear(rows.data_ptr(), m, self.k, self.packed.data_ptr(),
                                       self.sums.data_ptr(), self.scales.data_ptr(),
                                       self.bias.data_ptr(), self.n, self.width, y.data_ptr(),
-                                      int(self.vnni)):
+                                      int(self.avx512)):
             raise MemoryError(f"the int8 product could not allocate its scratch for {m} rows")
         return y.view(*x.shape[:-1], self.n)
 
@@ -184,14 +190,17 @@ def _pointer(t: Tensor | None) -> int | None:
 
 
 def step_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
-                   keys: int | None = None, ancestry: Tensor | None = None) -> Tensor:
+                   keys: int | None = None, ancestry: Tensor | None = None,
+                   avx512: bool | None = None) -> Tensor:
     """softmax(q K^T / sqrt(d_k)) V (eq. 1) for one query per row, q (n, H, 1, d_k), over the
     first ``keys`` positions (default all) of k, v (m, H, t, d_k), float32 or float16. Without
     ``ancestry`` each of the m key sets is shared by n / m consecutive rows (a beam's, as
     ``cache.fold_beams`` groups them); with it (an indirect cache's ``Store``: (n, c) int64),
     row r reads position j < c from row ``ancestry[r, j]`` of k and v, and later ones from row
     r. mask: None or bool (n / m or n, 1, 1, keys), True = may attend. ``step_attention_fits``
-    says what it takes. Returns (n, H, 1, d_k), a view of (n, 1, H, d_k) rows."""
+    says what it takes. ``avx512``: the AVX-512 products (where d_k is a multiple of 16) or
+    AVX2's, the same up to rounding (default: AVX-512 where the CPU has it). Returns
+    (n, H, 1, d_k), a view of (n, 1, H, d_k) rows."""
     n, H, _, d = q.shape
     keys = k.size(2) if keys is None else keys
     group = 1 if ancestry is not None else n // k.size(0)
@@ -205,7 +214,7 @@ def step_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
         q.data_ptr(), q.stride(0), n, group, H, d, k.data_ptr(), k.stride(0), k.stride(1),
         k.stride(2), v.data_ptr(), v.stride(0), v.stride(1), v.stride(2), keys,
         int(k.dtype == torch.float16), _pointer(ancestry), ancestry_row, written, _pointer(mask),
-        mask_row, out.data_ptr(), H * d)
+        mask_row, out.data_ptr(), H * d, int(_avx512_path(avx512)))
     if failed:
         raise MemoryError(f"the step attention could not allocate its scratch for {keys} keys")
     return out.transpose(1, 2)

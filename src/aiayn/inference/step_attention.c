@@ -107,22 +107,92 @@ DOTS(dots_f32, float, load_f32)
 DOTS(dots_f16, uint16_t, load_f16)
 
 /* out = sum_j w_j v_j for j < n, v_j at v + at[j], skipping the j of weight 0 (masked keys,
- * whose values are never read); d a multiple of 8, at most 128. */
-#define WEIGHTED_SUM(name, type, load)                                                   \
-  static void name(const float *w, const type *v, const long *at, long n, long d, float *out) { \
-    __m256 acc[16];                                                                     \
-    const long vectors = d / 8;                                                         \
-    for (long c = 0; c < vectors; c++) acc[c] = _mm256_setzero_ps();                    \
-    for (long j = 0; j < n; j++) {                                                      \
-      if (w[j] == 0.0f) continue;                                                       \
-      const __m256 wj = _mm256_set1_ps(w[j]);                                           \
-      const type *vj = v + at[j];                                                       \
-      for (long c = 0; c < vectors; c++) acc[c] = _mm256_fmadd_ps(wj, load(vj + 8 * c), acc[c]); \
-    }                                                                                   \
-    for (long c = 0; c < vectors; c++) _mm256_storeu_ps(out + 8 * c, acc[c]);           \
+ * whose values are never read); d a multiple of 8, at most 128. Even and odd keys add into
+ * accumulators of their own, summed at the end: each chain of dependent additions is half as
+ * long (their latency, not the products, bounds this loop). The body is compiled for d = 64,
+ * every Transformer preset's d_k, with the accumulators in registers, and for any d. */
+#define WEIGHTED_SUM(name, vec, width, zero, set1, fmadd, add, store, type, load, target)     \
+  static inline __attribute__((always_inline)) target void name##_body(                  \
+      const float *w, const type *v, const long *at, long n, const long vectors, float *out) { \
+    vec even[128 / width], odd[128 / width];                                             \
+    for (long c = 0; c < vectors; c++) even[c] = odd[c] = zero();                        \
+    long j = 0;                                                                          \
+    for (; j + 2 <= n; j += 2) {                                                         \
+      if (w[j] != 0.0f) {                                                                \
+        const vec wj = set1(w[j]);                                                       \
+        for (long c = 0; c < vectors; c++) even[c] = fmadd(wj, load(v + at[j] + width * c), even[c]); \
+      }                                                                                  \
+      if (w[j + 1] != 0.0f) {                                                            \
+        const vec wj = set1(w[j + 1]);                                                   \
+        for (long c = 0; c < vectors; c++) odd[c] = fmadd(wj, load(v + at[j + 1] + width * c), odd[c]); \
+      }                                                                                  \
+    }                                                                                    \
+    if (j < n && w[j] != 0.0f) {                                                         \
+      const vec wj = set1(w[j]);                                                         \
+      for (long c = 0; c < vectors; c++) even[c] = fmadd(wj, load(v + at[j] + width * c), even[c]); \
+    }                                                                                    \
+    for (long c = 0; c < vectors; c++) store(out + width * c, add(even[c], odd[c]));     \
+  }                                                                                      \
+  static target void name(const float *w, const type *v, const long *at, long n, long d, float *out) { \
+    if (d == 64)                                                                         \
+      name##_body(w, v, at, n, 64 / width, out);                                         \
+    else                                                                                 \
+      name##_body(w, v, at, n, d / width, out);                                          \
   }
-WEIGHTED_SUM(weighted_sum_f32, float, load_f32)
-WEIGHTED_SUM(weighted_sum_f16, uint16_t, load_f16)
+WEIGHTED_SUM(weighted_sum_f32, __m256, 8, _mm256_setzero_ps, _mm256_set1_ps, _mm256_fmadd_ps,
+             _mm256_add_ps, _mm256_storeu_ps, float, load_f32, )
+WEIGHTED_SUM(weighted_sum_f16, __m256, 8, _mm256_setzero_ps, _mm256_set1_ps, _mm256_fmadd_ps,
+             _mm256_add_ps, _mm256_storeu_ps, uint16_t, load_f16, )
+
+/* The same two products on AVX-512 (where avx512() in int8_linear.c says the CPU has it, and
+ * d is a multiple of 16): a head's 64 values in 4 vectors instead of 8, half the instructions;
+ * the same values up to float rounding (the sums run in another order). */
+#define WIDE __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+static inline WIDE __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline WIDE __m512 load16_f16(const uint16_t *p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+static inline WIDE __m256 halves(__m512 a) {  /* lanes i and i + 8 added */
+  return _mm256_add_ps(_mm512_castps512_ps256(a),
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
+#define DOTS_WIDE(name, type, load)                                                     \
+  static WIDE void name(const float *q, const type *k, const long *at, long n, long d, float *s) { \
+    long j = 0;                                                                         \
+    for (; j + 8 <= n; j += 8) {                                                        \
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, \
+             a7 = a0;                                                                   \
+      const type *k0 = k + at[j], *k1 = k + at[j + 1], *k2 = k + at[j + 2], *k3 = k + at[j + 3], \
+                 *k4 = k + at[j + 4], *k5 = k + at[j + 5], *k6 = k + at[j + 6],          \
+                 *k7 = k + at[j + 7];                                                   \
+      for (long c = 0; c < d; c += 16) {                                                \
+        const __m512 qc = _mm512_loadu_ps(q + c);                                       \
+        a0 = _mm512_fmadd_ps(qc, load(k0 + c), a0);                                     \
+        a1 = _mm512_fmadd_ps(qc, load(k1 + c), a1);                                     \
+        a2 = _mm512_fmadd_ps(qc, load(k2 + c), a2);                                     \
+        a3 = _mm512_fmadd_ps(qc, load(k3 + c), a3);                                     \
+        a4 = _mm512_fmadd_ps(qc, load(k4 + c), a4);                                     \
+        a5 = _mm512_fmadd_ps(qc, load(k5 + c), a5);                                     \
+        a6 = _mm512_fmadd_ps(qc, load(k6 + c), a6);                                     \
+        a7 = _mm512_fmadd_ps(qc, load(k7 + c), a7);                                     \
+      }                                                                                 \
+      _mm256_storeu_ps(s + j, sums8(halves(a0), halves(a1), halves(a2), halves(a3), halves(a4), \
+                                    halves(a5), halves(a6), halves(a7)));               \
+    }                                                                                   \
+    for (; j < n; j++) {                                                                \
+      __m512 a = _mm512_setzero_ps();                                                   \
+      for (long c = 0; c < d; c += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), load(k + at[j] + c), a); \
+      s[j] = sum8(halves(a));                                                           \
+    }                                                                                   \
+  }
+DOTS_WIDE(dots_f32_wide, float, load16_f32)
+DOTS_WIDE(dots_f16_wide, uint16_t, load16_f16)
+
+#define WIDE_SUM(name, type, load) WEIGHTED_SUM(name, __m512, 16, _mm512_setzero_ps, _mm512_set1_ps, \
+                                       _mm512_fmadd_ps, _mm512_add_ps, _mm512_storeu_ps, type, load, WIDE)
+WIDE_SUM(weighted_sum_f32_wide, float, load16_f32)
+WIDE_SUM(weighted_sum_f16_wide, uint16_t, load16_f16)
 
 /* Row r, head h: q at q + r * q_row + h * d. Its key j of head h is at k + slot * k_row +
  * h * k_head + j * k_pos (v alike, with v's strides), where slot is its key set r / group,
@@ -132,13 +202,14 @@ WEIGHTED_SUM(weighted_sum_f16, uint16_t, load_f16)
  * nonzero where the key may be seen; masked keys are never read beyond their product with q
  * (a cache's unwritten positions may hold anything). k and v: float16 where `half`, else
  * float32; strides in elements. out at out + r * out_row + h * d. A row that may see no key
- * gets zeros. d: a multiple of 8, at most 128. Returns 0, or -1 where its scratch (n_keys
- * floats and 2 n_keys offsets) could not be allocated. */
+ * gets zeros. d: a multiple of 8, at most 128. wide: 1 for the AVX-512 products where d is a
+ * multiple of 16 (the caller asks where avx512() says so). Returns 0, or -1 where its scratch
+ * (n_keys floats and 2 n_keys offsets) could not be allocated. */
 int step_attention(const float *q, long q_row, long rows, long group, long heads, long d,
                     const void *k, long k_row, long k_head, long k_pos,
                     const void *v, long v_row, long v_head, long v_pos, long n_keys, int half,
                     const int64_t *ancestry, long ancestry_row, long written,
-                    const uint8_t *mask, long mask_row, float *out, long out_row) {
+                    const uint8_t *mask, long mask_row, float *out, long out_row, int wide) {
   float *scores = malloc(sizeof(float) * (n_keys + 8));
   long *at = malloc(sizeof(long) * 2 * (n_keys + 1));
   if (!scores || !at) {
@@ -146,23 +217,45 @@ int step_attention(const float *q, long q_row, long rows, long group, long heads
     free(at);
     return -1;
   }
+  wide = wide && d % 16 == 0;
+  void (*dots_f16_at)(const float *, const uint16_t *, const long *, long, long, float *) =
+      wide ? dots_f16_wide : dots_f16;
+  void (*dots_f32_at)(const float *, const float *, const long *, long, long, float *) =
+      wide ? dots_f32_wide : dots_f32;
+  void (*sum_f16_at)(const float *, const uint16_t *, const long *, long, long, float *) =
+      wide ? weighted_sum_f16_wide : weighted_sum_f16;
+  void (*sum_f32_at)(const float *, const float *, const long *, long, long, float *) =
+      wide ? weighted_sum_f32_wide : weighted_sum_f32;
   const float scale = 1.0f / sqrtf((float)d);
   const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
+  long *at_v = at + n_keys;
+  long placed = -1; /* the key set whose offsets at and at_v hold */
   for (long r = 0; r < rows; r++) {
     const long s = r / group;
     const uint8_t *visible = mask ? mask + s * mask_row : 0;
-    long *at_v = at + n_keys;
-    for (long j = 0; j < n_keys; j++) {
-      const long slot = ancestry && j < written ? ancestry[r * ancestry_row + j] : s;
-      at[j] = slot * k_row + j * k_pos;
-      at_v[j] = slot * v_row + j * v_pos;
+    if (ancestry || s != placed) { /* a group's rows share one set's offsets: placed once */
+      long j = 0;
+      if (ancestry)
+        for (; j < written; j++) {
+          const long slot = ancestry[r * ancestry_row + j];
+          at[j] = slot * k_row + j * k_pos;
+          at_v[j] = slot * v_row + j * v_pos;
+        }
+      /* the rest one stride apart: additions (a product per key, vectorized as 64-bit
+         multiplications emulated, took most of this function's time) */
+      for (long kj = s * k_row + j * k_pos, vj = s * v_row + j * v_pos; j < n_keys;
+           j++, kj += k_pos, vj += v_pos) {
+        at[j] = kj;
+        at_v[j] = vj;
+      }
+      placed = s;
     }
     for (long h = 0; h < heads; h++) {
       float *o = out + r * out_row + h * d;
       if (half)
-        dots_f16(q + r * q_row + h * d, (const uint16_t *)k + h * k_head, at, n_keys, d, scores);
+        dots_f16_at(q + r * q_row + h * d, (const uint16_t *)k + h * k_head, at, n_keys, d, scores);
       else
-        dots_f32(q + r * q_row + h * d, (const float *)k + h * k_head, at, n_keys, d, scores);
+        dots_f32_at(q + r * q_row + h * d, (const float *)k + h * k_head, at, n_keys, d, scores);
       /* scale, mask, and the largest score (softmax's shift) */
       __m256 top = minus_inf;
       long j = 0;
@@ -202,9 +295,9 @@ int step_attention(const float *q, long q_row, long rows, long group, long heads
       }
       const float inverse = 1.0f / total;
       if (half)
-        weighted_sum_f16(scores, (const uint16_t *)v + h * v_head, at_v, n_keys, d, o);
+        sum_f16_at(scores, (const uint16_t *)v + h * v_head, at_v, n_keys, d, o);
       else
-        weighted_sum_f32(scores, (const float *)v + h * v_head, at_v, n_keys, d, o);
+        sum_f32_at(scores, (const float *)v + h * v_head, at_v, n_keys, d, o);
       const __m256 inverse8 = _mm256_set1_ps(inverse);
       for (long c = 0; c < d; c += 8) _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(o + c), inverse8));
     }
