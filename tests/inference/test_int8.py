@@ -90,6 +90,16 @@ def test_the_vnni_path_gives_avx2s_floats(rows, features, outputs):
     assert torch.equal(vnni(x), avx2(x))
 
 
+def test_the_avx512_paths_follow_pytorchs_capability(monkeypatch):
+    """ATEN_CPU_CAPABILITY=avx2 (PyTorch's reading "AVX2") keeps aiayn's kernels on AVX2 too."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    native.avx512_supported.cache_clear()
+    try:
+        assert native.avx512_supported() is False
+    finally:
+        native.avx512_supported.cache_clear()
+
+
 def test_the_avx512_paths_are_refused_where_the_cpu_lacks_them(monkeypatch):
     monkeypatch.setattr(native, "avx512_supported", lambda: False)
     with pytest.raises(ValueError, match="lacks AVX-512"):

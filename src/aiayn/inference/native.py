@@ -134,9 +134,11 @@ def quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
 
 @functools.cache
 def avx512_supported() -> bool:
-    """Whether this CPU runs the kernels' AVX-512 paths (F, BW, VL and VNNI): the int8 product's,
-    the same floats as AVX2's, and the step attention's, the same up to rounding."""
-    return bool(_library().avx512())
+    """Whether the kernels take their AVX-512 paths (the int8 product's, the same floats as
+    AVX2's, and the step attention's, the same up to rounding): where the CPU has AVX-512 F,
+    BW, VL and VNNI and PyTorch runs its own AVX-512 kernels (``ATEN_CPU_CAPABILITY=avx2``
+    keeps both on AVX2)."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and bool(_library().avx512())
 
 
 def _avx512_path(asked: bool | None) -> bool:
