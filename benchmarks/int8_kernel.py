@@ -3,7 +3,8 @@ at the rows a decoding step holds, in fp32 (``F.linear``: MKL in PyTorch's x86 b
 FBGEMM's int8 (``torch.ops.quantized.linear_dynamic``, each row scaled to its own range and
 an anchor row appended so that its result does not depend on the other rows, as aiayn's
 `--int8` computed the output layer before its own kernel) and in aiayn's own int8 kernel
-(``aiayn.inference.native.PackedInt8``), on one thread.
+(``aiayn.inference.native.PackedInt8``), on one thread; where the CPU has AVX-512 VNNI, which
+the kernel then takes, its AVX2 path too (the same floats).
 
     python benchmarks/int8_kernel.py --repeats 5
 
@@ -41,7 +42,7 @@ from common import (  # noqa: E402  (benchmarks/ is not a package)
     set_threads,
 )
 
-from aiayn.inference.native import PackedInt8, check_int8  # noqa: E402
+from aiayn.inference.native import PackedInt8, avx512_supported, check_int8  # noqa: E402
 
 SHAPES = [(768, 256), (256, 256), (512, 256), (256, 512), (5131, 256)]
 ROWS = [4, 16, 64, 256]
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         weight = torch.randn(n, k, generator=numbers) / k ** 0.5
         bias = torch.randn(n, generator=numbers) * 0.1
         ours, fbgemm = PackedInt8(weight, bias), fbgemm_product(weight, bias)
+        avx2 = PackedInt8(weight, bias, avx512=False) if avx512_supported() else None
         for m in ROWS:
             x = torch.randn(m, k, generator=numbers)
             calls = max(1, int(2e7 // (m * n * k)))  # ~40 MFLOP a burst
@@ -97,19 +99,22 @@ def main(argv: list[str] | None = None) -> None:
                           "aiayn": burst(partial(ours, x), calls)}
             if fbgemm is not None:
                 contenders["fbgemm"] = burst(partial(fbgemm, x), calls)
+            if avx2 is not None:
+                contenders["avx2"] = burst(partial(avx2, x), calls)
             times = interleave(contenders, args.repeats)
             us = {name: 1e6 * median([rep[0] for rep in t]) / calls for name, t in times.items()}
             exact = F.linear(x, weight, bias)
             error = ((ours(x) - exact).norm() / (exact - bias).norm()).item()
-            fb = (f"{us['fbgemm']:.1f} ({us['fp32'] / us['fbgemm']:.2f}x)" if fbgemm is not None
-                  else "-")
+            fb, path = (f"{us[name]:.1f} ({us['fp32'] / us[name]:.2f}x)" if name in us else "-"
+                        for name in ("fbgemm", "avx2"))
             rows_out.append([f"{n} x {k}", str(m), f"{us['fp32']:.1f}", fb,
-                             f"{us['aiayn']:.1f} ({us['fp32'] / us['aiayn']:.2f}x)",
+                             f"{us['aiayn']:.1f} ({us['fp32'] / us['aiayn']:.2f}x)", path,
                              f"{2 * m * n * k / us['aiayn'] / 1e3:.0f}", f"{error:.3f}"])
     conditions = (f"one thread, median of {args.repeats} interleaved repetitions of a burst of "
                   f"calls each; {time.strftime('%Y-%m-%d')}\ndevice: {device_description()}")
     print_table(["layer (out x in)", "rows", "fp32 us", "FBGEMM int8 us (speed-up)",
-                 "aiayn int8 us (speed-up)", "aiayn GFLOP/s", "aiayn int8 rel. error"],
+                 "aiayn int8 us (speed-up)", "its AVX2 path us (speed-up)", "aiayn GFLOP/s",
+                 "aiayn int8 rel. error"],
                 rows_out, conditions, args.json)
 
 

@@ -205,24 +205,26 @@ def logits_with_banned_columns(n: int) -> torch.Tensor:
     return x
 
 
+@pytest.mark.parametrize("avx512", [False, True])
 @pytest.mark.parametrize("n", [5, 8, 61, 5131])
-def test_the_native_log_softmax_equals_torchs(n):
+def test_the_native_log_softmax_equals_torchs(n, avx512):
     x = logits_with_banned_columns(n)
     before = x.clone()
-    got = log_softmax(x)
+    got = log_softmax(x, avx512=path(avx512))
     assert torch.equal(x, before)
     assert torch.allclose(got[:4], torch.log_softmax(x[:4], dim=-1), atol=1e-5, rtol=1e-5)
     assert torch.equal(got.isinf(), x.isinf())  # the row of -inf alone: -inf (torch's: nan)
 
 
+@pytest.mark.parametrize("avx512", [False, True])
 @pytest.mark.parametrize("n, k", [(5, 5), (8, 1), (61, 12), (5131, 8), (5131, 12)])
-def test_the_top_log_probabilities_are_the_log_softmaxs_floats_topk(n, k):
-    """One kernel computes both sides (the same sum of exponentials): exact equality, the same
-    columns where the values differ; a row with fewer than k finite values ends in -inf, every
-    column once."""
+def test_the_top_log_probabilities_are_the_log_softmaxs_floats_topk(n, k, avx512):
+    """One kernel computes both sides (the same sum of exponentials, on either path): exact
+    equality, the same columns where the values differ; a row with fewer than k finite values
+    ends in -inf, every column once."""
     x = logits_with_banned_columns(n)
-    values, columns = top_log_softmax(x, k)
-    want, want_columns = log_softmax(x).topk(k, dim=1)
+    values, columns = top_log_softmax(x, k, avx512=path(avx512))
+    want, want_columns = log_softmax(x, avx512=avx512).topk(k, dim=1)
     assert torch.equal(values, want)
     finite = want.isfinite()
     assert torch.equal(columns[finite], want_columns[finite])

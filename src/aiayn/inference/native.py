@@ -104,9 +104,9 @@ def _library() -> ctypes.CDLL:
                                    ctypes.c_int, pointer, size, size,
                                    pointer, size, pointer, size, ctypes.c_int]
     lib.step_attention.restype = ctypes.c_int
-    lib.log_softmax.argtypes = [pointer, size, size, pointer]
+    lib.log_softmax.argtypes = [pointer, size, size, pointer, ctypes.c_int]
     lib.log_softmax.restype = None
-    lib.top_log_softmax.argtypes = [pointer, size, size, size, pointer, pointer]
+    lib.top_log_softmax.argtypes = [pointer, size, size, size, pointer, pointer, ctypes.c_int]
     lib.top_log_softmax.restype = None
     lib.rms_norm.argtypes = [pointer, size, size, pointer, ctypes.c_float]
     lib.rms_norm.restype = None
@@ -265,26 +265,27 @@ def rms_norm(x: Tensor, gain: Tensor, eps: float) -> Tensor:
     return out
 
 
-def log_softmax(x: Tensor) -> Tensor:
+def log_softmax(x: Tensor, avx512: bool | None = None) -> Tensor:
     """log softmax over the last dimension of float32 CPU x (torch.log_softmax's values up to
     rounding), a new contiguous tensor: a search's log-probabilities in one pass of AVX2's
-    exponentials, where PyTorch's takes several times longer at a step's 5,000 pieces."""
+    exponentials, where PyTorch's takes several times longer at a step's 5,000 pieces.
+    ``avx512``: the exponentials 16 at a time or 8 (default: 16 where the CPU has AVX-512)."""
     if x.dtype != torch.float32 or not x.is_cpu:
         raise ValueError(f"the native log softmax takes float32 CPU input, got {x.dtype} on {x.device}")
     x = x.contiguous()
     out = torch.empty_like(x)
     n = x.size(-1)
     if x.numel():
-        _library().log_softmax(x.data_ptr(), x.numel() // n, n, out.data_ptr())
+        _library().log_softmax(x.data_ptr(), x.numel() // n, n, out.data_ptr(), int(_avx512_path(avx512)))
     return out
 
 
-def top_log_softmax(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def top_log_softmax(x: Tensor, k: int, avx512: bool | None = None) -> tuple[Tensor, Tensor]:
     """The k largest log-probabilities of each row of (R, n) float32 CPU logits, largest
     first, and their columns (R, k): ``log_softmax(x).topk(k)``'s values, the same floats,
     in one pass that writes no row of n log-probabilities (a beam step needs 2K of them).
     Among equal values the first column comes first (topk's order is not fixed); a NaN logit
-    is never ranked."""
+    is never ranked. ``avx512`` as ``log_softmax``'s: the same floats as it on the same path."""
     if x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or not 1 <= k <= x.size(1):
         raise ValueError(f"the native top log softmax takes (rows, n) float32 CPU input and "
                          f"1 <= k <= n, got {tuple(x.shape)} {x.dtype} on {x.device}, k={k}")
@@ -292,5 +293,5 @@ def top_log_softmax(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     values, columns = torch.empty(x.size(0), k), torch.empty(x.size(0), k, dtype=torch.long)
     if x.size(0):
         _library().top_log_softmax(x.data_ptr(), x.size(0), x.size(1), k, values.data_ptr(),
-                                   columns.data_ptr())
+                                   columns.data_ptr(), int(_avx512_path(avx512)))
     return values, columns

@@ -336,10 +336,48 @@ static float log_sum_exp(const float *a, long n, float largest) {
   return largest + logf(total);
 }
 
+/* e^x for 16 floats, x <= 0: exp_nonpositive's operations, lane for lane the same values. */
+static inline WIDE __m512 exp16_nonpositive(__m512 x) {
+  const __m512 low = _mm512_set1_ps(-87.0f);
+  const __mmask16 kept = _mm512_cmp_ps_mask(x, low, _CMP_NLT_UQ); /* not below -87, as there */
+  x = _mm512_max_ps(x, low);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i exponent = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n),
+                                                              _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(kept, p, _mm512_castsi512_ps(exponent));
+}
+
+/* log_sum_exp on AVX-512: 16 exponentials at a time, the same ones; the sum's order, so its
+ * last bit, differs from the AVX2 one's. */
+static WIDE float log_sum_exp_wide(const float *a, long n, float largest) {
+  const __m512 shift = _mm512_set1_ps(largest);
+  __m512 total16 = _mm512_setzero_ps();
+  long j = 0;
+  for (; j + 16 <= n; j += 16)
+    total16 = _mm512_add_ps(total16, exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(a + j), shift)));
+  if (j < n) { /* the last n - j < 16 values, the lanes past them 0 */
+    const __mmask16 tail = (__mmask16)((1u << (n - j)) - 1);
+    const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, a + j), shift));
+    total16 = _mm512_add_ps(total16, _mm512_maskz_mov_ps(tail, e));
+  }
+  return largest + logf(_mm512_reduce_add_ps(total16));
+}
+
 /* y = x - max - log(sum_j e^(x_j - max)) over each of `rows` rows of n values (log softmax:
  * a search's log-probabilities of the next piece), y may be x; -inf stays -inf, and a row
- * of -inf alone gives -inf. */
-void log_softmax(const float *x, long rows, long n, float *y) {
+ * of -inf alone gives -inf. wide: the sum of exponentials on AVX-512 (where avx512() says so). */
+void log_softmax(const float *x, long rows, long n, float *y, int wide) {
   for (long r = 0; r < rows; r++) {
     const float *a = x + r * n;
     float *b = y + r * n;
@@ -352,7 +390,7 @@ void log_softmax(const float *x, long rows, long n, float *y) {
       for (j = 0; j < n; j++) b[j] = -INFINITY;
       continue;
     }
-    const float offset = log_sum_exp(a, n, largest);
+    const float offset = wide ? log_sum_exp_wide(a, n, largest) : log_sum_exp(a, n, largest);
     const __m256 offset8 = _mm256_set1_ps(offset);
     for (j = 0; j + 8 <= n; j += 8) _mm256_storeu_ps(b + j, _mm256_sub_ps(_mm256_loadu_ps(a + j), offset8));
     for (; j < n; j++) b[j] = a[j] - offset;
@@ -371,14 +409,40 @@ static inline void keep_best(float x, long j, long k, float *value, long *column
   column[i] = j;
 }
 
+/* keep_best over a[j..] 8 (or 16) values a compare, from j (a multiple of 8) for as many as
+ * whole vectors cover: where it stopped. */
+static long scan(const float *a, long j, long n, long k, float *v, long *c) {
+  __m256 bar = _mm256_set1_ps(v[k - 1]);
+  for (; j + 8 <= n; j += 8) {
+    int above = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(a + j), bar, _CMP_GT_OQ));
+    if (!above) continue;
+    for (; above; above &= above - 1) keep_best(a[j + __builtin_ctz(above)], j + __builtin_ctz(above), k, v, c);
+    bar = _mm256_set1_ps(v[k - 1]);
+  }
+  return j;
+}
+
+static WIDE long scan_wide(const float *a, long j, long n, long k, float *v, long *c) {
+  __m512 bar = _mm512_set1_ps(v[k - 1]);
+  for (; j + 16 <= n; j += 16) {
+    unsigned above = _mm512_cmp_ps_mask(_mm512_loadu_ps(a + j), bar, _CMP_GT_OQ);
+    if (!above) continue;
+    for (; above; above &= above - 1) keep_best(a[j + __builtin_ctz(above)], j + __builtin_ctz(above), k, v, c);
+    bar = _mm512_set1_ps(v[k - 1]);
+  }
+  return scan(a, j, n, k, v, c);  /* 8 more, where they remain */
+}
+
 /* The k largest log-probabilities of each row of x (rows x n), largest first, and their
  * columns, 1 <= k <= n: log_softmax's values (the same floats) and then topk, without writing
  * the n log-probabilities. One pass finds the k largest x_j: the first k, then any value
  * above the k-th best so far (few, after the first hundred: a vector compare skips the rest);
  * their largest is the max the sum of exponentials needs. Among equal values the first
  * column wins (topk's order among ties is not fixed). NaN, a broken model's logit, is never
- * ranked (topk puts it first). */
-void top_log_softmax(const float *x, long rows, long n, long k, float *value, long *column) {
+ * ranked (topk puts it first). wide: the scan and the sum on AVX-512 (where avx512() says so);
+ * log_softmax with the same `wide` gives the same floats. */
+void top_log_softmax(const float *x, long rows, long n, long k, float *value, long *column,
+                     int wide) {
   for (long r = 0; r < rows; r++) {
     const float *a = x + r * n;
     float *v = value + r * k;
@@ -398,16 +462,10 @@ void top_log_softmax(const float *x, long rows, long n, long k, float *value, lo
     }
     long j = k;
     for (; j < n && j % 8; j++) keep_best(a[j], j, k, v, c);
-    __m256 bar = _mm256_set1_ps(v[k - 1]);
-    for (; j + 8 <= n; j += 8) {
-      int above = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(a + j), bar, _CMP_GT_OQ));
-      if (!above) continue;
-      for (; above; above &= above - 1) keep_best(a[j + __builtin_ctz(above)], j + __builtin_ctz(above), k, v, c);
-      bar = _mm256_set1_ps(v[k - 1]);
-    }
+    j = wide ? scan_wide(a, j, n, k, v, c) : scan(a, j, n, k, v, c);
     for (; j < n; j++) keep_best(a[j], j, k, v, c);
     if (v[0] == -INFINITY) continue;  /* a row of -inf alone: -inf */
-    const float offset = log_sum_exp(a, n, v[0]);
+    const float offset = wide ? log_sum_exp_wide(a, n, v[0]) : log_sum_exp(a, n, v[0]);
     for (long i = 0; i < k; i++) v[i] -= offset;
   }
 }
