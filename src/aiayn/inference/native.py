@@ -2,7 +2,7 @@
 through ctypes: the int8 product ``PackedInt8`` (``int8_linear.c`` beside this file, whose
 comment has the arithmetic) and a step's one-query attention, QK-norm and log-softmax
 (``step_attention``, ``rms_norm``, ``log_softmax``, ``top_log_softmax``: ``step_attention.c``);
-``aiayn.inference.int8`` puts them in the decoder and the output layer.
+``aiayn.inference.int8`` puts them in the encoder, the decoder and the output layer.
 
 Why a product of our own: at the few rows of a decoding step (4-64), PyTorch's int8 products
 cost more than fp32 here: FBGEMM's dynamic product quantizes a whole batch on one scale, and
