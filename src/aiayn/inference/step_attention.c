@@ -18,29 +18,35 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-/* e^x for 8 floats, x <= 0 (softmax's shifted scores): x = n ln 2 + r with |r| <= ln 2 / 2,
- * e^r by its Taylor polynomial of degree 7 (relative error below 2e-7), 2^n by the exponent
- * bits. Below -87 it is 0, as expf's result underflows there. */
+/* e^x, x <= 0 (softmax's shifted scores), given n = round(x / ln 2): x = n ln 2 + r with
+ * |r| <= ln 2 / 2, e^r by its Taylor polynomial of degree 7 (relative error below 2e-7), 2^n
+ * by the exponent bits; W is 256 or 512, the vector's width (one text for both widths: the
+ * same operations, lane for lane the same values). */
+#define EXP_FROM(W, x, n)                                                                \
+  ({                                                                                     \
+    /* r = x - n ln 2, ln 2 in two parts so that the product is exact */                 \
+    __m##W r = _mm##W##_fnmadd_ps(n, _mm##W##_set1_ps(0.693359375f), x);                 \
+    r = _mm##W##_fnmadd_ps(n, _mm##W##_set1_ps(-2.12194440e-4f), r);                     \
+    __m##W p = _mm##W##_set1_ps(1.0f / 5040.0f);                                         \
+    p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(1.0f / 720.0f));                        \
+    p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(1.0f / 120.0f));                        \
+    p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(1.0f / 24.0f));                         \
+    p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(1.0f / 6.0f));                          \
+    p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(0.5f));                                 \
+    p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(1.0f));                                 \
+    p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(1.0f));                                 \
+    _mm##W##_mul_ps(p, _mm##W##_castsi##W##_ps(_mm##W##_slli_epi32(                      \
+        _mm##W##_add_epi32(_mm##W##_cvtps_epi32(n), _mm##W##_set1_epi32(127)), 23)));     \
+  })
+
+/* e^x for 8 floats, x <= 0. Below -87 it is 0, as expf's result underflows there. */
 static inline __m256 exp_nonpositive(__m256 x) {
   const __m256 low = _mm256_set1_ps(-87.0f);
   const __m256 underflow = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
   x = _mm256_max_ps(x, low);
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  /* r = x - n ln 2, ln 2 in two parts so that the product is exact */
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
-                                                              _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(exponent)));
+  return _mm256_andnot_ps(underflow, EXP_FROM(256, x, n));
 }
 
 static inline float sum8(__m256 v) {
@@ -74,37 +80,42 @@ static inline __m256 load_f16(const uint16_t *p) {
   return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
 
-/* s[j] = q . k_j for j < n, k_j at k + at[j], d a multiple of 8. */
-#define DOTS(name, type, load)                                                          \
-  static void name(const float *q, const type *k, const long *at, long n, long d, float *s) { \
+/* s[j] = q . k_j for j < n, k_j at k + at[j], d a multiple of the vector's width: 8 keys at a
+ * time on accumulators of their own, each narrowed to 8 lanes (`narrow`) before their sums.
+ * Written once for AVX2's 8-lane vectors and AVX-512's 16-lane ones (below). */
+#define DOTS(name, vec, width, zero, loadq, fmadd, narrow, type, load, target)           \
+  static target void name(const float *q, const type *k, const long *at, long n, long d, float *s) { \
     long j = 0;                                                                         \
     for (; j + 8 <= n; j += 8) {                                                        \
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, \
-             a7 = a0;                                                                   \
+      vec a0 = zero(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;  \
       const type *k0 = k + at[j], *k1 = k + at[j + 1], *k2 = k + at[j + 2], *k3 = k + at[j + 3], \
                  *k4 = k + at[j + 4], *k5 = k + at[j + 5], *k6 = k + at[j + 6],          \
                  *k7 = k + at[j + 7];                                                   \
-      for (long c = 0; c < d; c += 8) {                                                 \
-        const __m256 qc = _mm256_loadu_ps(q + c);                                       \
-        a0 = _mm256_fmadd_ps(qc, load(k0 + c), a0);                                     \
-        a1 = _mm256_fmadd_ps(qc, load(k1 + c), a1);                                     \
-        a2 = _mm256_fmadd_ps(qc, load(k2 + c), a2);                                     \
-        a3 = _mm256_fmadd_ps(qc, load(k3 + c), a3);                                     \
-        a4 = _mm256_fmadd_ps(qc, load(k4 + c), a4);                                     \
-        a5 = _mm256_fmadd_ps(qc, load(k5 + c), a5);                                     \
-        a6 = _mm256_fmadd_ps(qc, load(k6 + c), a6);                                     \
-        a7 = _mm256_fmadd_ps(qc, load(k7 + c), a7);                                     \
+      for (long c = 0; c < d; c += width) {                                             \
+        const vec qc = loadq(q + c);                                                    \
+        a0 = fmadd(qc, load(k0 + c), a0);                                               \
+        a1 = fmadd(qc, load(k1 + c), a1);                                               \
+        a2 = fmadd(qc, load(k2 + c), a2);                                               \
+        a3 = fmadd(qc, load(k3 + c), a3);                                               \
+        a4 = fmadd(qc, load(k4 + c), a4);                                               \
+        a5 = fmadd(qc, load(k5 + c), a5);                                               \
+        a6 = fmadd(qc, load(k6 + c), a6);                                               \
+        a7 = fmadd(qc, load(k7 + c), a7);                                               \
       }                                                                                 \
-      _mm256_storeu_ps(s + j, sums8(a0, a1, a2, a3, a4, a5, a6, a7));                   \
+      _mm256_storeu_ps(s + j, sums8(narrow(a0), narrow(a1), narrow(a2), narrow(a3), narrow(a4), \
+                                    narrow(a5), narrow(a6), narrow(a7)));               \
     }                                                                                   \
     for (; j < n; j++) {                                                                \
-      __m256 a = _mm256_setzero_ps();                                                   \
-      for (long c = 0; c < d; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), load(k + at[j] + c), a); \
-      s[j] = sum8(a);                                                                   \
+      vec a = zero();                                                                   \
+      for (long c = 0; c < d; c += width) a = fmadd(loadq(q + c), load(k + at[j] + c), a); \
+      s[j] = sum8(narrow(a));                                                           \
     }                                                                                   \
   }
-DOTS(dots_f32, float, load_f32)
-DOTS(dots_f16, uint16_t, load_f16)
+static inline __m256 same8(__m256 a) { return a; }
+DOTS(dots_f32, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps, same8, float,
+     load_f32, )
+DOTS(dots_f16, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps, same8, uint16_t,
+     load_f16, )
 
 /* out = sum_j w_j v_j for j < n, v_j at v + at[j], skipping the j of weight 0 (masked keys,
  * whose values are never read); d a multiple of 8, at most 128. Even and odd keys add into
@@ -157,37 +168,10 @@ static inline WIDE __m256 halves(__m512 a) {  /* lanes i and i + 8 added */
                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
 }
 
-#define DOTS_WIDE(name, type, load)                                                     \
-  static WIDE void name(const float *q, const type *k, const long *at, long n, long d, float *s) { \
-    long j = 0;                                                                         \
-    for (; j + 8 <= n; j += 8) {                                                        \
-      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, \
-             a7 = a0;                                                                   \
-      const type *k0 = k + at[j], *k1 = k + at[j + 1], *k2 = k + at[j + 2], *k3 = k + at[j + 3], \
-                 *k4 = k + at[j + 4], *k5 = k + at[j + 5], *k6 = k + at[j + 6],          \
-                 *k7 = k + at[j + 7];                                                   \
-      for (long c = 0; c < d; c += 16) {                                                \
-        const __m512 qc = _mm512_loadu_ps(q + c);                                       \
-        a0 = _mm512_fmadd_ps(qc, load(k0 + c), a0);                                     \
-        a1 = _mm512_fmadd_ps(qc, load(k1 + c), a1);                                     \
-        a2 = _mm512_fmadd_ps(qc, load(k2 + c), a2);                                     \
-        a3 = _mm512_fmadd_ps(qc, load(k3 + c), a3);                                     \
-        a4 = _mm512_fmadd_ps(qc, load(k4 + c), a4);                                     \
-        a5 = _mm512_fmadd_ps(qc, load(k5 + c), a5);                                     \
-        a6 = _mm512_fmadd_ps(qc, load(k6 + c), a6);                                     \
-        a7 = _mm512_fmadd_ps(qc, load(k7 + c), a7);                                     \
-      }                                                                                 \
-      _mm256_storeu_ps(s + j, sums8(halves(a0), halves(a1), halves(a2), halves(a3), halves(a4), \
-                                    halves(a5), halves(a6), halves(a7)));               \
-    }                                                                                   \
-    for (; j < n; j++) {                                                                \
-      __m512 a = _mm512_setzero_ps();                                                   \
-      for (long c = 0; c < d; c += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), load(k + at[j] + c), a); \
-      s[j] = sum8(halves(a));                                                           \
-    }                                                                                   \
-  }
-DOTS_WIDE(dots_f32_wide, float, load16_f32)
-DOTS_WIDE(dots_f16_wide, uint16_t, load16_f16)
+DOTS(dots_f32_wide, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps, halves,
+     float, load16_f32, WIDE)
+DOTS(dots_f16_wide, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps, halves,
+     uint16_t, load16_f16, WIDE)
 
 #define WIDE_SUM(name, type, load) WEIGHTED_SUM(name, __m512, 16, _mm512_setzero_ps, _mm512_set1_ps, \
                                        _mm512_fmadd_ps, _mm512_add_ps, _mm512_storeu_ps, type, load, WIDE)
@@ -343,19 +327,7 @@ static inline WIDE __m512 exp16_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, low);
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  const __m512i exponent = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n),
-                                                              _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mul_ps(kept, p, _mm512_castsi512_ps(exponent));
+  return _mm512_maskz_mov_ps(kept, EXP_FROM(512, x, n));
 }
 
 /* log_sum_exp on AVX-512: 16 exponentials at a time, the same ones; the sum's order, so its
