@@ -16,8 +16,9 @@ reads keys only where they lie contiguously, where an indirect cache (``aiayn.ca
 keeps them where they were written.
 
 The sources are compiled once per machine (``$CC``, else ``cc``, with AVX2, FMA and F16C, which
-every AVX2 CPU has; the product's AVX-512 VNNI path, 1.2-2.4x AVX2's on an AMD Zen 5 and the
-same floats, is compiled beside it and taken where the CPU has it) into one
+every AVX2 CPU has; AVX-512 paths are compiled beside them and taken where the CPU has
+AVX-512 VNNI: the product's, the same floats at 1.2-2.1x the AVX2 path's speed on an AMD Zen 5,
+and the step attention's and softmax's, 16 lanes wide) into one
 library in ``$XDG_CACHE_HOME/aiayn`` (``~/.cache/aiayn``), named by a hash of the sources,
 compiler and flags, and loaded with ctypes, which lets go of the GIL during a call, so that
 decoding streams run it at once. ``check_int8`` says in one line why it cannot run where it
@@ -143,7 +144,8 @@ def avx512_supported() -> bool:
 
 def _avx512_path(asked: bool | None) -> bool:
     if asked and not avx512_supported():
-        raise ValueError("this CPU lacks AVX-512 (F, BW, VL and VNNI): the kernels run on AVX2 here")
+        raise ValueError("the kernels run on AVX2 here: this CPU lacks AVX-512 (F, BW, VL and VNNI), "
+                         "or ATEN_CPU_CAPABILITY keeps PyTorch off it")
     return avx512_supported() if asked is None else asked
 
 
