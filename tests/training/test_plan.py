@@ -113,8 +113,10 @@ def test_train_chooses_auto_regularisation_and_writes_it_into_config_yaml(
     from aiayn.model import SublayerConnection
 
     data = write_prepared(tmp_path / "data")
+    # The time budget alone: tiny.yaml's 40 steps end before a fast CPU has timed MEASURE_S.
     limit = (["--set", "train.max_steps=60", "--set", "train.max_minutes=0"]
-             if budget == "steps" else ["--set", "train.max_minutes=0.05"])
+             if budget == "steps" else ["--set", "train.max_minutes=0.05",
+                                        "--set", "train.max_steps=100000"])
     monkeypatch.setattr(plan_module, "MEASURE_S", 0.3)  # a short run projects early
     seen = []
     original = SublayerConnection.forward

@@ -148,6 +148,56 @@ class FakeClock:
         tuner.observe(self.per_token[torch.get_num_threads()] * tokens, tokens)
 
 
+class ShapeClock:
+    """A first pass whose shapes keep changing: each shape three steps in a row, then never
+    again; a shape's first step at a count costs 6x (one-time setup), later ones their
+    count's price, two threads twice as fast as one."""
+
+    price = {1: 1.0, 2: 0.5}
+
+    def __init__(self):
+        self.seen: set = set()
+
+    def steps(self, tuner: ThreadTuner, shapes: range, tell: bool = True) -> int:
+        """Run the steps; how many trials began."""
+        trials = 0
+        for i in shapes:
+            shape, count = i // 3, torch.get_num_threads()
+            first = (shape, count) not in self.seen
+            self.seen.add((shape, count))
+            before = tuner.trying
+            tuner.observe(self.price[count] * (6.0 if first else 1.0) * 1000, 1000,
+                          shape=shape if tell else None)
+            trials += before is None and tuner.trying is not None
+        return trials
+
+
+def test_a_shapes_first_step_at_a_count_is_no_sample(threads):
+    """Left on the wrong count (as a noisy first trial can leave it), the tuner moves to two
+    threads at its first trial and stays, trials coming at their backed-off interval. Not
+    told the shapes, it takes every new shape's first step for a change of load and starts
+    a trial at once, over and over."""
+    clock, tuner = ShapeClock(), ThreadTuner(2, every=10, every_s=1e9, trial=3)
+    tuner.current = 1
+    torch.set_num_threads(1)
+    clock.steps(tuner, range(30))
+    assert tuner.current == 2 and torch.get_num_threads() == 2
+    assert clock.steps(tuner, range(30, 330)) <= 10  # every 10, 20, 40, 40, ... steps
+    assert tuner.current == 2
+    blind_clock, blind = ShapeClock(), ThreadTuner(2, every=10, every_s=1e9, trial=3)
+    assert blind_clock.steps(blind, range(330), tell=False) > 25
+
+
+def test_a_trial_of_new_shapes_alone_ends_and_changes_nothing(threads):
+    tuner = ThreadTuner(2, every=1000, every_s=1e9, trial=2)
+    for _ in range(4):  # two threads, one shape: samples; then the first trial starts
+        tuner.observe(500.0, 1000, shape="seen")
+    assert tuner.trying == 1
+    for i in range(ThreadTuner.MAX_TRIAL * 2):  # every step of the trial a new shape
+        tuner.observe(100.0, 1000, shape=i)
+    assert tuner.trying is None and tuner.current == 2 and torch.get_num_threads() == 2
+
+
 def test_tuner_moves_to_one_thread_under_load_and_back_when_it_ends(threads):
     tuner = ThreadTuner(2, every=10, every_s=1e9, trial=3)
     assert torch.get_num_threads() == 2

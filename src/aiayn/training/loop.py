@@ -367,7 +367,8 @@ class Trainer:
                                     progress.step + 1, self.config, self.world, progress.elapsed_s,
                                     prefetch=stream.prefetch if self.prefetch else None,
                                     kernel=self.kernel, scaler=self.scaler)
-                self.threads.observe(time.perf_counter() - step_start, result.n_tokens)
+                self.threads.observe(time.perf_counter() - step_start, result.n_tokens,
+                                     shape=tuple((*b.src.shape, *b.tgt_in.shape) for b in micro))
                 if result.skipped and result.scale >= MIN_LOSS_SCALE:
                     # fp16 overflow: no update, so the step (and the schedule, a function of
                     # it) stays; the batch is spent, as in fairseq.

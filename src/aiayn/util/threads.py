@@ -109,12 +109,20 @@ class ThreadTuner:
       count's median (a trial of two threads on a busy machine then costs one slow step,
       not ``trial`` of them);
     - starts a trial at once when a step at the current count is ``clearly`` slower than
-      its own recent median (the load has changed: no waiting for the next interval).
+      its own recent median (the load has changed: no waiting for the next interval);
+    - leaves out of every comparison the first step of each batch shape at each count
+      (``observe``'s ``shape``): that step pays one-time setup for the shape at that count
+      (a bf16 linear's first call at a new shape or count took 1.5-2x a later one on a
+      Zen 5), so it says nothing of the load. In a pass whose shapes keep changing (a length
+      curriculum's first) such steps are many, and counted they make a trial count look
+      slower than it is and a new shape look like a change of load (a test).
 
     Only for CPU training with more than one core (``adaptive``); otherwise it just sets
     ``max_threads``. The count can change the order of floating-point sums, so a run that
     must repeat bit for bit fixes it (train.cpu_threads).
     """
+
+    MAX_TRIAL = 3  # a trial ends after this many times ``trial`` steps, new shapes included
 
     def __init__(self, max_threads: int, adaptive: bool = True, every: int = 100,
                  every_s: float = 60.0, trial: int = 4, margin: float = 1.1,
@@ -130,7 +138,9 @@ class ThreadTuner:
         self.trial_excess_s = 0.0
         self.enabled = adaptive and len(self.counts) > 1
         self._seconds: dict[int, list[float]] = {c: [] for c in self.counts}  # s/token, recent
+        self._seen: set[tuple] = set()  # (shape, count) pairs that have run once
         self._trying: int | None = None
+        self._trial_steps = 0  # steps of the trial on now, new shapes included
         self._since = (0, 0.0)  # steps and seconds since the last trial
         torch.set_num_threads(self.current)
 
@@ -139,13 +149,29 @@ class ThreadTuner:
         """The count on trial now, or None."""
         return self._trying
 
-    def observe(self, seconds: float, tokens: int) -> None:
-        """Record one step's time; start a trial when one is due, decide when it ends."""
+    def observe(self, seconds: float, tokens: int, shape: tuple | None = None) -> None:
+        """Record one step's time; start a trial when one is due, decide when it ends.
+        ``shape``: the step's batch shape (any hashable); the first step of a shape at the
+        count it ran on is no sample (one-time setup), though it counts towards the time
+        and steps between trials and a trial's length."""
         if not self.enabled or tokens <= 0:
             return
         per_token = seconds / tokens
+        count = self.current if self._trying is None else self._trying
+        novel = shape is not None and (shape, count) not in self._seen
+        if novel:
+            self._seen.add((shape, count))
         if self._trying is not None:
-            self._observe_trial(per_token, tokens)
+            self._trial_steps += 1
+            if not novel:
+                self._observe_trial(per_token, tokens)
+            if self._trying is not None and self._trial_steps >= self.MAX_TRIAL * self.trial:
+                trial, current = self._seconds[self._trying], self._seconds[self.current]
+                self._end_trial(keep_trial=bool(trial) and bool(current)
+                                and _median(trial) * self.margin < _median(current))
+            return
+        if novel:
+            self._since = (self._since[0] + 1, self._since[1] + seconds)
             return
         samples = self._seconds[self.current]
         # A step far slower than this count's recent ones: the load changed. Not kept
@@ -169,7 +195,7 @@ class ThreadTuner:
     def _start_trial(self) -> None:
         self._trying = next(c for c in self.counts if c != self.current)
         self._seconds[self._trying] = []
-        self._since = (0, 0.0)
+        self._since, self._trial_steps = (0, 0.0), 0
         torch.set_num_threads(self._trying)
 
     def _observe_trial(self, per_token: float, tokens: int) -> None:
