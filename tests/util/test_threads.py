@@ -189,13 +189,31 @@ def test_a_shapes_first_step_at_a_count_is_no_sample(threads):
 
 
 def test_a_trial_of_new_shapes_alone_ends_and_changes_nothing(threads):
+    """A trial lasts its steps whatever their shapes (its price stays bounded); with no
+    step of a shape it had run before, nothing says it is faster: the count stays."""
     tuner = ThreadTuner(2, every=1000, every_s=1e9, trial=2)
-    for _ in range(4):  # two threads, one shape: samples; then the first trial starts
+    for _ in range(3):  # two threads, one shape (its first step no sample): the first trial
         tuner.observe(500.0, 1000, shape="seen")
     assert tuner.trying == 1
-    for i in range(ThreadTuner.MAX_TRIAL * 2):  # every step of the trial a new shape
-        tuner.observe(100.0, 1000, shape=i)
+    tuner.observe(100.0, 1000, shape=1)  # new shapes, 5x faster even with their setup
+    assert tuner.trying == 1
+    tuner.observe(100.0, 1000, shape=2)
     assert tuner.trying is None and tuner.current == 2 and torch.get_num_threads() == 2
+
+
+def test_a_clearly_slower_new_shape_still_ends_a_trial_after_one_step(threads):
+    """On a busy machine a trial of two threads costs one step even when that step is a
+    shape new to two threads; a new shape merely as slow as setup makes it does not."""
+    tuner = ThreadTuner(2, every=1000, every_s=1e9, trial=3)
+    tuner.current = 1
+    torch.set_num_threads(1)
+    for _ in range(4):  # one thread, one shape (its first step no sample): the first trial
+        tuner.observe(1000.0, 1000, shape="seen")
+    assert tuner.trying == 2
+    tuner.observe(3000.0, 1000, shape="new")  # 3x: within setup's allowance (2 x 2)
+    assert tuner.trying == 2
+    tuner.observe(8000.0, 1000, shape="newer")  # 8x: the load, not setup
+    assert tuner.trying is None and tuner.current == 1 and torch.get_num_threads() == 1
 
 
 def test_tuner_moves_to_one_thread_under_load_and_back_when_it_ends(threads):

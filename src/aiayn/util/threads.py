@@ -122,7 +122,9 @@ class ThreadTuner:
     must repeat bit for bit fixes it (train.cpu_threads).
     """
 
-    MAX_TRIAL = 3  # a trial ends after this many times ``trial`` steps, new shapes included
+    # A shape's first step at a count takes up to this many times a later one (1.5-2x
+    # measured): such a step ends a trial as clearly worse only beyond ``clearly`` times this.
+    SETUP = 2.0
 
     def __init__(self, max_threads: int, adaptive: bool = True, every: int = 100,
                  every_s: float = 60.0, trial: int = 4, margin: float = 1.1,
@@ -153,7 +155,8 @@ class ThreadTuner:
         """Record one step's time; start a trial when one is due, decide when it ends.
         ``shape``: the step's batch shape (any hashable); the first step of a shape at the
         count it ran on is no sample (one-time setup), though it counts towards the time
-        and steps between trials and a trial's length."""
+        and steps between trials and a trial's length, and can still end a trial as clearly
+        worse (beyond ``SETUP`` times the bar)."""
         if not self.enabled or tokens <= 0:
             return
         per_token = seconds / tokens
@@ -162,13 +165,7 @@ class ThreadTuner:
         if novel:
             self._seen.add((shape, count))
         if self._trying is not None:
-            self._trial_steps += 1
-            if not novel:
-                self._observe_trial(per_token, tokens)
-            if self._trying is not None and self._trial_steps >= self.MAX_TRIAL * self.trial:
-                trial, current = self._seconds[self._trying], self._seconds[self.current]
-                self._end_trial(keep_trial=bool(trial) and bool(current)
-                                and _median(trial) * self.margin < _median(current))
+            self._observe_trial(per_token, tokens, novel)
             return
         if novel:
             self._since = (self._since[0] + 1, self._since[1] + seconds)
@@ -198,15 +195,19 @@ class ThreadTuner:
         self._since, self._trial_steps = (0, 0.0), 0
         torch.set_num_threads(self._trying)
 
-    def _observe_trial(self, per_token: float, tokens: int) -> None:
-        trial = self._seconds[self._trying]
-        trial.append(per_token)
-        current = self._seconds[self.current]
+    def _observe_trial(self, per_token: float, tokens: int, novel: bool) -> None:
+        """A trial lasts ``trial`` steps, new shapes included (its price stays bounded);
+        it is decided on the steps of shapes it has run before."""
+        trial, current = self._seconds[self._trying], self._seconds[self.current]
+        self._trial_steps += 1
         self.trial_excess_s += (per_token - _median(current)) * tokens
-        if per_token > self.clearly * _median(current):
+        worse = per_token > self.clearly * (self.SETUP if novel else 1.0) * _median(current)
+        if worse or not novel:  # a clearly worse step is a sample whatever its shape
+            trial.append(per_token)
+        if worse:
             self._end_trial(keep_trial=False)  # clearly worse: one step was enough
-        elif len(trial) >= self.trial:
-            self._end_trial(keep_trial=_median(trial) * self.margin < _median(current))
+        elif self._trial_steps >= self.trial:
+            self._end_trial(keep_trial=bool(trial) and _median(trial) * self.margin < _median(current))
 
     def _end_trial(self, keep_trial: bool) -> None:
         if keep_trial:
