@@ -625,7 +625,7 @@ def test_ctrl_c_in_train_names_the_resume_and_its_step(world, tmp_path):
         _, err = first.communicate(timeout=60)
     finally:
         first.kill()
-    assert first.returncode == 130
+    assert first.returncode == 130, err.decode()
     lines = [line for line in err.decode().replace("\r", "\n").splitlines()
              if line.startswith("aiayn:")]
     step = load_train_state(run / "train_state.pt")["step"]

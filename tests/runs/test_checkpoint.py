@@ -65,6 +65,39 @@ class NotPlainData:
         return (os.getcwd, ())
 
 
+def test_a_ctrl_c_during_the_train_state_save_comes_after_the_whole_file(tmp_path, monkeypatch):
+    """Ctrl-C inside one of torch.save's writes to a Python file would be a RuntimeError
+    ("unexpected pos ..."), not the KeyboardInterrupt that names the resume: it is held
+    until train_state.pt is written, then raised."""
+    import signal
+
+    path = tmp_path / "train_state.pt"
+    state = {"step": 7, "weights": torch.arange(100_000, dtype=torch.float32)}
+    real_save, writes = torch.save, []
+
+    def save_with_ctrl_c(obj, fh):  # a Ctrl-C from the keyboard at the first write
+        def write(data):
+            if not writes:
+                signal.raise_signal(signal.SIGINT)
+            writes.append(len(data))
+            return fh.write(data)
+
+        return real_save(obj, type("File", (), {"write": staticmethod(write),
+                                                "flush": fh.flush})())
+
+    monkeypatch.setattr(torch, "save", save_with_ctrl_c)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            save_train_state(state, path)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert len(writes) > 1  # held: torch.save went on to the end
+    loaded = load_train_state(path)
+    assert loaded["step"] == 7 and torch.equal(loaded["weights"], state["weights"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train_state.pt"]
+
+
 def test_train_state_loading_refuses_arbitrary_objects(tmp_path):
     path = tmp_path / "train_state.pt"
     torch.save({"step": 1, "payload": NotPlainData()}, path)

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from aiayn.errors import AiaynError
-from aiayn.util.io import atomic_path
+from aiayn.util.io import atomic_path, interrupt_deferred
 
 
 def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -184,8 +184,10 @@ STATE_VERSION = 1
 def save_train_state(state: dict, path: str | Path) -> None:
     """torch.save of plain containers and tensors, atomically (loaded with weights_only)."""
     # Through a Python file: torch's own file writer reports a full disk as a RuntimeError
-    # without an errno ("unexpected pos ..."), a file object raises the OSError itself.
-    with atomic_path(path, need=tensors_size(state), what="the train state") as tmp, \
+    # without an errno ("unexpected pos ..."), a file object raises the OSError itself; a
+    # Ctrl-C waits for the whole file (inside a write torch would make it a RuntimeError).
+    with interrupt_deferred(), \
+            atomic_path(path, need=tensors_size(state), what="the train state") as tmp, \
             open(tmp, "wb") as fh:
         torch.save(state, fh)
 

@@ -11,7 +11,9 @@ import errno
 import os
 import re
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -148,6 +150,27 @@ def atomic_path(path: str | Path, need: int | None = None,
             _fsync_dir(path.parent)
         finally:
             tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def interrupt_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT) that comes during the block until the block is done, then
+    deliver it as it would have come. For torch.save through a Python file: a Ctrl-C inside
+    one of its writes surfaces as a RuntimeError ("unexpected pos ..."), not as the
+    KeyboardInterrupt that says where to resume. Outside the main thread, or where SIGINT's
+    handler was not set from Python, the block runs as it is (there is nothing to hold)."""
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGINT) is None:
+        yield
+        return
+    came: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: came.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if came:
+            signal.raise_signal(signal.SIGINT)
 
 
 def _umask() -> int:
