@@ -16,6 +16,7 @@ from aiayn.training.plan import (
     MEASURE_S,
     OVERFIT_PASSES,
     REGULARISED,
+    REPROJECT_AT,
     BudgetPlan,
     choose_regularisation,
     step_limit_passes,
@@ -58,20 +59,40 @@ def test_a_time_budget_states_its_passes_once_the_speed_is_measured():
                      "would be 1,000.0 passes); the passes 12 min make are said once the "
                      "speed is measured"]
     # 2 steps a second: 12 minutes reach step 1,440, 14.4 passes (the warm-up steps aside).
-    for step in range(1, 200):
+    for step in range(1, 2 * int(MEASURE_S) + 20):
         budget.observe(step, (step - 1) / 2)
     assert lines[1:] == ["budget: at 2.00 steps/s, 12 min of training reach step ~1,441: "
                          "~14.4 passes over the training data"]
     assert len(warnings) == 1 and "(12 min) makes ~14.4 passes" in warnings[0]
-    assert budget.observe(400, 300.0) is None
-    assert len(lines) == 2  # said once
-    assert MEASURE_S < 200 / 2
+    assert MEASURE_S < REPROJECT_AT[0] * 12 * 60
 
 
-def test_observe_returns_the_projected_passes_once():
-    budget, _, _ = plan("demo", 12, 100_000, sets=[])
-    projected = [budget.observe(step, (step - 1) / 2) for step in range(1, 200)]
-    assert [p for p in projected if p is not None] == [pytest.approx(1441 / 100, abs=0.01)]
+def test_the_passes_are_projected_again_from_the_speed_since():
+    """A first half-minute at a quarter of the later speed: the first projection says too few
+    passes, the next ones (REPROJECT_AT of the budget) the speed since; none after the last."""
+    budget, lines, warnings = plan("demo", 12, 100_000, sets=[])
+    projected, elapsed, step = {}, 0.0, 0
+    while elapsed < 12 * 60:
+        step += 1
+        elapsed += 1.0 if elapsed < 60 else 0.25  # 1 step/s, then 4
+        passes = budget.observe(step, elapsed)
+        if passes is not None:
+            projected[round(elapsed)] = passes
+    # Timing starts after SKIP_STEPS steps (at 5 s here).
+    assert list(projected) == [5 + MEASURE_S] + [at * 720 for at in REPROJECT_AT]
+    first, between, *later = projected.values()
+    assert first == pytest.approx(7.2, abs=0.05)  # 1 step/s to the end: step 720
+    assert 7.2 < between < 27.0  # from 35 s to 90 s: 1 step/s, then 4
+    assert later == pytest.approx([27.0, 27.0], abs=0.05)  # 4 steps/s to the end: step 2,700
+    assert "at 2.64 steps/s over the last 55 s" in lines[1]
+    assert "at 4.00 steps/s over the last 180 s" in lines[-1]
+    assert warnings == []  # "auto" regularises: no warning
+
+
+def test_a_step_limit_is_never_projected():
+    budget, lines, _ = plan("demo", 0, 1000)
+    assert all(budget.observe(step, step * 1.0) is None for step in range(1, 2000))
+    assert lines == []
 
 
 def test_auto_regularises_by_the_passes_and_keeps_numbers_given():
@@ -168,3 +189,50 @@ def test_max_minutes_0_is_refused_with_how_to_ask_for_no_limit(tmp_path, capsys)
     code, _, err = run_cli(["train", "--config", TINY, "--data", str(tmp_path), "--out",
                             str(tmp_path / "run"), "--max-minutes", "0"], capsys)
     assert code == 2 and "--set train.max_minutes=0" in error_line(err)
+
+
+@pytest.mark.slow
+def test_a_later_projection_changes_the_choice_and_the_best_loss_starts_over(
+        tmp_path, capsys, monkeypatch):
+    """The first projection says few passes (none of either), a later one many: dropout and
+    label smoothing from then on, config.yaml holding the last choice, and the best by dev
+    loss (which now counts the smoothing) chosen among the validations after the change."""
+    from helpers import write_prepared
+
+    from aiayn.model import SublayerConnection
+
+    data = write_prepared(tmp_path / "data")
+    passes_at = {8: 2.0, 12: 2.5, 16: 8.0}  # what the time budget's speed would project
+    monkeypatch.setattr(BudgetPlan, "observe", lambda self, step, elapsed_s: passes_at.get(step))
+    seen = []
+    original = SublayerConnection.forward
+
+    def forward(self, x, sublayer):
+        seen.append(self.dropout.p)
+        return original(self, x, sublayer)
+
+    monkeypatch.setattr(SublayerConnection, "forward", forward)
+    run = tmp_path / "run"
+    code, out, err = run_cli(["train", "--config", TINY, "--data", str(data), "--out", str(run),
+                              "--set", "model.dropout=auto", "--set", "train.label_smoothing=auto",
+                              "--set", "train.max_minutes=60", "--set", "train.max_steps=24",
+                              "--set", "train.eval_every=4", "--set", "train.eval_max_sentences=8",
+                              "--set", "train.best_metric=loss"], capsys)
+    assert code == 0, err
+    chosen = [line for line in out.splitlines() if line.startswith("regularisation:")]
+    assert len(chosen) == 3, chosen  # until measured; ~2.0 passes; ~8.0 (2.5 chose the same)
+    assert "~2.0 passes" in chosen[1] and "dropout 0.1, label smoothing 0.1" in chosen[2]
+    assert sum(line.startswith("best: the dev loss now counts label smoothing 0.1")
+               for line in out.splitlines()) == 1
+    assert set(seen[:len(seen) // 2]) == {0.0} and seen[-1] == REGULARISED
+    saved = load_config(run / "config.yaml")
+    assert (saved.model.dropout, saved.train.label_smoothing) == (REGULARISED, REGULARISED)
+    import json
+
+    dev = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    dev = [r for r in dev if r["kind"] == "dev"]
+    after = [r for r in dev if r["step"] > 16]
+    assert [r["step"] for r in after] == [20, 24]
+    assert after[0]["best_step"] == 20  # the first validation after the change is the best
+    assert after[-1]["best_step"] in (20, 24)
+    assert after[-1]["best_value"] == min(r["dev_loss"] for r in after)

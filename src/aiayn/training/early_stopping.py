@@ -65,6 +65,11 @@ class BestTracker:
         self.stale += 1
         return False
 
+    def forget(self) -> None:
+        """Start over, as before the first validation: what the metric measures changed
+        (the label smoothing in the dev loss)."""
+        self.value, self.step, self.stale = None, 0, 0
+
     @property
     def should_stop(self) -> bool:
         return self.patience > 0 and self.stale >= self.patience

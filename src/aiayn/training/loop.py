@@ -281,6 +281,7 @@ class Trainer:
         if passes is not None:  # known now: config.yaml says what was chosen
             stored = choose_regularisation(stored, passes)[0]
         self.stored = stored  # "auto" until a time budget's speed is measured (regularise)
+        self.auto = stored if auto and passes is None else None  # what regularise chooses from
         self.config, why_regularisation = choose_regularisation(
             replace(stored, train=replace(stored.train, precision=self.precision)), passes)
         self.scaler = new_scaler(world.device) if self.precision == "fp16" else None
@@ -382,7 +383,7 @@ class Trainer:
                 progress.elapsed_s = max_over_ranks(elapsed_before + time.perf_counter() - start,
                                                     self.world)
                 passes = self.plan.observe(progress.step, progress.elapsed_s)
-                if passes is not None and has_auto_regularisation(self.stored):
+                if passes is not None and self.auto is not None:
                     self.regularise(passes)
                 window_loss += result.loss * result.n_tokens
                 window_tokens += result.n_tokens
@@ -437,14 +438,26 @@ class Trainer:
 
     def regularise(self, passes: float) -> None:
         """Set the "auto" dropout and label smoothing for the passes the time budget makes,
-        from the next step on, and write them into config.yaml (a resume keeps them)."""
-        self.stored, line = choose_regularisation(self.stored, passes)
-        m, t = self.stored.model, self.stored.train
+        from the next step on, and write them into config.yaml (a resume keeps the last
+        choice). A projection made again that chooses the same changes nothing; one that
+        changes the label smoothing changes what the dev loss measures, so the best by
+        loss is chosen afresh from the next validation."""
+        chosen, line = choose_regularisation(self.auto, passes)
+        m, t = chosen.model, chosen.train
+        was = (self.config.model.dropout, self.config.train.label_smoothing)
+        if not has_auto_regularisation(self.stored) and (m.dropout, t.label_smoothing) == was:
+            return
+        self.stored = chosen
         self.config = replace(self.config, model=replace(self.config.model, dropout=m.dropout),
                               train=replace(self.config.train, label_smoothing=t.label_smoothing))
         self.model.set_dropout(m.dropout)
         on_main(lambda: save_config(self.stored, self.run_dir / "config.yaml"), self.world)
         self.log(line)
+        best = self.progress.best
+        if t.label_smoothing != was[1] and best.metric == "loss" and best.value is not None:
+            best.forget()
+            self.log(f"best: the dev loss now counts label smoothing {t.label_smoothing:g}; the "
+                     "best weights are chosen afresh from the next validation")
 
     def postfix(self, result: StepResult, tokens_per_s: float) -> dict[str, str]:
         """The progress line's figures; in fp16 the scale and the updates skipped too."""

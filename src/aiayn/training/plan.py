@@ -7,7 +7,8 @@ train.label_smoothing is "auto", the regularisation those passes call for
 A pass is the batches of one epoch (the sampler's count on this rank, already built: no
 extra pass over the data) divided by train.grad_accum. Under a step limit alone the passes
 are known at the start; under a time budget they depend on the speed, so they are said
-once the first ``MEASURE_S`` seconds of steps have been timed (``BudgetPlan.observe``).
+once the first ``MEASURE_S`` seconds of steps have been timed (``BudgetPlan.observe``),
+and said again at the fractions of the budget in ``REPROJECT_AT``, from the speed since.
 """
 
 from __future__ import annotations
@@ -31,6 +32,11 @@ LONGER_PRESET = "configs/bible-60.yaml"
 # before the passes a time budget makes are projected.
 MEASURE_S = 30.0
 SKIP_STEPS = 5
+# The fractions of a time budget at which its passes are projected again, from the speed of
+# the steps since the last projection, and "auto" chooses again: a first half-minute can run
+# at half the later speed or above it (thread trials, another program starting or stopping),
+# and a choice made on it alone missed the passes by up to 2x (docs/training.md#regularisation-by-the-budget).
+REPROJECT_AT = (0.125, 0.25, 0.5)
 
 
 def passes_of(steps: float, steps_per_pass: float, config: Config) -> float:
@@ -76,13 +82,14 @@ def choose_regularisation(config: Config, passes: float | None) -> tuple[Config,
 
 class BudgetPlan:
     """The budget line at the start (``start_lines``) and, under a time budget, the
-    projection once the speed is known (``observe``, called after every step)."""
+    projections once the speed is known (``observe``, called after every step)."""
 
     def __init__(self, config: Config, steps_per_pass: float, step: int, elapsed_s: float,
                  log: Callable[[str], None], warn: Callable[[str], None]):
         self.config, self.steps_per_pass = config, max(steps_per_pass, 1e-9)
         self.log, self.warn = log, warn
         self.first_step, self.mark = step, None  # mark: (step, elapsed_s) timing starts at
+        self.projected, self.next_s = 0, math.inf  # projections made; when the next is due
         self.done = config.train.max_minutes <= 0  # nothing to project under steps alone
 
     def passes(self, steps: float) -> float:
@@ -106,25 +113,32 @@ class BudgetPlan:
                      "once the speed is measured")
 
     def observe(self, step: int, elapsed_s: float) -> float | None:
-        """After each step: once ``MEASURE_S`` seconds of steps are timed, log the step and
-        the passes the time budget reaches at that speed (and warn when too many); return
-        those passes then, None before and after."""
+        """After each step: once ``MEASURE_S`` seconds of steps are timed, and again at each
+        fraction ``REPROJECT_AT`` of the budget, log the step rate since the last projection
+        and the passes the time budget reaches at it (the first time, warn when too many);
+        return those passes then, None at every other step."""
         if self.done or step < self.first_step + SKIP_STEPS:
             return None
         if self.mark is None:
             self.mark = (step, elapsed_s)
             return None
-        timed = elapsed_s - self.mark[1]
-        if timed < MEASURE_S:
-            return None
-        self.done = True
         t = self.config.train
+        budget_s = t.max_minutes * 60
+        timed = elapsed_s - self.mark[1]
+        wait_s = MEASURE_S - timed if self.projected == 0 else self.next_s - elapsed_s
+        if wait_s > 0:
+            return None
         rate = (step - self.mark[0]) / timed
-        final = min(t.max_steps, step + rate * max(t.max_minutes * 60 - elapsed_s, 0.0))
+        since = "" if self.projected == 0 else f" over the last {timed:.0f} s"
+        self.mark, self.projected = (step, elapsed_s), self.projected + 1
+        later = [at * budget_s for at in REPROJECT_AT if at * budget_s > elapsed_s]
+        self.next_s, self.done = (later[0], False) if later else (math.inf, True)
+        final = min(t.max_steps, step + rate * max(budget_s - elapsed_s, 0.0))
         passes = self.passes(final)
-        self.log(f"budget: at {rate:.2f} steps/s, {t.max_minutes:g} min of training reach step "
-                 f"~{final:,.0f}: ~{passes:.1f} passes over the training data")
-        self.check(passes, f"{t.max_minutes:g} min")
+        self.log(f"budget: at {rate:.2f} steps/s{since}, {t.max_minutes:g} min of training "
+                 f"reach step ~{final:,.0f}: ~{passes:.1f} passes over the training data")
+        if self.projected == 1:
+            self.check(passes, f"{t.max_minutes:g} min")
         return passes
 
     def check(self, passes: float, budget: str) -> None:
