@@ -85,7 +85,13 @@ from aiayn.training.optim import (
     schedule_lr,
     set_learning_rate,
 )
-from aiayn.training.plan import BudgetPlan, choose_regularisation, has_auto_regularisation, step_limit_passes
+from aiayn.training.plan import (
+    BudgetPlan,
+    choose_regularisation,
+    clearly_across,
+    has_auto_regularisation,
+    step_limit_passes,
+)
 from aiayn.training.stream import (
     BatchStream,
     collates_ahead,
@@ -439,13 +445,14 @@ class Trainer:
     def regularise(self, passes: float) -> None:
         """Set the "auto" dropout and label smoothing for the passes the time budget makes,
         from the next step on, and write them into config.yaml (a resume keeps the last
-        choice). A projection made again that chooses the same changes nothing; one that
-        changes the label smoothing changes what the dev loss measures, so the best by
-        loss is chosen afresh from the next validation."""
+        choice). A projection made again changes the choice only when its passes are clearly
+        across the line (``plan.clearly_across``); a change of the label smoothing changes what
+        the dev loss measures, so the best by loss is chosen afresh from the next validation."""
         chosen, line = choose_regularisation(self.auto, passes)
         m, t = chosen.model, chosen.train
         was = (self.config.model.dropout, self.config.train.label_smoothing)
-        if not has_auto_regularisation(self.stored) and (m.dropout, t.label_smoothing) == was:
+        if not has_auto_regularisation(self.stored) and (
+                (m.dropout, t.label_smoothing) == was or not clearly_across(passes)):
             return
         self.stored = chosen
         self.config = replace(self.config, model=replace(self.config.model, dropout=m.dropout),

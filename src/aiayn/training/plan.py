@@ -37,6 +37,11 @@ SKIP_STEPS = 5
 # at half the later speed or above it (thread trials, another program starting or stopping),
 # and a choice made on it alone missed the passes by up to 2x (docs/training.md#regularisation-by-the-budget).
 REPROJECT_AT = (0.125, 0.25, 0.5)
+# A projection made again changes the choice only when its passes are this far (a fraction
+# of OVERFIT_PASSES) across the line: a budget near the line projects to either side from
+# one measurement to the next, the line is itself drawn between two measurements (above), and
+# each change of the label smoothing starts the best by dev loss over.
+CHANGE_MARGIN = 0.1
 
 
 def passes_of(steps: float, steps_per_pass: float, config: Config) -> float:
@@ -78,6 +83,12 @@ def choose_regularisation(config: Config, passes: float | None) -> tuple[Config,
                      train=replace(t, label_smoothing=smoothing))
     return chosen, (f"regularisation: dropout {dropout:g}, label smoothing {smoothing:g} "
                     f"(auto: {why}; docs/training.md#regularisation-by-the-budget)")
+
+
+def clearly_across(passes: float) -> bool:
+    """Are ``passes`` far enough from OVERFIT_PASSES for a projection made again to change
+    the choice (``CHANGE_MARGIN``)?"""
+    return abs(passes - OVERFIT_PASSES) > CHANGE_MARGIN * OVERFIT_PASSES
 
 
 class BudgetPlan:
