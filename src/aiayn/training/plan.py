@@ -41,7 +41,7 @@ REPROJECT_AT = (0.125, 0.25, 0.5)
 # of OVERFIT_PASSES) across the line: a budget near the line projects to either side from
 # one measurement to the next, the line is itself drawn between two measurements (above), and
 # each change of the label smoothing starts the best by dev loss over.
-CHANGE_MARGIN = 0.15
+CHANGE_MARGIN = 0.05
 
 
 def passes_of(steps: float, steps_per_pass: float, config: Config) -> float:
