@@ -288,6 +288,7 @@ class Trainer:
             stored = choose_regularisation(stored, passes)[0]
         self.stored = stored  # "auto" until a time budget's speed is measured (regularise)
         self.auto = stored if auto and passes is None else None  # what regularise chooses from
+        self.settled = False  # a projection after the first has chosen (regularise)
         self.config, why_regularisation = choose_regularisation(
             replace(stored, train=replace(stored.train, precision=self.precision)), passes)
         self.scaler = new_scaler(world.device) if self.precision == "fp16" else None
@@ -445,14 +446,19 @@ class Trainer:
     def regularise(self, passes: float) -> None:
         """Set the "auto" dropout and label smoothing for the passes the time budget makes,
         from the next step on, and write them into config.yaml (a resume keeps the last
-        choice). A projection made again changes the choice only when its passes are clearly
-        across the line (``plan.clearly_across``); a change of the label smoothing changes what
-        the dev loss measures, so the best by loss is chosen afresh from the next validation."""
+        choice). The first projection's choice holds only until the next: the first
+        half-minute is the least like the rest (warm-up, thread trials, the curriculum's
+        narrowest batches first). After that a choice changes only for passes clearly across
+        the line (``plan.clearly_across``). A change of the label smoothing changes what the
+        dev loss measures, so the best by loss is chosen afresh from the next validation."""
         chosen, line = choose_regularisation(self.auto, passes)
         m, t = chosen.model, chosen.train
         was = (self.config.model.dropout, self.config.train.label_smoothing)
-        if not has_auto_regularisation(self.stored) and (
-                (m.dropout, t.label_smoothing) == was or not clearly_across(passes)):
+        first = has_auto_regularisation(self.stored)  # nothing chosen yet
+        holds = not first and ((m.dropout, t.label_smoothing) == was
+                               or (self.settled and not clearly_across(passes)))
+        self.settled = not first
+        if holds:
             return
         self.stored = chosen
         self.config = replace(self.config, model=replace(self.config.model, dropout=m.dropout),
