@@ -123,6 +123,20 @@ def test_auto_is_refused_where_nothing_chooses(setting):
         load_config("demo", [setting])
 
 
+def dropout_seen(monkeypatch) -> list[float]:
+    """The dropout probability of every residual sublayer call from now on, in order."""
+    from aiayn.model import SublayerConnection
+
+    seen, original = [], SublayerConnection.forward
+
+    def forward(self, x, sublayer):
+        seen.append(self.dropout.p)
+        return original(self, x, sublayer)
+
+    monkeypatch.setattr(SublayerConnection, "forward", forward)
+    return seen
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("budget", ["steps", "minutes"])
 def test_train_chooses_auto_regularisation_and_writes_it_into_config_yaml(
@@ -131,22 +145,13 @@ def test_train_chooses_auto_regularisation_and_writes_it_into_config_yaml(
     the model, config.yaml holding the choice (a resume keeps it)."""
     from helpers import write_prepared
 
-    from aiayn.model import SublayerConnection
-
     data = write_prepared(tmp_path / "data")
     # The time budget alone: tiny.yaml's 40 steps end before a fast CPU has timed MEASURE_S.
     limit = (["--set", "train.max_steps=60", "--set", "train.max_minutes=0"]
              if budget == "steps" else ["--set", "train.max_minutes=0.05",
                                         "--set", "train.max_steps=100000"])
     monkeypatch.setattr(plan_module, "MEASURE_S", 0.3)  # a short run projects early
-    seen = []
-    original = SublayerConnection.forward
-
-    def forward(self, x, sublayer):
-        seen.append(self.dropout.p)
-        return original(self, x, sublayer)
-
-    monkeypatch.setattr(SublayerConnection, "forward", forward)
+    seen = dropout_seen(monkeypatch)
     code, out, err = run_cli(["train", "--config", TINY, "--data", str(data), "--out",
                               str(tmp_path / "run"), "--set", "model.dropout=auto", "--set",
                               "train.label_smoothing=auto", "--set", "train.eval_every=100000",
@@ -199,22 +204,13 @@ def test_a_later_projection_changes_the_choice_and_the_best_loss_starts_over(
     choice, and the best by dev loss (which counts the smoothing) starts over at each change."""
     from helpers import write_prepared
 
-    from aiayn.model import SublayerConnection
-
     data = write_prepared(tmp_path / "data")
     # What the time budget's speed would project: 5.0 first (a fast first half-minute), then
     # 2.0 (chosen: the first projection's choice is not held), 4.1 (more than 4 but too near
     # the line to change a choice made since: plan.CHANGE_MARGIN), then clearly more.
     passes_at = {6: 5.0, 10: 2.0, 14: 4.1, 18: 8.0}
     monkeypatch.setattr(BudgetPlan, "observe", lambda self, step, elapsed_s: passes_at.get(step))
-    seen = []
-    original = SublayerConnection.forward
-
-    def forward(self, x, sublayer):
-        seen.append(self.dropout.p)
-        return original(self, x, sublayer)
-
-    monkeypatch.setattr(SublayerConnection, "forward", forward)
+    seen = dropout_seen(monkeypatch)
     run = tmp_path / "run"
     code, out, err = run_cli(["train", "--config", TINY, "--data", str(data), "--out", str(run),
                               "--set", "model.dropout=auto", "--set", "train.label_smoothing=auto",
