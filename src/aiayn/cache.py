@@ -172,7 +172,7 @@ class Store:
             self.rows = B
         if B != self.rows:
             raise ValueError(f"{B} rows appended to a store of {self.rows}")
-        self._reserve(B, self.length + T)
+        self.reserve(B, self.length + T)
         self.keys[self.length:self.length + T, :B] = k.permute(2, 0, 1, 3)
         self.values[self.length:self.length + T, :B] = v.permute(2, 0, 1, 3)
         self.length += T
@@ -200,7 +200,7 @@ class Store:
         if self.keys is None:
             return  # nothing written: the first ``append`` has them
         B = self.rows
-        self._reserve(B + n, self.length)
+        self.reserve(B + n, self.length)
         if B:
             past = self.slots()[:1].expand(n, self.length)
         else:  # no row reads any slot: theirs are zeroed
@@ -218,7 +218,8 @@ class Store:
         self.ancestry = self.ancestry[:, min(columns, self.ancestry.size(1)):]
         self.length -= columns
 
-    def _reserve(self, rows: int, positions: int) -> None:
+    def reserve(self, rows: int, positions: int) -> None:
+        """Room for ``rows`` rows of ``positions`` positions (the keys and values may move)."""
         L, R, H, d = self.keys.shape
         if rows <= R and positions <= L:
             return

@@ -20,7 +20,14 @@ from aiayn.data.prepared import load_prepared
 from aiayn.errors import AiaynError
 from aiayn.inference import native
 from aiayn.inference.ct2 import CTranslate2Engine
-from aiayn.inference.int8 import Int8Linear, Int8Output, NativeHeadNorm, StepAttention, int8_model
+from aiayn.inference.int8 import (
+    Int8Linear,
+    Int8Output,
+    NativeDecoderLayer,
+    NativeHeadNorm,
+    StepAttention,
+    int8_model,
+)
 from aiayn.inference.native import (
     PackedInt8,
     build,
@@ -31,6 +38,7 @@ from aiayn.inference.native import (
     step_attention_fits,
     top_log_softmax,
 )
+from aiayn.inference.steps import DecoderState
 from aiayn.inference.translator import Translator
 from aiayn.model import Generator, HeadNorm, MultiHeadAttention, Transformer
 from aiayn.runs.directory import read_data_dir
@@ -355,3 +363,67 @@ def test_the_int8_copy_keeps_the_models_weights_by_name():
     mine, theirs = int8_model(model).state_dict(), model.state_dict()
     assert mine.keys() == theirs.keys()
     assert all(mine[k].data_ptr() == theirs[k].data_ptr() for k in theirs)  # shared, not copied
+
+
+def layer_by_layer(monkeypatch) -> None:
+    """Every ``NativeDecoderLayer`` computed by its modules (the kernel's step refused)."""
+    monkeypatch.setattr(NativeDecoderLayer, "_places", lambda self, *args: None)
+
+
+def count_native_steps(monkeypatch) -> list[int]:
+    """A list that grows by the rows of every step the native layer computes."""
+    calls, step = [], native.decoder_layer_step
+
+    def counted(layer, places, x, avx512=None):
+        calls.append(x.size(0))
+        return step(layer, places, x, avx512)
+
+    monkeypatch.setattr(native, "decoder_layer_step", counted)
+    return calls
+
+
+def joined_and_reordered(model: Transformer) -> list[torch.Tensor]:
+    """The logits of a joinable search's steps as sentences join, beams reorder and a
+    sentence leaves: what a serving lane does to the cache (``DecoderState``)."""
+    g = torch.Generator().manual_seed(3)
+    src = torch.randint(4, 40, (3, 7), generator=g)
+    src[1, 4:] = model.cfg.pad_id
+    state, out = DecoderState.joinable(model), []
+    with torch.no_grad():
+        state.join(src[:2], copies=2)  # 4 rows
+        for rows, sentences, joins in [(None, None, False), ([1, 1, 2, 3], None, False),
+                                       ([0, 1, 3, 3], None, True), ([4, 5, 0, 1, 2, 2], None, False),
+                                       ([0, 1, 4, 5], [0, 2], False), ([1, 0, 3, 2], None, False)]:
+            if rows is not None:
+                state.select(torch.tensor(rows), None if sentences is None else torch.tensor(sentences))
+            if joins:
+                state.join(src[2:], copies=2)
+            n = state.cache.layers[0]["cross"]["k"].size(0) * 2
+            out.append(state.next_logits(torch.randint(4, 40, (n, 1), generator=g)))
+    return out
+
+
+@pytest.mark.parametrize("norm_first, qk_norm, whole, avx512", [
+    (True, True, "whole", True), (True, True, "head", True), (False, False, "head", True),
+    (True, True, "whole", False)])
+def test_the_native_decoder_layer_gives_its_modules_logits(monkeypatch, norm_first, qk_norm, whole,
+                                                            avx512):
+    """One call of the kernel per layer and step computes what the layer's modules compute
+    (the same int8 products, attention and QK-norm; the layer norm and additions in C, equal
+    up to rounding), over a cache that sentences join and leave and beams reorder; on the
+    AVX2 paths as on AVX-512's."""
+    if not avx512:  # both sides on AVX2's paths
+        monkeypatch.setattr(native, "avx512_supported", lambda: False)
+    torch.manual_seed(0)
+    cfg = ModelConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=64, n_heads=4, d_ff=96,
+                      n_encoder_layers=1, n_decoder_layers=2, dropout=0.0, max_len=32,
+                      norm_first=norm_first, qk_norm=qk_norm, qk_norm_cross_query=whole)
+    model = int8_model(Transformer(cfg).eval())
+    calls = count_native_steps(monkeypatch)
+    native_logits = joined_and_reordered(model)
+    assert calls == [4, 4, 6, 6, 6, 6, 4, 4, 4, 4]  # every step but the first, each layer
+    with monkeypatch.context() as m:
+        layer_by_layer(m)
+        modules_logits = joined_and_reordered(model)
+    for ours, theirs in zip(native_logits, modules_logits, strict=True):
+        assert torch.allclose(ours, theirs, atol=1e-4), (ours - theirs).abs().max()

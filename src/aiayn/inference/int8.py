@@ -3,7 +3,8 @@ and the decoder and the output layer compute x W^T + b with W in 7-bit integers 
 output row) and each row of x quantized to 7 bits on its own scale
 (``aiayn.inference.native.PackedInt8``); a step's attention, QK-norm and log-softmax run in
 aiayn's C kernels too, over a cache that beams read in place (``aiayn.cache.Store``), its keys
-and values in float16. The encoder's attention, norms and embeddings stay fp32.
+and values in float16, and after a search's first step each decoder layer is one call of
+them (``NativeDecoderLayer``). The encoder's attention, norms and embeddings stay fp32.
 
 ``int8_decoding`` gives both pieces a search needs: ``int8_model``'s copy of the model, which
 computes so (the model given does not change: the copy shares its other modules and
@@ -19,12 +20,14 @@ The figures: docs/translating.md#int8-decoding.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import Tensor, nn
 
 from aiayn.inference import native
 from aiayn.inference.native import PackedInt8
-from aiayn.model import HeadNorm, MultiHeadAttention
+from aiayn.model import DecoderLayer, HeadNorm, MultiHeadAttention
 
 
 class Int8Output:
@@ -135,6 +138,106 @@ class StepAttention(MultiHeadAttention):
         return native.step_attention(q, k, v, mask), None
 
 
+class NativeDecoderLayer(DecoderLayer):
+    """A ``model.DecoderLayer`` whose step, one new position per row over an indirect cache (a
+    search's, after its first step), runs in one call of aiayn's kernel
+    (``native.decoder_layer_step``: ``decoder_step.c``) with the same products, attention and
+    QK-norm as its modules: at a serving lane's few rows, computing the layer module by module
+    spent most of a step in Python. Every other call (a first step, a prefix, training, weights
+    kept, a shape the kernel does not take) is the model's own ``forward``. Its modules must be
+    ``int8_model``'s (``Int8Linear``, ``StepAttention``) and its weights must not change."""
+
+    def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor | None, self_mask: Tensor | None,
+                is_causal: bool, cache: dict[str, dict[str, Tensor]] | None = None) -> Tensor:
+        places = self._places(x, src_mask, self_mask, is_causal, cache)
+        if places is None:
+            return super().forward(x, memory, src_mask, self_mask, is_causal, cache)
+        out = x.reshape(x.size(0), x.size(2)).clone()
+        native.decoder_layer_step(self._weights, places, out)
+        cache["self"]["store"].length += 1
+        return out.view_as(x)
+
+    @property
+    def _weights(self) -> native.LayerWeights | None:
+        """The layer's weights as the kernel takes them, gathered at the first step (None where
+        the kernel cannot compute this layer)."""
+        if "_native" not in self.__dict__:
+            self.__dict__["_native"] = _layer_weights(self)
+        return self.__dict__["_native"]
+
+    def _places(self, x: Tensor, src_mask: Tensor | None, self_mask: Tensor | None, is_causal: bool,
+                cache: dict | None) -> native.StepPlaces | None:
+        """Where this step reads and writes, or None where the kernel does not take it."""
+        if (cache is None or is_causal or self.training or x.requires_grad or x.dim() != 3
+                or x.size(1) != 1 or x.dtype != torch.float32 or not x.is_cpu
+                or self.self_attn.record_weights or self.cross_attn.record_weights
+                or self._weights is None):
+            return None
+        store, cross = cache["self"].get("store"), cache["cross"]
+        B = x.size(0)
+        if store is None or store.keys is None or store.keys.dtype != StepAttention.kept or store.rows != B:
+            return None
+        k, v = cross.get("k"), cross.get("v")
+        if (k is None or k.dtype not in (torch.float16, torch.float32) or v.dtype != k.dtype
+                or k.shape != v.shape or k.stride(3) != 1 or v.stride(3) != 1 or B % k.size(0)):
+            return None
+        position = store.length
+        if not (_fits_mask(self_mask, B, position + 1) and _fits_mask(src_mask, k.size(0), k.size(2))):
+            return None
+        ancestry = store.ancestry
+        if ancestry.size(1) > 1 and ancestry.stride(1) != 1:
+            return None
+        store.reserve(B, position + 1)  # may move the store: its places are read after
+        keys, values = store.keys, store.values
+        return native.StepPlaces(
+            keys.data_ptr(), values.data_ptr(), keys.stride(1), keys.stride(0), position,
+            ancestry.data_ptr() if ancestry.numel() else None, ancestry.stride(0), ancestry.size(1),
+            *_mask_place(self_mask), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), k.size(2), B // k.size(0), int(k.dtype == torch.float16),
+            *_mask_place(src_mask))
+
+
+def _fits_mask(mask: Tensor | None, sets: int, keys: int) -> bool:
+    """None, or a bool (1 or ``sets``, 1, 1, ``keys``) may-attend mask read row by row."""
+    return mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1:] == (1, 1, keys)
+                            and mask.size(0) in (1, sets) and mask.stride(3) == 1)
+
+
+def _mask_place(mask: Tensor | None) -> tuple[int | None, int]:
+    if mask is None:
+        return None, 0
+    return mask.data_ptr(), mask.stride(0) if mask.size(0) > 1 else 0
+
+
+def _layer_weights(layer: DecoderLayer) -> native.LayerWeights | None:
+    """``layer``'s weights for ``native.decoder_layer_step``, or None where the kernel cannot
+    compute it (modules other than ``int8_model``'s, norms without a gain or bias, sizes that
+    are not multiples of 8)."""
+    attn, cross, ff = layer.self_attn, layer.cross_attn, layer.feed_forward
+    linears = (attn.qkv_proj, attn.out_proj, cross.q_proj, cross.out_proj, ff.linear1, ff.linear2)
+    norms = [s.norm for s in (layer.sublayer1, layer.sublayer2, layer.sublayer3)]
+    head_norms = [n for n in (attn.q_norm, attn.k_norm, cross.q_norm) if isinstance(n, HeadNorm)]
+    if (not isinstance(attn, StepAttention) or not isinstance(cross, StepAttention)
+            or not all(isinstance(linear, Int8Linear) for linear in linears)
+            or any(n.weight is None or n.bias is None or n.weight.dtype != torch.float32 for n in norms)
+            or len({n.eps for n in norms}) != 1 or len({n.eps for n in head_norms}) > 1
+            or attn.d_k % 8 or attn.d_k > 128 or attn.d_model % 8 or ff.linear1.out_features % 8):
+        return None
+
+    def gain(norm: nn.Module) -> int | None:
+        return norm.weight.data_ptr() if isinstance(norm, HeadNorm) else None
+
+    weights = native.LayerWeights(
+        *(native.Product.of(linear.product) for linear in linears),
+        (ctypes.c_void_p * 3)(*(n.weight.data_ptr() for n in norms)),
+        (ctypes.c_void_p * 3)(*(n.bias.data_ptr() for n in norms)),
+        gain(attn.q_norm), gain(attn.k_norm), gain(cross.q_norm), int(cross.whole_query),
+        attn.d_model, attn.n_heads, ff.linear1.out_features, int(layer.sublayer1.norm_first),
+        norms[0].eps, head_norms[0].eps if head_norms else 0.0)
+    weights.keep = [n.weight for n in norms + head_norms] + [n.bias for n in norms]  # alive with it
+    return weights
+
+
 def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
     """x in ``dtype`` (x itself where it is: at every step, a call to ``to`` is not free)."""
     return x if x.dtype == dtype else x.to(dtype)
@@ -142,9 +245,10 @@ def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 def int8_model(model: nn.Module) -> nn.Module:
     """A copy of ``model`` whose encoder's and decoder's linear layers compute in int8
-    (``Int8Linear``), whose QK-norm runs in aiayn's kernel (``NativeHeadNorm``) and whose
-    decoder's attention of a decoding step does too (``StepAttention``), sharing every other
-    module and weight with ``model``, which does not change."""
+    (``Int8Linear``), whose QK-norm runs in aiayn's kernel (``NativeHeadNorm``), whose
+    decoder's attention of a decoding step does too (``StepAttention``) and whose decoder
+    layers compute a step in one call (``NativeDecoderLayer``), sharing every other module
+    and weight with ``model``, which does not change."""
     def swap(name: str, module: nn.Module) -> nn.Module | None:
         if not name.startswith(("encoder.", "decoder.")):
             return None
@@ -159,7 +263,12 @@ def int8_model(model: nn.Module) -> nn.Module:
             return _same_module(StepAttention, module)
         return None
 
-    copy = _replaced(_replaced(model, swap), attention)
+    def layer(name: str, module: nn.Module) -> nn.Module | None:
+        if name.startswith("decoder.layers.") and isinstance(module, DecoderLayer):
+            return _same_module(NativeDecoderLayer, module)
+        return None
+
+    copy = _replaced(_replaced(_replaced(model, swap), attention), layer)
     copy.indirect_cache = True  # read in place by StepAttention
     return copy
 

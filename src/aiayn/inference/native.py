@@ -1,7 +1,8 @@
 """aiayn's own kernels for CPU decoding, built here with the machine's C compiler and called
 through ctypes: the int8 product ``PackedInt8`` (``int8_linear.c`` beside this file, whose
 comment has the arithmetic) and a step's one-query attention, QK-norm and log-softmax
-(``step_attention``, ``rms_norm``, ``log_softmax``, ``top_log_softmax``: ``step_attention.c``);
+(``step_attention``, ``rms_norm``, ``log_softmax``, ``top_log_softmax``: ``step_attention.c``),
+and a decoder layer's whole step made of them (``decoder_layer_step``: ``decoder_step.c``);
 ``aiayn.inference.int8`` puts them in the encoder, the decoder and the output layer.
 
 Why a product of our own: at the few rows of a decoding step (4-64), PyTorch's int8 products
@@ -43,7 +44,8 @@ from torch import Tensor
 from aiayn.errors import AiaynError
 
 # The kernels, compiled into one library: the int8 product and one-query attention.
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("int8_linear.c", "step_attention.c"))
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("int8_linear.c", "step_attention.c", "decoder_step.c"))
 FLAGS = ["-O3", "-fPIC", "-shared", "-std=gnu99", "-mavx2", "-mfma", "-mf16c"]
 PANEL = 16  # output rows per packed panel (int8_linear.c)
 WEIGHT_LEVELS = 63  # 7-bit weights: two pairs of 7-bit products add in 16 bits (int8_linear.c)
@@ -111,6 +113,9 @@ def _library() -> ctypes.CDLL:
     lib.top_log_softmax.restype = None
     lib.rms_norm.argtypes = [pointer, size, size, pointer, ctypes.c_float]
     lib.rms_norm.restype = None
+    lib.decoder_layer_step.argtypes = [ctypes.POINTER(LayerWeights), ctypes.POINTER(StepPlaces),
+                                       pointer, size, ctypes.c_int]
+    lib.decoder_layer_step.restype = ctypes.c_int
     return lib
 
 
@@ -297,3 +302,51 @@ def top_log_softmax(x: Tensor, k: int, avx512: bool | None = None) -> tuple[Tens
         _library().top_log_softmax(x.data_ptr(), x.size(0), x.size(1), k, values.data_ptr(),
                                    columns.data_ptr(), int(_avx512_path(avx512)))
     return values, columns
+
+
+class Product(ctypes.Structure):
+    """A ``PackedInt8`` as ``decoder_step.c`` takes it."""
+
+    _fields_ = [("packed", ctypes.c_void_p), ("sums", ctypes.c_void_p), ("scales", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p), ("n", ctypes.c_long), ("k", ctypes.c_long),
+                ("width", ctypes.c_long)]
+
+    @classmethod
+    def of(cls, p: PackedInt8) -> Product:
+        return cls(p.packed.data_ptr(), p.sums.data_ptr(), p.scales.data_ptr(), p.bias.data_ptr(),
+                   p.n, p.k, p.width)
+
+
+class LayerWeights(ctypes.Structure):
+    """One decoder layer's fixed weights for ``decoder_layer_step`` (``decoder_step.c``'s
+    ``Layer``): pointers into tensors that whoever fills it keeps alive and unchanged."""
+
+    _fields_ = [*((name, Product) for name in ("qkv", "self_out", "cross_q", "cross_out", "ff1", "ff2")),
+                ("norm_gain", ctypes.c_void_p * 3), ("norm_bias", ctypes.c_void_p * 3),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+                ("cross_q_norm", ctypes.c_void_p), ("cross_q_whole", ctypes.c_long),
+                ("d_model", ctypes.c_long), ("heads", ctypes.c_long), ("d_ff", ctypes.c_long),
+                ("norm_first", ctypes.c_long), ("norm_eps", ctypes.c_float), ("qk_eps", ctypes.c_float)]
+
+
+class StepPlaces(ctypes.Structure):
+    """Where one step of ``decoder_layer_step`` reads and writes (``decoder_step.c``'s ``Step``):
+    the self-attention store, the memory's K/V and the masks."""
+
+    _fields_ = [("keys", ctypes.c_void_p), ("values", ctypes.c_void_p),
+                ("slot_row", ctypes.c_long), ("slot_pos", ctypes.c_long), ("position", ctypes.c_long),
+                ("ancestry", ctypes.c_void_p), ("ancestry_row", ctypes.c_long), ("written", ctypes.c_long),
+                ("self_mask", ctypes.c_void_p), ("self_mask_row", ctypes.c_long),
+                ("cross_k", ctypes.c_void_p), ("cross_v", ctypes.c_void_p),
+                *((name, ctypes.c_long) for name in ("ck_row", "ck_head", "ck_pos", "cv_row", "cv_head",
+                                                     "cv_pos", "sources", "group", "cross_half")),
+                ("src_mask", ctypes.c_void_p), ("src_mask_row", ctypes.c_long)]
+
+
+def decoder_layer_step(layer: LayerWeights, places: StepPlaces, x: Tensor,
+                       avx512: bool | None = None) -> None:
+    """One decoder layer for one new position per row, in place on x (rows, d_model), float32
+    and contiguous: ``decoder_step.c``. ``avx512`` as ``PackedInt8``'s."""
+    if _library().decoder_layer_step(ctypes.byref(layer), ctypes.byref(places), x.data_ptr(),
+                                     x.size(0), int(_avx512_path(avx512))):
+        raise MemoryError(f"a decoder layer's step could not allocate its scratch for {x.size(0)} rows")

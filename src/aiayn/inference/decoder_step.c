@@ -1,0 +1,177 @@
+/* One decoder layer (section 3.1) for one new position per row, the int8 engine's work at
+ * every step of a search, in one call: aiayn/inference/int8.py calls it through native.py.
+ * At the few rows of a step the layer's arithmetic is a few microseconds; computed module by
+ * module from Python it took ~0.3 ms a layer, most of it in calls, views and allocations
+ * (docs/translating.md#int8-decoding). The same kernels do the work, in the same order, as
+ * the modules do (int8_linear.c's product, step_attention.c's attention and QK-norm); only
+ * the layer norm and the residual additions are computed here rather than by PyTorch.
+ *
+ *   pre-norm:  x = x + SelfAttn(LN1(x)); x = x + CrossAttn(LN2(x), memory); x = x + FFN(LN3(x))
+ *   post-norm: x = LN1(x + SelfAttn(x)); x = LN2(x + CrossAttn(x, memory)); x = LN3(x + FFN(x))
+ *   FFN(x) = max(0, x W1 + b1) W2 + b2                                   (eq. 2)
+ *
+ * Self-attention's new key and value of each row are written, as float16, into its own slot
+ * of the cache's store at `position` (aiayn/cache.py: Store, position-major), then read with
+ * the row's ancestry, as the Python path writes and reads them. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int int8_linear(const float *x, long m, long k, const int8_t *packed, const int32_t *sums,
+                const float *s, const float *b, long n, long width, float *y, int wide);
+int step_attention(const float *q, long q_row, long rows, long group, long heads, long d,
+                   const void *k, long k_row, long k_head, long k_pos,
+                   const void *v, long v_row, long v_head, long v_pos, long n_keys, int half,
+                   const int64_t *ancestry, long ancestry_row, long written,
+                   const uint8_t *mask, long mask_row, float *out, long out_row, int wide);
+void rms_norm(float *x, long rows, long d, const float *g, float eps);
+
+typedef struct { /* a packed product, native.PackedInt8's tensors */
+  const int8_t *packed;
+  const int32_t *sums;
+  const float *scales, *bias;
+  long n, k, width;
+} Product;
+
+typedef struct { /* one decoder layer's fixed weights (int8.NativeDecoderLayer fills it) */
+  Product qkv, self_out, cross_q, cross_out, ff1, ff2;
+  const float *norm_gain[3], *norm_bias[3]; /* the three sublayers' LayerNorms */
+  const float *q_norm, *k_norm;             /* self-attention's QK-norm gains (d_k), or NULL */
+  const float *cross_q_norm;                /* cross-attention's query gain, or NULL */
+  long cross_q_whole;                       /* 1: that gain spans d_model, else d_k */
+  long d_model, heads, d_ff, norm_first;
+  float norm_eps, qk_eps;
+} Layer;
+
+typedef struct { /* where a step reads and writes: the cache and the masks */
+  uint16_t *keys, *values;    /* the store's (L, R, H, d_k) float16 */
+  long slot_row, slot_pos;    /* their strides: a row's slot, a position */
+  long position;              /* where this step's key and value go */
+  const int64_t *ancestry;    /* (rows, written) slots of the earlier positions, or NULL */
+  long ancestry_row, written;
+  const uint8_t *self_mask;   /* (rows or 1, position + 1) may-attend, or NULL */
+  long self_mask_row;
+  const void *cross_k, *cross_v; /* the memory's K/V, (sets, H, S, d_k), float16 or float32 */
+  long ck_row, ck_head, ck_pos, cv_row, cv_head, cv_pos, sources, group, cross_half;
+  const uint8_t *src_mask;    /* (sets or 1, S) may-attend, or NULL */
+  long src_mask_row;
+} Step;
+
+/* y = (x - mean) / sqrt(var + eps) * g + b over each row of d values (torch.nn.LayerNorm's,
+ * up to rounding); d a multiple of 8. */
+static void layer_norm(const float *x, long rows, long d, const float *g, const float *b, float eps,
+                       float *y) {
+  for (long r = 0; r < rows; r++) {
+    const float *a = x + r * d;
+    float *o = y + r * d;
+    __m256 total = _mm256_setzero_ps();
+    for (long c = 0; c < d; c += 8) total = _mm256_add_ps(total, _mm256_loadu_ps(a + c));
+    float lanes[8], mean = 0.0f, var = 0.0f;
+    _mm256_storeu_ps(lanes, total);
+    for (int i = 0; i < 8; i++) mean += lanes[i];
+    mean /= (float)d;
+    const __m256 m = _mm256_set1_ps(mean);
+    __m256 squares = _mm256_setzero_ps();
+    for (long c = 0; c < d; c += 8) {
+      const __m256 e = _mm256_sub_ps(_mm256_loadu_ps(a + c), m);
+      squares = _mm256_fmadd_ps(e, e, squares);
+    }
+    _mm256_storeu_ps(lanes, squares);
+    for (int i = 0; i < 8; i++) var += lanes[i];
+    const __m256 factor = _mm256_set1_ps(1.0f / sqrtf(var / (float)d + eps));
+    for (long c = 0; c < d; c += 8)
+      _mm256_storeu_ps(o + c, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(a + c), m),
+                                                            factor),
+                                              _mm256_loadu_ps(g + c), _mm256_loadu_ps(b + c)));
+  }
+}
+
+static int product(const Product *p, const float *x, long m, float *y, int wide) {
+  return int8_linear(x, m, p->k, p->packed, p->sums, p->scales, p->bias, p->n, p->width, y, wide);
+}
+
+static void add(float *x, const float *y, long count) { /* x += y */
+  long i = 0;
+  for (; i + 8 <= count; i += 8)
+    _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < count; i++) x[i] += y[i];
+}
+
+static void to_half(const float *x, long count, uint16_t *y) { /* round to nearest even */
+  for (long i = 0; i < count; i += 8)
+    _mm_storeu_si128((__m128i *)(y + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+}
+
+/* The sublayer's input: LN(x) before it (pre-norm), x itself after (post-norm). */
+static const float *sublayer_input(const Layer *L, int i, const float *x, long rows, float *h) {
+  if (!L->norm_first) return x;
+  layer_norm(x, rows, L->d_model, L->norm_gain[i], L->norm_bias[i], L->norm_eps, h);
+  return h;
+}
+
+/* x += y, then LN(x) after it (post-norm). */
+static void residual(const Layer *L, int i, float *x, const float *y, long rows) {
+  add(x, y, rows * L->d_model);
+  if (!L->norm_first) layer_norm(x, rows, L->d_model, L->norm_gain[i], L->norm_bias[i], L->norm_eps, x);
+}
+
+/* x (rows x d_model, row-major): the layer's input, its output on return. Returns 0, or -1
+ * where scratch could not be allocated (x is then unchanged or partly updated: the caller
+ * fails the step). wide: the AVX-512 paths of the product and the attention (avx512()). */
+int decoder_layer_step(const Layer *L, const Step *s, float *x, long rows, int wide) {
+  const long d = L->d_model, H = L->heads, dk = d / H;
+  const long widest = 3 * d > L->d_ff ? 3 * d : L->d_ff;
+  float *scratch = malloc(sizeof(float) * rows * (2 * d + widest) + 64);
+  if (!scratch) return -1;
+  float *h = scratch, *att = h + rows * d, *wide_out = att + rows * d;
+  int failed = 0;
+
+  /* masked self-attention over the positions so far and this one */
+  const float *in = sublayer_input(L, 0, x, rows, h);
+  failed |= product(&L->qkv, in, rows, wide_out, wide); /* (rows, 3d): q | k | v */
+  for (long r = 0; r < rows && !failed; r++) {
+    float *qkv = wide_out + r * 3 * d;
+    if (L->q_norm) rms_norm(qkv, H, dk, L->q_norm, L->qk_eps);
+    if (L->k_norm) rms_norm(qkv + d, H, dk, L->k_norm, L->qk_eps);
+    to_half(qkv + d, d, s->keys + s->position * s->slot_pos + r * s->slot_row);
+    to_half(qkv + 2 * d, d, s->values + s->position * s->slot_pos + r * s->slot_row);
+  }
+  failed = failed || step_attention(wide_out, 3 * d, rows, 1, H, dk, s->keys, s->slot_row, dk, s->slot_pos,
+                                    s->values, s->slot_row, dk, s->slot_pos, s->position + 1, 1,
+                                    s->ancestry, s->ancestry_row, s->written, s->self_mask,
+                                    s->self_mask_row, att, d, wide);
+  failed = failed || product(&L->self_out, att, rows, h, wide);
+  if (!failed) residual(L, 0, x, h, rows);
+
+  /* encoder-decoder attention over the memory's keys and values */
+  if (!failed) {
+    in = sublayer_input(L, 1, x, rows, h);
+    failed = product(&L->cross_q, in, rows, wide_out, wide);
+  }
+  if (!failed && L->cross_q_norm) {
+    if (L->cross_q_whole) rms_norm(wide_out, rows, d, L->cross_q_norm, L->qk_eps);
+    else rms_norm(wide_out, rows * H, dk, L->cross_q_norm, L->qk_eps);
+  }
+  failed = failed || step_attention(wide_out, d, rows, s->group, H, dk, s->cross_k, s->ck_row, s->ck_head,
+                                    s->ck_pos, s->cross_v, s->cv_row, s->cv_head, s->cv_pos, s->sources,
+                                    (int)s->cross_half, 0, 0, 0, s->src_mask, s->src_mask_row, att, d, wide);
+  failed = failed || product(&L->cross_out, att, rows, h, wide);
+  if (!failed) residual(L, 1, x, h, rows);
+
+  /* position-wise feed-forward */
+  if (!failed) {
+    in = sublayer_input(L, 2, x, rows, h);
+    failed = product(&L->ff1, in, rows, wide_out, wide);
+  }
+  if (!failed) {
+    const __m256 zero = _mm256_setzero_ps();
+    for (long i = 0; i < rows * L->d_ff; i += 8)
+      _mm256_storeu_ps(wide_out + i, _mm256_max_ps(_mm256_loadu_ps(wide_out + i), zero));
+    failed = product(&L->ff2, wide_out, rows, h, wide);
+  }
+  if (!failed) residual(L, 2, x, h, rows);
+  free(scratch);
+  return failed ? -1 : 0;
+}
