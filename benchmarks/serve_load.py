@@ -199,7 +199,7 @@ def hang_up(url: str, sentences: list[str], beam: int, alpha: float) -> None:
 def soak(url: str, pid: int, sentences: list[str], expected: dict[str, str], args) -> dict:
     """``args.soak_clients`` polite clients and one that hangs up, for ``args.soak`` seconds."""
     stop = time.monotonic() + args.soak
-    results: list[tuple[bool, float]] = []  # (correct, seconds) of every polite request
+    results: list[tuple[bool, bool, float]] = []  # (answered, correct, seconds) of each polite one
     hung_up = [0]
     lock = threading.Lock()
 
@@ -209,7 +209,7 @@ def soak(url: str, pid: int, sentences: list[str], expected: dict[str, str], arg
             sentence = rng.choice(sentences)
             text, seconds = ask(url, sentence, args.beam, args.alpha)
             with lock:
-                results.append((text == expected[sentence], seconds))
+                results.append((text is not None, text == expected[sentence], seconds))
 
     def rude() -> None:
         rng = random.Random(-1)
@@ -231,8 +231,9 @@ def soak(url: str, pid: int, sentences: list[str], expected: dict[str, str], arg
         thread.join()
     rss.append(rss_mb(pid))
     after = http_json(f"{url}/stats")
-    seconds = [s for _, s in results]
-    return {"requests": len(results), "correct": sum(ok for ok, _ in results),
+    seconds = [s for _, _, s in results]
+    return {"requests": len(results), "answered": sum(answered for answered, _, _ in results),
+            "correct": sum(ok for _, ok, _ in results),
             "hung_up": hung_up[0], "dropped": after["dropped"] - before["dropped"],
             "abandoned": after.get("abandoned", 0) - before.get("abandoned", 0),
             "rps": len(results) / args.soak,
@@ -434,20 +435,26 @@ def main() -> None:
             print(f"soak: {args.soak:g} s, {args.soak_clients} clients + one that hung up "
                   f"{result['hung_up']} times ({result['dropped']} of those requests dropped "
                   f"before decoding, {result['abandoned']} taken out mid-search): "
-                  f"{result['correct']}/{result['requests']} answered correctly, "
+                  f"{result['answered']}/{result['requests']} answered, "
+                  f"{result['correct']} correctly, "
                   f"{result['rps']:.1f} requests/s, p50 "
                   f"{1000 * result['p50']:.0f} ms, p95 {1000 * result['p95']:.0f} ms, p99 "
                   f"{1000 * result['p99']:.0f} ms; server RSS {rss[0]:.0f} MB at the start, "
                   f"{rss[-1]:.0f} MB at the end (every 10 s: "
                   f"{' '.join(f'{r:.0f}' for r in rss)}); /health {result['health']}")
-            failed = result["correct"] < result["requests"] or result["health"] != "ok"
+            # int8: an answer may differ from the batch's, rarely (as above); a lost one fails.
+            failed = (result["answered" if args.int8 else "correct"] < result["requests"]
+                      or result["health"] != "ok")
             rows.append({"who": f"soak, {args.soak:g} s: {args.soak_clients} clients and one "
                                 f"that hangs up ({result['hung_up']} times: {result['dropped']} "
                                 f"dropped before decoding, {result['abandoned']} taken out "
                                 "mid-search)",
                          "p50": round(1000 * result["p50"]), "p95": round(1000 * result["p95"]),
                          "p99": round(1000 * result["p99"]), "rps": round(result["rps"], 1),
-                         "correct": f"{result['correct']}/{result['requests']}",
+                         "correct": f"{result['correct']}/{result['requests']}" + (
+                             f" (all {result['requests']} answered)"
+                             if result["answered"] == result["requests"] else
+                             f" ({result['answered']} answered)"),
                          "memory": f"{rss[0]:.0f} → {min(loaded):.0f}–{max(loaded):.0f} → "
                                    f"{rss[-1]:.0f} MB"})
         else:
