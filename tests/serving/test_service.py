@@ -301,3 +301,45 @@ def test_a_one_direction_model_refuses_to_and_answers_as_before(client, translat
     answer = client.post("/translate", json={"text": ["red sun", "blue"], "beam": 2}).json()
     assert answer["translations"] == translator.translate(["red sun", "blue"],
                                                           translator.resolve(beam=2))
+
+
+def test_answer_waits_for_the_model_or_the_client_hanging_up_whichever_comes_first():
+    """``answer``: a result that comes first is returned and the wait for the client ends
+    with it; a client that hangs up first cancels the request (ClientGone). ``hung_up``
+    reads past body messages to the disconnect."""
+    import asyncio
+    from concurrent.futures import Future
+
+    from aiayn.serving.batcher import ClientGone
+    from aiayn.serving.service import answer, hung_up
+
+    async def scenario(client_leaves: bool):
+        left = asyncio.Event()
+        messages = [{"type": "http.request", "body": b"", "more_body": False}]
+        waited = []
+
+        async def receive() -> dict:
+            if messages:
+                return messages.pop()
+            waited.append(True)
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        future: Future = Future()
+        waiting = asyncio.ensure_future(answer(future, lambda: hung_up(receive)))
+        await asyncio.sleep(0.01)
+        assert not waiting.done() and waited == [True]  # past the body, waiting on both
+        if client_leaves:
+            left.set()
+            with pytest.raises(ClientGone):
+                await waiting
+            assert future.cancelled()
+        else:
+            future.set_result("answered")
+            assert await waiting == "answered"
+            await asyncio.sleep(0)
+            assert not messages and not left.is_set()
+        return [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+
+    assert asyncio.run(scenario(client_leaves=True)) == []
+    assert asyncio.run(scenario(client_leaves=False)) == []  # the wait for the client ended

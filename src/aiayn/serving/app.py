@@ -88,7 +88,15 @@ from aiayn.inference.engines import engine_class
 from aiayn.inference.settings import Sampling
 from aiayn.serving.batcher import MAX_WAIT_MS, ClientGone, check_batching, check_lanes, check_max_wait
 from aiayn.serving.lanes import LaneLost
-from aiayn.serving.service import MAX_BEAM, MAX_TOP, ModelService, ServeLimits, TooLarge, check_size
+from aiayn.serving.service import (
+    MAX_BEAM,
+    MAX_TOP,
+    ModelService,
+    ServeLimits,
+    TooLarge,
+    check_size,
+    hung_up,
+)
 
 log = logging.getLogger("aiayn.serve")  # one name for the server's log lines
 STATIC_DIR = Path(__file__).parent / "static"
@@ -241,7 +249,7 @@ def create_app(service: ModelService, limits: ServeLimits | None = None) -> Fast
         search = service.resolve(beam=body.beam, alpha=body.alpha, nbest=body.nbest,
                                  no_repeat_ngram=body.no_repeat_ngram,
                                  sampling=sampling)  # the request's search, resolved once
-        return await service.translate(texts, search, request.is_disconnected,
+        return await service.translate(texts, search, lambda: hung_up(request.receive),
                                        body.alignments, request_prefixes(body, len(texts)),
                                        body.to)
 
@@ -251,13 +259,13 @@ def create_app(service: ModelService, limits: ServeLimits | None = None) -> Fast
         check_size([body.text, body.target or ""], limits)
         search = service.resolve(no_repeat_ngram=body.no_repeat_ngram, sampling=body.sampling())
         return await service.next_piece(body.text, body.target, body.step, search, body.top,
-                                        request.is_disconnected, body.to)
+                                        lambda: hung_up(request.receive), body.to)
 
     @app.post("/attention", summary="Translate one sentence and return every attention map")
     async def attention(body: AttentionRequest, request: Request) -> dict:
         check_size([body.text], limits)
         search = service.resolve(beam=body.beam, alpha=body.alpha)
-        return await service.attention(body.text, search, request.is_disconnected, body.step,
+        return await service.attention(body.text, search, lambda: hung_up(request.receive), body.step,
                                        body.to)
 
     @app.get("/health", summary="Is the model loaded?")

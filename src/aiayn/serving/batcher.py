@@ -397,7 +397,10 @@ class Batcher:
             for key in result.ended:
                 if key in lane.requests:
                     self.stats.ended(lane.requests.pop(key))
-            self._changed.notify_all()
+            # The freed load matters only to jobs waiting or to a close: waking the lane
+            # threads for nothing costs the server a thread switch per answer.
+            if self._queue or self._closed:
+                self._changed.notify_all()
 
     def _lane_lost(self, lane: _Lane, exc: LaneLost) -> None:
         """The lane's process ended: every sentence it held fails with ``exc``."""

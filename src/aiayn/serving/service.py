@@ -274,21 +274,31 @@ class ModelService:
         return self.config, "this run"
 
 
-async def answer(future: Future, gone: Callable[[], Awaitable[bool]] | None = None,
-                 every: float = 0.1) -> Any:
-    """The result of a batcher's ``future``. ``gone()`` (the request's ``is_disconnected``)
-    is asked every ``every`` seconds meanwhile: once the client has hung up, the future is
-    cancelled (a job still waiting is never decoded) and ClientGone raised (the caller
-    tells the batcher: ``Batcher.forget``)."""
+async def answer(future: Future, gone: Callable[[], Awaitable[Any]] | None = None) -> Any:
+    """The result of a batcher's ``future``. ``gone()``: an awaitable that completes when the
+    client hangs up (``hung_up``); if it does first, the future is cancelled (a job still
+    waiting is never decoded) and ClientGone raised (the caller tells the batcher:
+    ``Batcher.forget``). Waiting on it costs nothing per second, where asking
+    ``Request.is_disconnected`` every tenth of a second cost the server ~10% of its CPU."""
     waiting = asyncio.wrap_future(future)
-    while gone is not None:
-        done, _ = await asyncio.wait({waiting}, timeout=every)
-        if done:
-            break
-        if await gone():
-            waiting.cancel()
-            raise ClientGone
-    return await waiting
+    if gone is None:
+        return await waiting
+    hang_up = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({waiting, hang_up}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        hang_up.cancel()
+    if not waiting.done():
+        waiting.cancel()
+        raise ClientGone
+    return waiting.result()
+
+
+async def hung_up(receive: Callable[[], Awaitable[dict]]) -> None:
+    """Returns when the client of a request whose body has been read hangs up: ASGI's
+    ``receive`` then says "http.disconnect" (and until then waits)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _entry(translation) -> dict:
