@@ -23,7 +23,9 @@ server's: its lanes alone (``LanesAlone``). K clients keep about K / L sentences
 the server's L lanes; L processes, each decoding its share of the sentences by the search a
 lane runs (``JoinableSearch``, one thread) with as many kept in flight, all at once, are
 what the lanes could answer with no HTTP, no queue and no server process: a server near
-that rate is limited by the size of its steps, not by serving.
+that rate is limited by the size of its steps, not by serving. Each row of the server
+also says what CPU time a request cost its own process, its lanes and the clients (/proc):
+on a CPU they share the cores.
 
 ``--soak SECONDS``: K clients (--soak-clients) keep the server busy for that long, while one
 more client, over and over, sends a request of 8 sentences and hangs up before the answer;
@@ -133,6 +135,22 @@ def children(pid: int) -> list[int]:
         frontier = [child for child, parent in parents.items() if parent in frontier]
         found += frontier
     return found
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """The CPU time (user and system) processes ``pids`` have used so far (Linux /proc)."""
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def cpu_split(server: int) -> tuple[float, float, float]:
+    """CPU seconds so far of the server's own process, of its lane processes, and of this
+    process (the clients: nothing else runs here meanwhile)."""
+    return cpu_seconds([server]), cpu_seconds(children(server)), time.process_time()
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -324,7 +342,10 @@ ABOUT = (
     "repeats): read the ratio. A second reference says how much of the gap is the "
     "server's: its lanes alone at each load, without the server (a process per lane, "
     "each decoding its share of the sentences at the same time by the search a lane runs, "
-    "on one thread, with as many in flight as the clients keep in a lane). The soak row: "
+    "on one thread, with as many in flight as the clients keep in a lane). The CPU time "
+    "a request cost, from /proc: the server's own process (HTTP, JSON, tokenizing, the "
+    "queue), its lane processes (the model), and the benchmark's clients, all on the same "
+    "cores: where the server's rate falls short of its lanes'. The soak row: "
     "steady load for minutes, "
     "with one more client that hangs up before each answer; the server's memory at the "
     "start, its least and most over the samples of the load (every 10 s from the first on: "
@@ -336,6 +357,7 @@ COLUMNS = [
         ("p50", "p50 ms"), ("p95", "p95 ms"), ("p99", "p99 ms"), ("rps", "requests/s"),
         ("ratio", "/ offline batch"), ("correct", "answered correctly"),
         ("batches", "decoded together"), ("wait", "mean wait ms"),
+        ("cpu", "CPU ms a request: server, its lanes, the clients"),
         ("memory", "server RSS: start → under load (least–most) → end")]),
 ]
 
@@ -467,9 +489,9 @@ def main() -> None:
             references = [offline]
             for _ in range(args.repeats):
                 for k in clients:
-                    before = http_json(f"{url}/stats")
+                    before, cpu_before = http_json(f"{url}/stats"), cpu_split(process.pid)
                     answers, latencies, wall = load(url, sentences, k, args.beam, args.alpha)
-                    after = http_json(f"{url}/stats")
+                    after, cpu_after = http_json(f"{url}/stats"), cpu_split(process.pid)
                     passes = pass_summary(before, after)
                     correct = sum(a == e for a, e in zip(answers, expected))
                     # int8 rounding can make an answer depend on its batch (rarely: counted
@@ -477,7 +499,9 @@ def main() -> None:
                     failed |= (correct < len(sentences) if not args.int8
                                else any(a is None for a in answers))
                     runs[k].append({"latencies": latencies, "rps": len(sentences) / wall,
-                                    "correct": correct, **passes})
+                                    "correct": correct, **passes,
+                                    "cpu": [1000 * (b - a) / len(sentences)
+                                            for a, b in zip(cpu_before, cpu_after)]})
                     if after.get("batching") == "continuous" and args.device == "cpu":
                         lanes_alone = lanes_alone or LanesAlone(args, after["lanes"])
                         alone[k].append(lanes_alone.rate(sentences, k))
@@ -499,6 +523,8 @@ def main() -> None:
                              "correct": f"{sum(r['correct'] for r in done)}/"
                                         f"{len(sentences) * len(done)}",
                              "batches": done[len(done) // 2]["together"],
+                             "cpu": ", ".join(f"{statistics.median(r['cpu'][i] for r in done):.2f}"
+                                              for i in range(3)),
                              "wait": round(statistics.median(r["mean_wait_ms"] for r in done))})
             for k in clients:
                 if not alone[k]:
@@ -517,12 +543,12 @@ def main() -> None:
                                 f"{timed})",
                          "rps": round(statistics.median(reference_of), 1), "ratio": "1.00"})
             print("| | p50 ms | p95 ms | p99 ms | requests/s | / offline | correct | "
-                  "decoded together | mean wait ms |")
-            print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
+                  "decoded together | mean wait ms | CPU ms a request: server, lanes, clients |")
+            print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
             for row in rows:
                 print("| " + " | ".join(str(row.get(key, "")) for key in (
-                    "who", "p50", "p95", "p99", "rps", "ratio", "correct", "batches", "wait"))
-                      + " |")
+                    "who", "p50", "p95", "p99", "rps", "ratio", "correct", "batches", "wait",
+                    "cpu")) + " |")
     finally:
         if lanes_alone is not None:
             lanes_alone.close()
