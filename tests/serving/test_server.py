@@ -24,17 +24,22 @@ from aiayn.serving.app import create_app  # noqa: E402
 from aiayn.serving.service import ModelService  # noqa: E402
 
 
-def test_a_client_that_hangs_up_while_waiting_is_never_decoded(run_dir, translator):
-    """A real server (uvicorn on a thread): a request whose client closes the connection
-    while it waits is dropped before any pass; the request behind it is answered alone."""
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_a_client_that_hangs_up_while_waiting_is_never_decoded(run_dir, translator, http):
+    """A real server (uvicorn on a thread, with either HTTP parser: h11 where httptools is
+    missing): a request whose client closes the connection while it waits is dropped
+    before any pass; the request behind it is answered alone."""
     import uvicorn
+
+    if http == "httptools":
+        pytest.importorskip("httptools", reason="the serve extra's httptools is not installed")
 
     from aiayn.serving.app import listening_socket
 
     service = ModelService.from_run(run_dir)
     sock = listening_socket("127.0.0.1", 0)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning", http=http))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     gate = threading.Event()

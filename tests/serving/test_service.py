@@ -305,8 +305,9 @@ def test_a_one_direction_model_refuses_to_and_answers_as_before(client, translat
 
 def test_answer_waits_for_the_model_or_the_client_hanging_up_whichever_comes_first():
     """``answer``: a result that comes first is returned and the wait for the client ends
-    with it; a client that hangs up first cancels the request (ClientGone). ``hung_up``
-    reads past body messages to the disconnect."""
+    with it; a client that hangs up first cancels the request (ClientGone); a wait on the
+    client that fails leaves the request to be answered. ``hung_up`` reads past body
+    messages to the disconnect."""
     import asyncio
     from concurrent.futures import Future
 
@@ -343,3 +344,16 @@ def test_answer_waits_for_the_model_or_the_client_hanging_up_whichever_comes_fir
 
     assert asyncio.run(scenario(client_leaves=True)) == []
     assert asyncio.run(scenario(client_leaves=False)) == []  # the wait for the client ended
+
+    async def unwatchable():  # a receive that fails: the request is still answered
+        async def broken() -> None:
+            raise RuntimeError("no receive here")
+
+        future: Future = Future()
+        waiting = asyncio.ensure_future(answer(future, broken))
+        await asyncio.sleep(0.01)
+        assert not waiting.done() and not future.cancelled()
+        future.set_result("answered")
+        return await waiting
+
+    assert asyncio.run(unwatchable()) == "answered"

@@ -144,7 +144,7 @@ class ModelService:
         return search
 
     async def translate(self, texts: list[str], search: Search,
-                        gone: Callable[[], Awaitable[bool]] | None = None,
+                        gone: Callable[[], Awaitable[Any]] | None = None,
                         alignments: bool = False,
                         prefixes: list[str | None] | None = None, to: str | None = None
                         ) -> dict:
@@ -198,7 +198,7 @@ class ModelService:
         return answered
 
     async def attention(self, text: str, search: Search,
-                        gone: Callable[[], Awaitable[bool]] | None = None,
+                        gone: Callable[[], Awaitable[Any]] | None = None,
                         step: int | None = None, to: str | None = None) -> dict:
         """`aiayn attention`'s maps for one sentence translated by ``search`` (``resolve``),
         as nested lists (see ``attention_json``); with ``step``, those of that step
@@ -222,7 +222,7 @@ class ModelService:
 
     async def next_piece(self, text: str, target: str | None, step: int | None,
                          search: Search, top: int,
-                         gone: Callable[[], Awaitable[bool]] | None = None,
+                         gone: Callable[[], Awaitable[Any]] | None = None,
                          to: str | None = None) -> dict:
         """POST /next: the ``top`` likeliest pieces a sample of ``search`` (``resolve``, with
         its sampling) would draw at ``step`` of the translation, with their probabilities
@@ -275,11 +275,12 @@ class ModelService:
 
 
 async def answer(future: Future, gone: Callable[[], Awaitable[Any]] | None = None) -> Any:
-    """The result of a batcher's ``future``. ``gone()``: an awaitable that completes when the
-    client hangs up (``hung_up``); if it does first, the future is cancelled (a job still
-    waiting is never decoded) and ClientGone raised (the caller tells the batcher:
-    ``Batcher.forget``). Waiting on it costs nothing per second, where asking
-    ``Request.is_disconnected`` every tenth of a second cost the server ~10% of its CPU."""
+    """The result of a batcher's ``future``. ``gone``: a function whose awaitable completes
+    when the client hangs up (``hung_up``); if it does first, the future is cancelled (a job
+    still waiting is never decoded) and ClientGone raised (the caller tells the batcher:
+    ``Batcher.forget``). One wait on the client, not a question every tenth of a second,
+    so a request costs the server's CPU nothing while it waits (docs/serving.md#batching).
+    Should that wait fail, the request is still answered, only no longer watched."""
     waiting = asyncio.wrap_future(future)
     if gone is None:
         return await waiting
@@ -289,9 +290,12 @@ async def answer(future: Future, gone: Callable[[], Awaitable[Any]] | None = Non
     finally:
         hang_up.cancel()
     if not waiting.done():
-        waiting.cancel()
-        raise ClientGone
-    return waiting.result()
+        if hang_up.exception() is None:
+            waiting.cancel()
+            raise ClientGone
+        log.warning("could not watch a request's client (%s): answering it unwatched",
+                    hang_up.exception())
+    return await waiting
 
 
 async def hung_up(receive: Callable[[], Awaitable[dict]]) -> None:
