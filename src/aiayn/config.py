@@ -289,7 +289,7 @@ class TrainConfig:
     """Decoupled weight decay (AdamW style; not in the paper)."""
     label_smoothing: float | str = 0.1
     """epsilon_ls of the label-smoothed cross-entropy (paper, 5.4); "auto": chosen with
-    model.dropout from the passes over the training data the budget makes: none up to 4
+    model.dropout from the passes over the training data the budget makes: none up to 5.5
     passes, 0.1 beyond (docs/training.md#regularisation-by-the-budget)."""
     clip_norm: float = 1.0
     """Gradient norm clipping threshold; 0 disables clipping."""

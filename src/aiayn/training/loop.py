@@ -451,12 +451,12 @@ class Trainer:
         narrowest batches first). After that a choice changes only for passes clearly across
         the line (``plan.clearly_across``). A change of the label smoothing changes what the
         dev loss measures, so the best by loss is chosen afresh from the next validation."""
-        chosen, line = choose_regularisation(self.auto, passes)
-        m, t = chosen.model, chosen.train
         was = (self.config.model.dropout, self.config.train.label_smoothing)
+        chosen, line = choose_regularisation(self.auto, passes, ran_with=was[0])
+        m, t = chosen.model, chosen.train
         first = has_auto_regularisation(self.stored)  # nothing chosen yet
         holds = not first and ((m.dropout, t.label_smoothing) == was
-                               or (self.settled and not clearly_across(passes)))
+                               or (self.settled and not clearly_across(passes, was[0])))
         self.settled = not first
         if holds:
             return
