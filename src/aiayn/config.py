@@ -289,8 +289,8 @@ class TrainConfig:
     """Decoupled weight decay (AdamW style; not in the paper)."""
     label_smoothing: float | str = 0.1
     """epsilon_ls of the label-smoothed cross-entropy (paper, 5.4); "auto": chosen with
-    model.dropout from the passes over the training data the budget makes: none up to 5.5
-    passes, 0.1 beyond (docs/training.md#regularisation-by-the-budget)."""
+    model.dropout from the passes over the training data the budget makes: none up to 4
+    passes, 0.05 up to 5.5, 0.1 beyond (docs/training.md#regularisation-by-the-budget)."""
     clip_norm: float = 1.0
     """Gradient norm clipping threshold; 0 disables clipping."""
     max_steps: int = 100_000

@@ -13,6 +13,7 @@ from aiayn.config import AUTO, load_config
 from aiayn.errors import AiaynError
 from aiayn.training import plan as plan_module
 from aiayn.training.plan import (
+    HALF_REGULARISED,
     MEASURE_S,
     OVERFIT_PASSES,
     REGULARISED,
@@ -42,9 +43,9 @@ def test_a_step_limit_alone_states_its_passes_and_warns_the_unregularised_demo()
     assert lines == ["budget: to step 100,000 (no time limit: train.max_minutes 0); a pass over "
                      "the training data is 100 steps of <= 1,024 tokens, so 1,000.0 passes"]
     assert len(warnings) == 1 and "configs/bible-60.yaml" in warnings[0]
-    assert "~1000.0 passes" in warnings[0] and "over-fits past ~5.5" in warnings[0]
+    assert "~1000.0 passes" in warnings[0] and "over-fits past ~4" in warnings[0]
     # A recipe with dropout and label smoothing is not warned, nor one that chooses them by
-    # the passes ("auto", the demo's), nor a budget within ~5.5 passes.
+    # the passes ("auto", the demo's), nor a budget within ~4 passes.
     for preset, steps, sets in (("bible-60", 100_000, []), ("demo", 100_000, []),
                                 ("demo", int(OVERFIT_PASSES * 100), UNREGULARISED)):
         budget, _, warnings = plan(preset, 0, steps, sets=sets)
@@ -103,7 +104,10 @@ def test_auto_regularises_by_the_passes_and_keeps_numbers_given():
     assert step_limit_passes(load_config("demo"), 100.0) is None  # a time budget: not yet
     few, line = choose_regularisation(config, OVERFIT_PASSES)
     assert (few.model.dropout, few.train.label_smoothing) == (0.0, 0.0)
-    assert line.startswith("regularisation: dropout 0, label smoothing 0 (auto: ~5.5 passes")
+    assert line.startswith("regularisation: dropout 0, label smoothing 0 (auto: ~4.0 passes")
+    half, line = choose_regularisation(config, 4.7)
+    assert (half.model.dropout, half.train.label_smoothing) == (HALF_REGULARISED, HALF_REGULARISED)
+    assert "(auto: ~4.7 passes over the training data, more than 4, at most 5.5;" in line
     many, line = choose_regularisation(config, 6.5)
     assert (many.model.dropout, many.train.label_smoothing) == (REGULARISED, REGULARISED)
     assert "dropout 0.1, label smoothing 0.1 (auto: ~6.5 passes" in line
@@ -118,18 +122,19 @@ def test_auto_regularises_by_the_passes_and_keeps_numbers_given():
 
 
 def test_passes_measured_with_dropout_count_at_the_speed_without_it():
-    """The line is drawn in passes at the speed without dropout: a projection from steps that
-    ran with it (slower by DROPOUT_PRICE) is scaled up before it meets the line, so that
+    """The lines are drawn in passes at the speed without dropout: a projection from steps
+    that ran with it (slower by DROPOUT_PRICE) is scaled up before it meets them, so that
     choosing dropout does not by itself undo the choice at the next projection."""
     config = load_config("demo", ["train.max_minutes=0", "train.max_steps=1000"])
     plain, _ = choose_regularisation(config, 5.2)
-    assert plain.model.dropout == 0.0
+    assert plain.model.dropout == HALF_REGULARISED
     slowed, line = choose_regularisation(config, 5.2, ran_with=REGULARISED)
     assert (slowed.model.dropout, slowed.train.label_smoothing) == (REGULARISED, REGULARISED)
     assert "(auto: ~5.2 passes over the training data, ~5.7 at the speed without dropout, " \
         "more than 5.5;" in line
-    assert clearly_across(4.9) and not clearly_across(4.9, ran_with=REGULARISED)
-    assert clearly_across(4.5, ran_with=REGULARISED)  # 4.95 at the speed without: too few
+    assert clearly_across(4.9) and not clearly_across(4.9, ran_with=REGULARISED)  # 5.39
+    assert clearly_across(4.5, ran_with=REGULARISED)  # 4.95: clearly between the lines
+    assert not clearly_across(3.9) and not clearly_across(4.1)  # near the first line
 
 
 @pytest.mark.parametrize("setting", ["model.d_ff=auto", "train.clip_norm=auto",
@@ -221,11 +226,12 @@ def test_a_later_projection_changes_the_choice_and_the_best_loss_starts_over(
     from helpers import write_prepared
 
     data = write_prepared(tmp_path / "data")
-    # What the time budget's speed would project: 7.0 first (a fast first half-minute), then
-    # 2.0 (chosen: the first projection's choice is not held), 5.6 (more than 5.5 but too near
-    # the line to change a choice made since: plan.CHANGE_MARGIN), then clearly more, then
-    # 5.1 from steps with dropout (5.6 at the speed without it: too near to change back).
-    passes_at = {6: 7.0, 10: 2.0, 14: 5.6, 18: 8.0, 22: 5.1}
+    # What the time budget's speed would project: 5.0 first (a fast first half-minute: half
+    # the regularisation), then 2.0 (chosen: the first projection's choice is not held), 4.1
+    # (more than 4 but too near the line to change a choice made since: plan.CHANGE_MARGIN),
+    # then clearly more than 5.5, then 5.1 from steps with dropout (5.6 at the speed without
+    # it: too near the line to change back to half).
+    passes_at = {6: 5.0, 10: 2.0, 14: 4.1, 18: 8.0, 22: 5.1}
     monkeypatch.setattr(BudgetPlan, "observe", lambda self, step, elapsed_s: passes_at.get(step))
     seen = dropout_seen(monkeypatch)
     run = tmp_path / "run"
@@ -237,11 +243,11 @@ def test_a_later_projection_changes_the_choice_and_the_best_loss_starts_over(
     assert code == 0, err
     chosen = [line for line in out.splitlines() if line.startswith("regularisation:")]
     assert [re.search(r"~([\d.]+) passes", line)[1] for line in chosen[1:]] == \
-        ["7.0", "2.0", "8.0"], chosen  # 5.6 and 5.1 changed nothing
+        ["5.0", "2.0", "8.0"], chosen  # 4.1 and 5.1 changed nothing
     assert "0 until the speed is measured" in chosen[0]
     assert [line for line in out.splitlines() if line.startswith("best:")] == [
         f"best: the dev loss now counts label smoothing {value}; the best weights are chosen "
-        "afresh from the next validation" for value in ("0.1", "0", "0.1")]  # after step 4
+        "afresh from the next validation" for value in ("0.05", "0", "0.1")]  # after step 4
     assert seen[0] == 0.0 and seen[-1] == REGULARISED and 0.0 in seen[len(seen) // 2:]
     saved = load_config(run / "config.yaml")
     assert (saved.model.dropout, saved.train.label_smoothing) == (REGULARISED, REGULARISED)

@@ -19,20 +19,22 @@ from dataclasses import replace
 
 from aiayn.config import AUTO, Config
 
-# Without dropout and label smoothing the demo's model learns fastest up to about 5.5 passes
-# (at equal compute its dev loss leads regularisation's at 3.4, 4.7 and 5.5 passes and trails
-# it at 6.5: docs/findings.md#regularisation-by-the-budget): past this, "auto" regularises,
-# and a recipe set to none of either gets the warning. Passes count at the speed without
-# dropout (``line_passes``).
-OVERFIT_PASSES = 5.5
+# Without dropout and label smoothing the demo's model learns fastest over 2-3.5 passes and
+# over-fits from about 4 (docs/findings.md#regularisation-by-the-budget): past this, "auto"
+# regularises, and a recipe set to none of either gets the warning.
+OVERFIT_PASSES = 4.0
+# What "auto" takes beyond OVERFIT_PASSES: half the paper's dropout and label smoothing up to
+# FULL_PASSES (at 4.7 passes, at equal compute, it led the paper's 0.1 by 0.08 nats of dev
+# loss, and where none's dev loss turned up before a busy Zen 5's 12 minutes ended, it fell
+# to the end), the paper's (5.4) beyond, as configs/bible-60.yaml keeps them
+# (docs/findings.md#regularisation-by-the-budget).
+HALF_REGULARISED, FULL_PASSES, REGULARISED = 0.05, 5.5, 0.1
 # Dropout's price a step, by which a run with it makes fewer passes in the same minutes: 1.09
-# in fp32 on an AVX2 CPU, 1.14 in bf16 on a Zen 5 (benchmarks/step_cost.py --variant
-# do1=model.dropout=0.1). A regularised run's projection is scaled by it before it meets the
-# line, so choosing dropout does not by itself undo the choice at the next projection.
+# in fp32 on an AVX2 CPU, 1.12-1.14 in bf16 on a Zen 5 at 0.05-0.1 (benchmarks/step_cost.py
+# --variant do1=model.dropout=0.1). The passes of a run with dropout are scaled by it before
+# they meet the lines, so choosing dropout does not by itself undo the choice at the next
+# projection.
 DROPOUT_PRICE = 1.1
-# What "auto" takes beyond OVERFIT_PASSES: the paper's dropout and label smoothing (5.4), as
-# configs/bible-60.yaml keeps them (docs/findings.md#regularisation-by-the-budget).
-REGULARISED = 0.1
 # The regularised preset for longer budgets, named by the warning.
 LONGER_PRESET = "configs/bible-60.yaml"
 # Training seconds timed (after the session's first steps, which include warm-up work)
@@ -45,9 +47,9 @@ SKIP_STEPS = 5
 # and a choice made on it alone missed the passes by up to 2x (docs/training.md#regularisation-by-the-budget).
 REPROJECT_AT = (0.125, 0.25, 0.5)
 # A projection made again changes the choice only when its passes are this far (a fraction
-# of OVERFIT_PASSES) across the line: a budget near the line projects to either side from
-# one measurement to the next, near the line the two choices score alike (above), and each
-# change of the label smoothing starts the best by dev loss over.
+# of the line) across a line: a budget near a line projects to either side from one
+# measurement to the next, near a line the choices on either side score alike (above), and
+# each change of the label smoothing starts the best by dev loss over.
 CHANGE_MARGIN = 0.05
 
 
@@ -71,18 +73,20 @@ def has_auto_regularisation(config: Config) -> bool:
 
 def line_passes(passes: float, dropout: float) -> float:
     """The passes the steps that projected ``passes`` would make at the speed without dropout,
-    as OVERFIT_PASSES counts them: ``dropout`` is what those steps ran with."""
+    as the lines OVERFIT_PASSES and FULL_PASSES count them: ``dropout`` is what those steps
+    ran with."""
     return passes * DROPOUT_PRICE if dropout > 0 else passes
 
 
 def choose_regularisation(config: Config, passes: float | None,
                           ran_with: float = 0.0) -> tuple[Config, str]:
     """``config`` with its "auto" dropout and label smoothing set for a budget of ``passes``
-    over the training data, projected from steps that ran with dropout ``ran_with``: none up to
-    OVERFIT_PASSES at the speed without dropout (a few passes learn fastest without either),
-    REGULARISED beyond (then the unregularised dev loss turns up); and the line that says what
-    was chosen and why. ``passes`` None: not known yet (a time budget before its speed is
-    measured): 0 for now. A setting given as a number stays as it is."""
+    over the training data, projected from steps that ran with dropout ``ran_with``, at the
+    speed without dropout: none up to OVERFIT_PASSES (a few passes learn fastest without
+    either), HALF_REGULARISED up to FULL_PASSES, REGULARISED beyond (without them the dev
+    loss turns up); and the line that says what was chosen and why. ``passes`` None: not
+    known yet (a time budget before its speed is measured): 0 for now. A setting given as a
+    number stays as it is."""
     m, t = config.model, config.train
     if passes is None:
         value, why = 0.0, "0 until the speed is measured"
@@ -90,8 +94,11 @@ def choose_regularisation(config: Config, passes: float | None,
         counted = line_passes(passes, ran_with)
         said = f"~{passes:.1f} passes over the training data" + (
             f", ~{counted:.1f} at the speed without dropout" if counted != passes else "")
-        if counted > OVERFIT_PASSES:
-            value, why = REGULARISED, f"{said}, more than {OVERFIT_PASSES:g}"
+        if counted > FULL_PASSES:
+            value, why = REGULARISED, f"{said}, more than {FULL_PASSES:g}"
+        elif counted > OVERFIT_PASSES:
+            value, why = HALF_REGULARISED, f"{said}, more than {OVERFIT_PASSES:g}, at most " \
+                f"{FULL_PASSES:g}"
         else:
             value, why = 0.0, f"{said}, at most {OVERFIT_PASSES:g}"
     dropout = value if m.dropout == AUTO else m.dropout
@@ -103,9 +110,12 @@ def choose_regularisation(config: Config, passes: float | None,
 
 
 def clearly_across(passes: float, ran_with: float = 0.0) -> bool:
-    """Are ``passes``, projected from steps that ran with dropout ``ran_with``, far enough from
-    OVERFIT_PASSES for a projection made again to change the choice (``CHANGE_MARGIN``)?"""
-    return abs(line_passes(passes, ran_with) - OVERFIT_PASSES) > CHANGE_MARGIN * OVERFIT_PASSES
+    """Are ``passes``, projected from steps that ran with dropout ``ran_with``, far enough
+    from both lines (OVERFIT_PASSES, FULL_PASSES) for a projection made again to change the
+    choice (``CHANGE_MARGIN``)?"""
+    counted = line_passes(passes, ran_with)
+    return all(abs(counted - line) > CHANGE_MARGIN * line
+               for line in (OVERFIT_PASSES, FULL_PASSES))
 
 
 class BudgetPlan:
