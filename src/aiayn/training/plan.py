@@ -24,9 +24,9 @@ from aiayn.config import AUTO, Config
 # regularises, and a recipe set to none of either gets the warning.
 OVERFIT_PASSES = 4.0
 # What "auto" takes beyond OVERFIT_PASSES: half the paper's dropout and label smoothing up to
-# FULL_PASSES (at 4.7 passes, at equal compute, it led the paper's 0.1 by 0.08 nats of dev
-# loss, and where none's dev loss turned up before a busy Zen 5's 12 minutes ended, it fell
-# to the end), the paper's (5.4) beyond, as configs/bible-60.yaml keeps them
+# FULL_PASSES (at 4.7 passes, at equal compute, it led the paper's 0.1 by 0.04-0.08 nats of
+# dev loss in two seeds, and where none's dev loss turned up before a busy Zen 5's 12 minutes
+# ended, it fell to the end), the paper's (5.4) beyond, as configs/bible-60.yaml keeps them
 # (docs/findings.md#regularisation-by-the-budget).
 HALF_REGULARISED, FULL_PASSES, REGULARISED = 0.05, 5.5, 0.1
 # Dropout's price a step, by which a run with it makes fewer passes in the same minutes: 1.09
