@@ -130,7 +130,7 @@ def test_passes_measured_with_dropout_count_at_the_speed_without_it():
     assert plain.model.dropout == HALF_REGULARISED
     slowed, line = choose_regularisation(config, 5.2, ran_with=REGULARISED)
     assert (slowed.model.dropout, slowed.train.label_smoothing) == (REGULARISED, REGULARISED)
-    assert "(auto: ~5.2 passes over the training data, ~5.7 at the speed without dropout, " \
+    assert "(auto: ~5.2 passes over the training data, ~5.72 at the speed without dropout, " \
         "more than 5.5;" in line
     assert clearly_across(4.9) and not clearly_across(4.9, ran_with=REGULARISED)  # 5.39
     assert clearly_across(4.5, ran_with=REGULARISED)  # 4.95: clearly between the lines

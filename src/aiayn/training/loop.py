@@ -449,7 +449,7 @@ class Trainer:
         choice). The first projection's choice holds only until the next: the first
         half-minute is the least like the rest (warm-up, thread trials, the curriculum's
         narrowest batches first). After that a choice changes only for passes clearly across
-        the line (``plan.clearly_across``). A change of the label smoothing changes what the
+        a line (``plan.clearly_across``). A change of the label smoothing changes what the
         dev loss measures, so the best by loss is chosen afresh from the next validation."""
         was = (self.config.model.dropout, self.config.train.label_smoothing)
         chosen, line = choose_regularisation(self.auto, passes, ran_with=was[0])

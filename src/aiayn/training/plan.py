@@ -92,8 +92,9 @@ def choose_regularisation(config: Config, passes: float | None,
         value, why = 0.0, "0 until the speed is measured"
     else:
         counted = line_passes(passes, ran_with)
+        # Two decimals: near a line one would say "~5.5 ..., more than 5.5".
         said = f"~{passes:.1f} passes over the training data" + (
-            f", ~{counted:.1f} at the speed without dropout" if counted != passes else "")
+            f", ~{counted:.2f} at the speed without dropout" if counted != passes else "")
         if counted > FULL_PASSES:
             value, why = REGULARISED, f"{said}, more than {FULL_PASSES:g}"
         elif counted > OVERFIT_PASSES:
