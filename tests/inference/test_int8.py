@@ -8,6 +8,7 @@ refusals.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,7 @@ from torch import nn
 from aiayn.cache import KVCache
 from aiayn.config import ModelConfig
 from aiayn.data.prepared import load_prepared
+from aiayn.data.tokenizer import EOS_ID
 from aiayn.errors import AiaynError
 from aiayn.inference import native
 from aiayn.inference.ct2 import CTranslate2Engine
@@ -30,15 +32,18 @@ from aiayn.inference.int8 import (
 )
 from aiayn.inference.native import (
     PackedInt8,
+    beam_choose,
     build,
     check_int8,
     log_softmax,
+    mask_step,
     rms_norm,
     step_attention,
     step_attention_fits,
     top_log_softmax,
 )
-from aiayn.inference.steps import DecoderState
+from aiayn.inference.sampling import ban_repeated_ngrams
+from aiayn.inference.steps import DecoderState, expand
 from aiayn.inference.translator import Translator
 from aiayn.model import Generator, HeadNorm, MultiHeadAttention, Transformer
 from aiayn.runs.directory import read_data_dir
@@ -239,6 +244,85 @@ def test_the_top_log_probabilities_are_the_log_softmaxs_floats_topk(n, k, avx512
     assert all(len(set(row)) == k for row in columns.tolist())
     with pytest.raises(ValueError, match="1 <= k <= n"):
         top_log_softmax(x, n + 1)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("restricted", [False, True])
+def test_the_native_step_mask_bans_the_guards_columns_and_the_never_generated(n, restricted):
+    """One call sets what ``next_logits`` sets in two: the never-generated columns and the
+    repetition guard's (histories of few tokens repeat; a joined row starts with PAD; some
+    rows skipped; a history trimmed to a view; one too short for an n-gram)."""
+    g = np.random.default_rng(n)
+    vocab, rows, t = 12, 40, 14
+    history = g.integers(3, 7, size=(rows, t))
+    history[:5, :6] = 0  # rows that joined 6 steps late: PAD first
+    skip = g.random(rows) < 0.2
+    to_column = None
+    if restricted:  # column = id - 3; PAD, BOS, EOS have none (-100)
+        to_column = torch.full((vocab,), -100)
+        to_column[3:] = torch.arange(vocab - 3)
+    cols = vocab - 3 if restricted else vocab
+    never = torch.tensor([] if restricted else [0, 1], dtype=torch.long)
+    for seen in (history, history[:, 2:]):  # the whole history, and a trimmed one (a view)
+        logits = torch.randn(rows, cols)
+        want = logits.clone()
+        want[:, never] = float("-inf")
+        ban_repeated_ngrams(want, seen, n, to_column, skip)
+        mask_step(logits, never, seen, n, skip, to_column)
+        assert torch.equal(logits, want)
+        assert logits.isinf().sum() > len(never) * rows  # the guard banned some
+    short = torch.zeros(2, cols)
+    mask_step(short, never, history[:2, :n - 1], n)  # no n-gram complete yet
+    assert short.isinf().sum() == 2 * len(never)
+
+
+@pytest.mark.parametrize("restricted", [False, True])
+@pytest.mark.parametrize("K, width", [(1, 2), (4, 8), (6, 12), (3, 1)])
+def test_the_native_beam_choice_is_expands(K, width, restricted):
+    """``expand``'s choice with int8's kernel (one C call) and with PyTorch's operations: the
+    same candidates, survivors and host rows, on sentences whose beams are partly dead (-inf)
+    and whose best candidates end in EOS; where candidates tie (topk's order is not fixed),
+    the earlier comes first."""
+    g = torch.Generator().manual_seed(K * 100 + width)
+    A, V = 7, 40
+    logits = torch.randn(A * K, V, generator=g) * 3
+    logits[:, 0] = float("-inf")
+    ids = torch.arange(V).flip(0) if restricted else None  # column j is token V - 1 - j
+    eos_column = V - 1 - EOS_ID if restricted else EOS_ID
+    logits[2 * K:3 * K, eos_column] = 20.0  # sentence 2: EOS the best of every beam
+    logits[3 * K:4 * K] = 0.0  # sentence 3: every candidate ties
+    scores = torch.randn(A, K, generator=g)
+    scores[0, 1:] = float("-inf")  # a first step: one live beam
+    scores[3] = 0.0
+
+    class Kernel:  # the int8 output kernel's softmax, with or without its beam choice
+        top_log_softmax = staticmethod(top_log_softmax)
+
+    class Native(Kernel):
+        beam_choose = staticmethod(beam_choose)
+
+    class State:
+        def __init__(self, kernel):
+            self.kernel, self.ids = kernel, ids
+
+        def token_ids(self, columns):
+            return columns if ids is None else ids[columns]
+
+    want_scores, want_token, want = expand(logits, scores, K, State(Kernel()))
+    got_scores, got_token, got = expand(logits, scores, K, State(Native()))
+    rest = [a for a in range(A) if a != 3]
+    assert torch.equal(got_scores, want_scores)
+    assert torch.equal(got_token[rest], want_token[rest])
+    finite = np.isfinite(want.top_scores[rest])
+    for name in want._fields:
+        a, b = getattr(got, name)[rest], getattr(want, name)[rest]
+        assert np.array_equal(a[finite] if a.shape == finite.shape else a,
+                              b[finite] if b.shape == finite.shape else b), name
+    if K * width > 1:  # sentence 2: EOS candidates among its best, none survives while others do
+        assert (got.top_token[2] == EOS_ID).any()
+        assert (got.token[2] != EOS_ID).all() or (got.top_token[2] != EOS_ID).sum() < K
+    ties = got.top_beam[3] * width  # sentence 3: equal candidates in their order
+    assert (np.diff(ties) >= 0).all() and (got.top_scores[3] == got.top_scores[3, 0]).all()
 
 
 def test_int8_steps_equal_the_int8_full_pass():

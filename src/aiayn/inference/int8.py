@@ -57,6 +57,19 @@ class Int8Output:
         same floats as ``log_softmax`` and then topk: ``native.top_log_softmax``."""
         return native.top_log_softmax(logits, k)
 
+    def mask_step(self, logits: Tensor, never: Tensor, history, n: int, skip=None,
+                  to_column: Tensor | None = None) -> None:
+        """The columns a step may not choose, -inf in place (the never-generated pieces and the
+        repetition guard's), in one call of aiayn's kernel (``native.mask_step``): the searches
+        call it (``steps.DecoderState.next_logits``)."""
+        native.mask_step(logits, never, history, n, skip, to_column)
+
+    def beam_choose(self, best: Tensor, columns: Tensor, scores: Tensor, ids: Tensor | None,
+                    width: int, candidates: int):
+        """A beam step's candidates and survivors after the top-k, in one call of aiayn's
+        kernel (``native.beam_choose``): ``steps.expand`` calls it."""
+        return native.beam_choose(best, columns, scores, ids, width, candidates)
+
 
 class Int8Linear(nn.Module):
     """An ``nn.Linear`` whose weights do not change, computed in int8 (``PackedInt8``). It

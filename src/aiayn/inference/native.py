@@ -2,8 +2,10 @@
 through ctypes: the int8 product ``PackedInt8`` (``int8_linear.c`` beside this file, whose
 comment has the arithmetic) and a step's one-query attention, QK-norm and log-softmax
 (``step_attention``, ``rms_norm``, ``log_softmax``, ``top_log_softmax``: ``step_attention.c``),
-and a decoder layer's whole step made of them (``decoder_layer_step``: ``decoder_step.c``);
-``aiayn.inference.int8`` puts them in the encoder, the decoder and the output layer.
+a decoder layer's whole step made of them (``decoder_layer_step``: ``decoder_step.c``), and a
+beam step's work between the model and the bookkeeping (``mask_step``, ``beam_choose``:
+``search_step.c``); ``aiayn.inference.int8`` puts them in the encoder, the decoder, the output
+layer and the searches' steps.
 
 Why a product of our own: at the few rows of a decoding step (4-64), PyTorch's int8 products
 cost more than fp32 here: FBGEMM's dynamic product quantizes a whole batch on one scale, and
@@ -38,14 +40,16 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from aiayn.data.tokenizer import EOS_ID, PAD_ID
 from aiayn.errors import AiaynError
 
 # The kernels, compiled into one library: the int8 product and one-query attention.
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("int8_linear.c", "step_attention.c", "decoder_step.c"))
+                for name in ("int8_linear.c", "step_attention.c", "decoder_step.c", "search_step.c"))
 FLAGS = ["-O3", "-fPIC", "-shared", "-std=gnu99", "-mavx2", "-mfma", "-mf16c"]
 PANEL = 16  # output rows per packed panel (int8_linear.c)
 WEIGHT_LEVELS = 63  # 7-bit weights: two pairs of 7-bit products add in 16 bits (int8_linear.c)
@@ -116,6 +120,12 @@ def _library() -> ctypes.CDLL:
     lib.decoder_layer_step.argtypes = [ctypes.POINTER(LayerWeights), ctypes.POINTER(StepPlaces),
                                        pointer, size, ctypes.c_int]
     lib.decoder_layer_step.restype = ctypes.c_int
+    lib.mask_step.argtypes = [pointer, size, size, pointer, size, pointer, size, size, pointer,
+                              pointer, ctypes.c_int64]
+    lib.mask_step.restype = None
+    lib.beam_choose.argtypes = [pointer, pointer, size, size, size, pointer, pointer, ctypes.c_int64,
+                                size, pointer, pointer, pointer]
+    lib.beam_choose.restype = ctypes.c_int
     return lib
 
 
@@ -350,3 +360,45 @@ def decoder_layer_step(layer: LayerWeights, places: StepPlaces, x: Tensor,
     if _library().decoder_layer_step(ctypes.byref(layer), ctypes.byref(places), x.data_ptr(),
                                      x.size(0), int(_avx512_path(avx512))):
         raise MemoryError(f"a decoder layer's step could not allocate its scratch for {x.size(0)} rows")
+
+
+def mask_step(logits: Tensor, never: Tensor, history: np.ndarray | None = None, n: int = 0,
+              skip: np.ndarray | None = None, to_column: Tensor | None = None) -> None:
+    """Set to -inf, in place, the (N, V') float32 ``logits``' columns ``never`` (an int64
+    tensor) of every row and, with ``n``, the repetition guard's (``search_step.c``:
+    ``sampling.ban_repeated_ngrams``' columns, in one call). ``history``: (N, t) int64 tokens
+    so far; ``skip``: (N,) bool rows the guard leaves; ``to_column``: token id -> column."""
+    if logits.dtype != torch.float32 or not logits.is_cpu or not logits.is_contiguous():
+        raise ValueError(f"mask_step takes contiguous float32 CPU logits, got {logits.dtype} "
+                         f"on {logits.device}")
+    rows, cols = logits.shape
+    guard = n > 0 and history is not None and history.shape[1] >= n
+    if guard:
+        history = np.ascontiguousarray(history, dtype=np.int64)
+        skip = None if skip is None else np.ascontiguousarray(skip, dtype=np.uint8)
+    _library().mask_step(logits.data_ptr(), rows, cols, never.data_ptr(), never.numel(),
+                         history.ctypes.data if guard else None, history.shape[1] if guard else 0,
+                         n if guard else 0, skip.ctypes.data if guard and skip is not None else None,
+                         _pointer(None if to_column is None else to_column.to(torch.long).contiguous()),
+                         PAD_ID)
+
+
+def beam_choose(best: Tensor, columns: Tensor, scores: Tensor, ids: Tensor | None, width: int,
+                candidates: int) -> tuple[np.ndarray, Tensor, Tensor]:
+    """A beam step's choice (``search_step.c``, ``steps.expand``'s after its top-k): the
+    (A*K, width) best log-probabilities of each row and their columns, and the (A, K) live
+    scores -> the (A, 3 C + 3 K) host rows ``expand`` copies over (the C = ``candidates``
+    best, then the K that stay alive: scores, beams, tokens) and the survivors' (A, K) scores
+    and tokens. ``ids``: column -> token id (None: the same)."""
+    A, K = scores.shape
+    best, columns, scores = best.contiguous(), columns.contiguous(), scores.contiguous()
+    ids = None if ids is None else ids.to(torch.long).contiguous()
+    host = np.empty((A, 3 * candidates + 3 * K))
+    alive_scores, alive_tokens = torch.empty(A, K), torch.empty(A, K, dtype=torch.long)
+    if A and _library().beam_choose(best.data_ptr(), columns.data_ptr(), A, K, width,
+                                    scores.data_ptr(), _pointer(ids), EOS_ID, candidates,
+                                    host.ctypes.data, alive_scores.data_ptr(),
+                                    alive_tokens.data_ptr()):
+        raise ValueError(f"beam_choose takes up to 256 candidates from at least beam's, "
+                         f"got {candidates} of {K} x {width}")
+    return host, alive_scores, alive_tokens

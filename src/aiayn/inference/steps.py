@@ -107,12 +107,23 @@ class DecoderState:
         step_input = tokens[:, -1:] if self.cache is not None else tokens
         hidden = self.model.decode(step_input, self.memory, self.src_pad, self.cache)
         logits = self.model.generator.output_logits(hidden[:, -1], self.rows, self.kernel).float()
+        generator = self.model.generator
+        to_column = generator.positions if generator.restricted else None
+        own = getattr(self.kernel, "mask_step", None)  # int8's: the same columns in one call
+        if own is not None and logits.is_contiguous():
+            own(logits, self._never_columns, history, self.no_repeat_ngram, given, to_column)
+            return logits
         logits[:, self._never] = float("-inf")
         if self.no_repeat_ngram:
-            generator = self.model.generator
-            ban_repeated_ngrams(logits, history, self.no_repeat_ngram,
-                                generator.positions if generator.restricted else None, given)
+            ban_repeated_ngrams(logits, history, self.no_repeat_ngram, to_column, given)
         return logits
+
+    @property
+    def _never_columns(self) -> Tensor:
+        """``_never`` as an int64 tensor (a kernel's), made once."""
+        if "_never_tensor" not in self.__dict__:
+            self._never_tensor = torch.tensor(self._never, dtype=torch.long)
+        return self._never_tensor
 
     def token_ids(self, columns: Tensor) -> Tensor:
         """The token ids of columns of ``next_logits``."""
@@ -268,8 +279,13 @@ def expand(logits: Tensor, scores: Tensor, K: int, state: DecoderState,
         row_best, row_columns = top_log_probs(logits, width, state.kernel)  # (A*K, 2K)
     else:  # rows that follow a prefix: their other columns -inf after the softmax
         row_best, row_columns = topk_rows(state.only_given(log_softmax(logits, state.kernel), given), width)
+    C = min(2 * K, K * width)
+    own = getattr(state.kernel, "beam_choose", None)  # int8's: the same choice in one call
+    if own is not None:
+        host, scores, token = own(row_best, row_columns, scores, state.ids, width, C)
+        return scores, token, _candidates(host, C, K)
     candidates = (scores[:, :, None] + row_best.view(A, K, width)).view(A, K * width)
-    top_scores, top_index = candidates.topk(min(2 * K, K * width), dim=1)  # (A, 2K) best first
+    top_scores, top_index = candidates.topk(C, dim=1)  # (A, 2K) best first
     top_beam = top_index // width
     top_token = state.token_ids(row_columns.view(A, K * width).gather(1, top_index))
     # The K best candidates that do not end in EOS stay alive (a stable sort keeps rank).
@@ -280,13 +296,16 @@ def expand(logits: Tensor, scores: Tensor, K: int, state: DecoderState,
     # One transfer: float64 holds the float32 scores and the ids exactly.
     host = torch.cat([t.double() for t in (top_scores, top_beam, top_token, scores,
                                            beam_of, token)], dim=1).cpu().numpy()
-    c = top_scores.size(1)
-    h_top_scores, h_top_beam, h_top_token = (host[:, i * c:(i + 1) * c] for i in range(3))
-    h_scores, h_beam_of, h_token = (host[:, 3 * c + i * K:3 * c + (i + 1) * K]
-                                    for i in range(3))
-    return scores, token, Candidates(h_top_scores, h_top_beam.astype(np.int64),
-                                     h_top_token.astype(np.int64), h_scores,
-                                     h_beam_of.astype(np.int64), h_token.astype(np.int64))
+    return scores, token, _candidates(host, C, K)
+
+
+def _candidates(host: np.ndarray, C: int, K: int) -> Candidates:
+    """``Candidates`` from the (A, 3C + 3K) rows of one transfer: the C candidates' scores,
+    beams and tokens, then the K survivors'."""
+    top_scores, top_beam, top_token = (host[:, i * C:(i + 1) * C] for i in range(3))
+    scores, beam_of, token = (host[:, 3 * C + i * K:3 * C + (i + 1) * K] for i in range(3))
+    return Candidates(top_scores, top_beam.astype(np.int64), top_token.astype(np.int64), scores,
+                      beam_of.astype(np.int64), token.astype(np.int64))
 
 
 def choose(step: int, logits: Tensor, scores: Tensor, state: DecoderState, rows: Rows,

@@ -1,0 +1,86 @@
+/* A beam search step's work between the model and the bookkeeping, for aiayn's `--int8` engine
+ * (aiayn/inference/native.py builds and calls it; aiayn/inference/steps.py says what each
+ * step is). At a serving lane's few sentences a step is a few dozen tiny tensor operations
+ * here, each costing more in PyTorch's or NumPy's dispatch than in its arithmetic; one call
+ * does them all. The choices are those of the operations they replace (steps.py's `expand`
+ * and `next_logits`): the same float32 sums, the same candidates, and among equal scores the
+ * earlier candidate first (topk leaves that order open). */
+#include <math.h>
+#include <stdint.h>
+
+/* The columns a step must not choose, set to -inf in place in the (rows, cols) logits: the
+ * `never` columns of every row (PAD, BOS), and with n > 0 the repetition guard's: every
+ * token that would complete an n-gram already in the row's (rows, t) `history` (the row's
+ * last n - 1 tokens were followed by it before; steps.py's ban_repeated_ngrams). Rows with
+ * `skip` set (a target prefix gives their token) keep the guard's columns. `to_column`
+ * (NULL: column = id) maps a token id to its column of a restricted output layer; PAD
+ * completes only a joined row's padding and is never a column. */
+void mask_step(float *logits, long rows, long cols, const long *never, long n_never,
+               const int64_t *history, long t, long n, const uint8_t *skip,
+               const int64_t *to_column, int64_t pad) {
+  for (long r = 0; r < rows; r++) {
+    float *row = logits + r * cols;
+    for (long i = 0; i < n_never; i++) row[never[i]] = -INFINITY;
+    if (n <= 0 || t < n || (skip && skip[r])) continue;
+    const int64_t *h = history + r * t, *last = h + t - n + 1;
+    for (long s = 0; s + n <= t; s++) {
+      long i = 0;
+      while (i < n - 1 && h[s + i] == last[i]) i++;
+      if (i < n - 1 || h[s + n - 1] == pad) continue;
+      const int64_t column = to_column ? to_column[h[s + n - 1]] : h[s + n - 1];
+      if (column >= 0 && column < cols) row[column] = -INFINITY;
+    }
+  }
+}
+
+/* One beam step's choice for A sentences of K beams (steps.py's `expand` after the best
+ * `width` log-probabilities of each row): candidate (k, j) of sentence a scores
+ * scores[a, k] + best[a K + k, j]; its C best, best first, are the step's candidates, and the
+ * first K of them that do not end in EOS (then EOS ones, where fewer remain) stay alive.
+ * Writes per sentence one row of `host`, (A, 3 C + 3 K) doubles: the candidates' scores,
+ * beams and tokens, then the survivors' (doubles hold the float32 scores and the ids
+ * exactly), and the survivors' scores and tokens as the next step reads them. `ids` (NULL:
+ * token = column) maps a column to its token id. Returns -1 where C exceeds its room. */
+#define MAX_CANDIDATES 256
+int beam_choose(const float *best, const int64_t *columns, long A, long K, long width,
+                const float *scores, const int64_t *ids, int64_t eos, long C, double *host,
+                float *alive_scores, int64_t *alive_tokens) {
+  if (C > MAX_CANDIDATES || C > K * width || K > C) return -1;
+  float value[MAX_CANDIDATES];
+  long index[MAX_CANDIDATES];
+  for (long a = 0; a < A; a++) {
+    long kept = 0;  /* the C best so far, sorted: a later equal value goes after */
+    for (long c = 0; c < K * width; c++) {
+      const float x = scores[a * K + c / width] + best[a * K * width + c];
+      if (kept == C && !(x > value[C - 1])) continue;
+      long at = kept < C ? kept++ : C - 1;
+      for (; at > 0 && x > value[at - 1]; at--) {
+        value[at] = value[at - 1];
+        index[at] = index[at - 1];
+      }
+      value[at] = x;
+      index[at] = c;
+    }
+    double *out = host + a * (3 * C + 3 * K);
+    long alive = 0;
+    for (int eos_pass = 0; eos_pass < 2; eos_pass++) {
+      for (long i = 0; i < C; i++) {
+        const int64_t column = columns[a * K * width + index[i]];
+        const int64_t token = ids ? ids[column] : column;
+        if (!eos_pass) {
+          out[i] = value[i];
+          out[C + i] = (double)(index[i] / width);
+          out[2 * C + i] = (double)token;
+        }
+        if ((token == eos) != eos_pass || alive == K) continue;
+        out[3 * C + alive] = value[i];
+        out[3 * C + K + alive] = (double)(index[i] / width);
+        out[3 * C + 2 * K + alive] = (double)token;
+        alive_scores[a * K + alive] = value[i];
+        alive_tokens[a * K + alive] = token;
+        alive++;
+      }
+    }
+  }
+  return 0;
+}
