@@ -27,6 +27,7 @@ from aiayn.inference.int8 import (
     Int8Output,
     NativeDecoderLayer,
     NativeHeadNorm,
+    NativeTransformer,
     StepAttention,
     int8_model,
 )
@@ -485,6 +486,33 @@ def joined_and_reordered(model: Transformer) -> list[torch.Tensor]:
             n = state.cache.layers[0]["cross"]["k"].size(0) * 2
             out.append(state.next_logits(torch.randint(4, 40, (n, 1), generator=g)))
     return out
+
+
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_the_native_step_embeds_and_decodes_as_the_models_decode(monkeypatch, norm_first):
+    """The int8 copy's step after the first (``NativeTransformer.decode``: the embedding and
+    positions in aiayn's kernel, the layers called directly) gives the floats of the model's
+    own ``decode`` over the same cache, as sentences join, beams reorder and one leaves; and
+    refuses a token id outside the vocabulary in one line."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=64, n_heads=4, d_ff=96,
+                      n_encoder_layers=1, n_decoder_layers=2, dropout=0.0, max_len=32,
+                      norm_first=norm_first)
+    model = int8_model(Transformer(cfg).eval())
+    assert isinstance(model, NativeTransformer)
+    embedded, embed = [], native.embed_step
+    monkeypatch.setattr(native, "embed_step", lambda *a: embedded.append(1) or embed(*a))
+    ours = joined_and_reordered(model)
+    assert len(embedded) == 5  # every step but the first
+    with monkeypatch.context() as m:
+        m.setattr(NativeTransformer, "decode", Transformer.decode)
+        theirs = joined_and_reordered(model)
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)
+    table = model.tgt_pos.table
+    with pytest.raises(ValueError, match="outside the tables"):
+        native.embed_step(model.tgt_embed.embedding.weight, 8.0, table, torch.tensor([40]),
+                          torch.tensor([0]))
 
 
 @pytest.mark.parametrize("norm_first, qk_norm, whole, avx512", [

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from aiayn.inference import native
 from aiayn.inference.native import PackedInt8
-from aiayn.model import DecoderLayer, HeadNorm, MultiHeadAttention
+from aiayn.model import DecoderLayer, HeadNorm, MultiHeadAttention, Transformer, padding_mask
 
 
 class Int8Output:
@@ -210,6 +210,33 @@ class NativeDecoderLayer(DecoderLayer):
             *_mask_place(src_mask))
 
 
+class NativeTransformer(Transformer):
+    """``int8_model``'s copy of the model, whose decoding step after a search's first (one new
+    position per row over an indirect cache) embeds its tokens in one call of aiayn's kernel
+    (``native.embed_step``) and calls its ``NativeDecoderLayer``s' ``forward`` directly: at a
+    serving lane's few rows the module calls and small tensor operations between the kernels
+    cost as much as the kernels. The same floats as ``Transformer.decode``, which every other
+    call (a first step, a prefix, training, autocast, an encoder) is."""
+
+    def decode(self, tgt: Tensor, memory: Tensor, src_pad: Tensor, cache=None) -> Tensor:
+        decoder = self.decoder
+        if (cache is None or not cache.indirect or cache.length == 0 or tgt.dim() != 2
+                or tgt.size(1) != 1 or self.training or not tgt.is_cpu
+                or torch.is_autocast_enabled("cpu") or torch.is_grad_enabled()):
+            return super().decode(tgt, memory, src_pad, cache)
+        positions = cache.positions()
+        positions = (positions if isinstance(positions, Tensor)
+                     else torch.full((tgt.size(0),), positions, dtype=torch.long))
+        x = native.embed_step(self.tgt_embed.embedding.weight, self.tgt_embed.scale,
+                              self.tgt_pos.table, tgt[:, 0], positions).unsqueeze(1)
+        src_mask = padding_mask(src_pad)
+        self_mask = cache.self_mask(1, tgt.device) if cache.start is not None else None
+        for layer, layer_cache in zip(decoder.layers, cache.layers, strict=True):
+            x = layer.forward(x, memory, src_mask, self_mask, False, layer_cache)
+        cache.length += 1
+        return decoder.norm(x)
+
+
 def _fits_mask(mask: Tensor | None, sets: int, keys: int) -> bool:
     """None, or a bool (1 or ``sets``, 1, 1, ``keys``) may-attend mask read row by row."""
     return mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1:] == (1, 1, keys)
@@ -282,6 +309,8 @@ def int8_model(model: nn.Module) -> nn.Module:
         return None
 
     copy = _replaced(_replaced(_replaced(model, swap), attention), layer)
+    if type(copy) is Transformer:  # its step's embedding in aiayn's kernel too
+        copy = _same_module(NativeTransformer, copy)
     copy.indirect_cache = True  # read in place by StepAttention
     return copy
 

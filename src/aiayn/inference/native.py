@@ -126,6 +126,9 @@ def _library() -> ctypes.CDLL:
     lib.beam_choose.argtypes = [pointer, pointer, size, size, size, pointer, pointer, ctypes.c_int64,
                                 size, pointer, pointer, pointer]
     lib.beam_choose.restype = ctypes.c_int
+    lib.embed_step.argtypes = [pointer, size, ctypes.c_float, pointer, size, pointer, pointer, size,
+                               size, pointer]
+    lib.embed_step.restype = ctypes.c_int
     return lib
 
 
@@ -402,3 +405,21 @@ def beam_choose(best: Tensor, columns: Tensor, scores: Tensor, ids: Tensor | Non
         raise ValueError(f"beam_choose takes up to 256 candidates from at least beam's, "
                          f"got {candidates} of {K} x {width}")
     return host, alive_scores, alive_tokens
+
+
+def embed_step(embedding: Tensor, scale: float, table: Tensor, ids: Tensor, positions: Tensor
+               ) -> Tensor:
+    """(N,) token ids at (N,) positions -> (N, d) ``embedding[ids] * scale + table[positions]``
+    (``search_step.c``: the model's embedding and positional encoding of one step, the same
+    floats); a ValueError for an id or position outside its table."""
+    ids, positions = ids.to(torch.long).contiguous(), positions.to(torch.long).contiguous()
+    if embedding.dtype != torch.float32 or table.dtype != torch.float32 or not embedding.is_cpu:
+        raise ValueError("embed_step takes float32 CPU tables")
+    embedding, table = embedding.contiguous(), table.contiguous()
+    out = torch.empty(ids.numel(), embedding.size(1))
+    if _library().embed_step(embedding.data_ptr(), embedding.size(0), scale, table.data_ptr(),
+                             table.size(0), ids.data_ptr(), positions.data_ptr(), ids.numel(),
+                             embedding.size(1), out.data_ptr()):
+        raise ValueError(f"token ids or positions outside the tables ({embedding.size(0)} ids, "
+                         f"{table.size(0)} positions)")
+    return out

@@ -84,3 +84,24 @@ int beam_choose(const float *best, const int64_t *columns, long A, long K, long 
   }
   return 0;
 }
+
+/* A decoding step's input, (rows, d): each row's token embedding times sqrt(d_model) plus the
+ * sinusoid of its position (model.py's TokenEmbedding and PositionalEncoding, which a step
+ * would call through half a dozen tensor operations): the same floats, a product and then a
+ * sum (contraction into one fused multiply-add, which rounds once, is off here). Returns -1
+ * where a token id or a position lies outside its table. */
+__attribute__((optimize("fp-contract=off")))
+int embed_step(const float *embedding, long vocab, float scale, const float *table, long positions,
+               const int64_t *ids, const int64_t *position, long rows, long d, float *out) {
+  for (long r = 0; r < rows; r++)
+    if (ids[r] < 0 || ids[r] >= vocab || position[r] < 0 || position[r] >= positions) return -1;
+  for (long r = 0; r < rows; r++) {
+    const float *e = embedding + ids[r] * d, *p = table + position[r] * d;
+    float *y = out + r * d;
+    for (long i = 0; i < d; i++) {
+      const float scaled = e[i] * scale;
+      y[i] = scaled + p[i];
+    }
+  }
+  return 0;
+}
