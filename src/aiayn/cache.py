@@ -71,10 +71,11 @@ class KVCache:
         """Keep rows ``index`` of the cached tensors of ``kinds`` (beam search: the
         self-attention K/V follow the chosen beams, the cross-attention K/V of a sentence's
         beams the sentence)."""
+        ancestry = None  # every layer's store follows the same rows: the first's serves all
         for layer in self.layers:
             for kind in kinds:
                 if kind == "self" and self.indirect:
-                    layer[kind]["store"].reorder(index)
+                    ancestry = layer[kind]["store"].reorder(index, ancestry)
                 elif "k" in layer[kind]:
                     _select_rows(layer[kind], index, room=int(kind == "self"))
         if self.start is not None and "self" in kinds:
@@ -188,11 +189,16 @@ class Store:
         slots, positions = self.slots(), torch.arange(self.length, device=self.keys.device)
         return tuple(x[positions, slots].permute(0, 2, 1, 3) for x in (self.keys, self.values))
 
-    def reorder(self, index: Tensor) -> None:
-        """Keep rows ``index``: row i reads row index[i]'s past."""
-        if self.keys is not None:
-            self.ancestry = self.slots().index_select(0, index)
-            self.rows = index.numel()
+    def reorder(self, index: Tensor, ancestry: Tensor | None = None) -> Tensor | None:
+        """Keep rows ``index``: row i reads row index[i]'s past. ``ancestry``: what this
+        reorder gives a store of the same rows and length (``KVCache``'s other layers, which
+        every write, join and trim keeps in step with this one), reused; returns its own."""
+        if self.keys is None:
+            return None
+        if ancestry is None or ancestry.shape != (index.numel(), self.length):
+            ancestry = self.slots().index_select(0, index)
+        self.ancestry, self.rows = ancestry, index.numel()
+        return ancestry
 
     def add_rows(self, n: int) -> None:
         """n rows that start now: their earlier positions, masked (``KVCache.start``), read

@@ -327,8 +327,8 @@ def settle(rows: Rows, finished, c: Candidates, step: int, alpha: float) -> np.n
     """Move this step's finished hypotheses to ``finished[sentence]``; (A,) which sentences
     are done: ``beam`` hypotheses finished, or at their length limit, or nothing alive."""
     K = c.scores.shape[1]
-    ends = (c.top_token == EOS_ID) & np.isfinite(c.top_scores)
-    ends[:, K:] = False  # only EOS candidates that rank among the first K are finished
+    # only EOS candidates that rank among the first K are finished
+    ends = (c.top_token[:, :K] == EOS_ID) & np.isfinite(c.top_scores[:, :K])
     rows.finish(finished, ends, c.top_scores, c.top_beam, None, step, alpha)
     at_limit = rows.at_limit(step)
     if at_limit.any():  # live hypotheses that reached the limit end as they are
@@ -490,6 +490,8 @@ def _prefix_table(prefixes: Sequence[Sequence[int]] | None, n: int
 
 
 def _widen(table: np.ndarray, width: int) -> np.ndarray:
+    if table.shape[1] == width:  # most joins: np.pad costs more than the rest of a join's rows
+        return table
     return np.pad(table, ((0, 0), (0, width - table.shape[1])), constant_values=PAD_ID)
 
 
