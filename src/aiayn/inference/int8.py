@@ -57,7 +57,7 @@ class Int8Output:
         same floats as ``log_softmax`` and then topk: ``native.top_log_softmax``."""
         return native.top_log_softmax(logits, k)
 
-    def mask_step(self, logits: Tensor, never: Tensor, history, n: int, skip=None,
+    def mask_step(self, logits: Tensor, never, history, n: int, skip=None,
                   to_column: Tensor | None = None) -> None:
         """The columns a step may not choose, -inf in place (the never-generated pieces and the
         repetition guard's), in one call of aiayn's kernel (``native.mask_step``): the searches

@@ -38,6 +38,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -365,21 +366,22 @@ def decoder_layer_step(layer: LayerWeights, places: StepPlaces, x: Tensor,
         raise MemoryError(f"a decoder layer's step could not allocate its scratch for {x.size(0)} rows")
 
 
-def mask_step(logits: Tensor, never: Tensor, history: np.ndarray | None = None, n: int = 0,
-              skip: np.ndarray | None = None, to_column: Tensor | None = None) -> None:
-    """Set to -inf, in place, the (N, V') float32 ``logits``' columns ``never`` (an int64
-    tensor) of every row and, with ``n``, the repetition guard's (``search_step.c``:
+def mask_step(logits: Tensor, never: Sequence[int], history: np.ndarray | None = None,
+              n: int = 0, skip: np.ndarray | None = None, to_column: Tensor | None = None) -> None:
+    """Set to -inf, in place, the (N, V') float32 ``logits``' columns ``never`` of every row
+    and, with ``n``, the repetition guard's (``search_step.c``:
     ``sampling.ban_repeated_ngrams``' columns, in one call). ``history``: (N, t) int64 tokens
     so far; ``skip``: (N,) bool rows the guard leaves; ``to_column``: token id -> column."""
     if logits.dtype != torch.float32 or not logits.is_cpu or not logits.is_contiguous():
         raise ValueError(f"mask_step takes contiguous float32 CPU logits, got {logits.dtype} "
                          f"on {logits.device}")
     rows, cols = logits.shape
+    never = np.ascontiguousarray(never, dtype=np.int64)
     guard = n > 0 and history is not None and history.shape[1] >= n
     if guard:
         history = np.ascontiguousarray(history, dtype=np.int64)
         skip = None if skip is None else np.ascontiguousarray(skip, dtype=np.uint8)
-    _library().mask_step(logits.data_ptr(), rows, cols, never.data_ptr(), never.numel(),
+    _library().mask_step(logits.data_ptr(), rows, cols, never.ctypes.data, never.size,
                          history.ctypes.data if guard else None, history.shape[1] if guard else 0,
                          n if guard else 0, skip.ctypes.data if guard and skip is not None else None,
                          _pointer(None if to_column is None else to_column.to(torch.long).contiguous()),

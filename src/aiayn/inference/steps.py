@@ -20,6 +20,8 @@ the beam best others), is three calls here, each on every live sentence at once:
 ``DecoderState`` holds the encoder output and the decoder's KV cache of the live rows (a
 joinable one starts empty and sentences ``join`` it); ``Rows`` holds the host's side (each
 row's tokens so far, each sentence's limit, ``output_limits``, and the step it joined at).
+The module is over 500 lines because the three steps are read with the two states they
+share: cutting ``Rows`` or ``DecoderState`` away would split one contract over two files.
 """
 
 from __future__ import annotations
@@ -111,19 +113,12 @@ class DecoderState:
         to_column = generator.positions if generator.restricted else None
         own = getattr(self.kernel, "mask_step", None)  # int8's: the same columns in one call
         if own is not None and logits.is_contiguous():
-            own(logits, self._never_columns, history, self.no_repeat_ngram, given, to_column)
+            own(logits, self._never, history, self.no_repeat_ngram, given, to_column)
             return logits
         logits[:, self._never] = float("-inf")
         if self.no_repeat_ngram:
             ban_repeated_ngrams(logits, history, self.no_repeat_ngram, to_column, given)
         return logits
-
-    @property
-    def _never_columns(self) -> Tensor:
-        """``_never`` as an int64 tensor (a kernel's), made once."""
-        if "_never_tensor" not in self.__dict__:
-            self._never_tensor = torch.tensor(self._never, dtype=torch.long)
-        return self._never_tensor
 
     def token_ids(self, columns: Tensor) -> Tensor:
         """The token ids of columns of ``next_logits``."""
