@@ -336,9 +336,9 @@ def test_differences_within_the_tolerances_pass(validated, tmp_path):
 def test_a_run_whose_bf16_was_auto_is_compared_in_either_precision(validated, tmp_path,
                                                                     monkeypatch):
     """train.precision "auto" chose per machine: a logged loss that only bf16 autocast gives
-    passes then, and fails where the config says fp32. (The tolerance is made tight here:
-    on the tiny model bf16 moves the loss by less than the real one.)"""
-    monkeypatch.setattr(checkup, "LOSS_TOLERANCE", {"rel_tol": 1e-6, "abs_tol": 0.0})
+    passes then, and fails where the config says fp32. (The tolerance is made a quarter of
+    the gap bf16 makes here: on the tiny model bf16 moves the loss by less than the real
+    tolerance, and by how much depends on the CPU's bf16 products.)"""
     run = tmp_path / "run"
     shutil.copytree(validated, run)
     step = best_step(run)
@@ -348,7 +348,9 @@ def test_a_run_whose_bf16_was_auto_is_compared_in_either_precision(validated, tm
     for bf16 in ("false", "true"):
         config.train.bf16 = bf16
         losses[bf16] = dev_loss(model, dev, config, torch.device("cpu"))[0]
-    assert abs(losses["true"] - losses["false"]) > 1e-5 * losses["false"]
+    gap = abs(losses["true"] - losses["false"])
+    assert gap > 0  # bf16 autocast changes the loss: something to tell apart
+    monkeypatch.setattr(checkup, "LOSS_TOLERANCE", {"rel_tol": gap / losses["false"] / 4, "abs_tol": 0.0})
     rewrite_logged(run, step, dev_loss=lambda _: losses["true"])
     text = (run / "config.yaml").read_text()
     assert "precision: fp32" in text
