@@ -62,6 +62,8 @@ class KVCache:
         positions: query i sees the keys up to its own position t + i, (T, t + T); with
         ``start`` only its own row's keys from there on, (B, 1, T, t + T)."""
         keys = torch.arange(self.length + T, device=device)
+        if T == 1 and self.start is not None:  # a step: every key is at or before the query
+            return (keys >= self.start[:, None])[:, None, None, :]
         mask = keys <= torch.arange(self.length, self.length + T, device=device)[:, None]
         if self.start is None:
             return mask

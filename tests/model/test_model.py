@@ -409,6 +409,19 @@ def _pad_keys(kv: Tensor, width: int) -> Tensor:
     return torch.nn.functional.pad(kv, (0, 0, 0, width - kv.size(2)))
 
 
+def test_the_self_mask_of_rows_that_joined_sees_their_own_keys_up_to_each_query():
+    """Rows that began at other columns (``start``): query i of T new ones sees the keys from
+    its row's start up to its own position, for a step (T = 1) as for several."""
+    cache = KVCache(1)
+    cache.length, cache.start = 5, torch.tensor([0, 2, 5])
+    for T in (1, 3):
+        keys = torch.arange(5 + T)
+        queries = torch.arange(5, 5 + T)
+        expected = ((keys[None, None, :] <= queries[None, :, None])
+                    & (keys[None, None, :] >= cache.start[:, None, None]))[:, None]
+        assert torch.equal(cache.self_mask(T, torch.device("cpu")), expected)
+
+
 def cache_buffer_rows(cache: KVCache) -> int:
     buffers = cache.layers[0]["cross"].get("buffers")
     return 0 if buffers is None else buffers[0].size(0)
