@@ -21,6 +21,7 @@ from aiayn.data.prepared import load_prepared
 from aiayn.data.tokenizer import EOS_ID
 from aiayn.errors import AiaynError
 from aiayn.inference import native
+from aiayn.inference.attention import capture_attention
 from aiayn.inference.ct2 import CTranslate2Engine
 from aiayn.inference.int8 import (
     Int8Linear,
@@ -503,7 +504,7 @@ def test_the_native_step_embeds_and_decodes_as_the_models_decode(monkeypatch, no
     embedded, embed = [], native.embed_step
     monkeypatch.setattr(native, "embed_step", lambda *a: embedded.append(1) or embed(*a))
     ours = joined_and_reordered(model)
-    assert len(embedded) == 5  # every step but the first
+    assert len(embedded) == 5 + 2  # every step but the first, and the two joins' encodings
     with monkeypatch.context() as m:
         m.setattr(NativeTransformer, "decode", Transformer.decode)
         theirs = joined_and_reordered(model)
@@ -539,3 +540,38 @@ def test_the_native_decoder_layer_gives_its_modules_logits(monkeypatch, norm_fir
         modules_logits = joined_and_reordered(model)
     for ours, theirs in zip(native_logits, modules_logits, strict=True):
         assert torch.allclose(ours, theirs, atol=1e-4), (ours - theirs).abs().max()
+
+
+@pytest.mark.parametrize("norm_first, qk_norm, avx512", [(True, True, True), (False, False, True),
+                                                         (True, True, False)])
+def test_the_native_encoder_gives_its_modules_memory(monkeypatch, norm_first, qk_norm, avx512):
+    """One call of the kernel per encoder layer (``NativeTransformer.encode``) computes what the
+    layers' modules compute (the same int8 products and QK-norm; the attention, layer norm
+    and additions in C, equal up to rounding) for sentences of several lengths padded
+    together, each as if alone; on the AVX2 paths as on AVX-512's. A pass that keeps
+    gradients or records the attention takes the modules."""
+    if not avx512:
+        monkeypatch.setattr(native, "avx512_supported", lambda: False)
+    torch.manual_seed(0)
+    cfg = ModelConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=64, n_heads=4, d_ff=96,
+                      n_encoder_layers=2, n_decoder_layers=1, dropout=0.0, max_len=32,
+                      norm_first=norm_first, qk_norm=qk_norm)
+    model = int8_model(Transformer(cfg).eval())
+    calls, layer = [], native.encoder_layer
+    monkeypatch.setattr(native, "encoder_layer", lambda *a: calls.append(a[1].shape) or layer(*a))
+    src = torch.randint(4, 40, (3, 9), generator=torch.Generator().manual_seed(1))
+    src[1, 5:], src[2, 2:] = cfg.pad_id, cfg.pad_id
+    kept = ~model.src_pad_mask(src)
+    with torch.no_grad():
+        ours = model.encode(src)
+        assert calls == [(3, 9, 64)] * 2
+        theirs = Transformer.encode(model, src)
+        alone = [model.encode(src[i:i + 1, :int(kept[i].sum())])[0] for i in range(3)]
+    assert torch.allclose(ours[kept], theirs[kept], atol=1e-5), (ours - theirs)[kept].abs().max()
+    for i in range(3):  # padding changes nothing but rounding
+        assert torch.allclose(ours[i, kept[i]], alone[i], atol=1e-5)
+    calls.clear()
+    model.encode(src)  # gradients kept: the modules
+    with torch.no_grad(), capture_attention(model):
+        model.encode(src)
+    assert calls == []

@@ -4,7 +4,8 @@ output row) and each row of x quantized to 7 bits on its own scale
 (``aiayn.inference.native.PackedInt8``); a step's attention, QK-norm and log-softmax run in
 aiayn's C kernels too, over a cache that beams read in place (``aiayn.cache.Store``), its keys
 and values in float16, and after a search's first step each decoder layer is one call of
-them (``NativeDecoderLayer``). The encoder's attention, norms and embeddings stay fp32.
+them (``NativeDecoderLayer``); each encoder layer is one call too (``NativeTransformer.encode``),
+its attention and norms in fp32.
 
 ``int8_decoding`` gives both pieces a search needs: ``int8_model``'s copy of the model, which
 computes so (the model given does not change: the copy shares its other modules and
@@ -23,11 +24,12 @@ from __future__ import annotations
 import ctypes
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from aiayn.inference import native
 from aiayn.inference.native import PackedInt8
-from aiayn.model import DecoderLayer, HeadNorm, MultiHeadAttention, Transformer, padding_mask
+from aiayn.model import DecoderLayer, EncoderLayer, HeadNorm, MultiHeadAttention, Transformer, padding_mask
 
 
 class Int8Output:
@@ -154,7 +156,7 @@ class StepAttention(MultiHeadAttention):
 class NativeDecoderLayer(DecoderLayer):
     """A ``model.DecoderLayer`` whose step, one new position per row over an indirect cache (a
     search's, after its first step), runs in one call of aiayn's kernel
-    (``native.decoder_layer_step``: ``decoder_step.c``) with the same products, attention and
+    (``native.decoder_layer_step``: ``layers.c``) with the same products, attention and
     QK-norm as its modules: at a serving lane's few rows, computing the layer module by module
     spent most of a step in Python. Every other call (a first step, a prefix, training, weights
     kept, a shape the kernel does not take) is the model's own ``forward``. Its modules must be
@@ -180,34 +182,40 @@ class NativeDecoderLayer(DecoderLayer):
 
     def _places(self, x: Tensor, src_mask: Tensor | None, self_mask: Tensor | None, is_causal: bool,
                 cache: dict | None) -> native.StepPlaces | None:
-        """Where this step reads and writes, or None where the kernel does not take it."""
+        """Where this step reads and writes, or None where the kernel does not take it. (Called
+        at every step of every layer: each shape and stride is read once.)"""
+        modules = self._modules  # not through nn.Module's __getattr__, at every step
         if (cache is None or is_causal or self.training or x.requires_grad or x.dim() != 3
-                or x.size(1) != 1 or x.dtype != torch.float32 or not x.is_cpu
-                or self.self_attn.record_weights or self.cross_attn.record_weights
+                or x.dtype != torch.float32 or not x.is_cpu
+                or modules["self_attn"].record_weights or modules["cross_attn"].record_weights
                 or self._weights is None):
             return None
+        B, T, _ = x.shape
         store, cross = cache["self"].get("store"), cache["cross"]
-        B = x.size(0)
-        if store is None or store.keys is None or store.keys.dtype != StepAttention.kept or store.rows != B:
+        if (T != 1 or store is None or store.keys is None or store.keys.dtype != StepAttention.kept
+                or store.rows != B):
             return None
         k, v = cross.get("k"), cross.get("v")
-        if (k is None or k.dtype not in (torch.float16, torch.float32) or v.dtype != k.dtype
-                or k.shape != v.shape or k.stride(3) != 1 or v.stride(3) != 1 or B % k.size(0)):
+        if k is None or k.dtype not in (torch.float16, torch.float32) or v.dtype != k.dtype:
             return None
+        sets, _, sources, _ = shape = k.shape
+        k_strides, v_strides = k.stride(), v.stride()
         position = store.length
-        if not (_fits_mask(self_mask, B, position + 1) and _fits_mask(src_mask, k.size(0), k.size(2))):
+        if (v.shape != shape or k_strides[3] != 1 or v_strides[3] != 1 or B % sets
+                or not _fits_mask(self_mask, B, position + 1) or not _fits_mask(src_mask, sets, sources)):
             return None
         ancestry = store.ancestry
-        if ancestry.size(1) > 1 and ancestry.stride(1) != 1:
+        a_rows, a_columns = ancestry.shape
+        if a_columns > 1 and ancestry.stride(1) != 1:
             return None
         store.reserve(B, position + 1)  # may move the store: its places are read after
         keys, values = store.keys, store.values
+        slot_pos, slot_row = keys.stride()[:2]
         return native.StepPlaces(
-            keys.data_ptr(), values.data_ptr(), keys.stride(1), keys.stride(0), position,
-            ancestry.data_ptr() if ancestry.numel() else None, ancestry.stride(0), ancestry.size(1),
-            *_mask_place(self_mask), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), k.size(2), B // k.size(0), int(k.dtype == torch.float16),
-            *_mask_place(src_mask))
+            keys.data_ptr(), values.data_ptr(), slot_row, slot_pos, position,
+            ancestry.data_ptr() if a_rows * a_columns else None, ancestry.stride(0), a_columns,
+            *_mask_place(self_mask), k.data_ptr(), v.data_ptr(), *k_strides[:3], *v_strides[:3],
+            sources, B // sets, int(k.dtype == torch.float16), *_mask_place(src_mask))
 
 
 class NativeTransformer(Transformer):
@@ -216,7 +224,36 @@ class NativeTransformer(Transformer):
     (``native.embed_step``) and calls its ``NativeDecoderLayer``s' ``forward`` directly: at a
     serving lane's few rows the module calls and small tensor operations between the kernels
     cost as much as the kernels. The same floats as ``Transformer.decode``, which every other
-    call (a first step, a prefix, training, autocast, an encoder) is."""
+    call (a first step, a prefix, training, autocast) is. Its encoder embeds so too and runs
+    each layer in one call (``native.encoder_layer``: a sentence joining a serving lane's
+    search spent ~2 ms in the modules' calls), equal to ``Transformer.encode`` up to
+    rounding (the attention is ``native.step_attention``'s, not PyTorch's)."""
+
+    def encode(self, src: Tensor, src_pad: Tensor | None = None) -> Tensor:
+        layers = self.encoder.layers
+        if (self.training or not src.is_cpu or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu")
+                or src.dim() != 2 or 0 in src.shape or src.size(1) > self.src_pos.max_len
+                or any(layer.self_attn.record_weights for layer in layers)
+                or self._encoder_weights is None):
+            return super().encode(src, src_pad)
+        self._check_ids(src, "src")
+        src_pad = self.src_pad_mask(src) if src_pad is None else src_pad
+        n, S = src.shape
+        x = native.embed_step(self.src_embed.embedding.weight, self.src_embed.scale, self.src_pos.table,
+                              src.reshape(-1), torch.arange(S).repeat(n)).view(n, S, -1)
+        may_attend = (~src_pad).to(torch.uint8).contiguous()
+        for weights in self._encoder_weights:
+            native.encoder_layer(weights, x, may_attend)
+        return self.encoder.norm(x)
+
+    @property
+    def _encoder_weights(self) -> list[native.LayerWeights] | None:
+        """The encoder layers' weights as ``native.encoder_layer`` takes them, gathered at the
+        first encoding (None where the kernel cannot compute one of them)."""
+        if "_native_encoder" not in self.__dict__:
+            weights = [_layer_weights(layer) for layer in self.encoder.layers]
+            self.__dict__["_native_encoder"] = None if None in weights else weights
+        return self.__dict__["_native_encoder"]
 
     def decode(self, tgt: Tensor, memory: Tensor, src_pad: Tensor, cache=None) -> Tensor:
         decoder = self.decoder
@@ -234,13 +271,19 @@ class NativeTransformer(Transformer):
         for layer, layer_cache in zip(decoder.layers, cache.layers, strict=True):
             x = layer.forward(x, memory, src_mask, self_mask, False, layer_cache)
         cache.length += 1
-        return decoder.norm(x)
+        norm = decoder.norm  # pre-norm's LayerNorm (post-norm's Identity); not through its module
+        if isinstance(norm, nn.LayerNorm):
+            return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+        return norm(x)
 
 
 def _fits_mask(mask: Tensor | None, sets: int, keys: int) -> bool:
     """None, or a bool (1 or ``sets``, 1, 1, ``keys``) may-attend mask read row by row."""
-    return mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1:] == (1, 1, keys)
-                            and mask.size(0) in (1, sets) and mask.stride(3) == 1)
+    if mask is None:
+        return True
+    shape = mask.shape
+    return (mask.dtype == torch.bool and len(shape) == 4 and shape[1:] == (1, 1, keys)
+            and shape[0] in (1, sets) and mask.stride(3) == 1)
 
 
 def _mask_place(mask: Tensor | None) -> tuple[int | None, int]:
@@ -249,31 +292,43 @@ def _mask_place(mask: Tensor | None) -> tuple[int | None, int]:
     return mask.data_ptr(), mask.stride(0) if mask.size(0) > 1 else 0
 
 
-def _layer_weights(layer: DecoderLayer) -> native.LayerWeights | None:
-    """``layer``'s weights for ``native.decoder_layer_step``, or None where the kernel cannot
-    compute it (modules other than ``int8_model``'s, norms without a gain or bias, sizes that
-    are not multiples of 8)."""
-    attn, cross, ff = layer.self_attn, layer.cross_attn, layer.feed_forward
-    linears = (attn.qkv_proj, attn.out_proj, cross.q_proj, cross.out_proj, ff.linear1, ff.linear2)
-    norms = [s.norm for s in (layer.sublayer1, layer.sublayer2, layer.sublayer3)]
-    head_norms = [n for n in (attn.q_norm, attn.k_norm, cross.q_norm) if isinstance(n, HeadNorm)]
-    if (not isinstance(attn, StepAttention) or not isinstance(cross, StepAttention)
+def _layer_weights(layer: DecoderLayer | EncoderLayer) -> native.LayerWeights | None:
+    """``layer``'s weights for ``native.decoder_layer_step`` (a decoder layer) or
+    ``native.encoder_layer`` (an encoder layer: no cross-attention), or None where the kernel
+    cannot compute it (modules other than ``int8_model``'s, norms without a gain or bias,
+    sizes that are not multiples of 8)."""
+    attn, ff = layer.self_attn, layer.feed_forward
+    cross = getattr(layer, "cross_attn", None)
+    sublayers = [layer.sublayer1, layer.sublayer2] + ([layer.sublayer3] if cross is not None else [])
+    linears = [attn.qkv_proj, attn.out_proj, ff.linear1, ff.linear2]
+    if cross is not None:
+        linears[2:2] = [cross.q_proj, cross.out_proj]
+    norms = [s.norm for s in sublayers]
+    head_norms = [n for n in (attn.q_norm, attn.k_norm, getattr(cross, "q_norm", None))
+                  if isinstance(n, HeadNorm)]
+    steps = cross is None or (isinstance(attn, StepAttention) and isinstance(cross, StepAttention))
+    if (not isinstance(attn, MultiHeadAttention) or not steps
             or not all(isinstance(linear, Int8Linear) for linear in linears)
             or any(n.weight is None or n.bias is None or n.weight.dtype != torch.float32 for n in norms)
             or len({n.eps for n in norms}) != 1 or len({n.eps for n in head_norms}) > 1
             or attn.d_k % 8 or attn.d_k > 128 or attn.d_model % 8 or ff.linear1.out_features % 8):
         return None
 
-    def gain(norm: nn.Module) -> int | None:
+    def gain(norm: nn.Module | None) -> int | None:
         return norm.weight.data_ptr() if isinstance(norm, HeadNorm) else None
 
+    products = [native.Product.of(linear.product) for linear in linears]
+    if cross is None:  # no cross-attention: its two products unused
+        products[2:2] = [native.Product(), native.Product()]
+    padded = norms + [None] * (3 - len(norms))
     weights = native.LayerWeights(
-        *(native.Product.of(linear.product) for linear in linears),
-        (ctypes.c_void_p * 3)(*(n.weight.data_ptr() for n in norms)),
-        (ctypes.c_void_p * 3)(*(n.bias.data_ptr() for n in norms)),
-        gain(attn.q_norm), gain(attn.k_norm), gain(cross.q_norm), int(cross.whole_query),
-        attn.d_model, attn.n_heads, ff.linear1.out_features, int(layer.sublayer1.norm_first),
-        norms[0].eps, head_norms[0].eps if head_norms else 0.0)
+        *products,
+        (ctypes.c_void_p * 3)(*(None if n is None else n.weight.data_ptr() for n in padded)),
+        (ctypes.c_void_p * 3)(*(None if n is None else n.bias.data_ptr() for n in padded)),
+        gain(attn.q_norm), gain(attn.k_norm), gain(getattr(cross, "q_norm", None)),
+        int(getattr(cross, "whole_query", False)), attn.d_model, attn.n_heads,
+        ff.linear1.out_features, int(layer.sublayer1.norm_first), norms[0].eps,
+        head_norms[0].eps if head_norms else 0.0)
     weights.keep = [n.weight for n in norms + head_norms] + [n.bias for n in norms]  # alive with it
     return weights
 
@@ -287,8 +342,9 @@ def int8_model(model: nn.Module) -> nn.Module:
     """A copy of ``model`` whose encoder's and decoder's linear layers compute in int8
     (``Int8Linear``), whose QK-norm runs in aiayn's kernel (``NativeHeadNorm``), whose
     decoder's attention of a decoding step does too (``StepAttention``) and whose decoder
-    layers compute a step in one call (``NativeDecoderLayer``), sharing every other module
-    and weight with ``model``, which does not change."""
+    layers compute a step in one call (``NativeDecoderLayer``), as its encoder's layers do an
+    encoding (``NativeTransformer``), sharing every other module and weight with ``model``,
+    which does not change."""
     def swap(name: str, module: nn.Module) -> nn.Module | None:
         if not name.startswith(("encoder.", "decoder.")):
             return None

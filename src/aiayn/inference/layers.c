@@ -1,14 +1,19 @@
-/* One decoder layer (section 3.1) for one new position per row, the int8 engine's work at
- * every step of a search, in one call: aiayn/inference/int8.py calls it through native.py.
- * At the few rows of a step the layer's arithmetic is a few microseconds; computed module by
- * module from Python it took ~0.3 ms a layer, most of it in calls, views and allocations
- * (docs/translating.md#int8-decoding). The same kernels do the work, in the same order, as
- * the modules do (int8_linear.c's product, step_attention.c's attention and QK-norm); only
- * the layer norm and the residual additions are computed here rather than by PyTorch.
+/* The layers of section 3.1 in one call each, the int8 engine's work: an encoder layer over
+ * whole sentences (`encoder_layer`, a sentence's encoding when it joins a search) and a decoder
+ * layer for one new position per row (`decoder_layer_step`, every step of a search).
+ * aiayn/inference/int8.py calls them through native.py. At the few rows of a step, or the
+ * few dozen of one sentence, a layer's arithmetic is a few microseconds; computed module by
+ * module from Python it took ~0.3 ms a decoder layer and ~0.8 ms an encoder layer, most of it
+ * in calls, views and allocations (docs/translating.md#int8-decoding). The same kernels do
+ * the products, attention and QK-norm as the modules do (int8_linear.c's product,
+ * step_attention.c's attention and QK-norm); only the layer norm and the residual additions
+ * are computed here rather than by PyTorch (and the encoder's attention by step_attention.c
+ * rather than PyTorch's fused kernel: the same formula, equal up to rounding).
  *
  *   pre-norm:  x = x + SelfAttn(LN1(x)); x = x + CrossAttn(LN2(x), memory); x = x + FFN(LN3(x))
  *   post-norm: x = LN1(x + SelfAttn(x)); x = LN2(x + CrossAttn(x, memory)); x = LN3(x + FFN(x))
  *   FFN(x) = max(0, x W1 + b1) W2 + b2                                   (eq. 2)
+ *   (an encoder layer: the same without CrossAttn, its FFN's norm the second)
  *
  * Self-attention's new key and value of each row are written, as float16, into its own slot
  * of the cache's store at `position` (aiayn/cache.py: Store, position-major), then read with
@@ -35,7 +40,8 @@ typedef struct { /* a packed product, native.PackedInt8's tensors */
   long n, k, width;
 } Product;
 
-typedef struct { /* one decoder layer's fixed weights (int8.NativeDecoderLayer fills it) */
+typedef struct { /* one layer's fixed weights (int8.py fills it); an encoder layer's: qkv,
+                   self_out, ff1 and ff2, its two norms first, no cross-attention */
   Product qkv, self_out, cross_q, cross_out, ff1, ff2;
   const float *norm_gain[3], *norm_bias[3]; /* the three sublayers' LayerNorms */
   const float *q_norm, *k_norm;             /* self-attention's QK-norm gains (d_k), or NULL */
@@ -117,6 +123,19 @@ static void residual(const Layer *L, int i, float *x, const float *y, long rows)
   if (!L->norm_first) layer_norm(x, rows, L->d_model, L->norm_gain[i], L->norm_bias[i], L->norm_eps, x);
 }
 
+/* The position-wise feed-forward sublayer (norm i) on x, in place: h (rows x d_model) and
+ * wide_out (rows x d_ff) are scratch. Returns 0, or -1 where a product failed. */
+static int feed_forward(const Layer *L, int i, float *x, long rows, float *h, float *wide_out, int wide) {
+  const float *in = sublayer_input(L, i, x, rows, h);
+  if (product(&L->ff1, in, rows, wide_out, wide)) return -1;
+  const __m256 zero = _mm256_setzero_ps();
+  for (long j = 0; j < rows * L->d_ff; j += 8)
+    _mm256_storeu_ps(wide_out + j, _mm256_max_ps(_mm256_loadu_ps(wide_out + j), zero));
+  if (product(&L->ff2, wide_out, rows, h, wide)) return -1;
+  residual(L, i, x, h, rows);
+  return 0;
+}
+
 /* x (rows x d_model, row-major): the layer's input, its output on return. Returns 0, or -1
  * where scratch could not be allocated (x is then unchanged or partly updated: the caller
  * fails the step). wide: the AVX-512 paths of the product and the attention (avx512()). */
@@ -160,18 +179,36 @@ int decoder_layer_step(const Layer *L, const Step *s, float *x, long rows, int w
   failed = failed || product(&L->cross_out, att, rows, h, wide);
   if (!failed) residual(L, 1, x, h, rows);
 
-  /* position-wise feed-forward */
-  if (!failed) {
-    in = sublayer_input(L, 2, x, rows, h);
-    failed = product(&L->ff1, in, rows, wide_out, wide);
+  failed = failed || feed_forward(L, 2, x, rows, h, wide_out, wide);
+  free(scratch);
+  return failed ? -1 : 0;
+}
+
+/* x (sets x length rows of d_model, row-major: `sets` sentences padded to `length`): the
+ * encoder layer's input, its output on return. mask: (sets, length) bytes, nonzero where a
+ * key may be seen (not padding). Padded positions are computed too, as the modules compute
+ * them (nothing reads them). Returns 0, or -1 as decoder_layer_step. */
+int encoder_layer(const Layer *L, float *x, long sets, long length, const uint8_t *mask, int wide) {
+  const long d = L->d_model, H = L->heads, dk = d / H, rows = sets * length;
+  const long widest = 3 * d > L->d_ff ? 3 * d : L->d_ff;
+  float *scratch = malloc(sizeof(float) * rows * (2 * d + widest) + 64);
+  if (!scratch) return -1;
+  float *h = scratch, *att = h + rows * d, *wide_out = att + rows * d;
+
+  /* self-attention over the sentence's own positions, padding masked */
+  const float *in = sublayer_input(L, 0, x, rows, h);
+  int failed = product(&L->qkv, in, rows, wide_out, wide); /* (rows, 3d): q | k | v */
+  for (long r = 0; r < rows && !failed; r++) {
+    if (L->q_norm) rms_norm(wide_out + r * 3 * d, H, dk, L->q_norm, L->qk_eps);
+    if (L->k_norm) rms_norm(wide_out + r * 3 * d + d, H, dk, L->k_norm, L->qk_eps);
   }
-  if (!failed) {
-    const __m256 zero = _mm256_setzero_ps();
-    for (long i = 0; i < rows * L->d_ff; i += 8)
-      _mm256_storeu_ps(wide_out + i, _mm256_max_ps(_mm256_loadu_ps(wide_out + i), zero));
-    failed = product(&L->ff2, wide_out, rows, h, wide);
-  }
-  if (!failed) residual(L, 2, x, h, rows);
+  /* a sentence's rows are one key set: its `length` keys one row (3d) apart */
+  failed = failed || step_attention(wide_out, 3 * d, rows, length, H, dk, wide_out + d, length * 3 * d,
+                                    dk, 3 * d, wide_out + 2 * d, length * 3 * d, dk, 3 * d, length, 0,
+                                    0, 0, 0, mask, length, att, d, wide);
+  failed = failed || product(&L->self_out, att, rows, h, wide);
+  if (!failed) residual(L, 0, x, h, rows);
+  failed = failed || feed_forward(L, 1, x, rows, h, wide_out, wide);
   free(scratch);
   return failed ? -1 : 0;
 }

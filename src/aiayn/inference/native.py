@@ -2,7 +2,8 @@
 through ctypes: the int8 product ``PackedInt8`` (``int8_linear.c`` beside this file, whose
 comment has the arithmetic) and a step's one-query attention, QK-norm and log-softmax
 (``step_attention``, ``rms_norm``, ``log_softmax``, ``top_log_softmax``: ``step_attention.c``),
-a decoder layer's whole step made of them (``decoder_layer_step``: ``decoder_step.c``), and a
+an encoder layer and a decoder layer's whole step made of them (``encoder_layer``,
+``decoder_layer_step``: ``layers.c``), and a
 beam step's work between the model and the bookkeeping (``mask_step``, ``beam_choose``:
 ``search_step.c``); ``aiayn.inference.int8`` puts them in the encoder, the decoder, the output
 layer and the searches' steps.
@@ -50,7 +51,7 @@ from aiayn.errors import AiaynError
 
 # The kernels, compiled into one library: the int8 product and one-query attention.
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("int8_linear.c", "step_attention.c", "decoder_step.c", "search_step.c"))
+                for name in ("int8_linear.c", "step_attention.c", "layers.c", "search_step.c"))
 FLAGS = ["-O3", "-fPIC", "-shared", "-std=gnu99", "-mavx2", "-mfma", "-mf16c"]
 PANEL = 16  # output rows per packed panel (int8_linear.c)
 WEIGHT_LEVELS = 63  # 7-bit weights: two pairs of 7-bit products add in 16 bits (int8_linear.c)
@@ -121,6 +122,8 @@ def _library() -> ctypes.CDLL:
     lib.decoder_layer_step.argtypes = [ctypes.POINTER(LayerWeights), ctypes.POINTER(StepPlaces),
                                        pointer, size, ctypes.c_int]
     lib.decoder_layer_step.restype = ctypes.c_int
+    lib.encoder_layer.argtypes = [ctypes.POINTER(LayerWeights), pointer, size, size, pointer, ctypes.c_int]
+    lib.encoder_layer.restype = ctypes.c_int
     lib.mask_step.argtypes = [pointer, size, size, pointer, size, pointer, size, size, pointer,
                               pointer, ctypes.c_int64]
     lib.mask_step.restype = None
@@ -319,7 +322,7 @@ def top_log_softmax(x: Tensor, k: int, avx512: bool | None = None) -> tuple[Tens
 
 
 class Product(ctypes.Structure):
-    """A ``PackedInt8`` as ``decoder_step.c`` takes it."""
+    """A ``PackedInt8`` as ``layers.c`` takes it."""
 
     _fields_ = [("packed", ctypes.c_void_p), ("sums", ctypes.c_void_p), ("scales", ctypes.c_void_p),
                 ("bias", ctypes.c_void_p), ("n", ctypes.c_long), ("k", ctypes.c_long),
@@ -332,7 +335,7 @@ class Product(ctypes.Structure):
 
 
 class LayerWeights(ctypes.Structure):
-    """One decoder layer's fixed weights for ``decoder_layer_step`` (``decoder_step.c``'s
+    """One layer's fixed weights for ``decoder_layer_step`` or ``encoder_layer`` (``layers.c``'s
     ``Layer``): pointers into tensors that whoever fills it keeps alive and unchanged."""
 
     _fields_ = [*((name, Product) for name in ("qkv", "self_out", "cross_q", "cross_out", "ff1", "ff2")),
@@ -344,7 +347,7 @@ class LayerWeights(ctypes.Structure):
 
 
 class StepPlaces(ctypes.Structure):
-    """Where one step of ``decoder_layer_step`` reads and writes (``decoder_step.c``'s ``Step``):
+    """Where one step of ``decoder_layer_step`` reads and writes (``layers.c``'s ``Step``):
     the self-attention store, the memory's K/V and the masks."""
 
     _fields_ = [("keys", ctypes.c_void_p), ("values", ctypes.c_void_p),
@@ -360,10 +363,25 @@ class StepPlaces(ctypes.Structure):
 def decoder_layer_step(layer: LayerWeights, places: StepPlaces, x: Tensor,
                        avx512: bool | None = None) -> None:
     """One decoder layer for one new position per row, in place on x (rows, d_model), float32
-    and contiguous: ``decoder_step.c``. ``avx512`` as ``PackedInt8``'s."""
+    and contiguous: ``layers.c``. ``avx512`` as ``PackedInt8``'s."""
     if _library().decoder_layer_step(ctypes.byref(layer), ctypes.byref(places), x.data_ptr(),
                                      x.size(0), int(_avx512_path(avx512))):
         raise MemoryError(f"a decoder layer's step could not allocate its scratch for {x.size(0)} rows")
+
+
+def encoder_layer(layer: LayerWeights, x: Tensor, may_attend: Tensor,
+                  avx512: bool | None = None) -> None:
+    """One encoder layer over whole sentences, in place on x (sets, length, d_model), float32
+    and contiguous: ``layers.c``. ``may_attend``: (sets, length) uint8, nonzero where a key
+    is not padding. ``avx512`` as ``PackedInt8``'s."""
+    sets, length, _ = x.shape
+    if (may_attend.shape != (sets, length) or may_attend.dtype != torch.uint8
+            or not may_attend.is_contiguous()):
+        raise ValueError(f"encoder_layer takes a contiguous ({sets}, {length}) uint8 mask, got "
+                         f"{tuple(may_attend.shape)} {may_attend.dtype}")
+    if _library().encoder_layer(ctypes.byref(layer), x.data_ptr(), sets, length, may_attend.data_ptr(),
+                                int(_avx512_path(avx512))):
+        raise MemoryError(f"an encoder layer could not allocate its scratch for {sets * length} rows")
 
 
 def mask_step(logits: Tensor, never: Sequence[int], history: np.ndarray | None = None,
