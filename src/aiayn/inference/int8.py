@@ -164,13 +164,22 @@ class NativeDecoderLayer(DecoderLayer):
 
     def forward(self, x: Tensor, memory: Tensor, src_mask: Tensor | None, self_mask: Tensor | None,
                 is_causal: bool, cache: dict[str, dict[str, Tensor]] | None = None) -> Tensor:
-        places = self._places(x, src_mask, self_mask, is_causal, cache)
+        if x.dim() == 3 and x.size(1) == 1 and not is_causal:
+            out = x.reshape(x.size(0), x.size(2)).clone()
+            if self.step(out, src_mask, self_mask, cache):
+                return out.view_as(x)
+        return super().forward(x, memory, src_mask, self_mask, is_causal, cache)
+
+    def step(self, x: Tensor, src_mask: Tensor | None, self_mask: Tensor | None,
+             cache: dict[str, dict[str, Tensor]] | None) -> bool:
+        """The layer's step in one call of the kernel, in place on x (rows, d_model), a tensor
+        the caller owns: True; or False, x unchanged, where the kernel does not take it."""
+        places = self._places(x, src_mask, self_mask, cache)
         if places is None:
-            return super().forward(x, memory, src_mask, self_mask, is_causal, cache)
-        out = x.reshape(x.size(0), x.size(2)).clone()
-        native.decoder_layer_step(self._weights, places, out)
+            return False
+        native.decoder_layer_step(self._weights, places, x)
         cache["self"]["store"].length += 1
-        return out.view_as(x)
+        return True
 
     @property
     def _weights(self) -> native.LayerWeights | None:
@@ -180,20 +189,19 @@ class NativeDecoderLayer(DecoderLayer):
             self.__dict__["_native"] = _layer_weights(self)
         return self.__dict__["_native"]
 
-    def _places(self, x: Tensor, src_mask: Tensor | None, self_mask: Tensor | None, is_causal: bool,
+    def _places(self, x: Tensor, src_mask: Tensor | None, self_mask: Tensor | None,
                 cache: dict | None) -> native.StepPlaces | None:
-        """Where this step reads and writes, or None where the kernel does not take it. (Called
-        at every step of every layer: each shape and stride is read once.)"""
+        """Where the step of x (rows, d_model) reads and writes, or None where the kernel does not
+        take it. (Called at every step of every layer: each shape and stride is read once.)"""
         modules = self._modules  # not through nn.Module's __getattr__, at every step
-        if (cache is None or is_causal or self.training or x.requires_grad or x.dim() != 3
-                or x.dtype != torch.float32 or not x.is_cpu
+        if (cache is None or self.training or x.requires_grad or x.dim() != 2 or x.dtype != torch.float32
+                or not x.is_cpu or not x.is_contiguous()
                 or modules["self_attn"].record_weights or modules["cross_attn"].record_weights
                 or self._weights is None):
             return None
-        B, T, _ = x.shape
+        B = x.size(0)
         store, cross = cache["self"].get("store"), cache["cross"]
-        if (T != 1 or store is None or store.keys is None or store.keys.dtype != StepAttention.kept
-                or store.rows != B):
+        if store is None or store.keys is None or store.keys.dtype != StepAttention.kept or store.rows != B:
             return None
         k, v = cross.get("k"), cross.get("v")
         if k is None or k.dtype not in (torch.float16, torch.float32) or v.dtype != k.dtype:
@@ -255,6 +263,14 @@ class NativeTransformer(Transformer):
             self.__dict__["_native_encoder"] = None if None in weights else weights
         return self.__dict__["_native_encoder"]
 
+    def _padding_mask(self, src_pad: Tensor) -> Tensor:
+        """``padding_mask(src_pad)``, made again only when the search's source rows change (a
+        search replaces its ``src_pad`` when sentences join or leave, never writes into it)."""
+        seen = self.__dict__.get("_padding_seen")
+        if seen is None or seen[0] is not src_pad:
+            seen = self.__dict__["_padding_seen"] = (src_pad, padding_mask(src_pad))
+        return seen[1]
+
     def decode(self, tgt: Tensor, memory: Tensor, src_pad: Tensor, cache=None) -> Tensor:
         decoder = self.decoder
         if (cache is None or not cache.indirect or cache.length == 0 or tgt.dim() != 2
@@ -265,11 +281,14 @@ class NativeTransformer(Transformer):
         positions = (positions if isinstance(positions, Tensor)
                      else torch.full((tgt.size(0),), positions, dtype=torch.long))
         x = native.embed_step(self.tgt_embed.embedding.weight, self.tgt_embed.scale,
-                              self.tgt_pos.table, tgt[:, 0], positions).unsqueeze(1)
-        src_mask = padding_mask(src_pad)
+                              self.tgt_pos.table, tgt[:, 0], positions)  # (B, d): ours, in place
+        src_mask = self._padding_mask(src_pad)
         self_mask = cache.self_mask(1, tgt.device) if cache.start is not None else None
         for layer, layer_cache in zip(decoder.layers, cache.layers, strict=True):
-            x = layer.forward(x, memory, src_mask, self_mask, False, layer_cache)
+            if not (isinstance(layer, NativeDecoderLayer) and layer.step(x, src_mask, self_mask, layer_cache)):
+                x = layer.forward(x.unsqueeze(1), memory, src_mask, self_mask, False, layer_cache)[:, 0]
+                x = x.contiguous()
+        x = x.unsqueeze(1)
         cache.length += 1
         norm = decoder.norm  # pre-norm's LayerNorm (post-norm's Identity); not through its module
         if isinstance(norm, nn.LayerNorm):
