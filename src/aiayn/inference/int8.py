@@ -285,7 +285,9 @@ class NativeTransformer(Transformer):
         src_mask = self._padding_mask(src_pad)
         self_mask = cache.self_mask(1, tgt.device) if cache.start is not None else None
         for layer, layer_cache in zip(decoder.layers, cache.layers, strict=True):
-            if not (isinstance(layer, NativeDecoderLayer) and layer.step(x, src_mask, self_mask, layer_cache)):
+            # a layer the kernel does not take: its module's forward, on the rows as (B, 1, d)
+            native_layer = isinstance(layer, NativeDecoderLayer)
+            if not (native_layer and layer.step(x, src_mask, self_mask, layer_cache)):
                 x = layer.forward(x.unsqueeze(1), memory, src_mask, self_mask, False, layer_cache)[:, 0]
                 x = x.contiguous()
         x = x.unsqueeze(1)
