@@ -229,9 +229,9 @@ class NativeDecoderLayer(DecoderLayer):
 class NativeTransformer(Transformer):
     """``int8_model``'s copy of the model, whose decoding step after a search's first (one new
     position per row over an indirect cache) embeds its tokens in one call of aiayn's kernel
-    (``native.embed_step``) and calls its ``NativeDecoderLayer``s' ``forward`` directly: at a
-    serving lane's few rows the module calls and small tensor operations between the kernels
-    cost as much as the kernels. The same floats as ``Transformer.decode``, which every other
+    (``native.embed_step``) and runs its ``NativeDecoderLayer``s' ``step`` in place on that
+    embedding: at a serving lane's few rows the module calls and small tensor operations
+    between the kernels cost as much as the kernels. The same floats as ``Transformer.decode``, which every other
     call (a first step, a prefix, training, autocast) is. Its encoder embeds so too and runs
     each layer in one call (``native.encoder_layer``: a sentence joining a serving lane's
     search spent ~2 ms in the modules' calls), equal to ``Transformer.encode`` up to
