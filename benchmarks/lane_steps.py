@@ -1,0 +1,90 @@
+"""What a serving lane's decoding step costs with N sentences in it: the part that does not
+shrink with the rows.
+
+A lane of `aiayn serve` (``aiayn.serving.lanes``) holds about K / L of K clients' sentences in
+one ``JoinableSearch`` on one thread, a new one joining as one is done. This script keeps a
+search at each size N of ``--sizes``, as a lane does, over the same sentences of the run's
+split, the sizes interleaved in each repetition (``benchmarks/common.py``), and reports a
+step's milliseconds and a sentence's: where a step of few sentences costs a sentence far more
+than a step of many, the lane at few clients is bound by that fixed part (Python, calls, the
+weights read once per step), not by its arithmetic (docs/serving.md#batching).
+
+    python benchmarks/lane_steps.py --run-dir runs/demo --int8 --limit 120 --sizes 1,4,16,32
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from statistics import median
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    add_json_option,
+    add_repeats_option,
+    add_run_options,
+    device_description,
+    interleave,
+    print_table,
+    run_pairs,
+    script_parser,
+)
+
+from aiayn.data.batching import pad  # noqa: E402
+from aiayn.inference.joinable import JoinableSearch  # noqa: E402
+from aiayn.inference.translator import Translator  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None):
+    p = script_parser(__doc__)
+    add_run_options(p)
+    p.add_argument("--sizes", default="1,4,16,32",
+                   help="sentences kept in the search, comma-separated (default 1,4,16,32)")
+    p.add_argument("--beam", type=int, default=4)
+    p.add_argument("--alpha", type=float, default=0.6)
+    p.add_argument("--int8", action="store_true", help="decode with aiayn's int8 engine")
+    add_repeats_option(p, 3)
+    add_json_option(p)
+    return p.parse_args(argv)
+
+
+def lane(translator: Translator, search, ids: list[list[int]], size: int) -> int:
+    """Decode ``ids`` as a lane does, ``size`` sentences in the search at a time; the steps."""
+    joinable, sent, done, steps = JoinableSearch(translator.model, search, translator.kernel), 0, 0, 0
+    while done < len(ids):
+        while sent < len(ids) and len(joinable) < size:
+            joinable.add([sent], pad([ids[sent]]))
+            sent += 1
+        done += len(joinable.step())
+        steps += 1
+    return steps
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(1)  # a lane's process decodes on one thread
+    translator = Translator.from_pretrained(args.run_dir, args.weights, int8=args.int8)
+    search = translator.resolve(beam=args.beam, alpha=args.alpha)
+    sources = [src for src, _ in run_pairs(args)]
+    ids = translator.tokenizers.encode_src(translator.tagged(sources))
+    sizes = [int(s) for s in args.sizes.split(",")]
+    steps = {size: lane(translator, search, ids, size) for size in sizes}  # also the warm-up
+    times = interleave({size: (lambda size=size: lane(translator, search, ids, size))
+                        for size in sizes}, args.repeats, warmup=0)
+    seconds = {size: median(sum(rep) for rep in times[size]) for size in sizes}
+    per_sentence = {size: 1e3 * seconds[size] / len(ids) for size in sizes}
+    rows = [[str(size), str(steps[size]), f"{1e3 * seconds[size] / steps[size]:.3f}",
+             f"{per_sentence[size]:.2f}", f"{per_sentence[size] / per_sentence[sizes[-1]]:.2f}x"]
+            for size in sizes]
+    conditions = (f"{len(ids)} {args.split} sentences of {args.run_dir} ({args.weights}), beam "
+                  f"{args.beam}, alpha {args.alpha}, {'int8' if args.int8 else 'fp32'}, one thread; "
+                  f"median of {args.repeats} interleaved repetitions (a sentence's time includes "
+                  f"its joining)\ndevice: {device_description()}")
+    print_table(["sentences in the search", "steps", "ms a step", "ms a sentence",
+                 f"a sentence / at {sizes[-1]}"], rows, conditions, args.json)
+
+
+if __name__ == "__main__":
+    main()
