@@ -574,4 +574,7 @@ def test_the_native_encoder_gives_its_modules_memory(monkeypatch, norm_first, qk
     model.encode(src)  # gradients kept: the modules
     with torch.no_grad(), capture_attention(model):
         model.encode(src)
+    with torch.no_grad():  # a padding mask that broadcasts over the sentences
+        shared = model.encode(src[:1].expand(3, -1), model.src_pad_mask(src[:1]))
     assert calls == []
+    assert torch.allclose(shared[0], ours[0], atol=1e-5)

@@ -231,11 +231,11 @@ class NativeTransformer(Transformer):
     position per row over an indirect cache) embeds its tokens in one call of aiayn's kernel
     (``native.embed_step``) and runs its ``NativeDecoderLayer``s' ``step`` in place on that
     embedding: at a serving lane's few rows the module calls and small tensor operations
-    between the kernels cost as much as the kernels. The same floats as ``Transformer.decode``, which every other
-    call (a first step, a prefix, training, autocast) is. Its encoder embeds so too and runs
-    each layer in one call (``native.encoder_layer``: a sentence joining a serving lane's
-    search spent ~2 ms in the modules' calls), equal to ``Transformer.encode`` up to
-    rounding (the attention is ``native.step_attention``'s, not PyTorch's)."""
+    between the kernels cost as much as the kernels. The same floats as ``Transformer.decode``,
+    which every other call (a first step, a prefix, training, autocast) is. Its encoder embeds
+    so too and runs each layer in one call (``native.encoder_layer``: a sentence joining a
+    serving lane's search spent ~2 ms in the modules' calls), equal to ``Transformer.encode``
+    up to rounding (the attention is ``native.step_attention``'s, not PyTorch's)."""
 
     def encode(self, src: Tensor, src_pad: Tensor | None = None) -> Tensor:
         layers = self.encoder.layers
@@ -246,6 +246,8 @@ class NativeTransformer(Transformer):
             return super().encode(src, src_pad)
         self._check_ids(src, "src")
         src_pad = self.src_pad_mask(src) if src_pad is None else src_pad
+        if src_pad.shape != src.shape:  # a mask that broadcasts: the modules take it
+            return super().encode(src, src_pad)
         n, S = src.shape
         x = native.embed_step(self.src_embed.embedding.weight, self.src_embed.scale, self.src_pos.table,
                               src.reshape(-1), torch.arange(S).repeat(n)).view(n, S, -1)
