@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import cache_walk, run_cli
+from search_helpers import random_sources
 from torch import nn
 
 from aiayn.cache import KVCache
@@ -32,6 +33,7 @@ from aiayn.inference.int8 import (
     StepAttention,
     int8_model,
 )
+from aiayn.inference.joinable import JoinableSearch
 from aiayn.inference.native import (
     PackedInt8,
     beam_choose,
@@ -45,6 +47,8 @@ from aiayn.inference.native import (
     top_log_softmax,
 )
 from aiayn.inference.sampling import ban_repeated_ngrams
+from aiayn.inference.search import beam_search
+from aiayn.inference.settings import Search
 from aiayn.inference.steps import DecoderState, expand
 from aiayn.inference.translator import Translator
 from aiayn.model import Generator, HeadNorm, MultiHeadAttention, Transformer
@@ -578,3 +582,87 @@ def test_the_native_encoder_gives_its_modules_memory(monkeypatch, norm_first, qk
         shared = model.encode(src[:1].expand(3, -1), model.src_pad_mask(src[:1]))
     assert calls == []
     assert torch.allclose(shared[0], ours[0], atol=1e-5)
+
+
+def sharp_model(norm_first: bool, restricted: bool) -> Transformer:
+    """A small random model whose output layer is sharpened and leans to EOS (sentences end
+    at several lengths), scoring every piece or (``restricted``) a few of them."""
+    torch.manual_seed(5)
+    cfg = ModelConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=32, n_heads=4, d_ff=64,
+                      n_encoder_layers=1, n_decoder_layers=2, dropout=0.0, max_len=32,
+                      norm_first=norm_first, output_vocab="targets" if restricted else "all",
+                      tie_embeddings="none", embedding_init="xavier")
+    model = Transformer(cfg).eval()
+    proj = nn.Linear(cfg.d_model, 40)
+    with torch.no_grad():
+        proj.weight.copy_(model.generator.proj.weight * 3.0)
+        proj.bias.zero_()
+        proj.bias[EOS_ID] = 3.0
+    model.generator.proj = proj
+    if restricted:
+        model.generator.set_outputs(torch.tensor([EOS_ID, 4, 5, 7, 9, 11, 12, 20, 28, 31, 39]))
+    return model
+
+
+def searched_both_ways(model: Transformer, search: Search) -> list[list[list]]:
+    """A joinable search's lists (sentences joining at several steps) and a batch beam
+    search's, each as [(ids, score)] per sentence."""
+    kernel = Int8Output(model.generator)
+    lengths = [7, 3, 9, 5, 6]
+    src = random_sources(lengths, vocab=40, seed=2)
+    joinable, got, step = JoinableSearch(model, search, kernel), {}, 0
+    plan = {0: [0, 1], 2: [2], 3: [3], 9: [4]}
+    while len(got) < len(lengths):
+        for i in plan.get(step, []):
+            joinable.add([i], src[i:i + 1, :lengths[i]])
+        got.update(joinable.step())
+        step += 1
+    batch = beam_search(model, src, search.beam, search.alpha, search.max_len_b, search.beam,
+                        no_repeat_ngram=search.no_repeat_ngram, kernel=kernel)
+    return [[[(h.ids, h.score) for h in got[i]] for i in range(len(lengths))],
+            [[(h.ids, h.score) for h in hyps] for hyps in batch]]
+
+
+@pytest.mark.parametrize("norm_first, restricted, guard, beam", [
+    (True, False, 0, 4), (False, True, 2, 3), (True, True, 3, 1), (True, False, 2, 6)])
+def test_the_whole_beam_step_in_one_call_chooses_what_the_calls_one_by_one_choose(
+        monkeypatch, norm_first, restricted, guard, beam):
+    """``native.beam_step`` (the decoder, the masks, the top-k and the choice in one call) gives
+    the hypotheses and scores of the same kernels called one by one (``next_logits`` and
+    ``expand``), in a joinable search whose rows start at several columns and in a batch beam
+    search; with the repetition guard and a restricted output layer, pre- and post-norm."""
+    model = int8_model(sharp_model(norm_first, restricted))
+    search = Search(beam, 0.6, no_repeat_ngram=guard, max_len_b=8)
+    calls, whole = [], native.beam_step
+    monkeypatch.setattr(native, "beam_step", lambda *a, **k: calls.append(1) or whole(*a, **k))
+    ours = searched_both_ways(model, search)
+    assert len(calls) >= 10
+    with monkeypatch.context() as m:
+        m.setattr(Int8Output, "beam_step", lambda self, *a: None)
+        theirs = searched_both_ways(model, search)
+    assert len({len(ids) for lists in ours[0] for ids, _ in lists}) >= 2  # several lengths
+    for mine, other in zip(ours, theirs, strict=True):
+        for a, b in zip(mine, other, strict=True):
+            assert [ids for ids, _ in a] == [ids for ids, _ in b]
+            assert [score for _, score in a] == pytest.approx([score for _, score in b], abs=1e-5)
+
+
+def test_the_whole_beam_step_holds_what_its_places_point_into(monkeypatch):
+    """A search in another thread may replace the model's padding mask while this search's
+    call runs (the kernel lets go of the GIL): what the call reads stays alive and unchanged.
+    Here the model's copy is dropped and its memory likely reused with zeros (masking
+    every source position) at each call: the hypotheses do not change."""
+    model = int8_model(sharp_model(True, False))
+    search = Search(4, 0.6, max_len_b=8)
+    theirs = searched_both_ways(model, search)
+    whole = native.beam_step
+
+    def meddled(*args, **kwargs):
+        mask = model.__dict__.pop("_padding_seen")[1]
+        shape = mask.shape
+        del mask
+        _ = [torch.zeros(shape, dtype=torch.bool) for _ in range(4)]  # the freed block, reused
+        return whole(*args, **kwargs)
+
+    monkeypatch.setattr(native, "beam_step", meddled)
+    assert searched_both_ways(model, search) == theirs

@@ -66,6 +66,22 @@ class Int8Output:
         call it (``steps.DecoderState.next_logits``)."""
         native.mask_step(logits, never, history, n, skip, to_column)
 
+    def beam_step(self, model: nn.Module, tokens: Tensor, scores: Tensor, src_pad: Tensor, cache,
+                  history, never, n_gram: int, to_column: Tensor | None, ids: Tensor | None, width: int,
+                  candidates: int):
+        """A whole beam step of ``model`` (``int8_model``'s) in one call of aiayn's kernel
+        (``NativeTransformer.beam_step``): the step's decoding, masks (``never``, the guard's
+        ``n_gram`` over ``history``), top ``width`` and ``candidates``, as ``beam_choose``
+        answers; None where it does not take it. ``steps.DecoderState.beam_step`` calls it."""
+        if not isinstance(model, NativeTransformer) or candidates > native.MAX_CANDIDATES:
+            return None
+        key = (tuple(never), n_gram, width, candidates)
+        seen = self.__dict__.get("_choice")
+        if seen is None or seen[0] != key or seen[1] is not to_column or seen[2] is not ids:
+            seen = self._choice = (key, to_column, ids,
+                                   native.choice(never, n_gram, to_column, ids, width, candidates))
+        return model.beam_step(self.product, seen[3], tokens, scores, src_pad, cache, history)
+
     def beam_choose(self, best: Tensor, columns: Tensor, scores: Tensor, ids: Tensor | None,
                     width: int, candidates: int):
         """A beam step's candidates and survivors after the top-k, in one call of aiayn's
@@ -174,7 +190,10 @@ class NativeDecoderLayer(DecoderLayer):
              cache: dict[str, dict[str, Tensor]] | None) -> bool:
         """The layer's step in one call of the kernel, in place on x (rows, d_model), a tensor
         the caller owns: True; or False, x unchanged, where the kernel does not take it."""
-        places = self._places(x, src_mask, self_mask, cache)
+        if (x.requires_grad or x.dim() != 2 or x.dtype != torch.float32 or not x.is_cpu
+                or not x.is_contiguous()):
+            return False
+        places = self._places(x.size(0), src_mask, self_mask, cache)
         if places is None:
             return False
         native.decoder_layer_step(self._weights, places, x)
@@ -189,17 +208,14 @@ class NativeDecoderLayer(DecoderLayer):
             self.__dict__["_native"] = _layer_weights(self)
         return self.__dict__["_native"]
 
-    def _places(self, x: Tensor, src_mask: Tensor | None, self_mask: Tensor | None,
+    def _places(self, B: int, src_mask: Tensor | None, self_mask: Tensor | None,
                 cache: dict | None) -> native.StepPlaces | None:
-        """Where the step of x (rows, d_model) reads and writes, or None where the kernel does not
-        take it. (Called at every step of every layer: each shape and stride is read once.)"""
+        """Where the step of B rows reads and writes, or None where the kernel does not take it.
+        (Called at every step of every layer: each shape and stride is read once.)"""
         modules = self._modules  # not through nn.Module's __getattr__, at every step
-        if (cache is None or self.training or x.requires_grad or x.dim() != 2 or x.dtype != torch.float32
-                or not x.is_cpu or not x.is_contiguous()
-                or modules["self_attn"].record_weights or modules["cross_attn"].record_weights
-                or self._weights is None):
+        if (cache is None or self.training or modules["self_attn"].record_weights
+                or modules["cross_attn"].record_weights or self._weights is None):
             return None
-        B = x.size(0)
         store, cross = cache["self"].get("store"), cache["cross"]
         if store is None or store.keys is None or store.keys.dtype != StepAttention.kept or store.rows != B:
             return None
@@ -272,6 +288,68 @@ class NativeTransformer(Transformer):
         if seen is None or seen[0] is not src_pad:
             seen = self.__dict__["_padding_seen"] = (src_pad, padding_mask(src_pad))
         return seen[1]
+
+    def beam_step(self, output: PackedInt8, choice: native.Choice, tokens: Tensor, scores: Tensor,
+                  src_pad: Tensor, cache, history) -> tuple | None:
+        """A whole beam step in one call of aiayn's kernel (``native.beam_step``): the (A*K,)
+        newest tokens through the decoder and ``output`` (the output layer's product), the
+        search's ``choice`` with its (A, K) live scores and the rows' ``history`` ->
+        ``native.beam_choose``'s answer, the cache one position longer; or None, nothing done,
+        where the kernel does not take it (then ``decode`` and the search's own steps). The same
+        kernels as ``decode``'s step and ``Int8Output``'s calls, in one: at a serving lane's few
+        rows the calls between them cost as much as the kernels."""
+        if (cache is None or not cache.indirect or cache.length == 0 or self.training
+                or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or tokens.dtype != torch.long
+                or not tokens.is_cpu or scores.dtype != torch.float32 or not scores.is_cpu):
+            return None
+        decoder = self._decoder_weights(output)
+        src_mask = self._padding_mask(src_pad)  # held here: the places point into it, and a
+        # search in another thread may replace the model's copy while this one's call runs
+        places = self._step_places(tokens.numel(), src_mask, cache) if decoder is not None else None
+        if places is None:
+            return None
+        start = None if cache.start is None else cache.start.contiguous()
+        answer = native.beam_step(decoder, places, choice, tokens.contiguous(), start, scores.contiguous(),
+                                  history)
+        for layer_cache in cache.layers:
+            layer_cache["self"]["store"].length += 1
+        cache.length += 1
+        return answer
+
+    def _step_places(self, rows: int, src_mask: Tensor, cache) -> ctypes.Array | None:
+        """Each decoder layer's places for a step of ``rows`` rows (their self-attention masks
+        left to the kernel, which makes them from ``cache.start``), or None."""
+        places = []
+        for layer, layer_cache in zip(self.decoder.layers, cache.layers, strict=True):
+            place = layer._places(rows, src_mask, None, layer_cache)
+            if place is None:
+                return None
+            places.append(place)
+        return (native.StepPlaces * len(places))(*places)
+
+    def _decoder_weights(self, output: PackedInt8) -> native.DecoderWeights | None:
+        """The decoder's weights with ``output`` as ``native.beam_step`` takes them, gathered
+        once per output product (None where the kernel cannot compute this decoder)."""
+        seen = self.__dict__.get("_native_decoder")
+        if seen is not None and seen[0] is output:
+            return seen[1]
+        layers = [layer._weights if isinstance(layer, NativeDecoderLayer) else None
+                  for layer in self.decoder.layers]
+        norm, embedding, table = self.decoder.norm, self.tgt_embed.embedding.weight, self.tgt_pos.table
+        layer_norm = isinstance(norm, nn.LayerNorm) and norm.weight is not None and norm.bias is not None
+        weights = None
+        if (None not in layers and (layer_norm or isinstance(norm, nn.Identity))
+                and output.k == embedding.size(1)
+                and all(t.dtype == torch.float32 and t.is_contiguous() for t in (embedding, table))):
+            array = (native.LayerWeights * len(layers))(*layers)  # copies: the layers keep their tensors
+            weights = native.DecoderWeights(
+                array, len(layers), embedding.data_ptr(), table.data_ptr(), embedding.size(0), table.size(0),
+                self.tgt_embed.scale, norm.weight.data_ptr() if layer_norm else None,
+                norm.bias.data_ptr() if layer_norm else None, norm.eps if layer_norm else 0.0,
+                native.Product.of(output))
+            weights.keep = [array, output]
+        self.__dict__["_native_decoder"] = (output, weights)
+        return weights
 
     def decode(self, tgt: Tensor, memory: Tensor, src_pad: Tensor, cache=None) -> Tensor:
         decoder = self.decoder

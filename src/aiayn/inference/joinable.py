@@ -20,7 +20,7 @@ from aiayn.inference.steps import (
     Rows,
     advance,
     check_prefixes,
-    choose,
+    decode_and_choose,
     first_scores,
     output_limits,
     settle,
@@ -121,11 +121,8 @@ class JoinableSearch:
             return []
         rows, K = self.rows, self.beam
         step = rows.history.shape[1] + 1  # steps so far, counted from the oldest sentence
-        given = rows.given(step)
-        logits = self.state.next_logits(self.token.reshape(-1, 1), rows.history,
-                                        None if given is None else given.rows)
-        self.scores, self.token, host = choose(step, logits, self.scores, self.state, rows,
-                                               self.sampling, given)
+        self.scores, self.token, host = decode_and_choose(step, self.token, self.scores, self.state,
+                                                          rows, self.sampling, rows.given(step))
         done = settle(rows, self.finished, host, step, self.alpha)
         answers = [(int(key), sorted(self.finished.pop(key), key=lambda h: -h.score)[:K])
                    for key in rows.sentence[done]]

@@ -212,3 +212,55 @@ int encoder_layer(const Layer *L, float *x, long sets, long length, const uint8_
   free(scratch);
   return failed ? -1 : 0;
 }
+
+typedef struct { /* the decoder around its layers (int8.py fills it): a step from tokens to logits */
+  const Layer *layers;
+  long n_layers;
+  const float *embedding, *table; /* the target embedding (vocab, d) and sinusoid (positions, d) */
+  long vocab, positions;
+  float scale;                    /* sqrt(d_model) */
+  const float *norm_gain, *norm_bias; /* the final LayerNorm (pre-norm), or NULL (post-norm) */
+  float norm_eps;
+  Product output;                 /* the output layer's allowed rows */
+} Decoder;
+
+int embed_step(const float *embedding, long vocab, float scale, const float *table, long positions,
+               const int64_t *ids, const int64_t *position, long rows, long d, float *out);
+
+/* A decoding step of the whole decoder, one new token per row, to its logits (rows x
+ * output.n): embedding and position (row r's position counts from start[r], the step at which
+ * it joined; start NULL: from 0 for every row), each layer's decoder_layer_step with its own
+ * places (steps[l]; their self-attention masks are made here from start: row r sees the keys
+ * from start[r] on, as KVCache.self_mask), the final LayerNorm and the output product.
+ * Returns 0, -1 where scratch could not be allocated, -2 where a token or position lies
+ * outside its table. */
+int decoder_step(const Decoder *D, const Step *steps, const int64_t *tokens, const int64_t *start,
+                 long rows, float *logits, int wide) {
+  const long d = D->layers[0].d_model, keys = steps[0].position + 1;
+  float *x = malloc(sizeof(float) * rows * d + 64);
+  int64_t *position = malloc(sizeof(int64_t) * rows + 64);
+  uint8_t *mask = start ? malloc(rows * keys + 64) : NULL;
+  int failed = !x || !position || (start && !mask) ? -1 : 0;
+  for (long r = 0; r < rows && !failed; r++) {
+    position[r] = steps[0].position - (start ? start[r] : 0);
+    if (mask)
+      for (long j = 0; j < keys; j++) mask[r * keys + j] = j >= start[r];
+  }
+  if (!failed && embed_step(D->embedding, D->vocab, D->scale, D->table, D->positions, tokens, position,
+                            rows, d, x))
+    failed = -2;
+  for (long l = 0; l < D->n_layers && !failed; l++) {
+    Step s = steps[l];
+    if (mask) {
+      s.self_mask = mask;
+      s.self_mask_row = keys;
+    }
+    failed = decoder_layer_step(&D->layers[l], &s, x, rows, wide);
+  }
+  if (!failed && D->norm_gain) layer_norm(x, rows, d, D->norm_gain, D->norm_bias, D->norm_eps, x);
+  if (!failed) failed = product(&D->output, x, rows, logits, wide);
+  free(x);
+  free(position);
+  free(mask);
+  return failed;
+}

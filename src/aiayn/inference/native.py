@@ -3,10 +3,12 @@ through ctypes: the int8 product ``PackedInt8`` (``int8_linear.c`` beside this f
 comment has the arithmetic) and a step's one-query attention, QK-norm and log-softmax
 (``step_attention``, ``rms_norm``, ``log_softmax``, ``top_log_softmax``: ``step_attention.c``),
 an encoder layer and a decoder layer's whole step made of them (``encoder_layer``,
-``decoder_layer_step``: ``layers.c``), and a
-beam step's work between the model and the bookkeeping (``mask_step``, ``beam_choose``:
-``search_step.c``); ``aiayn.inference.int8`` puts them in the encoder, the decoder, the output
-layer and the searches' steps.
+``decoder_layer_step``: ``layers.c``), a beam step's work between the model and the
+bookkeeping (``mask_step``, ``beam_choose``: ``search_step.c``), and a whole beam step from
+the tokens to the choice in one call (``beam_step``); ``aiayn.inference.int8`` puts them in
+the encoder, the decoder, the output layer and the searches' steps. Over 500 lines because
+each kernel's ctypes signature, structures and wrapper are one library's interface, read in
+one place.
 
 Why a product of our own: at the few rows of a decoding step (4-64), PyTorch's int8 products
 cost more than fp32 here: FBGEMM's dynamic product quantizes a whole batch on one scale, and
@@ -54,6 +56,7 @@ SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("int8_linear.c", "step_attention.c", "layers.c", "search_step.c"))
 FLAGS = ["-O3", "-fPIC", "-shared", "-std=gnu99", "-mavx2", "-mfma", "-mf16c"]
 PANEL = 16  # output rows per packed panel (int8_linear.c)
+MAX_CANDIDATES = 256  # a sentence's candidates at most in one beam step (search_step.c)
 WEIGHT_LEVELS = 63  # 7-bit weights: two pairs of 7-bit products add in 16 bits (int8_linear.c)
 
 
@@ -133,6 +136,10 @@ def _library() -> ctypes.CDLL:
     lib.embed_step.argtypes = [pointer, size, ctypes.c_float, pointer, size, pointer, pointer, size,
                                size, pointer]
     lib.embed_step.restype = ctypes.c_int
+    lib.beam_step.argtypes = [ctypes.POINTER(DecoderWeights), ctypes.POINTER(StepPlaces), size,
+                              ctypes.POINTER(Choice), pointer, pointer, size, size, pointer, size,
+                              pointer, pointer, pointer, pointer, ctypes.c_int]
+    lib.beam_step.restype = ctypes.c_int
     return lib
 
 
@@ -422,7 +429,7 @@ def beam_choose(best: Tensor, columns: Tensor, scores: Tensor, ids: Tensor | Non
                                     scores.data_ptr(), _pointer(ids), EOS_ID, candidates,
                                     host.ctypes.data, alive_scores.data_ptr(),
                                     alive_tokens.data_ptr()):
-        raise ValueError(f"beam_choose takes up to 256 candidates from at least beam's, "
+        raise ValueError(f"beam_choose takes up to {MAX_CANDIDATES} candidates from at least beam's, "
                          f"got {candidates} of {K} x {width}")
     return host, alive_scores, alive_tokens
 
@@ -443,3 +450,69 @@ def embed_step(embedding: Tensor, scale: float, table: Tensor, ids: Tensor, posi
         raise ValueError(f"token ids or positions outside the tables ({embedding.size(0)} ids, "
                          f"{table.size(0)} positions)")
     return out
+
+
+class DecoderWeights(ctypes.Structure):
+    """The decoder's fixed weights around its layers for ``beam_step`` (``layers.c``'s
+    ``Decoder``): its layers' ``LayerWeights``, the target embedding and sinusoid table, the
+    final LayerNorm (None after post-norm layers) and the output layer's product; pointers into
+    tensors that whoever fills it keeps alive and unchanged."""
+
+    _fields_ = [("layers", ctypes.POINTER(LayerWeights)), ("n_layers", ctypes.c_long),
+                ("embedding", ctypes.c_void_p), ("table", ctypes.c_void_p), ("vocab", ctypes.c_long),
+                ("positions", ctypes.c_long), ("scale", ctypes.c_float), ("norm_gain", ctypes.c_void_p),
+                ("norm_bias", ctypes.c_void_p), ("norm_eps", ctypes.c_float), ("output", Product)]
+
+
+class Choice(ctypes.Structure):
+    """What a beam search fixes for all its steps (``search_step.c``'s ``Choice``): the columns
+    never chosen, the repetition guard's n, column <-> token id, EOS and PAD, each row's best
+    and each sentence's candidates."""
+
+    _fields_ = [("never", ctypes.c_void_p), ("n_never", ctypes.c_long), ("n_gram", ctypes.c_long),
+                ("to_column", ctypes.c_void_p), ("ids", ctypes.c_void_p), ("eos", ctypes.c_int64),
+                ("pad", ctypes.c_int64), ("width", ctypes.c_long), ("candidates", ctypes.c_long)]
+
+
+def beam_step(decoder: DecoderWeights, places: ctypes.Array, choice: Choice, tokens: Tensor,
+              start: Tensor | None, scores: Tensor, history: np.ndarray,
+              avx512: bool | None = None) -> tuple[np.ndarray, Tensor, Tensor]:
+    """A whole beam step in one call (``search_step.c``): the (A*K,) newest tokens through the
+    decoder (its layers' ``places``, one ``StepPlaces`` each; ``start``: (A*K,) int64 column
+    where each row began, or None), the step's masks, top-k and choice with the (A, K) live
+    scores and the rows' (A*K, t) ``history`` -> ``beam_choose``'s answer: the host rows and
+    the survivors' scores and tokens. ``tokens``, ``start`` and ``history`` must be
+    contiguous int64, ``scores`` contiguous float32."""
+    A, K = scores.shape
+    C = choice.candidates
+    host = np.empty((A, 3 * C + 3 * K))
+    alive_scores, alive_tokens = torch.empty(A, K), torch.empty(A, K, dtype=torch.long)
+    guard = choice.n_gram > 0 and history.shape[1] >= choice.n_gram  # else the kernel reads none
+    if guard:
+        history = np.ascontiguousarray(history, dtype=np.int64)
+    failed = _library().beam_step(ctypes.byref(decoder), places, decoder.output.n, ctypes.byref(choice),
+                                  tokens.data_ptr(), _pointer(start), A, K,
+                                  history.ctypes.data if guard else None, history.shape[1] if guard else 0,
+                                  scores.data_ptr(), host.ctypes.data, alive_scores.data_ptr(),
+                                  alive_tokens.data_ptr(), int(_avx512_path(avx512)))
+    if failed == -2:
+        raise ValueError(f"token ids or positions outside the tables ({decoder.vocab} ids, "
+                         f"{decoder.positions} positions)")
+    if failed == -3:
+        raise ValueError(f"beam_step takes up to {MAX_CANDIDATES} candidates from at least beam's, "
+                         f"got {C} of {K} x {choice.width}")
+    if failed:
+        raise MemoryError(f"a beam step could not allocate its scratch for {A * K} rows")
+    return host, alive_scores, alive_tokens
+
+
+def choice(never: Sequence[int], n_gram: int, to_column: Tensor | None, ids: Tensor | None,
+           width: int, candidates: int) -> Choice:
+    """A search's ``Choice``, keeping the arrays it points into (``never``: the columns never
+    chosen; ``to_column``, ``ids``: token id -> column and back, None: the same)."""
+    keep = [np.ascontiguousarray(never, dtype=np.int64)]
+    keep += [None if t is None else t.to(torch.long).contiguous() for t in (to_column, ids)]
+    made = Choice(keep[0].ctypes.data, keep[0].size, n_gram, _pointer(keep[1]), _pointer(keep[2]), EOS_ID,
+                  PAD_ID, width, candidates)
+    made.keep = keep
+    return made

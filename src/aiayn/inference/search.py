@@ -65,7 +65,7 @@ from aiayn.inference.steps import (
     Rows,
     advance,
     check_prefixes,
-    choose,
+    decode_and_choose,
     first_scores,
     output_limits,
     settle,
@@ -152,10 +152,8 @@ def decode_beam(model: Transformer, src: Tensor, search: Search, use_cache: bool
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
 
     for step in range(1, rows.longest + 1 if B else 1):
-        given = rows.given(step)
-        logits = state.next_logits(rows.decoder_input(token.reshape(-1), use_cache),
-                                   rows.history, None if given is None else given.rows)
-        scores, token, host = choose(step, logits, scores, state, rows, sampling, given)
+        scores, token, host = decode_and_choose(step, token, scores, state, rows, sampling,
+                                                rows.given(step), use_cache)
         done = settle(rows, finished, host, step, alpha)
         keep = np.flatnonzero(~done)
         if keep.size == 0:

@@ -7,6 +7,7 @@
  * earlier candidate first (topk leaves that order open). */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 /* The columns a step must not choose, set to -inf in place in the (rows, cols) logits: the
  * `never` columns of every row (PAD, BOS), and with n > 0 the repetition guard's: every
@@ -104,4 +105,50 @@ int embed_step(const float *embedding, long vocab, float scale, const float *tab
     }
   }
   return 0;
+}
+
+/* What a beam search fixes for all its steps (int8.py fills it): the columns masked, the
+ * ids of the columns, and how many candidates a step takes. */
+typedef struct {
+  const long *never;          /* columns never chosen (PAD, BOS) */
+  long n_never;
+  long n_gram;                /* the repetition guard's n (0: no guard) */
+  const int64_t *to_column;   /* token id -> column (NULL: the same) */
+  const int64_t *ids;         /* column -> token id (NULL: the same) */
+  int64_t eos, pad;
+  long width, candidates;     /* each row's best log-probabilities; each sentence's candidates */
+} Choice;
+
+int decoder_step(const void *decoder, const void *steps, const int64_t *tokens, const int64_t *start,
+                 long rows, float *logits, int wide);
+void top_log_softmax(const float *x, long rows, long n, long k, float *value, long *column, int wide);
+
+/* A whole beam step of A sentences of K beams in one call: the decoder's step from each row's
+ * newest token to its `cols` logits (layers.c's decoder_step, over the decoder's places
+ * `steps`), the columns it may not choose (mask_step, with each row's (A K, t) `history`),
+ * each row's best `width` log-probabilities (top_log_softmax) and the sentence's choice
+ * (beam_choose, writing `host`, `alive_scores` and `alive_tokens`): the work of
+ * steps.py's next_logits and expand, the same kernels in the same order. Returns 0, -1
+ * where scratch could not be allocated, -2 where a token or position lies outside its
+ * table, -3 where the candidates exceed beam_choose's room. */
+int beam_step(const void *decoder, const void *steps, long cols, const Choice *c, const int64_t *tokens,
+              const int64_t *start, long A, long K, const int64_t *history, long t, const float *scores,
+              double *host, float *alive_scores, int64_t *alive_tokens, int wide) {
+  const long rows = A * K;
+  float *logits = malloc(sizeof(float) * rows * cols + 64);
+  float *best = malloc(sizeof(float) * rows * c->width + 64);
+  int64_t *columns = malloc(sizeof(int64_t) * rows * c->width + 64);
+  int failed = !logits || !best || !columns ? -1 : 0;
+  if (!failed) failed = decoder_step(decoder, steps, tokens, start, rows, logits, wide);
+  if (!failed) {
+    mask_step(logits, rows, cols, c->never, c->n_never, history, t, c->n_gram, NULL, c->to_column, c->pad);
+    top_log_softmax(logits, rows, cols, c->width, best, (long *)columns, wide);
+    if (beam_choose(best, columns, A, K, c->width, scores, c->ids, c->eos, c->candidates, host,
+                    alive_scores, alive_tokens))
+      failed = -3;
+  }
+  free(logits);
+  free(best);
+  free(columns);
+  return failed;
 }

@@ -120,6 +120,25 @@ class DecoderState:
             ban_repeated_ngrams(logits, history, self.no_repeat_ngram, to_column, given)
         return logits
 
+    def beam_step(self, token: Tensor, scores: Tensor, history: np.ndarray
+                  ) -> tuple[Tensor, Tensor, Candidates] | None:
+        """``next_logits`` and ``expand`` in one call of the output kernel's ``beam_step``
+        (the int8 engine's: the same kernels, the same choice), for the (A, K) newest
+        ``token`` and live ``scores``; None where there is none or it does not take this step."""
+        own = getattr(self.kernel, "beam_step", None)
+        if own is None or self.cache is None:
+            return None
+        K = scores.size(1)
+        width, C = candidate_widths(K, self.rows[0].size(0))
+        generator = self.model.generator
+        answer = own(self.model, token.reshape(-1), scores, self.src_pad, self.cache, history,
+                     self._never, self.no_repeat_ngram,
+                     generator.positions if generator.restricted else None, self.ids, width, C)
+        if answer is None:
+            return None
+        host, scores, token = answer
+        return scores, token, _candidates(host, C, K)
+
     def token_ids(self, columns: Tensor) -> Tensor:
         """The token ids of columns of ``next_logits``."""
         return columns if self.ids is None else self.ids[columns]
@@ -267,14 +286,11 @@ def expand(logits: Tensor, scores: Tensor, K: int, state: DecoderState,
     live scores -> the survivors' (A, K) scores and tokens, and the step's choices copied
     to the host. Rows whose token is ``given`` can only take it."""
     A = scores.size(0)
-    # A sentence's 2K best candidates are among its beams' own 2K best each: only those
-    # A*K*2K sums are formed, not all A*K*V' (the same floats, so the same choice).
-    width = min(2 * K, logits.size(-1))
+    width, C = candidate_widths(K, logits.size(-1))
     if given is None:
         row_best, row_columns = top_log_probs(logits, width, state.kernel)  # (A*K, 2K)
     else:  # rows that follow a prefix: their other columns -inf after the softmax
         row_best, row_columns = topk_rows(state.only_given(log_softmax(logits, state.kernel), given), width)
-    C = min(2 * K, K * width)
     own = getattr(state.kernel, "beam_choose", None)  # int8's: the same choice in one call
     if own is not None:
         host, scores, token = own(row_best, row_columns, scores, state.ids, width, C)
@@ -294,6 +310,14 @@ def expand(logits: Tensor, scores: Tensor, K: int, state: DecoderState,
     return scores, token, _candidates(host, C, K)
 
 
+def candidate_widths(K: int, V: int) -> tuple[int, int]:
+    """A beam step's best log-probabilities per row and candidates per sentence, of K beams
+    over V columns: a sentence's 2K best candidates are among its beams' own 2K best each, so
+    only those A*K*2K sums are formed, not all A*K*V (the same floats, so the same choice)."""
+    width = min(2 * K, V)
+    return width, min(2 * K, K * width)
+
+
 def _candidates(host: np.ndarray, C: int, K: int) -> Candidates:
     """``Candidates`` from the (A, 3C + 3K) rows of one transfer: the C candidates' scores,
     beams and tokens, then the K survivors'."""
@@ -301,6 +325,21 @@ def _candidates(host: np.ndarray, C: int, K: int) -> Candidates:
     scores, beam_of, token = (host[:, 3 * C + i * K:3 * C + (i + 1) * K] for i in range(3))
     return Candidates(top_scores, top_beam.astype(np.int64), top_token.astype(np.int64), scores,
                       beam_of.astype(np.int64), token.astype(np.int64))
+
+
+def decode_and_choose(step: int, token: Tensor, scores: Tensor, state: DecoderState, rows: Rows,
+                      sampling: Sampling | None, given: Given | None = None, use_cache: bool = True
+                      ) -> tuple[Tensor, Tensor, Candidates]:
+    """A step from the (A, K) newest tokens to its choice: ``state.next_logits`` of the
+    rows, then ``choose``; a beam step that no prefix rules, with an output kernel that does
+    both at once (``DecoderState.beam_step``: the int8 engine's), in one call of it."""
+    if sampling is None and given is None and use_cache:
+        answer = state.beam_step(token, scores, rows.history)
+        if answer is not None:
+            return answer
+    logits = state.next_logits(rows.decoder_input(token.reshape(-1), use_cache), rows.history,
+                               None if given is None else given.rows)
+    return choose(step, logits, scores, state, rows, sampling, given)
 
 
 def choose(step: int, logits: Tensor, scores: Tensor, state: DecoderState, rows: Rows,
@@ -343,8 +382,11 @@ def advance(rows: Rows, state: DecoderState, c: Candidates, keep: np.ndarray,
     rows.keep(keep, beam_rows)
     rows.grow(c.token[keep].reshape(-1), c.scores[keep].reshape(-1))
     device = scores.device
+    if keep.size == c.scores.shape[0]:  # every sentence goes on: only the beams reorder
+        state.select(torch.from_numpy(beam_rows).to(device))
+        return scores, token
     index = torch.from_numpy(keep).to(device)
-    state.select(torch.from_numpy(beam_rows).to(device), index if keep.size < c.scores.shape[0] else None)
+    state.select(torch.from_numpy(beam_rows).to(device), index)
     return scores.index_select(0, index), token.index_select(0, index)
 
 
