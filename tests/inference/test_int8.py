@@ -628,9 +628,10 @@ def searched_both_ways(model: Transformer, search: Search) -> list[list[list]]:
 def test_the_whole_beam_step_in_one_call_chooses_what_the_calls_one_by_one_choose(
         monkeypatch, norm_first, restricted, guard, beam):
     """``native.beam_step`` (the decoder, the masks, the top-k and the choice in one call) gives
-    the hypotheses and scores of the same kernels called one by one (``next_logits`` and
-    ``expand``), in a joinable search whose rows start at several columns and in a batch beam
-    search; with the repetition guard and a restricted output layer, pre- and post-norm."""
+    the hypotheses of the same kernels called one by one (``next_logits`` and ``expand``), and
+    their scores up to rounding (its final layer norm is C's, not PyTorch's), in a joinable
+    search whose rows start at several columns and in a batch beam search; with the
+    repetition guard and a restricted output layer, pre- and post-norm."""
     model = int8_model(sharp_model(norm_first, restricted))
     search = Search(beam, 0.6, no_repeat_ngram=guard, max_len_b=8)
     calls, whole = [], native.beam_step

@@ -347,7 +347,7 @@ class NativeTransformer(Transformer):
                 self.tgt_embed.scale, norm.weight.data_ptr() if layer_norm else None,
                 norm.bias.data_ptr() if layer_norm else None, norm.eps if layer_norm else 0.0,
                 native.Product.of(output))
-            weights.keep = [array, output]
+            weights.keep = [array, output, embedding, table, norm]  # what it points into, alive
         self.__dict__["_native_decoder"] = (output, weights)
         return weights
 

@@ -137,7 +137,7 @@ def decode_beam(model: Transformer, src: Tensor, search: Search, use_cache: bool
     transfer, and the finished lists, limits and token histories are kept there
     (``aiayn.inference.steps.Rows``): on a GPU, a synchronisation per sentence and step
     cost more than the model itself (docs/findings.md#decoding-on-a-gpu). Each step is
-    ``aiayn.inference.steps``'s three: choose, settle, advance.
+    ``aiayn.inference.steps``'s three: choose (``decode_and_choose``), settle, advance.
     """
     sampling, alpha, nbest = search.sampling, search.alpha, search.nbest
     B, K, device = src.size(0), search.beam, src.device

@@ -128,7 +128,8 @@ void top_log_softmax(const float *x, long rows, long n, long k, float *value, lo
  * `steps`), the columns it may not choose (mask_step, with each row's (A K, t) `history`),
  * each row's best `width` log-probabilities (top_log_softmax) and the sentence's choice
  * (beam_choose, writing `host`, `alive_scores` and `alive_tokens`): the work of
- * steps.py's next_logits and expand, the same kernels in the same order. Returns 0, -1
+ * steps.py's next_logits and expand, the same kernels in the same order (but for the final
+ * LayerNorm, layers.c's rather than PyTorch's: equal up to rounding). Returns 0, -1
  * where scratch could not be allocated, -2 where a token or position lies outside its
  * table, -3 where the candidates exceed beam_choose's room. */
 int beam_step(const void *decoder, const void *steps, long cols, const Choice *c, const int64_t *tokens,

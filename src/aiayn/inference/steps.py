@@ -17,6 +17,10 @@ the beam best others), is three calls here, each on every live sentence at once:
 3. ``advance(rows, state, candidates, keep, scores, token)``: the sentences ``keep`` go on,
    their host rows (``Rows``), device rows and cache following the beams they chose.
 
+The searches call the first as ``decode_and_choose`` (``next_logits``, then ``choose``),
+which takes both in one call where the output kernel offers it (``DecoderState.beam_step``:
+the int8 engine's: the same kernels but for the final layer norm, equal up to rounding).
+
 ``DecoderState`` holds the encoder output and the decoder's KV cache of the live rows (a
 joinable one starts empty and sentences ``join`` it); ``Rows`` holds the host's side (each
 row's tokens so far, each sentence's limit, ``output_limits``, and the step it joined at).
@@ -123,8 +127,9 @@ class DecoderState:
     def beam_step(self, token: Tensor, scores: Tensor, history: np.ndarray
                   ) -> tuple[Tensor, Tensor, Candidates] | None:
         """``next_logits`` and ``expand`` in one call of the output kernel's ``beam_step``
-        (the int8 engine's: the same kernels, the same choice), for the (A, K) newest
-        ``token`` and live ``scores``; None where there is none or it does not take this step."""
+        (the int8 engine's: the same kernels, its final layer norm in C, equal up to
+        rounding), for the (A, K) newest ``token`` and live ``scores``; None where there is
+        none or it does not take this step."""
         own = getattr(self.kernel, "beam_step", None)
         if own is None or self.cache is None:
             return None
