@@ -116,6 +116,7 @@ class _Lane:
     owners: dict[int, tuple[Job, int]] = field(default_factory=dict)  # sentence -> job, index
     load: int = 0  # source tokens x beam of its sentences
     removes: list[int] = field(default_factory=list)  # sentences to take out (Batcher.forget)
+    wake: threading.Condition | None = None  # its thread waits on it, under the batcher's lock
 
 
 class Batcher:
@@ -170,7 +171,8 @@ class Batcher:
         self.stats = BatchStats()
         self.continuous = translator.engine.continuous and batching == "continuous"
         self._queue: deque[Job] = deque()
-        self._changed = threading.Condition()
+        lock = threading.RLock()  # one lock; the per-pass thread and each lane wait on their own
+        self._changed = threading.Condition(lock)
         self._closed = False
         self._threads = torch.get_num_threads()  # restored whenever the model is idle
         self._load = 0  # source tokens x beam of the sentences in every lane
@@ -181,7 +183,9 @@ class Batcher:
         if self.continuous:
             streams = max(1, translator.streams or default_streams(translator.device))
             self.lane_kind = lanes or default_lanes(translator.device, streams)
-            self._lanes = [_Lane() for _ in range(streams)]
+            # A new job wakes only the lane that may take it: each wake is a thread switch
+            # in the server's process.
+            self._lanes = [_Lane(wake=threading.Condition(lock)) for _ in range(streams)]
             for lane in self._lanes:
                 if self.lane_kind == "processes":
                     lane.searches = LaneProcess(
@@ -230,7 +234,7 @@ class Batcher:
             lane.removes += sentences
             self.stats.abandoned += 1
             future.set_exception(ClientGone())
-            self._changed.notify_all()
+            lane.wake.notify()
 
     def run_alone(self, fn: Callable[[], Any]) -> Future:
         """A future of ``fn()``, run on a model thread with no decoding beside it."""
@@ -244,7 +248,7 @@ class Batcher:
         """Finish the jobs taken and waiting, refuse new ones, stop the threads."""
         with self._changed:
             self._closed = True
-            self._changed.notify_all()
+            self._wake_all()
         for worker in self._workers:
             worker.join()
         for lane in self._lanes:
@@ -258,8 +262,24 @@ class Batcher:
             self._queue.append(job)
             self._jobs[job.future] = job
             job.future.add_done_callback(lambda future: self._jobs.pop(future, None))
-            self._changed.notify_all()
+            if job.alone is not None or not self._lanes:
+                self._wake_all()
+            else:
+                self._wake_taker()
         return job.future
+
+    def _wake_all(self) -> None:
+        """Under the lock: every thread that waits for a change."""
+        self._changed.notify_all()
+        for lane in self._lanes:
+            lane.wake.notify_all()
+
+    def _wake_taker(self, besides: _Lane | None = None) -> None:
+        """Under the lock: the lane that may take the oldest waiting job (one that holds no
+        more than any other: ``_admit``), unless that is ``besides``."""
+        taker = min(self._lanes, key=lambda lane: lane.load)
+        if taker is not besides:
+            taker.wake.notify()
 
     # ------------------------------------------------ continuous batching (aiayn's model)
     def _run_lane(self, lane: _Lane) -> None:
@@ -285,15 +305,17 @@ class Batcher:
             finally:
                 with self._changed:
                     self._stepping -= 1
-                    self._exclusive = self._exclusive and alone is None
-                    self._changed.notify_all()
+                    # Only a job run alone waits for the lanes' rounds, and lanes for its end.
+                    if self._exclusive or alone is not None:
+                        self._exclusive = self._exclusive and alone is None
+                        self._wake_all()
 
     def _lane_next(self, lane: _Lane) -> tuple[Job | None, list[Job]] | None:
         """Under the lock: a job to run alone, or the jobs joining this lane before its next
         round of steps (maybe none); None once closed with nothing left."""
         while True:
             if self._exclusive:
-                self._changed.wait()
+                lane.wake.wait()
                 continue
             head = self._queue[0] if self._queue else None
             if head is not None and head.alone is not None:
@@ -303,14 +325,16 @@ class Batcher:
                     continue
                 self._exclusive = True
                 while self._stepping:
-                    self._changed.wait()
+                    lane.wake.wait()
                 return head, []
             if head is not None and self._load == 0 and not self._closed:
                 left = head.arrived + self.max_wait - time.monotonic()
                 if left > 0 and not self._queue_fills_budget():
-                    self._changed.wait(left)  # woken early by each new job
+                    lane.wake.wait(left)  # woken early by each new job
                     continue
             jobs = self._admit(lane)
+            if self._queue:  # what it left waits for a lane that holds less (or for room)
+                self._wake_taker(besides=lane)
             # A lane's process steps on its own: its thread here only sends it work.
             if jobs or lane.removes or (lane.load and not lane.searches.remote):
                 return None, jobs
@@ -318,7 +342,7 @@ class Batcher:
                 return None
             if not self._stepping:
                 torch.set_num_threads(self._threads)  # idle: leave the process as it was
-            self._changed.wait()
+            lane.wake.wait()
 
     def _queue_fills_budget(self) -> bool:
         tokens = 0
@@ -399,8 +423,10 @@ class Batcher:
                     self.stats.ended(lane.requests.pop(key))
             # The freed load matters only to jobs waiting or to a close: waking the lane
             # threads for nothing costs the server a thread switch per answer.
-            if self._queue or self._closed:
-                self._changed.notify_all()
+            if self._closed:
+                self._wake_all()
+            elif self._queue:
+                self._wake_taker()
 
     def _lane_lost(self, lane: _Lane, exc: LaneLost) -> None:
         """The lane's process ended: every sentence it held fails with ``exc``."""
