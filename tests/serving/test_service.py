@@ -357,3 +357,19 @@ def test_answer_waits_for_the_model_or_the_client_hanging_up_whichever_comes_fir
         return await waiting
 
     assert asyncio.run(unwatchable()) == "answered"
+
+    async def stopped():  # the request itself cancelled (the server stopping): no ClientGone
+        async def never() -> None:
+            await asyncio.Event().wait()
+
+        future: Future = Future()
+        waiting = asyncio.ensure_future(answer(future, never))
+        await asyncio.sleep(0.01)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await asyncio.sleep(0)
+        assert future.cancelled()  # a job still waiting is never decoded
+        return [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+
+    assert asyncio.run(stopped()) == []  # and the wait on the client ended with it

@@ -239,8 +239,11 @@ def create_app(service: ModelService, limits: ServeLimits | None = None) -> Fast
 
     # Async: a request waiting for the batcher holds no thread, and /health, /info and
     # /stats answer at once however long a pass runs.
-    @app.post("/translate", summary="Translate sentences (beam search, n-best lists)")
-    async def translate(body: TranslateRequest, request: Request) -> dict:
+    # The answer goes out as it is: it holds plain JSON types already, and FastAPI's checking
+    # and re-encoding of a returned dict is CPU the lanes share (docs/serving.md#batching).
+    @app.post("/translate", summary="Translate sentences (beam search, n-best lists)",
+              response_model=dict)
+    async def translate(body: TranslateRequest, request: Request) -> JSONResponse:
         texts = [body.text] if isinstance(body.text, str) else body.text
         check_size(texts, limits)
         if body.sample is None and body.seed is not None:
@@ -249,9 +252,9 @@ def create_app(service: ModelService, limits: ServeLimits | None = None) -> Fast
         search = service.resolve(beam=body.beam, alpha=body.alpha, nbest=body.nbest,
                                  no_repeat_ngram=body.no_repeat_ngram,
                                  sampling=sampling)  # the request's search, resolved once
-        return await service.translate(texts, search, lambda: hung_up(request.receive),
-                                       body.alignments, request_prefixes(body, len(texts)),
-                                       body.to)
+        return JSONResponse(await service.translate(
+            texts, search, lambda: hung_up(request.receive), body.alignments,
+            request_prefixes(body, len(texts)), body.to))
 
     @app.post("/next", summary="The distribution of the next piece of a translation, at a "
               "temperature")

@@ -330,7 +330,7 @@ class Batcher:
             if head is not None and self._load == 0 and not self._closed:
                 left = head.arrived + self.max_wait - time.monotonic()
                 if left > 0 and not self._queue_fills_budget():
-                    lane.wake.wait(left)  # woken early by each new job
+                    lane.wake.wait(left)  # woken early by a new job it may take
                     continue
             jobs = self._admit(lane)
             if self._queue:  # what it left waits for a lane that holds less (or for room)

@@ -86,6 +86,7 @@ class ModelService:
         self.batcher = Batcher(translator, max_wait_ms, batching or default_batching(translator),
                                lanes)
         self.requests = 0
+        self._toward: dict[str | None, Translator] = {}  # ``toward``'s, by direction
         # The run's saved steps (none for a CTranslate2 export): models of their own, used
         # on the batcher's thread alone.
         self.steps = run_steps(info["run_dir"]) if translator.engine.own_model else {}
@@ -124,8 +125,11 @@ class ModelService:
         model), refused in one line (422) where the model has no such direction, or has
         several and ``to`` is None. A request's direction is its source ids' first piece,
         so requests of every direction share the batcher's searches."""
-        translator = self.translator.toward(to)
-        translator.check_direction()
+        translator = self._toward.get(to)
+        if translator is None:  # made once per direction: a request's path is short
+            translator = self.translator.toward(to)
+            translator.check_direction()
+            self._toward[to] = translator
         return translator
 
     def resolve(self, **settings) -> Search:
@@ -285,17 +289,29 @@ async def answer(future: Future, gone: Callable[[], Awaitable[Any]] | None = Non
     if gone is None:
         return await waiting
     hang_up = asyncio.ensure_future(gone())
+    hang_up.add_done_callback(lambda watch: _hung_up(watch, waiting))
     try:
-        await asyncio.wait({waiting, hang_up}, return_when=asyncio.FIRST_COMPLETED)
+        return await waiting
+    except asyncio.CancelledError:
+        if (not asyncio.current_task().cancelling() and hang_up.done()
+                and not hang_up.cancelled() and hang_up.exception() is None):
+            raise ClientGone from None  # the client went first: ``_hung_up`` cancelled it
+        raise  # this request itself was cancelled (the server stopping)
     finally:
         hang_up.cancel()
-    if not waiting.done():
-        if hang_up.exception() is None:
-            waiting.cancel()
-            raise ClientGone
+
+
+def _hung_up(watch: asyncio.Future, waiting: asyncio.Future) -> None:
+    """``answer``'s watch on the client has ended: a hang-up cancels the wait for the
+    result (a callback, not ``asyncio.wait`` over both: a request's path is short). A
+    watch that failed leaves the request answered, only no longer watched."""
+    if watch.cancelled() or waiting.done():
+        return
+    if watch.exception() is None:
+        waiting.cancel()
+    else:
         log.warning("could not watch a request's client (%s): answering it unwatched",
-                    hang_up.exception())
-    return await waiting
+                    watch.exception())
 
 
 async def hung_up(receive: Callable[[], Awaitable[dict]]) -> None:
