@@ -8,9 +8,10 @@
 
 Starts `aiayn serve RUN_DIR` on a free port of 127.0.0.1 (nothing else is ever contacted)
 and sends N sentences of the run's test split, each as its own POST /translate, from K
-concurrent clients (each sends its next request when its last is answered), for each K of
---clients. Every answer is checked against the same sentences translated in this process:
-none lost, none wrong. The reference, timed in the same run on the same machine: those
+concurrent clients (each sends its next request when its last is answered, over the same
+connection: ``--connections new`` opens one a request), for each K of --clients. Every
+answer is checked against the same sentences translated in this process: none lost, none
+wrong. The reference, timed in the same run on the same machine: those
 sentences decoded offline as one batch (``Translator.translate``), the best a server could
 approach, timed before the server starts and again after its last K (the mean is the one
 compared: a shared machine's speed drifts within minutes); ``--repeats N`` runs every K
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import http.client
 import json
 import math
 import multiprocessing
@@ -162,23 +164,67 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def ask(url: str, sentence: str, beam: int, alpha: float) -> tuple[str | None, float]:
-    """One POST /translate of one sentence: its translation (None: lost) and latency."""
+class KeptConnection:
+    """A client's HTTP/1.1 connection, kept open from one request to its next as
+    ``requests.Session``, httpx and browsers keep theirs: neither side pays a new TCP
+    connection a request. One per client thread (``kept``); a request that finds the
+    connection closed by the server (idle too long) is sent again once on a new one."""
+
+    def __init__(self, url: str, timeout: float):
+        host, port = url.removeprefix("http://").split(":")
+        self.connection = http.client.HTTPConnection(host, int(port), timeout=timeout)
+
+    def json(self, method: str, path: str, body: dict | None = None) -> dict:
+        """The answer's JSON; ConnectionError where its status is not 200."""
+        data = None if body is None else json.dumps(body).encode()
+        headers = {} if body is None else {"Content-Type": "application/json"}
+        for attempt in range(2):
+            try:
+                self.connection.request(method, path, data, headers)
+                response = self.connection.getresponse()
+                answer = response.read()
+                break
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                self.connection.close()
+                if attempt:
+                    raise
+        if response.status != 200:
+            raise ConnectionError(f"HTTP {response.status}")
+        return json.loads(answer)
+
+
+_kept = threading.local()  # each client thread's KeptConnection, by server URL
+
+
+def kept(url: str, timeout: float = 300) -> KeptConnection:
+    """This thread's kept connection to ``url``."""
+    connections = _kept.__dict__.setdefault("by_url", {})
+    if url not in connections:
+        connections[url] = KeptConnection(url, timeout)
+    return connections[url]
+
+
+def ask(url: str, sentence: str, beam: int, alpha: float, keep_alive: bool = True
+        ) -> tuple[str | None, float]:
+    """One POST /translate of one sentence: its translation (None: lost) and latency.
+    ``keep_alive``: over this thread's kept connection (``kept``), else a new one."""
+    body = {"text": [sentence], "beam": beam, "alpha": alpha}
     start = time.perf_counter()
     try:
-        text = http_json(f"{url}/translate", {"text": [sentence], "beam": beam,
-                                              "alpha": alpha})["translations"][0]
-    except (urllib.error.URLError, ConnectionError, KeyError, TimeoutError):
-        text = None
+        answer = (kept(url).json("POST", "/translate", body) if keep_alive
+                  else http_json(f"{url}/translate", body))
+        text = answer["translations"][0]
+    except (OSError, http.client.HTTPException, KeyError, ValueError):
+        text = None  # URLError, ConnectionError and TimeoutError are OSErrors
     return text, time.perf_counter() - start
 
 
-def load(url: str, sentences: list[str], clients: int, beam: int, alpha: float
-         ) -> tuple[list[str | None], list[float], float]:
+def load(url: str, sentences: list[str], clients: int, beam: int, alpha: float,
+         keep_alive: bool = True) -> tuple[list[str | None], list[float], float]:
     """Each sentence as its own request, ``clients`` at a time: answers, latencies, wall time."""
     start = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
-        results = list(pool.map(lambda s: ask(url, s, beam, alpha), sentences))
+        results = list(pool.map(lambda s: ask(url, s, beam, alpha, keep_alive), sentences))
     wall = time.perf_counter() - start
     return [text for text, _ in results], [seconds for _, seconds in results], wall
 
@@ -225,7 +271,7 @@ def soak(url: str, pid: int, sentences: list[str], expected: dict[str, str], arg
         rng = random.Random(seed)
         while time.monotonic() < stop:
             sentence = rng.choice(sentences)
-            text, seconds = ask(url, sentence, args.beam, args.alpha)
+            text, seconds = ask(url, sentence, args.beam, args.alpha, args.keep_alive)
             with lock:
                 results.append((text is not None, text == expected[sentence], seconds))
 
@@ -330,7 +376,9 @@ def device_name(device: str) -> str:
 ABOUT = (
     "`benchmarks/serve_load.py` starts `aiayn serve RUN_DIR` on a free port of 127.0.0.1 "
     "(nothing else is contacted) and sends test-split sentences, each as its own `POST "
-    "/translate` (beam 4, α 0.6), from 1, 8 and 32 concurrent clients, checking every answer "
+    "/translate` (beam 4, α 0.6), from 1, 8 and 32 concurrent clients, each keeping its "
+    "connection open from one request to its next as client libraries do (HTTP/1.1 "
+    "keep-alive; rows that say *a new connection a request* opened one each), checking every answer "
     "against the same sentence translated in-process (none lost, none wrong). The server "
     "decodes concurrent requests together, each joining the running search at its next step "
     "(see [Serving](serving.md)); *decoded together* is what it formed: the mean sentences "
@@ -406,12 +454,16 @@ def main() -> None:
                         help="the server and the reference decoding in int8")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="torch threads of the server and of the reference")
+    parser.add_argument("--connections", choices=["kept", "new"], default="kept",
+                        help="each client's: one kept open from a request to its next (HTTP/1.1 "
+                             "keep-alive, as client libraries do), or a new one a request")
     parser.add_argument("--soak", type=float, default=0.0, metavar="SECONDS",
                         help="instead: steady load for this long (see above)")
     parser.add_argument("--soak-clients", type=int, default=8)
     parser.add_argument("--save", metavar="KEY", help="write the rows to " + str(RESULTS))
     parser.add_argument("--load", default="quiet", help="--save: the machine's load, in words")
     args = parser.parse_args()
+    args.keep_alive = args.connections == "kept"
     try:
         clients = [int(c) for c in args.clients.split(",")]
     except ValueError:
@@ -472,7 +524,8 @@ def main() -> None:
             rows.append({"who": f"soak, {args.soak:g} s: {args.soak_clients} clients and one "
                                 f"that hangs up ({result['hung_up']} times: {result['dropped']} "
                                 f"dropped before decoding, {result['abandoned']} taken out "
-                                "mid-search)",
+                                "mid-search)" + ("" if args.keep_alive else
+                                                 ", a new connection a request"),
                          "p50": round(1000 * result["p50"]), "p95": round(1000 * result["p95"]),
                          "p99": round(1000 * result["p99"]), "rps": round(result["rps"], 1),
                          "correct": f"{result['correct']}/{result['requests']}" + (
@@ -492,7 +545,8 @@ def main() -> None:
             for _ in range(args.repeats):
                 for k in clients:
                     before, cpu_before = http_json(f"{url}/stats"), cpu_split(process.pid)
-                    answers, latencies, wall = load(url, sentences, k, args.beam, args.alpha)
+                    answers, latencies, wall = load(url, sentences, k, args.beam, args.alpha,
+                                                      args.keep_alive)
                     after, cpu_after = http_json(f"{url}/stats"), cpu_split(process.pid)
                     passes = pass_summary(before, after)
                     correct = sum(a == e for a, e in zip(answers, expected))
@@ -512,11 +566,13 @@ def main() -> None:
             how = "".join(f", {name} {value}" for name, value in
                           [("batching", args.batching), ("lanes", args.lanes)] if value)
             how += ", --int8" if args.int8 else ""
+            connections = "" if args.keep_alive else ", a new connection a request"
             of = f", median of {args.repeats}" if args.repeats > 1 else ""
             for k in clients:
                 done = runs[k]
                 ratio = statistics.median(r["rps"] / ref for r, ref in zip(done, reference_of))
-                rows.append({"who": f"the server, {k} concurrent client{'s' * (k > 1)}{how}{of}",
+                rows.append({"who": f"the server, {k} concurrent client{'s' * (k > 1)}{how}"
+                                    f"{connections}{of}",
                              **{f"p{q}": round(1000 * statistics.median(
                                  percentile(r["latencies"], q) for r in done))
                                 for q in (50, 95, 99)},

@@ -4,7 +4,8 @@ time per request of three kinds, each against a plain GET /health in the same ru
 The server, its lanes and its clients share a machine's cores, so the server's own CPU time
 per request is what it takes from the lanes' rate (docs/serving.md#batching). This script
 starts `aiayn serve RUN` (lanes in processes of their own on a CPU of two cores or more:
-their time is left out), then from ``--clients`` threads sends ``--requests`` requests of
+their time is left out), then from ``--clients`` threads (each over a connection it keeps
+open: ``--connections new`` opens one a request) sends ``--requests`` requests of
 each kind, the kinds interleaved in every repetition: GET /health (HTTP alone: uvicorn and
 FastAPI's routing), POST /translate of one short sentence (the translate path with next to no
 decoding: validation, tokenizing, handing the sentence to a lane and back, the answer), and
@@ -27,7 +28,7 @@ from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import device_description, interleave, print_table  # noqa: E402
-from serve_load import ask, cpu_seconds, start_server  # noqa: E402
+from serve_load import ask, cpu_seconds, kept, start_server  # noqa: E402
 
 from aiayn.data.prepared import load_prepared  # noqa: E402
 from aiayn.runs.directory import read_data_dir  # noqa: E402
@@ -42,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--int8", action="store_true", help="the server decoding in int8")
     p.add_argument("--requests", type=int, default=400, help="requests of each kind a repetition")
     p.add_argument("--clients", type=int, default=8, help="concurrent clients (threads)")
+    p.add_argument("--connections", choices=["kept", "new"], default="kept",
+                   help="each client's: kept open from a request to its next, or a new one each")
     p.add_argument("--repeats", type=int, default=3, help="repetitions; medians are reported")
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--alpha", type=float, default=0.6)
@@ -63,6 +66,7 @@ def server_args(args: argparse.Namespace) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     verses = [src for src, _ in load_prepared(read_data_dir(args.run_dir)).split("test")]
+    keep_alive = args.connections == "kept"
     process, url = start_server(server_args(args))
     cpu: dict[str, list[float]] = {}  # ms of the server's process a request, each repetition
 
@@ -76,14 +80,18 @@ def main(argv: list[str] | None = None) -> None:
         return run
 
     def health(_: int) -> None:
+        if keep_alive:
+            kept(url).json("GET", "/health")
+            return
         with urllib.request.urlopen(f"{url}/health", timeout=60) as response:
             response.read()
 
     kinds = {"GET /health": kind("GET /health", health),
              f"POST /translate {SHORT!r}": kind(f"POST /translate {SHORT!r}",
-                                                lambda _: ask(url, SHORT, args.beam, args.alpha)),
+                                                lambda _: ask(url, SHORT, args.beam, args.alpha,
+                                                               keep_alive)),
              "POST /translate, a test verse": kind("POST /translate, a test verse", lambda i: ask(
-                 url, verses[i % len(verses)], args.beam, args.alpha))}
+                 url, verses[i % len(verses)], args.beam, args.alpha, keep_alive))}
     try:
         times = interleave(kinds, args.repeats, warmup=1)
     finally:
@@ -96,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
         rate = args.requests / median(rep[0] for rep in times[name])
         rows.append([name, f"{ms:.2f}", f"{ms / base:.2f}x", f"{rate:.1f}"])
     conditions = (f"aiayn serve {args.run_dir} ({args.weights}{', --int8' if args.int8 else ''}), "
-                  f"{args.clients} concurrent clients, {args.requests} requests of each kind, beam "
+                  f"{args.clients} concurrent clients ({args.connections} connections), {args.requests} "
+                  f"requests of each kind, beam "
                   f"{args.beam}, alpha {args.alpha}; median of {args.repeats} interleaved "
                   f"repetitions; the server's own process only (its lanes left out)\n"
                   f"device: {device_description()}")
