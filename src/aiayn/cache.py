@@ -69,18 +69,21 @@ class KVCache:
             return mask
         return mask & (keys >= self.start[:, None])[:, None, None, :]
 
-    def reorder(self, index: Tensor, kinds: tuple[str, ...] = ("self", "cross")) -> None:
+    def reorder(self, index: Tensor, kinds: tuple[str, ...] = ("self", "cross"),
+                within_sentences: bool = False, ancestry: Tensor | None = None) -> None:
         """Keep rows ``index`` of the cached tensors of ``kinds`` (beam search: the
         self-attention K/V follow the chosen beams, the cross-attention K/V of a sentence's
-        beams the sentence)."""
-        ancestry = None  # every layer's store follows the same rows: the first's serves all
-        for layer in self.layers:
+        beams the sentence). ``within_sentences``: each row takes a row of its own sentence
+        (a beam step that every sentence survives), so keeps its ``start``. ``ancestry``: the
+        slot table this reorder gives the indirect stores (``Store.reorder``), made already
+        (by the int8 kernel's beam step)."""
+        for layer in self.layers:  # every store follows the same rows: the first's table serves all
             for kind in kinds:
                 if kind == "self" and self.indirect:
                     ancestry = layer[kind]["store"].reorder(index, ancestry)
                 elif "k" in layer[kind]:
                     _select_rows(layer[kind], index, room=int(kind == "self"))
-        if self.start is not None and "self" in kinds:
+        if self.start is not None and "self" in kinds and not within_sentences:
             self.start = self.start.index_select(0, index)
 
     def join(self, other: KVCache, copies: int = 1) -> None:
@@ -209,13 +212,14 @@ class Store:
             return  # nothing written: the first ``append`` has them
         B = self.rows
         self.reserve(B + n, self.length)
+        slots = self.slots()
         if B:
-            past = self.slots()[:1].expand(n, self.length)
+            past = slots[:1].expand(n, self.length)
         else:  # no row reads any slot: theirs are zeroed
             self.keys[:self.length, :n] = 0
             self.values[:self.length, :n] = 0
             past = torch.arange(n, device=self.keys.device)[:, None].expand(n, self.length)
-        self.ancestry = torch.cat([self.slots(), past])
+        self.ancestry = torch.cat([slots, past])
         self.rows = B + n
 
     def trim(self, columns: int) -> None:

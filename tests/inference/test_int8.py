@@ -16,7 +16,7 @@ from helpers import cache_walk, run_cli
 from search_helpers import random_sources
 from torch import nn
 
-from aiayn.cache import KVCache
+from aiayn.cache import KVCache, Store
 from aiayn.config import ModelConfig
 from aiayn.data.prepared import load_prepared
 from aiayn.data.tokenizer import EOS_ID
@@ -646,6 +646,31 @@ def test_the_whole_beam_step_in_one_call_chooses_what_the_calls_one_by_one_choos
         for a, b in zip(mine, other, strict=True):
             assert [ids for ids, _ in a] == [ids for ids, _ in b]
             assert [score for _, score in a] == pytest.approx([score for _, score in b], abs=1e-5)
+
+
+def test_the_whole_beam_step_writes_the_slot_table_the_cache_would_make(monkeypatch):
+    """After a whole beam step in one call that every sentence survives, the cache's stores
+    take the slot table the call wrote (``native.beam_step``'s ``followed``) rather than make
+    it: it is the table ``Store.reorder`` makes of the rows the choice follows, in a joinable
+    search whose rows start at several columns, whose sentences leave and whose cache is
+    trimmed, and in a batch beam search."""
+    model = int8_model(sharp_model(True, False))
+    made, taken = [], []
+    whole, reorder = native.beam_step, Store.reorder
+
+    def writing(*args, **kwargs):
+        made.append(args[8])  # followed, which the call fills
+        return whole(*args, **kwargs)
+
+    def checked(self, index, ancestry=None):
+        if any(ancestry is table for table in made):
+            taken.append(torch.equal(ancestry, self.slots().index_select(0, index)))
+        return reorder(self, index, ancestry)
+
+    monkeypatch.setattr(native, "beam_step", writing)
+    monkeypatch.setattr(Store, "reorder", checked)
+    searched_both_ways(model, Search(4, 0.6, no_repeat_ngram=2, max_len_b=8))
+    assert len(taken) >= 10 and all(taken)
 
 
 def test_the_whole_beam_step_holds_what_its_places_point_into(monkeypatch):

@@ -294,7 +294,9 @@ class NativeTransformer(Transformer):
         """A whole beam step in one call of aiayn's kernel (``native.beam_step``): the (A*K,)
         newest tokens through the decoder and ``output`` (the output layer's product), the
         search's ``choice`` with its (A, K) live scores and the rows' ``history`` ->
-        ``native.beam_choose``'s answer, the cache one position longer; or None, nothing done,
+        ``native.beam_choose``'s answer and the cache's slot table after the choice (what its
+        ``reorder`` makes of the rows the choice follows: ``KVCache.reorder``'s ``ancestry``),
+        the cache one position longer; or None, nothing done,
         where the kernel does not take it (then ``decode`` and the search's own steps). The same
         kernels as ``decode``'s step and ``Int8Output``'s calls, in one: at a serving lane's few
         rows the calls between them cost as much as the kernels."""
@@ -309,12 +311,15 @@ class NativeTransformer(Transformer):
         if places is None:
             return None
         start = None if cache.start is None else cache.start.contiguous()
-        answer = native.beam_step(decoder, places, choice, tokens.contiguous(), start, scores.contiguous(),
-                                  history)
+        store = cache.layers[0]["self"]["store"]  # every layer's store has the same slots
+        followed = torch.empty(tokens.numel(), store.length + 1, dtype=torch.long)
+        host, alive_scores, alive_tokens = native.beam_step(
+            decoder, places, choice, tokens.contiguous(), start, scores.contiguous(), history,
+            store.ancestry, followed)
         for layer_cache in cache.layers:
             layer_cache["self"]["store"].length += 1
         cache.length += 1
-        return answer
+        return host, alive_scores, alive_tokens, followed
 
     def _step_places(self, rows: int, src_mask: Tensor, cache) -> ctypes.Array | None:
         """Each decoder layer's places for a step of ``rows`` rows (their self-attention masks

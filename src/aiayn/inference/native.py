@@ -138,7 +138,8 @@ def _library() -> ctypes.CDLL:
     lib.embed_step.restype = ctypes.c_int
     lib.beam_step.argtypes = [ctypes.POINTER(DecoderWeights), ctypes.POINTER(StepPlaces), size,
                               ctypes.POINTER(Choice), pointer, pointer, size, size, pointer, size,
-                              pointer, pointer, pointer, pointer, ctypes.c_int]
+                              pointer, pointer, pointer, pointer, pointer, size, size, size, pointer,
+                              ctypes.c_int]
     lib.beam_step.restype = ctypes.c_int
     return lib
 
@@ -476,15 +477,28 @@ class Choice(ctypes.Structure):
 
 def beam_step(decoder: DecoderWeights, places: ctypes.Array, choice: Choice, tokens: Tensor,
               start: Tensor | None, scores: Tensor, history: np.ndarray,
+              ancestry: Tensor | None = None, followed: Tensor | None = None,
               avx512: bool | None = None) -> tuple[np.ndarray, Tensor, Tensor]:
     """A whole beam step in one call (``search_step.c``): the (A*K,) newest tokens through the
     decoder (its layers' ``places``, one ``StepPlaces`` each; ``start``: (A*K,) int64 column
     where each row began, or None), the step's masks, top-k and choice with the (A, K) live
     scores and the rows' (A*K, t) ``history`` -> ``beam_choose``'s answer: the host rows and
     the survivors' scores and tokens. ``tokens``, ``start`` and ``history`` must be
-    contiguous int64, ``scores`` contiguous float32."""
+    contiguous int64, ``scores`` contiguous float32. ``followed``: an (A*K, t' + 1) int64
+    tensor that the call fills with the slot table of a store of t' positions (its
+    ``ancestry`` before the step, (A*K, c) int64 with unit column stride, or None: no
+    recorded slots) after the choice, every row following its chosen beam: what
+    ``cache.Store.reorder`` would make of it when every sentence stays."""
     A, K = scores.shape
     C = choice.candidates
+    if followed is not None:
+        rows, columns = (0, 0) if ancestry is None else ancestry.shape
+        if (followed.shape[0] != A * K or not followed.is_contiguous() or followed.dtype != torch.long
+                or columns >= followed.shape[1] or (rows * columns and (
+                    rows != A * K or ancestry.dtype != torch.long or ancestry.stride(1) != 1))):
+            raise ValueError(f"followed must be ({A * K}, positions + 1) int64 and contiguous, ancestry "
+                             "its store's slots before the step")
+        ancestry = ancestry if rows * columns else None
     host = np.empty((A, 3 * C + 3 * K))
     alive_scores, alive_tokens = torch.empty(A, K), torch.empty(A, K, dtype=torch.long)
     guard = choice.n_gram > 0 and history.shape[1] >= choice.n_gram  # else the kernel reads none
@@ -494,7 +508,11 @@ def beam_step(decoder: DecoderWeights, places: ctypes.Array, choice: Choice, tok
                                   tokens.data_ptr(), _pointer(start), A, K,
                                   history.ctypes.data if guard else None, history.shape[1] if guard else 0,
                                   scores.data_ptr(), host.ctypes.data, alive_scores.data_ptr(),
-                                  alive_tokens.data_ptr(), int(_avx512_path(avx512)))
+                                  alive_tokens.data_ptr(), _pointer(ancestry),
+                                  0 if ancestry is None else ancestry.stride(0),
+                                  0 if ancestry is None else ancestry.size(1),
+                                  0 if followed is None else followed.size(1) - 1, _pointer(followed),
+                                  int(_avx512_path(avx512)))
     if failed == -2:
         raise ValueError(f"token ids or positions outside the tables ({decoder.vocab} ids, "
                          f"{decoder.positions} positions)")

@@ -123,18 +123,38 @@ int decoder_step(const void *decoder, const void *steps, const int64_t *tokens, 
                  long rows, float *logits, int wide);
 void top_log_softmax(const float *x, long rows, long n, long k, float *value, long *column, int wide);
 
+/* Each row's slots in a cache's store after a beam step's choice (cache.py's Store.reorder of
+ * the rows the choice follows, every sentence kept): row a K + k follows its parent p = a K +
+ * beam_of(a, k) (host, beam_choose's), whose positions j < written lie in slots ancestry[p][j]
+ * and every later one, this step's included, in slot p. followed: (A K, length + 1). */
+static void follow_beams(const double *host, long A, long K, long C, const int64_t *ancestry,
+                         long ancestry_row, long written, long length, int64_t *followed) {
+  for (long a = 0; a < A; a++)
+    for (long k = 0; k < K; k++) {
+      const long parent = a * K + (long)host[a * (3 * C + 3 * K) + 3 * C + K + k];
+      int64_t *out = followed + (a * K + k) * (length + 1);
+      long j = 0;
+      if (ancestry)
+        for (; j < written; j++) out[j] = ancestry[parent * ancestry_row + j];
+      for (; j <= length; j++) out[j] = parent;
+    }
+}
+
 /* A whole beam step of A sentences of K beams in one call: the decoder's step from each row's
  * newest token to its `cols` logits (layers.c's decoder_step, over the decoder's places
  * `steps`), the columns it may not choose (mask_step, with each row's (A K, t) `history`),
  * each row's best `width` log-probabilities (top_log_softmax) and the sentence's choice
  * (beam_choose, writing `host`, `alive_scores` and `alive_tokens`): the work of
  * steps.py's next_logits and expand, the same kernels in the same order (but for the final
- * LayerNorm, layers.c's rather than PyTorch's: equal up to rounding). Returns 0, -1
+ * LayerNorm, layers.c's rather than PyTorch's: equal up to rounding). With `followed`, also
+ * the cache's slot table after the choice (follow_beams: `ancestry`, its row stride and
+ * `written` columns are the store's before the step, `length` its positions then). Returns 0, -1
  * where scratch could not be allocated, -2 where a token or position lies outside its
  * table, -3 where the candidates exceed beam_choose's room. */
 int beam_step(const void *decoder, const void *steps, long cols, const Choice *c, const int64_t *tokens,
               const int64_t *start, long A, long K, const int64_t *history, long t, const float *scores,
-              double *host, float *alive_scores, int64_t *alive_tokens, int wide) {
+              double *host, float *alive_scores, int64_t *alive_tokens, const int64_t *ancestry,
+              long ancestry_row, long written, long length, int64_t *followed, int wide) {
   const long rows = A * K;
   float *logits = malloc(sizeof(float) * rows * cols + 64);
   float *best = malloc(sizeof(float) * rows * c->width + 64);
@@ -147,6 +167,8 @@ int beam_step(const void *decoder, const void *steps, long cols, const Choice *c
     if (beam_choose(best, columns, A, K, c->width, scores, c->ids, c->eos, c->candidates, host,
                     alive_scores, alive_tokens))
       failed = -3;
+    else if (followed)
+      follow_beams(host, A, K, c->candidates, ancestry, ancestry_row, written, length, followed);
   }
   free(logits);
   free(best);

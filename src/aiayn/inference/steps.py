@@ -88,6 +88,8 @@ class DecoderState:
     beams of a sentence share them (``cache.fold_beams``).
     """
 
+    followed: Tensor | None = None  # the cache's slot table after a fused step's choice
+
     def __init__(self, model: Transformer, src: Tensor, copies: int, use_cache: bool,
                  no_repeat_ngram: int = 0, kernel: OutputKernel | None = None):
         self.model = model
@@ -141,7 +143,7 @@ class DecoderState:
                      generator.positions if generator.restricted else None, self.ids, width, C)
         if answer is None:
             return None
-        host, scores, token = answer
+        host, scores, token, self.followed = answer
         return scores, token, _candidates(host, C, K)
 
     def token_ids(self, columns: Tensor) -> Tensor:
@@ -194,15 +196,19 @@ class DecoderState:
 
     def select(self, rows: Tensor, sentences: Tensor | None = None) -> None:
         """Keep (and reorder) rows ``rows``, of the sentences ``sentences`` when some leave
-        (None: every sentence stays).
+        (None: every sentence stays, and each row takes a row of its own sentence: the
+        chosen beams of the step just taken, whose slot table a fused ``beam_step`` has
+        made already).
 
         The self-attention K/V (which differ per beam) follow the rows; the memory, its
         padding and the cross-attention K/V, one per sentence, follow the sentences, and
         so are copied only when sentences leave. (Copying the cross-attention cache every
         step took a third of beam search's time.)
         """
+        followed, self.followed = self.followed, None  # ``beam_step``'s, of this step alone
         if self.cache is not None:
-            self.cache.reorder(rows, kinds=("self",))
+            self.cache.reorder(rows, kinds=("self",), within_sentences=sentences is None,
+                               ancestry=followed if sentences is None else None)
         if sentences is None:
             return
         if self.cache is not None:
