@@ -7,7 +7,9 @@ search at each size N of ``--sizes``, as a lane does, over the same sentences of
 split, the sizes interleaved in each repetition (``benchmarks/common.py``), and reports a
 step's milliseconds and a sentence's: where a step of few sentences costs a sentence far more
 than a step of many, the lane at few clients is bound by that fixed part (Python, calls, the
-weights read once per step), not by its arithmetic (docs/serving.md#batching).
+weights read once per step), not by its arithmetic (docs/serving.md#batching). With int8 it
+also says what share of the time a step spends in the kernels' one call (the rest of a step
+is Python around it) and what share joining sentences (encoding each, adding its rows).
 
     python benchmarks/lane_steps.py --run-dir runs/demo --int8 --limit 120 --sizes 1,4,16,32
 """
@@ -15,6 +17,7 @@ weights read once per step), not by its arithmetic (docs/serving.md#batching).
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from statistics import median
 
@@ -33,6 +36,7 @@ from common import (  # noqa: E402
 )
 
 from aiayn.data.batching import pad  # noqa: E402
+from aiayn.inference import native  # noqa: E402
 from aiayn.inference.joinable import JoinableSearch  # noqa: E402
 from aiayn.inference.translator import Translator  # noqa: E402
 
@@ -50,12 +54,42 @@ def parse_args(argv: list[str] | None = None):
     return p.parse_args(argv)
 
 
-def lane(translator: Translator, search, ids: list[list[int]], size: int) -> int:
-    """Decode ``ids`` as a lane does, ``size`` sentences in the search at a time; the steps."""
+class Clock:
+    """Seconds spent in a lane's parts: its sentences' joining (``JoinableSearch.add``) and,
+    with int8, inside the kernels' one call a step (``native.beam_step``, wrapped while a
+    ``Clock`` is on): the rest of a step is the Python around that call."""
+
+    def __init__(self):
+        self.joining = self.kernel = 0.0
+
+    def __enter__(self) -> Clock:
+        self.beam_step = native.beam_step
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return self.beam_step(*args, **kwargs)
+            finally:
+                self.kernel += time.perf_counter() - start
+
+        native.beam_step = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        native.beam_step = self.beam_step
+
+
+def lane(translator: Translator, search, ids: list[list[int]], size: int,
+         clock: Clock | None = None) -> int:
+    """Decode ``ids`` as a lane does, ``size`` sentences in the search at a time; the steps.
+    ``clock``: add the joining's seconds to it."""
     joinable, sent, done, steps = JoinableSearch(translator.model, search, translator.kernel), 0, 0, 0
     while done < len(ids):
         while sent < len(ids) and len(joinable) < size:
+            start = time.perf_counter()
             joinable.add([sent], pad([ids[sent]]))
+            if clock is not None:
+                clock.joining += time.perf_counter() - start
             sent += 1
         done += len(joinable.step())
         steps += 1
@@ -75,14 +109,24 @@ def main(argv: list[str] | None = None) -> None:
                         for size in sizes}, args.repeats, warmup=0)
     seconds = {size: median(sum(rep) for rep in times[size]) for size in sizes}
     per_sentence = {size: 1e3 * seconds[size] / len(ids) for size in sizes}
+    parts = {}  # one more run of each size, its parts timed (the wrapping costs a call a step)
+    for size in sizes:
+        with Clock() as clock:
+            start = time.perf_counter()
+            lane(translator, search, ids, size, clock)
+            parts[size] = (clock, time.perf_counter() - start)
     rows = [[str(size), str(steps[size]), f"{1e3 * seconds[size] / steps[size]:.3f}",
+             (f"{clock.kernel / total:.0%}" if clock.kernel else "–"),
+             f"{clock.joining / total:.0%}", f"{1e3 * clock.joining / len(ids):.2f}",
              f"{per_sentence[size]:.2f}", f"{per_sentence[size] / per_sentence[sizes[-1]]:.2f}x"]
-            for size in sizes]
+            for size in sizes for clock, total in [parts[size]]]
     conditions = (f"{len(ids)} {args.split} sentences of {args.run_dir} ({args.weights}), beam "
                   f"{args.beam}, alpha {args.alpha}, {'int8' if args.int8 else 'fp32'}, one thread; "
                   f"median of {args.repeats} interleaved repetitions (a sentence's time includes "
-                  f"its joining)\ndevice: {device_description()}")
-    print_table(["sentences in the search", "steps", "ms a step", "ms a sentence",
+                  f"its joining); the shares of the time in the kernels' one call a step (int8) "
+                  f"and in joining, from one more run of each size\ndevice: {device_description()}")
+    print_table(["sentences in the search", "steps", "ms a step", "in the kernels' call",
+                 "joining", "ms joining a sentence", "ms a sentence",
                  f"a sentence / at {sizes[-1]}"], rows, conditions, args.json)
 
 
