@@ -305,13 +305,15 @@ def _hung_up(watch: asyncio.Future, waiting: asyncio.Future) -> None:
     """``answer``'s watch on the client has ended: a hang-up cancels the wait for the
     result (a callback, not ``asyncio.wait`` over both: a request's path is short). A
     watch that failed leaves the request answered, only no longer watched."""
-    if watch.cancelled() or waiting.done():
+    if watch.cancelled():
         return
-    if watch.exception() is None:
+    failed = watch.exception()  # read even when the answer came first: asyncio logs one never read
+    if waiting.done():
+        return
+    if failed is None:
         waiting.cancel()
     else:
-        log.warning("could not watch a request's client (%s): answering it unwatched",
-                    watch.exception())
+        log.warning("could not watch a request's client (%s): answering it unwatched", failed)
 
 
 async def hung_up(receive: Callable[[], Awaitable[dict]]) -> None:
