@@ -49,6 +49,9 @@ class KVCache:
         self.length = 0  # positions already decoded (the next position's index)
         self.start: Tensor | None = None
         self.indirect = indirect
+        # A kernel's own account of where this cache lies (the int8 step's places), kept by
+        # that kernel for as long as the cache lives: nothing here reads it.
+        self.kernel_places = None
         if indirect:
             for layer in self.layers:
                 layer["self"]["store"] = Store(positions)

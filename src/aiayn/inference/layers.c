@@ -231,7 +231,9 @@ int embed_step(const float *embedding, long vocab, float scale, const float *tab
  * output.n): embedding and position (row r's position counts from start[r], the step at which
  * it joined; start NULL: from 0 for every row), each layer's decoder_layer_step with its own
  * places (steps[l]; their self-attention masks are made here from start: row r sees the keys
- * from start[r] on, as KVCache.self_mask), the final LayerNorm and the output product.
+ * from start[r] on, as KVCache.self_mask; their position and slot table are steps[0]'s, as
+ * every store of one cache holds the same slots: cache.py's KVCache.reorder), the final
+ * LayerNorm and the output product.
  * Returns 0, -1 where scratch could not be allocated, -2 where a token or position lies
  * outside its table. */
 int decoder_step(const Decoder *D, const Step *steps, const int64_t *tokens, const int64_t *start,
@@ -251,6 +253,10 @@ int decoder_step(const Decoder *D, const Step *steps, const int64_t *tokens, con
     failed = -2;
   for (long l = 0; l < D->n_layers && !failed; l++) {
     Step s = steps[l];
+    s.position = steps[0].position;
+    s.ancestry = steps[0].ancestry;
+    s.ancestry_row = steps[0].ancestry_row;
+    s.written = steps[0].written;
     if (mask) {
       s.self_mask = mask;
       s.self_mask_row = keys;

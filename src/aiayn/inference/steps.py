@@ -98,6 +98,7 @@ class DecoderState:
         self.memory = model.encode(src, self.src_pad)  # encoded once, read by every beam
         self.cache = model.new_cache() if use_cache else None
         self.ids, self._never = _columns(model)
+        self._to_column = _to_column(model)
         dtype = torch.get_autocast_dtype(src.device.type)  # cast once, not at every step
         self.rows = model.generator.allowed_rows(  # once per search: the weights are fixed
             dtype if torch.is_autocast_enabled(src.device.type) else None)
@@ -115,8 +116,7 @@ class DecoderState:
         step_input = tokens[:, -1:] if self.cache is not None else tokens
         hidden = self.model.decode(step_input, self.memory, self.src_pad, self.cache)
         logits = self.model.generator.output_logits(hidden[:, -1], self.rows, self.kernel).float()
-        generator = self.model.generator
-        to_column = generator.positions if generator.restricted else None
+        to_column = self._to_column
         own = getattr(self.kernel, "mask_step", None)  # int8's: the same columns in one call
         if own is not None and logits.is_contiguous():
             own(logits, self._never, history, self.no_repeat_ngram, given, to_column)
@@ -137,10 +137,8 @@ class DecoderState:
             return None
         K = scores.size(1)
         width, C = candidate_widths(K, self.rows[0].size(0))
-        generator = self.model.generator
         answer = own(self.model, token.reshape(-1), scores, self.src_pad, self.cache, history,
-                     self._never, self.no_repeat_ngram,
-                     generator.positions if generator.restricted else None, self.ids, width, C)
+                     self._never, self.no_repeat_ngram, self._to_column, self.ids, width, C)
         if answer is None:
             return None
         host, scores, token, self.followed = answer
@@ -177,6 +175,7 @@ class DecoderState:
         state.model, state.memory = model, None
         state.no_repeat_ngram = no_repeat_ngram
         state.ids, state._never = _columns(model)
+        state._to_column = _to_column(model)
         with torch.no_grad():  # a search's rows are constants, not part of a graph
             state.rows = model.generator.allowed_rows()
         state.kernel = for_fixed_weight(kernel, state.rows[0])
@@ -240,6 +239,12 @@ def _columns(model: Transformer) -> tuple[Tensor | None, list[int]]:
         return None, list(NEVER_GENERATED)
     positions = generator.positions[list(NEVER_GENERATED)].tolist()
     return generator.output_ids, [p for p in positions if p != generator.IGNORE]
+
+
+def _to_column(model: Transformer) -> Tensor | None:
+    """Token id -> column of the model's logits (None: column = id)."""
+    generator = model.generator
+    return generator.positions if generator.restricted else None
 
 
 def first_scores(n: int, K: int, sampling: Sampling | None, device) -> Tensor:
@@ -332,10 +337,9 @@ def candidate_widths(K: int, V: int) -> tuple[int, int]:
 def _candidates(host: np.ndarray, C: int, K: int) -> Candidates:
     """``Candidates`` from the (A, 3C + 3K) rows of one transfer: the C candidates' scores,
     beams and tokens, then the K survivors'."""
-    top_scores, top_beam, top_token = (host[:, i * C:(i + 1) * C] for i in range(3))
-    scores, beam_of, token = (host[:, 3 * C + i * K:3 * C + (i + 1) * K] for i in range(3))
-    return Candidates(top_scores, top_beam.astype(np.int64), top_token.astype(np.int64), scores,
-                      beam_of.astype(np.int64), token.astype(np.int64))
+    top, alive = host[:, C:3 * C].astype(np.int64), host[:, 3 * C + K:].astype(np.int64)
+    return Candidates(host[:, :C], top[:, :C], top[:, C:], host[:, 3 * C:3 * C + K], alive[:, :K],
+                      alive[:, K:])
 
 
 def decode_and_choose(step: int, token: Tensor, scores: Tensor, state: DecoderState, rows: Rows,
@@ -372,15 +376,23 @@ def settle(rows: Rows, finished, c: Candidates, step: int, alpha: float) -> np.n
     """Move this step's finished hypotheses to ``finished[sentence]``; (A,) which sentences
     are done: ``beam`` hypotheses finished, or at their length limit, or nothing alive."""
     K = c.scores.shape[1]
-    # only EOS candidates that rank among the first K are finished
-    ends = (c.top_token[:, :K] == EOS_ID) & np.isfinite(c.top_scores[:, :K])
-    rows.finish(finished, ends, c.top_scores, c.top_beam, None, step, alpha)
+    # Most steps end nothing: each test below is a few operations on the host's small arrays,
+    # and at a serving lane's few rows each of those costs as much as the rows' arithmetic.
+    ends = c.top_token[:, :K] == EOS_ID  # only EOS candidates among the first K are finished
+    ended = bool(ends.any())
+    if ended:
+        rows.finish(finished, ends & np.isfinite(c.top_scores[:, :K]), c.top_scores, c.top_beam,
+                    None, step, alpha)
     at_limit = rows.at_limit(step)
-    if at_limit.any():  # live hypotheses that reached the limit end as they are
-        cut = at_limit[:, None] & np.isfinite(c.scores)
-        rows.finish(finished, cut, c.scores, c.beam_of, c.token, step, alpha)
-    done = at_limit | ~np.isfinite(c.scores).any(axis=1)  # (sampling: rows in place)
-    done |= np.array([len(finished[s]) >= K for s in rows.sentence], dtype=bool)
+    cut = bool(at_limit.any())
+    if cut:  # live hypotheses that reached the limit end as they are
+        rows.finish(finished, at_limit[:, None] & np.isfinite(c.scores), c.scores, c.beam_of,
+                    c.token, step, alpha)
+    done = ~np.isfinite(c.scores).any(axis=1)  # nothing alive (sampling: rows in place)
+    if cut:
+        done |= at_limit
+    if ended or cut:  # a live sentence had fewer than K finished before this step
+        done |= np.array([len(finished[s]) >= K for s in rows.sentence], dtype=bool)
     return done
 
 
@@ -389,13 +401,15 @@ def advance(rows: Rows, state: DecoderState, c: Candidates, keep: np.ndarray,
     """Keep the sentences ``keep`` (host rows, device rows and cache follow their chosen
     beams); their (A', K) scores and tokens."""
     K = c.scores.shape[1]
+    device = scores.device
+    if keep.size == c.scores.shape[0]:  # every sentence goes on: only the beams reorder
+        beam_rows = (rows.beam_base(K) + c.beam_of).reshape(-1)
+        rows.follow(beam_rows, c.token, c.scores)
+        state.select(torch.from_numpy(beam_rows).to(device))
+        return scores, token
     beam_rows = (keep[:, None] * K + c.beam_of[keep]).reshape(-1)  # sentence-major
     rows.keep(keep, beam_rows)
     rows.grow(c.token[keep].reshape(-1), c.scores[keep].reshape(-1))
-    device = scores.device
-    if keep.size == c.scores.shape[0]:  # every sentence goes on: only the beams reorder
-        state.select(torch.from_numpy(beam_rows).to(device))
-        return scores, token
     index = torch.from_numpy(keep).to(device)
     state.select(torch.from_numpy(beam_rows).to(device), index)
     return scores.index_select(0, index), token.index_select(0, index)
@@ -429,6 +443,7 @@ class Rows:
         self.history = np.zeros((len(self.limits) * copies, 0), dtype=np.int64)  # (A*K, t)
         self.totals = np.zeros((len(self.limits) * copies, 0))  # (A*K, t) log P so far
         self.longest = int(self.limits.max()) if len(self.limits) else 0
+        self._base: tuple | None = None  # ``beam_base``'s, with the A and K it was made for
 
     def add(self, sentences: np.ndarray, limits: np.ndarray, copies: int,
             keys: np.ndarray | None = None,
@@ -476,6 +491,22 @@ class Rows:
         totals = np.full(len(new_tokens), np.nan) if totals is None else totals
         self.totals = np.concatenate([self.totals, totals[:, None]], axis=1)
 
+    def beam_base(self, K: int) -> np.ndarray:
+        """(A, 1) the first row of each live sentence's K (sentence-major rows)."""
+        A = len(self.sentence)
+        if self._base is None or self._base[:2] != (A, K):
+            self._base = (A, K, (np.arange(A) * K)[:, None])
+        return self._base[2]
+
+    def follow(self, rows: np.ndarray, tokens: np.ndarray, totals: np.ndarray) -> None:
+        """Every sentence goes on: ``keep`` of every sentence with history ``rows``, then
+        ``grow`` by (A, K) ``tokens`` and ``totals``, in fewer operations (each step of beam
+        search does this)."""
+        if self.keys is not None:
+            self.keys = self.keys[rows]
+        self.history = np.concatenate([self.history[rows], tokens.reshape(-1, 1)], axis=1)
+        self.totals = np.concatenate([self.totals[rows], totals.reshape(-1, 1)], axis=1)
+
     def keep(self, sentences: np.ndarray, rows: np.ndarray | None = None) -> None:
         """Keep the live ``sentences`` and (reordered) history ``rows`` (default: the same)."""
         self.sentence, self.limits = self.sentence[sentences], self.limits[sentences]
@@ -510,11 +541,14 @@ class Rows:
             ids = self.history[row, start:].tolist()
             if last_token is not None:
                 ids.append(int(last_token[a, c]))
-            # log P after each token (and EOS), from 0 before the first: their steps
-            totals = np.concatenate([[0.0], self.totals[row, start:], [scores[a, c]]])
+            # log P after each token (and EOS), from 0 before the first: their steps (Python's
+            # float subtraction is numpy's float64 one, in a tenth of the calls for a sentence)
+            score = float(scores[a, c])
+            totals = self.totals[row, start:].tolist()
+            log_probs = tuple(after - before for before, after in
+                              zip([0.0, *totals], [*totals, score], strict=True))
             penalty = length_penalty(step - start, alpha)
-            finished[self.sentence[a]].append(Hypothesis(
-                ids, float(scores[a, c]) / penalty, tuple(np.diff(totals).tolist())))
+            finished[self.sentence[a]].append(Hypothesis(ids, score / penalty, log_probs))
 
 
 class Given(NamedTuple):
