@@ -12,7 +12,7 @@ from aiayn.data.tokenizer import EOS_ID
 from aiayn.inference.joinable import JoinableSearch
 from aiayn.inference.sampling import ban_repeated_ngrams
 from aiayn.inference.search import Sampling, Search, decode_beam, decode_greedy
-from aiayn.inference.steps import check_prefixes, length_penalty, unwritable
+from aiayn.inference.steps import Rows, check_prefixes, length_penalty, unwritable
 
 LENGTHS = [7, 3, 9, 5, 6]
 
@@ -163,3 +163,23 @@ def test_a_prefix_the_model_cannot_write_is_refused_before_searching():
     restricted.generator.restricted = True
     restricted.generator.set_outputs(torch.tensor([0, 1, 2, 3, 5, 6]))
     assert unwritable(restricted, [5, 6, 7]) == [7]
+
+
+def test_following_every_sentences_beams_is_keeping_every_sentence_then_growing():
+    rng = np.random.default_rng(0)
+    A, K, t = 3, 4, 5
+    made = []
+    for _ in range(2):
+        rows = Rows(torch.tensor([9, 9, 9]), copies=K, keys=np.arange(A * K, dtype=np.uint64))
+        rows.history = np.arange(A * K * t).reshape(A * K, t)
+        rows.totals = -np.arange(A * K * t, dtype=float).reshape(A * K, t)
+        made.append(rows)
+    beam_of = rng.integers(0, K, size=(A, K))
+    tokens, totals = rng.integers(4, 50, size=(A, K)), rng.normal(size=(A, K))
+    followed, kept = made
+    beam_rows = (followed.beam_base(K) + beam_of).reshape(-1)
+    followed.follow(beam_rows, tokens, totals)
+    kept.keep(np.arange(A), (np.arange(A)[:, None] * K + beam_of).reshape(-1))
+    kept.grow(tokens.reshape(-1), totals.reshape(-1))
+    for name in ("history", "totals", "keys", "sentence", "limits", "offset"):
+        np.testing.assert_array_equal(getattr(followed, name), getattr(kept, name))

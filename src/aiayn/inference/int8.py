@@ -16,7 +16,9 @@ they decode (a loaded run's do not).
 
 int8 changes the translations a little (held to a BLEU and agreement tolerance, not to
 exactness: tests/inference/test_int8.py); fp32 stays the reference of every exactness test.
-The figures: docs/translating.md#int8-decoding.
+The figures: docs/translating.md#int8-decoding. At about 530 lines the module is over the
+house's ~500: the int8 model's modules, its whole-step call and the places that call reads
+are one contract with the kernels, and read best together.
 """
 
 from __future__ import annotations
@@ -328,9 +330,8 @@ class NativeTransformer(Transformer):
         slot table, which the kernel reads for every layer (``layers.c``'s decoder_step). At a
         serving lane's few rows, making every layer's places anew took ~5% of a step."""
         kept, store = cache.kernel_places, cache.layers[0]["self"]["store"]
-        # kept: what the places point into (their ids, the tensors alive so that no id is
-        # reused), the room of the smallest store, the places
-        if kept is not None and kept[0] == _pointing(rows, src_mask, cache):
+        # kept: ``_pointing``'s ids and tensors, the room of the smallest store, the places
+        if kept is not None and kept[0] == _pointing(rows, src_mask, cache)[0]:
             ancestry, (room_rows, room_positions) = store.ancestry, kept[2]
             a_rows, a_columns = ancestry.shape
             if (store.rows == rows and rows <= room_rows and store.length < room_positions
@@ -350,7 +351,7 @@ class NativeTransformer(Transformer):
         places = (native.StepPlaces * len(made))(*made)
         stores = [layer_cache["self"]["store"].keys.shape for layer_cache in cache.layers]
         room = (min(shape[1] for shape in stores), min(shape[0] for shape in stores))
-        cache.kernel_places = (_pointing(rows, src_mask, cache), _pointed(src_mask, cache), room, places)
+        cache.kernel_places = (*_pointing(rows, src_mask, cache), room, places)
         return places
 
     def _decoder_weights(self, output: PackedInt8) -> native.DecoderWeights | None:
@@ -404,19 +405,14 @@ class NativeTransformer(Transformer):
         return norm(x)
 
 
-def _pointed(src_mask: Tensor, cache) -> list[Tensor]:
-    """The tensors a step's places point into, besides the slot table."""
+def _pointing(rows: int, src_mask: Tensor, cache) -> tuple[tuple[int, ...], list[Tensor]]:
+    """What a step's places point into besides the slot table: the rows and the tensors' ids
+    (equal while they are the same objects, which whoever compares keeps alive), the tensors."""
     pointed = [src_mask]
     for layer_cache in cache.layers:
         store, cross = layer_cache["self"]["store"], layer_cache["cross"]
         pointed += (store.keys, store.values, cross.get("k"), cross.get("v"))
-    return pointed
-
-
-def _pointing(rows: int, src_mask: Tensor, cache) -> tuple[int, ...]:
-    """The rows and the identities of what a step's places point into (``_pointed``): equal
-    while those tensors are the same objects, kept alive by whoever compares."""
-    return (rows, *map(id, _pointed(src_mask, cache)))
+    return (rows, *map(id, pointed)), pointed
 
 
 def _fits_mask(mask: Tensor | None, sets: int, keys: int) -> bool:
