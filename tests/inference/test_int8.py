@@ -673,6 +673,32 @@ def test_the_whole_beam_step_writes_the_slot_table_the_cache_would_make(monkeypa
     assert len(taken) >= 10 and all(taken)
 
 
+def test_the_whole_beam_steps_places_are_made_again_only_when_what_they_point_into_changes(
+        monkeypatch):
+    """A search's whole beam steps reuse the places kept on its cache (each layer's, made
+    anew only when a tensor they point into changes: sentences join or leave, a store grows):
+    a sentence searched alone makes them once; one joining it makes them again (that they
+    point right: the tests above)."""
+    model = int8_model(sharp_model(True, False))
+    kernel, src = Int8Output(model.generator), random_sources([9, 6], vocab=40, seed=2)
+    calls, made = [], []
+    whole, places = native.beam_step, NativeDecoderLayer._places
+    monkeypatch.setattr(native, "beam_step", lambda *a, **k: calls.append(1) or whole(*a, **k))
+    monkeypatch.setattr(NativeDecoderLayer, "_places",
+                        lambda self, *a: made.append(1) or places(self, *a))
+    layers = len(model.decoder.layers)
+    search = JoinableSearch(model, Search(4, 0.0, max_len_b=20), kernel)
+    search.add([0], src[:1])
+    search.step()  # a search's first step is the modules'
+    made.clear()
+    for _ in range(3):
+        search.step()
+    assert len(calls) == 3 and len(made) == layers
+    search.add([1], src[1:, :6])
+    search.step()
+    assert len(calls) == 4 and len(made) == 2 * layers
+
+
 def test_the_whole_beam_step_holds_what_its_places_point_into(monkeypatch):
     """A search in another thread may replace the model's padding mask while this search's
     call runs (the kernel lets go of the GIL): what the call reads stays alive and unchanged.

@@ -330,7 +330,8 @@ class NativeTransformer(Transformer):
         slot table, which the kernel reads for every layer (``layers.c``'s decoder_step). At a
         serving lane's few rows, making every layer's places anew took ~5% of a step."""
         kept, store = cache.kernel_places, cache.layers[0]["self"]["store"]
-        # kept: ``_pointing``'s ids and tensors, the room of the smallest store, the places
+        # kept: ``_pointing``'s ids and tensors, the rows and positions every store has room
+        # for, the places
         if kept is not None and kept[0] == _pointing(rows, src_mask, cache)[0]:
             ancestry, (room_rows, room_positions) = store.ancestry, kept[2]
             a_rows, a_columns = ancestry.shape

@@ -480,8 +480,9 @@ def beam_step(decoder: DecoderWeights, places: ctypes.Array, choice: Choice, tok
               ancestry: Tensor | None = None, followed: Tensor | None = None,
               avx512: bool | None = None) -> tuple[np.ndarray, Tensor, Tensor]:
     """A whole beam step in one call (``search_step.c``): the (A*K,) newest tokens through the
-    decoder (its layers' ``places``, one ``StepPlaces`` each; ``start``: (A*K,) int64 column
-    where each row began, or None), the step's masks, top-k and choice with the (A, K) live
+    decoder (its layers' ``places``, one ``StepPlaces`` each, every layer's position and slot
+    table read from the first's; ``start``: (A*K,) int64 column where each row began, or
+    None), the step's masks, top-k and choice with the (A, K) live
     scores and the rows' (A*K, t) ``history`` -> ``beam_choose``'s answer: the host rows and
     the survivors' scores and tokens. ``tokens``, ``start`` and ``history`` must be
     contiguous int64, ``scores`` contiguous float32. ``followed``: an (A*K, t' + 1) int64
