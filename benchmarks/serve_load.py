@@ -26,7 +26,8 @@ lane runs (``JoinableSearch``, one thread) with as many kept in flight, all at o
 what the lanes could answer with no HTTP, no queue and no server process: a server near
 that rate is limited by the size of its steps, not by serving. Each row of the server
 also says what CPU time a request cost its own process, its lanes and the clients (/proc):
-on a CPU they share the cores.
+on a CPU they share the cores; the reference rows, what a sentence cost the offline batch
+and the lanes alone.
 
 ``--soak SECONDS``: K clients (--soak-clients) keep the server busy for that long, while one
 more client, over and over, sends a request of 8 sentences and hangs up before the answer;
@@ -306,11 +307,13 @@ def soak(url: str, pid: int, sentences: list[str], expected: dict[str, str], arg
             "health": http_json(f"{url}/health")["status"]}
 
 
-def offline_rate(translator: Translator, sentences: list[str], args) -> float:
-    """The reference: sentences/s of all of them decoded as one batch, in-process."""
-    start = time.perf_counter()
+def offline_rate(translator: Translator, sentences: list[str], args) -> tuple[float, float]:
+    """The reference: sentences/s of all of them decoded as one batch, in-process, and the
+    CPU ms a sentence cost this process (every thread's: nothing else runs in it then)."""
+    start, cpu = time.perf_counter(), time.process_time()
     translator.translate(sentences, translator.resolve(beam=args.beam, alpha=args.alpha))
-    return len(sentences) / (time.perf_counter() - start)
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return len(sentences) / seconds, 1000 * cpu / len(sentences)
 
 
 class LanesAlone:
@@ -326,12 +329,14 @@ class LanesAlone:
                                         initargs=(args.run_dir, args.weights, args.int8,
                                                   args.beam, args.alpha, self.barrier))
 
-    def rate(self, sentences: list[str], clients: int) -> float:
-        """Sentences/s of the lanes together at the load of ``clients`` clients."""
+    def rate(self, sentences: list[str], clients: int) -> tuple[float, float]:
+        """Sentences/s of the lanes together at the load of ``clients`` clients, and the CPU
+        ms a sentence cost them."""
         in_flight = math.ceil(clients / self.lanes)
         shares = [sentences[i::self.lanes] for i in range(self.lanes)]
-        seconds = list(self.pool.map(_lane_decode, shares, [in_flight] * self.lanes))
-        return len(sentences) / max(seconds)
+        timed = list(self.pool.map(_lane_decode, shares, [in_flight] * self.lanes))
+        return (len(sentences) / max(seconds for seconds, _ in timed),
+                1000 * sum(cpu for _, cpu in timed) / len(sentences))
 
     def close(self) -> None:
         self.pool.shutdown()
@@ -348,13 +353,14 @@ def _lane_start(run_dir: str, weights: str, int8: bool, beam: int, alpha: float,
                  barrier=barrier)
 
 
-def _lane_decode(share: list[str], in_flight: int) -> float:
+def _lane_decode(share: list[str], in_flight: int) -> tuple[float, float]:
     """Seconds to decode ``share`` as a lane does, ``in_flight`` sentences at a time,
-    after every lane of the reference is ready (the barrier: one share per process)."""
+    after every lane of the reference is ready (the barrier: one share per process), and
+    the CPU seconds it took this process."""
     translator, search = _lane["translator"], _lane["search"]
     ids = translator.tokenizers.encode_src(translator.tagged(share))
     _lane["barrier"].wait(timeout=300)  # every lane ready: one share per process
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     lane = JoinableSearch(translator.model, search, translator.kernel)
     sent = done = 0
     while done < len(ids):
@@ -362,7 +368,7 @@ def _lane_decode(share: list[str], in_flight: int) -> float:
             lane.add([sent], pad([ids[sent]]))
             sent += 1
         done += len(lane.step())
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def device_name(device: str) -> str:
@@ -395,7 +401,11 @@ ABOUT = (
     "queue), its lane processes (the model; with lanes as threads, a GPU's or a single "
     "lane's, the model counts in the server's), and the benchmark's clients, all on the same "
     "cores: where the server's rate falls short of its lanes'. /proc counts in 10 ms ticks: "
-    "over 120 requests a figure is good to about 0.1 ms (the two lanes' to 0.2). The soak row: "
+    "over 120 requests a figure is good to about 0.1 ms (the two lanes' to 0.2). On the "
+    "reference rows that column is the CPU a sentence cost the offline batch (its process, "
+    "every thread) and the lanes alone (their processes together): it moves less than a rate "
+    "when a shared machine's speed swings, and the server's three figures against the "
+    "batch's say what serving costs beside the model. The soak row: "
     "steady load for minutes, "
     "with one more client that hangs up before each answer; the server's memory at the "
     "start, its least and most over the samples of the load (every 10 s from the first on: "
@@ -540,7 +550,7 @@ def main() -> None:
             # before and after it (a shared machine's speed drifts within minutes), and a
             # row gives the medians over the repeats.
             runs: dict[int, list[dict]] = {k: [] for k in clients}
-            alone: dict[int, list[float]] = {k: [] for k in clients}  # LanesAlone
+            alone: dict[int, list[tuple[float, float]]] = {k: [] for k in clients}  # LanesAlone
             references = [offline]
             for _ in range(args.repeats):
                 for k in clients:
@@ -562,7 +572,7 @@ def main() -> None:
                         lanes_alone = lanes_alone or LanesAlone(args, after["lanes"])
                         alone[k].append(lanes_alone.rate(sentences, k))
                 references.append(offline_rate(translator, sentences, args))
-            reference_of = [(a + b) / 2 for a, b in zip(references, references[1:])]
+            reference_of = [(a + b) / 2 for (a, _), (b, _) in zip(references, references[1:])]
             how = "".join(f", {name} {value}" for name, value in
                           [("batching", args.batching), ("lanes", args.lanes)] if value)
             how += ", --int8" if args.int8 else ""
@@ -587,19 +597,21 @@ def main() -> None:
             for k in clients:
                 if not alone[k]:
                     continue
-                ratio = statistics.median(r / ref for r, ref in zip(alone[k], reference_of))
+                ratio = statistics.median(r / ref for (r, _), ref in zip(alone[k], reference_of))
                 lanes = lanes_alone.lanes
                 rows.append({"who": f"reference: the server's {lanes} lanes alone at {k} "
                                     f"client{'s' * (k > 1)}' load, no server (a process per "
                                     f"lane, one thread each, {math.ceil(k / lanes)} sentences "
                                     f"in flight in each){how}{of}",
-                             "rps": round(statistics.median(alone[k]), 1),
-                             "ratio": f"{ratio:.2f}"})
-            timed = ", ".join(f"{r:.1f}" for r in references)
+                             "rps": round(statistics.median(r for r, _ in alone[k]), 1),
+                             "ratio": f"{ratio:.2f}",
+                             "cpu": f"{statistics.median(cpu for _, cpu in alone[k]):.2f}"})
+            timed = ", ".join(f"{r:.1f}" for r, _ in references)
             rows.append({"who": f"reference: the same sentences as one batch, in-process "
                                 f"(`Translator.translate`; timed before and after each repeat: "
                                 f"{timed})",
-                         "rps": round(statistics.median(reference_of), 1), "ratio": "1.00"})
+                         "rps": round(statistics.median(reference_of), 1), "ratio": "1.00",
+                         "cpu": f"{statistics.median(cpu for _, cpu in references):.2f}"})
             print("| | p50 ms | p95 ms | p99 ms | requests/s | / offline | correct | "
                   "decoded together | mean wait ms | CPU ms a request: server, lanes, clients |")
             print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
