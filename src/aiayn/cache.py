@@ -89,6 +89,13 @@ class KVCache:
         if self.start is not None and "self" in kinds and not within_sentences:
             self.start = self.start.index_select(0, index)
 
+    def follow(self, ancestry: Tensor) -> None:
+        """Every row takes the past of the beam a fused beam step chose for it, every sentence
+        staying: the indirect stores take ``ancestry``, the slot table that step made
+        (``reorder``'s with ``within_sentences``, made already)."""
+        for layer in self.layers:
+            layer["self"]["store"].follow(ancestry)
+
     def join(self, other: KVCache, copies: int = 1) -> None:
         """Append the rows of ``other``, whose cross-attention K/V are filled and which has
         decoded nothing yet (sentences joining a running search at its next step), each
@@ -207,6 +214,14 @@ class Store:
             ancestry = self.slots().index_select(0, index)
         self.ancestry, self.rows = ancestry, index.numel()
         return ancestry
+
+    def follow(self, ancestry: Tensor) -> None:
+        """Every row reads its positions from the slots ``ancestry`` gives, (rows, length): a
+        reorder whose table was made already (``KVCache.follow``)."""
+        if self.keys is None or ancestry.shape != (self.rows, self.length):
+            raise ValueError(f"a slot table of {tuple(ancestry.shape)} for a store of "
+                             f"{self.rows} rows and {self.length} positions")
+        self.ancestry = ancestry
 
     def add_rows(self, n: int) -> None:
         """n rows that start now: their earlier positions, masked (``KVCache.start``), read

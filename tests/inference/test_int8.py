@@ -320,7 +320,8 @@ def test_the_native_beam_choice_is_expands(K, width, restricted):
     assert torch.equal(got_scores, want_scores)
     assert torch.equal(got_token[rest], want_token[rest])
     finite = np.isfinite(want.top_scores[rest])
-    for name in want._fields:
+    assert got.followed is None and want.followed is None  # only a fused step follows the beams
+    for name in want._fields[:-1]:
         a, b = getattr(got, name)[rest], getattr(want, name)[rest]
         assert np.array_equal(a[finite] if a.shape == finite.shape else a,
                               b[finite] if b.shape == finite.shape else b), name
@@ -648,6 +649,13 @@ def test_the_whole_beam_step_in_one_call_chooses_what_the_calls_one_by_one_choos
             assert [score for _, score in a] == pytest.approx([score for _, score in b], abs=1e-5)
 
 
+def _beam_rows(answer, K: int, C: int) -> np.ndarray:
+    """The (A*K,) rows that a ``native.beam_step`` answer's survivors follow (sentence-major)."""
+    host = answer[0]
+    beam_of = host[:, 3 * C + K:3 * C + 2 * K].astype(np.int64)
+    return (np.arange(len(host))[:, None] * K + beam_of).reshape(-1)
+
+
 def test_the_whole_beam_step_writes_the_slot_table_the_cache_would_make(monkeypatch):
     """After a whole beam step in one call that every sentence survives, the cache's stores
     take the slot table the call wrote (``native.beam_step``'s ``followed``) rather than make
@@ -656,21 +664,56 @@ def test_the_whole_beam_step_writes_the_slot_table_the_cache_would_make(monkeypa
     trimmed, and in a batch beam search."""
     model = int8_model(sharp_model(True, False))
     made, taken = [], []
-    whole, reorder = native.beam_step, Store.reorder
+    whole, follow = native.beam_step, Store.follow
 
     def writing(*args, **kwargs):
-        made.append(args[8])  # followed, which the call fills
-        return whole(*args, **kwargs)
+        answer = whole(*args, **kwargs)
+        made.append((args[8], _beam_rows(answer, args[5].size(1), args[2].candidates)))
+        return answer
 
-    def checked(self, index, ancestry=None):
-        if any(ancestry is table for table in made):
-            taken.append(torch.equal(ancestry, self.slots().index_select(0, index)))
-        return reorder(self, index, ancestry)
+    def checked(self, ancestry):
+        for table, rows in made:
+            if ancestry is table:
+                want = self.slots().index_select(0, torch.from_numpy(rows))
+                taken.append(torch.equal(ancestry, want))
+        return follow(self, ancestry)
 
     monkeypatch.setattr(native, "beam_step", writing)
-    monkeypatch.setattr(Store, "reorder", checked)
+    monkeypatch.setattr(Store, "follow", checked)
     searched_both_ways(model, Search(4, 0.6, no_repeat_ngram=2, max_len_b=8))
     assert len(taken) >= 10 and all(taken)
+
+
+def test_the_whole_beam_step_follows_the_rows_as_the_search_would(monkeypatch):
+    """A whole beam step given the rows' totals also answers their history and totals after
+    it, every row following its chosen beam (what ``Rows.follow`` makes of them), and says
+    that nothing ends exactly where no sentence has EOS among its K best candidates and each
+    keeps a live beam; the searches then skip ``settle`` (the lists: the tests above)."""
+    model = sharp_model(True, False)
+    with torch.no_grad():
+        model.generator.proj.bias[EOS_ID] = 1.0  # less sharp: steps at which nothing ends too
+    model, whole, K, seen = int8_model(model), native.beam_step, 4, []
+
+    def checked(*args, **kwargs):
+        answer = whole(*args, **kwargs)
+        history, totals = args[6], args[9] if len(args) > 9 else kwargs.get("totals")
+        if totals is None:
+            return answer
+        C = args[2].candidates
+        rows, host = _beam_rows(answer, K, C), answer[0]
+        alive = host[:, 3 * C:3 * C + 3 * K]
+        assert np.array_equal(answer[3][0], np.concatenate(
+            [history[rows], alive[:, 2 * K:].reshape(-1, 1).astype(np.int64)], axis=1))
+        assert np.array_equal(answer[3][1], np.concatenate(
+            [totals[rows], alive[:, :K].reshape(-1, 1)], axis=1))
+        quiet = not (host[:, 2 * C:2 * C + K] == EOS_ID).any() and np.isfinite(alive[:, :K]).any(1).all()
+        assert answer[3][2] == quiet
+        seen.append(quiet)
+        return answer
+
+    monkeypatch.setattr(native, "beam_step", checked)
+    searched_both_ways(model, Search(K, 0.0, no_repeat_ngram=2, max_len_b=20))
+    assert seen.count(True) >= 5 and seen.count(False) >= 5
 
 
 def test_the_whole_beam_steps_places_are_made_again_only_when_what_they_point_into_changes(

@@ -70,11 +70,13 @@ class Int8Output:
 
     def beam_step(self, model: nn.Module, tokens: Tensor, scores: Tensor, src_pad: Tensor, cache,
                   history, never, n_gram: int, to_column: Tensor | None, ids: Tensor | None, width: int,
-                  candidates: int):
+                  candidates: int, totals=None):
         """A whole beam step of ``model`` (``int8_model``'s) in one call of aiayn's kernel
         (``NativeTransformer.beam_step``): the step's decoding, masks (``never``, the guard's
         ``n_gram`` over ``history``), top ``width`` and ``candidates``, as ``beam_choose``
-        answers; None where it does not take it. ``steps.DecoderState.beam_step`` calls it."""
+        answers (with ``totals``, the rows' history and totals after a step at which nothing
+        ends: ``native.beam_step``'s); None where it does not take it.
+        ``steps.DecoderState.beam_step`` calls it."""
         if not isinstance(model, NativeTransformer) or candidates > native.MAX_CANDIDATES:
             return None
         key = (tuple(never), n_gram, width, candidates)
@@ -82,7 +84,7 @@ class Int8Output:
         if seen is None or seen[0] != key or seen[1] is not to_column or seen[2] is not ids:
             seen = self._choice = (key, to_column, ids,
                                    native.choice(never, n_gram, to_column, ids, width, candidates))
-        return model.beam_step(self.product, seen[3], tokens, scores, src_pad, cache, history)
+        return model.beam_step(self.product, seen[3], tokens, scores, src_pad, cache, history, totals)
 
     def beam_choose(self, best: Tensor, columns: Tensor, scores: Tensor, ids: Tensor | None,
                     width: int, candidates: int):
@@ -292,11 +294,12 @@ class NativeTransformer(Transformer):
         return seen[1]
 
     def beam_step(self, output: PackedInt8, choice: native.Choice, tokens: Tensor, scores: Tensor,
-                  src_pad: Tensor, cache, history) -> tuple | None:
+                  src_pad: Tensor, cache, history, totals=None) -> tuple | None:
         """A whole beam step in one call of aiayn's kernel (``native.beam_step``): the (A*K,)
         newest tokens through the decoder and ``output`` (the output layer's product), the
-        search's ``choice`` with its (A, K) live scores and the rows' ``history`` ->
-        ``native.beam_choose``'s answer and the cache's slot table after the choice (what its
+        search's ``choice`` with its (A, K) live scores, the rows' ``history`` and ``totals``
+        -> ``native.beam_step``'s answer (``beam_choose``'s and the rows followed, or None) and
+        the cache's slot table after the choice (what its
         ``reorder`` makes of the rows the choice follows: ``KVCache.reorder``'s ``ancestry``),
         the cache one position longer; or None, nothing done,
         where the kernel does not take it (then ``decode`` and the search's own steps). The same
@@ -315,13 +318,13 @@ class NativeTransformer(Transformer):
         start = None if cache.start is None else cache.start.contiguous()
         store = cache.layers[0]["self"]["store"]  # every layer's store has the same slots
         followed = torch.empty(tokens.numel(), store.length + 1, dtype=torch.long)
-        host, alive_scores, alive_tokens = native.beam_step(
+        host, alive_scores, alive_tokens, rows = native.beam_step(
             decoder, places, choice, tokens.contiguous(), start, scores.contiguous(), history,
-            store.ancestry, followed)
+            store.ancestry, followed, totals)
         for layer_cache in cache.layers:
             layer_cache["self"]["store"].length += 1
         cache.length += 1
-        return host, alive_scores, alive_tokens, followed
+        return host, alive_scores, alive_tokens, rows, followed
 
     def _step_places(self, rows: int, src_mask: Tensor, cache) -> ctypes.Array | None:
         """Each decoder layer's places for a step of ``rows`` rows (their self-attention masks

@@ -139,7 +139,7 @@ def _library() -> ctypes.CDLL:
     lib.beam_step.argtypes = [ctypes.POINTER(DecoderWeights), ctypes.POINTER(StepPlaces), size,
                               ctypes.POINTER(Choice), pointer, pointer, size, size, pointer, size,
                               pointer, pointer, pointer, pointer, pointer, size, size, size, pointer,
-                              ctypes.c_int]
+                              pointer, pointer, pointer, ctypes.c_int]
     lib.beam_step.restype = ctypes.c_int
     return lib
 
@@ -478,7 +478,8 @@ class Choice(ctypes.Structure):
 def beam_step(decoder: DecoderWeights, places: ctypes.Array, choice: Choice, tokens: Tensor,
               start: Tensor | None, scores: Tensor, history: np.ndarray,
               ancestry: Tensor | None = None, followed: Tensor | None = None,
-              avx512: bool | None = None) -> tuple[np.ndarray, Tensor, Tensor]:
+              totals: np.ndarray | None = None, avx512: bool | None = None
+              ) -> tuple[np.ndarray, Tensor, Tensor, tuple[np.ndarray, np.ndarray, bool] | None]:
     """A whole beam step in one call (``search_step.c``): the (A*K,) newest tokens through the
     decoder (its layers' ``places``, one ``StepPlaces`` each, every layer's position and slot
     table read from the first's; ``start``: (A*K,) int64 column where each row began, or
@@ -489,7 +490,11 @@ def beam_step(decoder: DecoderWeights, places: ctypes.Array, choice: Choice, tok
     tensor that the call fills with the slot table of a store of t' positions (its
     ``ancestry`` before the step, (A*K, c) int64 with unit column stride, or None: no
     recorded slots) after the choice, every row following its chosen beam: what
-    ``cache.Store.reorder`` would make of it when every sentence stays."""
+    ``cache.Store.reorder`` would make of it when every sentence stays. ``totals``: the rows'
+    (A*K, t) float64 log-probabilities so far (``steps.Rows``); with them the fourth answer is
+    the rows' history and totals after the step, (A*K, t + 1) each, every row following its
+    chosen beam (what ``Rows.follow`` makes of them), and whether nothing ends at this step
+    (no EOS among any sentence's K best candidates, a live beam in each); else None."""
     A, K = scores.shape
     C = choice.candidates
     if followed is not None:
@@ -502,17 +507,22 @@ def beam_step(decoder: DecoderWeights, places: ctypes.Array, choice: Choice, tok
         ancestry = ancestry if rows * columns else None
     host = np.empty((A, 3 * C + 3 * K))
     alive_scores, alive_tokens = torch.empty(A, K), torch.empty(A, K, dtype=torch.long)
-    guard = choice.n_gram > 0 and history.shape[1] >= choice.n_gram  # else the kernel reads none
-    if guard:
-        history = np.ascontiguousarray(history, dtype=np.int64)
+    t = history.shape[1]  # the kernel's guard reads it where n_gram > 0 and t >= n_gram
+    if history.shape[0] != A * K or (totals is not None and totals.shape != history.shape):
+        raise ValueError(f"history (and totals) must be ({A * K}, t), a row per beam")
+    history = np.ascontiguousarray(history, dtype=np.int64)
+    if totals is not None:
+        totals = np.ascontiguousarray(totals, dtype=np.float64)
+        following = np.empty((A * K, t + 1), dtype=np.int64), np.empty((A * K, t + 1))
     failed = _library().beam_step(ctypes.byref(decoder), places, decoder.output.n, ctypes.byref(choice),
-                                  tokens.data_ptr(), _pointer(start), A, K,
-                                  history.ctypes.data if guard else None, history.shape[1] if guard else 0,
+                                  tokens.data_ptr(), _pointer(start), A, K, history.ctypes.data, t,
                                   scores.data_ptr(), host.ctypes.data, alive_scores.data_ptr(),
                                   alive_tokens.data_ptr(), _pointer(ancestry),
                                   0 if ancestry is None else ancestry.stride(0),
                                   0 if ancestry is None else ancestry.size(1),
                                   0 if followed is None else followed.size(1) - 1, _pointer(followed),
+                                  *((totals.ctypes.data, following[0].ctypes.data,
+                                     following[1].ctypes.data) if totals is not None else (None,) * 3),
                                   int(_avx512_path(avx512)))
     if failed == -2:
         raise ValueError(f"token ids or positions outside the tables ({decoder.vocab} ids, "
@@ -520,9 +530,9 @@ def beam_step(decoder: DecoderWeights, places: ctypes.Array, choice: Choice, tok
     if failed == -3:
         raise ValueError(f"beam_step takes up to {MAX_CANDIDATES} candidates from at least beam's, "
                          f"got {C} of {K} x {choice.width}")
-    if failed:
+    if failed < 0:
         raise MemoryError(f"a beam step could not allocate its scratch for {A * K} rows")
-    return host, alive_scores, alive_tokens
+    return host, alive_scores, alive_tokens, None if totals is None else (*following, failed == 1)
 
 
 def choice(never: Sequence[int], n_gram: int, to_column: Tensor | None, ids: Tensor | None,

@@ -61,12 +61,14 @@ from aiayn.inference.sampling import sample_keys, sampling_distribution, seed_of
 from aiayn.inference.settings import Sampling, Search
 from aiayn.inference.steps import (
     DecoderState,
+    Followed,
     Hypothesis,
     Rows,
     advance,
     check_prefixes,
     decode_and_choose,
     first_scores,
+    go_on,
     output_limits,
     settle,
     strip_special,
@@ -154,6 +156,9 @@ def decode_beam(model: Transformer, src: Tensor, search: Search, use_cache: bool
     for step in range(1, rows.longest + 1 if B else 1):
         scores, token, host = decode_and_choose(step, token, scores, state, rows, sampling,
                                                 rows.given(step), use_cache)
+        if isinstance(host, Followed):  # nothing ends: every sentence goes on
+            go_on(rows, state, host)
+            continue
         done = settle(rows, finished, host, step, alpha)
         keep = np.flatnonzero(~done)
         if keep.size == 0:

@@ -140,6 +140,40 @@ static void follow_beams(const double *host, long A, long K, long C, const int64
     }
 }
 
+/* Whether nothing ends at this step (steps.py's `settle` would move nothing): no sentence has
+ * EOS among its K best candidates, and each keeps a live (finite) beam. */
+static int quiet(const double *host, long A, long K, long C, int64_t eos) {
+  for (long a = 0; a < A; a++) {
+    const double *out = host + a * (3 * C + 3 * K);
+    int live = 0;
+    for (long k = 0; k < K; k++) {
+      if ((int64_t)out[2 * C + k] == eos) return 0;
+      live |= isfinite(out[3 * C + k]);
+    }
+    if (!live) return 0;
+  }
+  return 1;
+}
+
+/* The rows' (A K, t) history and log-probability totals after the choice, every sentence
+ * going on (steps.py's Rows.follow): row a K + k is its parent's, then its survivor's token
+ * and score. next_history, next_totals: (A K, t + 1). */
+static void follow_rows(const double *host, long A, long K, long C, const int64_t *history,
+                        const double *totals, long t, int64_t *next_history, double *next_totals) {
+  for (long a = 0; a < A; a++) {
+    const double *out = host + a * (3 * C + 3 * K);
+    for (long k = 0; k < K; k++) {
+      const long parent = a * K + (long)out[3 * C + K + k], row = a * K + k;
+      for (long j = 0; j < t; j++) {
+        next_history[row * (t + 1) + j] = history[parent * t + j];
+        next_totals[row * (t + 1) + j] = totals[parent * t + j];
+      }
+      next_history[row * (t + 1) + t] = (int64_t)out[3 * C + 2 * K + k];
+      next_totals[row * (t + 1) + t] = out[3 * C + k];
+    }
+  }
+}
+
 /* A whole beam step of A sentences of K beams in one call: the decoder's step from each row's
  * newest token to its `cols` logits (layers.c's decoder_step, over the decoder's places
  * `steps`), the columns it may not choose (mask_step, with each row's (A K, t) `history`),
@@ -148,13 +182,17 @@ static void follow_beams(const double *host, long A, long K, long C, const int64
  * steps.py's next_logits and expand, the same kernels in the same order (but for the final
  * LayerNorm, layers.c's rather than PyTorch's: equal up to rounding). With `followed`, also
  * the cache's slot table after the choice (follow_beams: `ancestry`, its row stride and
- * `written` columns are the store's before the step, `length` its positions then). Returns 0, -1
- * where scratch could not be allocated, -2 where a token or position lies outside its
- * table, -3 where the candidates exceed beam_choose's room. */
+ * `written` columns are the store's before the step, `length` its positions then). With
+ * `next_history`, also the rows' history and `totals` after it, every row following its
+ * beam (follow_rows: what they become where every sentence goes on). Returns 0, or with
+ * `next_history` 1 where nothing ends at this step (quiet); -1 where scratch could not be
+ * allocated, -2 where a token or position lies outside its table, -3 where the candidates
+ * exceed beam_choose's room. */
 int beam_step(const void *decoder, const void *steps, long cols, const Choice *c, const int64_t *tokens,
               const int64_t *start, long A, long K, const int64_t *history, long t, const float *scores,
               double *host, float *alive_scores, int64_t *alive_tokens, const int64_t *ancestry,
-              long ancestry_row, long written, long length, int64_t *followed, int wide) {
+              long ancestry_row, long written, long length, int64_t *followed, const double *totals,
+              int64_t *next_history, double *next_totals, int wide) {
   const long rows = A * K;
   float *logits = malloc(sizeof(float) * rows * cols + 64);
   float *best = malloc(sizeof(float) * rows * c->width + 64);
@@ -167,8 +205,14 @@ int beam_step(const void *decoder, const void *steps, long cols, const Choice *c
     if (beam_choose(best, columns, A, K, c->width, scores, c->ids, c->eos, c->candidates, host,
                     alive_scores, alive_tokens))
       failed = -3;
-    else if (followed)
-      follow_beams(host, A, K, c->candidates, ancestry, ancestry_row, written, length, followed);
+    else {
+      if (followed)
+        follow_beams(host, A, K, c->candidates, ancestry, ancestry_row, written, length, followed);
+      if (next_history) {
+        follow_rows(host, A, K, c->candidates, history, totals, t, next_history, next_totals);
+        failed = quiet(host, A, K, c->candidates, c->eos);
+      }
+    }
   }
   free(logits);
   free(best);

@@ -126,23 +126,35 @@ class DecoderState:
             ban_repeated_ngrams(logits, history, self.no_repeat_ngram, to_column, given)
         return logits
 
-    def beam_step(self, token: Tensor, scores: Tensor, history: np.ndarray
-                  ) -> tuple[Tensor, Tensor, Candidates] | None:
+    def beam_step(self, token: Tensor, scores: Tensor, history: np.ndarray,
+                  totals: np.ndarray | None = None
+                  ) -> tuple[Tensor, Tensor, Candidates | Followed] | None:
         """``next_logits`` and ``expand`` in one call of the output kernel's ``beam_step``
         (the int8 engine's: the same kernels, its final layer norm in C, equal up to
         rounding), for the (A, K) newest ``token`` and live ``scores``; None where there is
-        none or it does not take this step."""
+        none or it does not take this step. With the rows' ``totals`` (``Rows``) the kernel
+        also follows every beam: a step at which nothing ends answers ``Followed`` (``go_on``),
+        any other ``Candidates`` with it (``advance`` takes it where every sentence goes on)."""
         own = getattr(self.kernel, "beam_step", None)
         if own is None or self.cache is None:
             return None
         K = scores.size(1)
         width, C = candidate_widths(K, self.rows[0].size(0))
         answer = own(self.model, token.reshape(-1), scores, self.src_pad, self.cache, history,
-                     self._never, self.no_repeat_ngram, self._to_column, self.ids, width, C)
+                     self._never, self.no_repeat_ngram, self._to_column, self.ids, width, C, totals)
         if answer is None:
             return None
-        host, scores, token, self.followed = answer
-        return scores, token, _candidates(host, C, K)
+        host, scores, token, rows, self.followed = answer
+        followed = None if rows is None else Followed(*rows[:2])
+        if rows is not None and rows[2]:  # nothing ends
+            return scores, token, followed
+        return scores, token, _candidates(host, C, K, followed)
+
+    def follow(self) -> None:
+        """Every row takes the beam a fused ``beam_step`` chose for it, every sentence
+        staying: the cache takes the slot table that step made (``select``'s, made already)."""
+        followed, self.followed = self.followed, None
+        self.cache.follow(followed)
 
     def token_ids(self, columns: Tensor) -> Tensor:
         """The token ids of columns of ``next_logits``."""
@@ -284,6 +296,15 @@ def draw(logits: Tensor, scores: Tensor, K: int, state: DecoderState, sampling: 
                                     h_token)
 
 
+class Followed(NamedTuple):
+    """The rows' (A*K, t + 1) history and totals after a fused beam step that followed every
+    beam (``DecoderState.beam_step``), as ``Rows.follow`` makes them where every sentence
+    goes on; alone, a step at which nothing ends."""
+
+    history: np.ndarray
+    totals: np.ndarray
+
+
 class Candidates(NamedTuple):
     """A beam step's choices on the host (A live sentences): the 2K best candidates by
     log-probability (score, beam, token), and the K that stay alive (score, beam, token)."""
@@ -294,6 +315,7 @@ class Candidates(NamedTuple):
     scores: np.ndarray  # (A, K) float
     beam_of: np.ndarray  # (A, K) int
     token: np.ndarray
+    followed: Followed | None = None  # a fused step's rows, every beam followed (``Followed``)
 
 
 def expand(logits: Tensor, scores: Tensor, K: int, state: DecoderState,
@@ -334,22 +356,25 @@ def candidate_widths(K: int, V: int) -> tuple[int, int]:
     return width, min(2 * K, K * width)
 
 
-def _candidates(host: np.ndarray, C: int, K: int) -> Candidates:
+def _candidates(host: np.ndarray, C: int, K: int, followed: Followed | None = None) -> Candidates:
     """``Candidates`` from the (A, 3C + 3K) rows of one transfer: the C candidates' scores,
     beams and tokens, then the K survivors'."""
     top, alive = host[:, C:3 * C].astype(np.int64), host[:, 3 * C + K:].astype(np.int64)
     return Candidates(host[:, :C], top[:, :C], top[:, C:], host[:, 3 * C:3 * C + K], alive[:, :K],
-                      alive[:, K:])
+                      alive[:, K:], followed)
 
 
 def decode_and_choose(step: int, token: Tensor, scores: Tensor, state: DecoderState, rows: Rows,
                       sampling: Sampling | None, given: Given | None = None, use_cache: bool = True
-                      ) -> tuple[Tensor, Tensor, Candidates]:
+                      ) -> tuple[Tensor, Tensor, Candidates | Followed]:
     """A step from the (A, K) newest tokens to its choice: ``state.next_logits`` of the
     rows, then ``choose``; a beam step that no prefix rules, with an output kernel that does
-    both at once (``DecoderState.beam_step``: the int8 engine's), in one call of it."""
+    both at once (``DecoderState.beam_step``: the int8 engine's), in one call of it, which
+    answers ``Followed`` where nothing ends at this step (no sentence is at its limit, and
+    the kernel finds no EOS among any sentence's best K and a live beam in each)."""
     if sampling is None and given is None and use_cache:
-        answer = state.beam_step(token, scores, rows.history)
+        answer = state.beam_step(token, scores, rows.history,
+                                 rows.totals if step < rows.soonest else None)
         if answer is not None:
             return answer
     logits = state.next_logits(rows.decoder_input(token.reshape(-1), use_cache), rows.history,
@@ -396,12 +421,23 @@ def settle(rows: Rows, finished, c: Candidates, step: int, alpha: float) -> np.n
     return done
 
 
+def go_on(rows: Rows, state: DecoderState, followed: Followed) -> None:
+    """Every sentence goes on after a step its kernel followed (``Followed``): what ``settle``
+    (which would finish nothing) and ``advance`` (keeping every sentence) do, made already.
+    At a serving lane's few sentences their small operations cost a sixth of a step."""
+    rows.history, rows.totals = followed
+    state.follow()
+
+
 def advance(rows: Rows, state: DecoderState, c: Candidates, keep: np.ndarray,
             scores: Tensor, token: Tensor) -> tuple[Tensor, Tensor]:
     """Keep the sentences ``keep`` (host rows, device rows and cache follow their chosen
     beams); their (A', K) scores and tokens."""
     K = c.scores.shape[1]
     device = scores.device
+    if keep.size == c.scores.shape[0] and c.followed is not None:  # the kernel followed them
+        go_on(rows, state, c.followed)
+        return scores, token
     if keep.size == c.scores.shape[0]:  # every sentence goes on: only the beams reorder
         beam_rows = (rows.beam_base(K) + c.beam_of).reshape(-1)
         rows.follow(beam_rows, c.token, c.scores)
@@ -444,6 +480,11 @@ class Rows:
         self.totals = np.zeros((len(self.limits) * copies, 0))  # (A*K, t) log P so far
         self.longest = int(self.limits.max()) if len(self.limits) else 0
         self._base: tuple | None = None  # ``beam_base``'s, with the A and K it was made for
+        self._limits_changed()
+
+    def _limits_changed(self) -> None:
+        """``soonest``: the first step at which a live sentence reaches its limit."""
+        self.soonest = int(self.limits.min()) if len(self.limits) else 0
 
     def add(self, sentences: np.ndarray, limits: np.ndarray, copies: int,
             keys: np.ndarray | None = None,
@@ -459,6 +500,7 @@ class Rows:
         self.sentence = np.concatenate([self.sentence, sentences])
         self.limits = np.concatenate([self.limits, np.maximum(limits, prefix_len) + t])
         self.offset = np.concatenate([self.offset, np.full(len(sentences), t)])
+        self._limits_changed()
         padding = np.full((len(sentences) * copies, t), PAD_ID, dtype=np.int64)
         self.history = np.concatenate([self.history, padding])
         self.totals = np.concatenate([self.totals, np.zeros(padding.shape)])
@@ -467,6 +509,7 @@ class Rows:
         """Forget the first ``columns`` steps (before every live sentence joined)."""
         self.history, self.totals = self.history[:, columns:], self.totals[:, columns:]
         self.limits, self.offset = self.limits - columns, self.offset - columns
+        self._limits_changed()
 
     def given(self, step: int) -> Given | None:
         """The rows whose token at ``step`` is given by their sentence's prefix, or None."""
@@ -511,6 +554,7 @@ class Rows:
         """Keep the live ``sentences`` and (reordered) history ``rows`` (default: the same)."""
         self.sentence, self.limits = self.sentence[sentences], self.limits[sentences]
         self.offset = self.offset[sentences]
+        self._limits_changed()
         self.prefix, self.prefix_len = self.prefix[sentences], self.prefix_len[sentences]
         self.history = self.history[sentences if rows is None else rows]
         self.totals = self.totals[sentences if rows is None else rows]
