@@ -84,15 +84,16 @@ def lane(translator: Translator, search, ids: list[list[int]], size: int,
     """Decode ``ids`` as a lane does, ``size`` sentences in the search at a time; the steps.
     ``clock``: add the joining's seconds to it."""
     joinable, sent, done, steps = JoinableSearch(translator.model, search, translator.kernel), 0, 0, 0
-    while done < len(ids):
-        while sent < len(ids) and len(joinable) < size:
-            start = time.perf_counter()
-            joinable.add([sent], pad([ids[sent]]))
-            if clock is not None:
-                clock.joining += time.perf_counter() - start
-            sent += 1
-        done += len(joinable.step())
-        steps += 1
+    with torch.inference_mode():  # as a lane's process holds it
+        while done < len(ids):
+            while sent < len(ids) and len(joinable) < size:
+                start = time.perf_counter()
+                joinable.add([sent], pad([ids[sent]]))
+                if clock is not None:
+                    clock.joining += time.perf_counter() - start
+                sent += 1
+            done += len(joinable.step())
+            steps += 1
     return steps
 
 

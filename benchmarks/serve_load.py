@@ -363,11 +363,12 @@ def _lane_decode(share: list[str], in_flight: int) -> tuple[float, float]:
     start, cpu = time.perf_counter(), time.process_time()
     lane = JoinableSearch(translator.model, search, translator.kernel)
     sent = done = 0
-    while done < len(ids):
-        while sent < len(ids) and len(lane) < in_flight:
-            lane.add([sent], pad([ids[sent]]))
-            sent += 1
-        done += len(lane.step())
+    with torch.inference_mode():  # as a lane's process holds it
+        while done < len(ids):
+            while sent < len(ids) and len(lane) < in_flight:
+                lane.add([sent], pad([ids[sent]]))
+                sent += 1
+            done += len(lane.step())
     return time.perf_counter() - start, time.process_time() - cpu
 
 

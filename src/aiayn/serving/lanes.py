@@ -207,7 +207,14 @@ def _lane_main(conn, cfg, state: dict, kernel, bf16: bool, int8: bool) -> None:
     del state
     if int8:  # the server decodes in int8 (aiayn.inference.int8)
         model, kernel = int8_decoding(model)
-    lane, steps, sentences, seconds = LaneSearches(model, bf16, kernel), 0, 0, 0.0
+    lane = LaneSearches(model, bf16, kernel)
+    with torch.inference_mode():  # for its life: a search's step need not enter it each time
+        _lane_loop(conn, lane)
+
+
+def _lane_loop(conn, lane: LaneSearches) -> None:
+    """``_lane_main``'s decoding, until told to stop or the server is gone."""
+    steps, sentences, seconds = 0, 0, 0.0
     while True:
         adds: Adds = []
         removes: list[int] = []
@@ -228,6 +235,8 @@ def _lane_main(conn, cfg, state: dict, kernel, bf16: bool, int8: bool) -> None:
             steps, sentences, seconds = 0, 0, 0.0
             result.failed = [(ids, _picklable(exc)) for ids, exc in result.failed]
             conn.send(result)
+
+
 def _picklable(exc: Exception) -> Exception:
     """``exc`` itself if it can travel to the server, else a RuntimeError with its line."""
     try:
