@@ -485,8 +485,8 @@ def beam_step(decoder: DecoderWeights, places: ctypes.Array, choice: Choice, tok
     table read from the first's; ``start``: (A*K,) int64 column where each row began, or
     None), the step's masks, top-k and choice with the (A, K) live
     scores and the rows' (A*K, t) ``history`` -> ``beam_choose``'s answer: the host rows and
-    the survivors' scores and tokens. ``tokens``, ``start`` and ``history`` must be
-    contiguous int64, ``scores`` contiguous float32. ``followed``: an (A*K, t' + 1) int64
+    the survivors' scores and tokens. ``tokens`` and ``start`` must be contiguous int64,
+    ``scores`` contiguous float32. ``followed``: an (A*K, t' + 1) int64
     tensor that the call fills with the slot table of a store of t' positions (its
     ``ancestry`` before the step, (A*K, c) int64 with unit column stride, or None: no
     recorded slots) after the choice, every row following its chosen beam: what
