@@ -47,7 +47,7 @@ from aiayn.inference.native import (
     top_log_softmax,
 )
 from aiayn.inference.sampling import ban_repeated_ngrams
-from aiayn.inference.search import beam_search
+from aiayn.inference.search import beam_search, decode_beam
 from aiayn.inference.settings import Search
 from aiayn.inference.steps import DecoderState, expand
 from aiayn.inference.translator import Translator
@@ -714,6 +714,44 @@ def test_the_whole_beam_step_follows_the_rows_as_the_search_would(monkeypatch):
     monkeypatch.setattr(native, "beam_step", checked)
     searched_both_ways(model, Search(K, 0.0, no_repeat_ngram=2, max_len_b=20))
     assert seen.count(True) >= 5 and seen.count(False) >= 5
+
+
+def test_the_whole_beam_steps_that_follow_the_rows_give_each_sentence_its_lists_to_the_end(
+        monkeypatch):
+    """With limits short enough that sentences end there too (steps at which nothing else
+    ends, and a sentence joining late), the lists of the whole beam step (steps that follow
+    the rows in the kernel included) equal those of the kernels called one by one: the same
+    ids, scores and per-token log-probabilities up to rounding."""
+    model = sharp_model(True, False)
+    with torch.no_grad():
+        model.generator.proj.bias[EOS_ID] = 1.0  # less sharp: many steps end nothing
+    model = int8_model(model)
+    search = Search(4, 0.6, max_len_a=0.0, max_len_b=5)
+
+    def lists() -> list:
+        kernel, src = Int8Output(model.generator), random_sources([7, 3, 9], vocab=40, seed=4)
+        joinable, got = JoinableSearch(model, search, kernel), {}
+        joinable.add([0, 1], src[:2, :7])
+        for step in range(12):
+            if step == 2:
+                joinable.add([2], src[2:])
+            got.update(joinable.step())
+        return [got[i] for i in range(3)] + decode_beam(model, src, search, kernel=kernel)
+
+    followed = []
+    whole = native.beam_step
+    monkeypatch.setattr(native, "beam_step", lambda *a, **k: followed.append(
+        k.get("totals", a[9] if len(a) > 9 else None) is not None) or whole(*a, **k))
+    ours = lists()
+    with monkeypatch.context() as m:
+        m.setattr(Int8Output, "beam_step", lambda self, *a: None)
+        theirs = lists()
+    assert followed.count(True) >= 4 and followed.count(False) >= 2  # limits reached on some
+    for mine, other in zip(ours, theirs, strict=True):
+        assert [h.ids for h in mine] == [h.ids for h in other] and mine
+        for a, b in zip(mine, other, strict=True):
+            assert a.score == pytest.approx(b.score, abs=1e-5)
+            assert a.log_probs == pytest.approx(b.log_probs, abs=1e-5)
 
 
 def test_the_whole_beam_steps_places_are_made_again_only_when_what_they_point_into_changes(
