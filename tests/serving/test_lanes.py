@@ -6,6 +6,7 @@ settings refused in one line.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing
 import os
 import random
@@ -35,6 +36,7 @@ from aiayn.inference.search import Search  # noqa: E402
 from aiayn.inference.translator import Translator  # noqa: E402
 from aiayn.serving.app import create_app  # noqa: E402
 from aiayn.serving.batcher import Batcher  # noqa: E402
+from aiayn.serving.lanes import LaneProcess  # noqa: E402
 from aiayn.serving.service import ModelService, ServeLimits, serve_info  # noqa: E402
 
 
@@ -61,6 +63,7 @@ def test_lanes_in_processes_answer_each_request_as_alone(run_dir, translator):
     client = TestClient(create_app(service, ServeLimits(max_sentences=8)))
     try:
         assert len(lane_processes(service)) == 2 and service.stats()["lanes"] == 2
+        assert all(lane.searches.ready for lane in service.batcher._lanes)  # before any request
         responses = send_while_held(service, client, MIXED)
         assert_clean_error(responses[-1], 413, "9 sentences in one request")
         for (body, search), response in zip(MIXED[:-1], responses, strict=False):
@@ -136,6 +139,12 @@ def test_a_lane_process_takes_out_the_sentences_of_a_request_whose_client_hung_u
                                  Search(4, 0.6))
         until(lambda: any(lane.owners for lane in batcher._lanes), "a lane to take it")
         batcher.forget(gone)
+
+        def removal_sent() -> bool:  # the lane's thread has taken the removal and sent it
+            with batcher._changed:
+                return not any(lane.removes for lane in batcher._lanes) and not batcher._stepping
+
+        until(removal_sent, "the lane's thread to send the removal")
         for process in processes:
             os.kill(process.pid, signal.SIGCONT)
         until(lambda: service.stats()["passes"] == 1, "the lane to report its search ended")
@@ -193,3 +202,22 @@ def test_lane_processes_decode_in_int8_as_the_server_does(run_dir):
             assert np.allclose(scores, [s for h in hyps for _, s in h], atol=0.05)
     finally:
         service.close()
+
+
+def test_a_lane_process_that_cannot_build_its_model_fails_the_start_in_one_line(translator):
+    """A lane's process that ends before it can decode (here its model's config and weights
+    disagree) is not started again and again: waiting for it raises one line that says so."""
+    model = translator.model
+
+    class Mismatched:  # what LaneProcess reads of a model, with a config its weights do not fit
+        cfg = dataclasses.replace(model.cfg, d_ff=model.cfg.d_ff + 8)
+        state_dict = model.state_dict
+
+    lane = LaneProcess(Mismatched(), False, on_result=lambda result: None,
+                       on_lost=lambda exc: None)
+    try:
+        with pytest.raises(AiaynError, match="ended before it could decode"):
+            lane.wait_ready(timeout=120)
+        assert not lane.ready and not lane.process.is_alive()
+    finally:
+        lane.close()

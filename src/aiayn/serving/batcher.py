@@ -196,6 +196,14 @@ class Batcher:
                 else:
                     lane.searches = LaneSearches(translator.model, translator.bf16,
                                                  translator.kernel)
+            try:  # started together, then each waited for
+                for lane in self._lanes:
+                    if lane.searches.remote:
+                        lane.searches.wait_ready()
+            except AiaynError:
+                for lane in self._lanes:
+                    lane.searches.close()
+                raise
             targets = [lambda lane=lane: self._run_lane(lane) for lane in self._lanes]
         else:
             self._lanes, targets, self.lane_kind = [], [self._run], None

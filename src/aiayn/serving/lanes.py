@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from aiayn.data.batching import pad
+from aiayn.errors import AiaynError
 from aiayn.inference.int8 import Int8Output, int8_decoding
 from aiayn.inference.joinable import JoinableSearch
 from aiayn.inference.search import Hypothesis
@@ -120,6 +121,9 @@ class LaneSearches:
         return torch.autocast(next(self.model.parameters()).device.type, dtype=torch.bfloat16)
 
 
+READY = "ready"  # what a lane's process sends once, when it can decode
+
+
 class LaneLost(RuntimeError):
     """A lane's process ended: the sentences it held are gone."""
 
@@ -130,8 +134,10 @@ class LaneProcess:
     steps; a thread here receives what it finishes and calls ``on_result(Round)``. So the
     server never waits on the child at a step (a round trip per step cost more than it
     saved: a process woken ~40 times per sentence). The child gets the model's config and
-    weights once, at its start. If it ends (killed, out of memory), ``on_lost(LaneLost)``
-    is called and a new child starts."""
+    weights once, at its start, and says when it can decode (``wait_ready``: a server that
+    answered before its lanes had built their models kept its first requests waiting ~2 s).
+    If it ends (killed, out of memory), ``on_lost(LaneLost)`` is called and a new child
+    starts."""
 
     remote = True
 
@@ -144,6 +150,8 @@ class LaneProcess:
         self.on_result, self.on_lost = on_result, on_lost
         self._lock = threading.Lock()  # a send, or the swap to a new child
         self._closing = False
+        self._ready = threading.Event()  # the child has built its model (READY), or failed to
+        self._start_failed: str | None = None  # why the first child ended before it was ready
         self._start()
         self._receiver = threading.Thread(target=self._receive, name="aiayn-lane-results",
                                           daemon=True)
@@ -164,6 +172,19 @@ class LaneProcess:
             with contextlib.suppress(OSError):
                 self._conn.send((adds, list(removes)))
 
+    @property
+    def ready(self) -> bool:
+        """Whether the child has said it can decode."""
+        return self._ready.is_set() and self._start_failed is None
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        """Return once the child can decode (its model built); an AiaynError if it has not
+        within ``timeout`` seconds."""
+        if not self._ready.wait(timeout):
+            raise AiaynError(f"a decoding process of the server did not start within {timeout:g} s")
+        if self._start_failed is not None:
+            raise AiaynError(self._start_failed)
+
     def _receive(self) -> None:
         while True:
             try:
@@ -173,12 +194,20 @@ class LaneProcess:
                     if self._closing:
                         return
                     self.process.join(timeout=5)
+                    if not self._ready.is_set():  # it never could decode: a new one would not
+                        self._start_failed = (f"a decoding process of the server ended before it "
+                                              f"could decode (exit code {self.process.exitcode})")
+                        self._ready.set()
+                        return
                     lost = LaneLost(f"a decoding process of the server ended (exit code "
                                     f"{self.process.exitcode}) with this request's sentences; "
                                     "a new one has started: send it again")
                     self.on_lost(lost)  # before the new child: what it gets is not lost
                     self._conn.close()
                     self._start()
+                continue
+            if result == READY:
+                self._ready.set()
                 continue
             self.on_result(result)
 
@@ -208,6 +237,10 @@ def _lane_main(conn, cfg, state: dict, kernel, bf16: bool, int8: bool) -> None:
     if int8:  # the server decodes in int8 (aiayn.inference.int8)
         model, kernel = int8_decoding(model)
     lane = LaneSearches(model, bf16, kernel)
+    try:
+        conn.send(READY)
+    except OSError:
+        return
     with torch.inference_mode():  # for its life: a search's step need not enter it each time
         _lane_loop(conn, lane)
 
