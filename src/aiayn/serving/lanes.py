@@ -122,6 +122,7 @@ class LaneSearches:
 
 
 READY = "ready"  # what a lane's process sends once, when it can decode
+CANNOT_START = "cannot start"  # or, with why, when it cannot build its model
 
 
 class LaneLost(RuntimeError):
@@ -209,6 +210,11 @@ class LaneProcess:
             if result == READY:
                 self._ready.set()
                 continue
+            if isinstance(result, tuple) and result[0] == CANNOT_START:
+                self._start_failed = f"a decoding process of the server could not start: {result[1]}"
+                self.process.join(timeout=10)  # it ends on its own
+                self._ready.set()
+                return
             self.on_result(result)
 
     def close(self) -> None:
@@ -230,13 +236,18 @@ def _lane_main(conn, cfg, state: dict, kernel, bf16: bool, int8: bool) -> None:
     reports after a step that finished or failed a sentence, with the steps counted since."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the server, which stops us
     torch.set_num_threads(1)
-    model = Transformer(cfg)
-    model.load_state_dict(state)
-    model.eval()
-    del state
-    if int8:  # the server decodes in int8 (aiayn.inference.int8)
-        model, kernel = int8_decoding(model)
-    lane = LaneSearches(model, bf16, kernel)
+    try:
+        model = Transformer(cfg)
+        model.load_state_dict(state)
+        model.eval()
+        del state
+        if int8:  # the server decodes in int8 (aiayn.inference.int8)
+            model, kernel = int8_decoding(model)
+        lane = LaneSearches(model, bf16, kernel)
+    except Exception as exc:  # the server says why in one line, not this process's traceback
+        with contextlib.suppress(OSError):
+            conn.send((CANNOT_START, " ".join(f"{type(exc).__name__}: {exc}".split())))
+        return
     try:
         conn.send(READY)
     except OSError:
