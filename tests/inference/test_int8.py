@@ -585,6 +585,43 @@ def test_the_native_encoder_gives_its_modules_memory(monkeypatch, norm_first, qk
     assert torch.allclose(shared[0], ours[0], atol=1e-5)
 
 
+@pytest.mark.parametrize("qk_norm, avx512", [(True, True), (False, True), (True, False)])
+def test_the_native_memory_kv_is_the_modules_to_the_bit(monkeypatch, qk_norm, avx512):
+    """Each decoder layer's cross-attention K/V of a memory in one call of the kernel
+    (``NativeTransformer.new_cache``: ``native.memory_kv``) are the floats its modules keep
+    (the same int8 product, QK-norm kernel and float16 rounding), of the same shape, with or
+    without QK-norm, on the AVX2 paths as on AVX-512's, for memories of any size; a pass that
+    keeps gradients or records the attention takes the modules."""
+    if not avx512:
+        monkeypatch.setattr(native, "avx512_supported", lambda: False)
+    torch.manual_seed(0)
+    cfg = ModelConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=64, n_heads=4, d_ff=96,
+                      n_encoder_layers=1, n_decoder_layers=2, dropout=0.0, max_len=32,
+                      norm_first=True, qk_norm=qk_norm)
+    model = int8_model(Transformer(cfg).eval())
+    calls, kernel = [], native.memory_kv
+    monkeypatch.setattr(native, "memory_kv", lambda *a: calls.append(a[1].shape) or kernel(*a))
+    for n, S in [(3, 9), (1, 1), (0, 4)]:
+        memory = 4 * torch.randn(n, S, 64)
+        with torch.no_grad():
+            ours, theirs = model.new_cache(memory), Transformer.new_cache(model, memory)
+        assert calls == [(n, S, 64)] * 2
+        calls.clear()
+        for mine, its in zip(ours.layers, theirs.layers, strict=True):
+            for name in ("k", "v"):
+                a, b = mine["cross"][name], its["cross"][name]
+                assert a.dtype == b.dtype == torch.float16 and a.shape == b.shape == (n, 4, S, 16)
+                assert torch.equal(a, b)
+    memory = torch.randn(2, 5, 64)
+    model.new_cache(memory.requires_grad_())  # gradients kept: the modules
+    with torch.no_grad(), capture_attention(model):
+        model.new_cache(memory)
+    assert calls == []
+    with pytest.raises(ValueError, match="memory_kv takes"):
+        native.memory_kv(native.Product.of(model.decoder.layers[0].cross_attn.kv_proj.product),
+                         torch.randn(1, 3, 32), 4, None, 0.0)
+
+
 def sharp_model(norm_first: bool, restricted: bool) -> Transformer:
     """A small random model whose output layer is sharpened and leans to EOS (sentences end
     at several lengths), scoring every piece or (``restricted``) a few of them."""

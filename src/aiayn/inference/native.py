@@ -127,6 +127,9 @@ def _library() -> ctypes.CDLL:
     lib.decoder_layer_step.restype = ctypes.c_int
     lib.encoder_layer.argtypes = [ctypes.POINTER(LayerWeights), pointer, size, size, pointer, ctypes.c_int]
     lib.encoder_layer.restype = ctypes.c_int
+    lib.memory_kv.argtypes = [ctypes.POINTER(Product), pointer, size, size, pointer, ctypes.c_float,
+                              pointer, pointer, ctypes.c_int]
+    lib.memory_kv.restype = ctypes.c_int
     lib.mask_step.argtypes = [pointer, size, size, pointer, size, pointer, size, size, pointer,
                               pointer, ctypes.c_int64]
     lib.mask_step.restype = None
@@ -390,6 +393,25 @@ def encoder_layer(layer: LayerWeights, x: Tensor, may_attend: Tensor,
     if _library().encoder_layer(ctypes.byref(layer), x.data_ptr(), sets, length, may_attend.data_ptr(),
                                 int(_avx512_path(avx512))):
         raise MemoryError(f"an encoder layer could not allocate its scratch for {sets * length} rows")
+
+
+def memory_kv(kv: Product, memory: Tensor, heads: int, k_gain: Tensor | None, eps: float,
+              avx512: bool | None = None) -> tuple[Tensor, Tensor]:
+    """A decoder layer's cross-attention K and V of ``memory`` ((n, S, d_model) float32,
+    contiguous) through its fused product ``kv`` (d_model -> 2 d_model: k | v) and, where
+    ``k_gain`` (d_k) is given, its keys' QK-norm: (n, H, S, d_k) float16 each, views of
+    (n, S, H, d_k) tensors (``layers.c``). The same floats as the modules' ``memory_kv``
+    kept in float16 (``int8.StepAttention``). ``avx512`` as ``PackedInt8``'s."""
+    n, S, d = memory.shape
+    if (kv.k != d or kv.n != 2 * d or d % heads or (d // heads) % 8 or memory.dtype != torch.float32
+            or not memory.is_contiguous() or (k_gain is not None and k_gain.numel() != d // heads)):
+        raise ValueError(f"memory_kv takes contiguous (n, S, {kv.k}) float32 memory, a product of "
+                         f"{kv.k} -> 2 x {kv.k} and heads of a multiple of 8 features")
+    k, v = (torch.empty(n, S, heads, d // heads, dtype=torch.float16) for _ in range(2))
+    if _library().memory_kv(ctypes.byref(kv), memory.data_ptr(), n * S, heads, _pointer(k_gain), eps,
+                            k.data_ptr(), v.data_ptr(), int(_avx512_path(avx512))):
+        raise MemoryError(f"memory_kv could not allocate its scratch for {n * S} rows")
+    return k.transpose(1, 2), v.transpose(1, 2)
 
 
 def mask_step(logits: Tensor, never: Sequence[int], history: np.ndarray | None = None,
