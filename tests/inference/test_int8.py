@@ -168,6 +168,35 @@ def test_the_step_attention_equals_pytorchs(rows, group, keys, masked, kept, avx
     assert torch.allclose(got, reference, atol=1e-5, rtol=1e-5), (got - reference).abs().max()
 
 
+@pytest.mark.parametrize("avx512", [False, True])
+@pytest.mark.parametrize("half", [False, True])
+def test_the_step_attention_sees_each_rows_window_alone(half, avx512):
+    """Rows whose visible keys are a window (masked before, after, both, or everywhere, as a
+    serving lane's rows see the cache from where they joined and their own source's length):
+    PyTorch's attention over the window, zeros for a row that sees nothing, and keys outside
+    the window never read (not-a-number there changes no bit)."""
+    g = torch.Generator().manual_seed(7)
+    rows, heads, d, keys = 10, 4, 64, 45
+    kept = torch.float16 if half else torch.float32
+    q = torch.randn(rows, heads, 1, d, generator=g)
+    k = torch.randn(rows, heads, keys, d, generator=g).to(kept)
+    v = torch.randn(rows, heads, keys, d, generator=g).to(kept)
+    windows = [(0, 45), (9, 45), (0, 17), (8, 16), (13, 30), (44, 45), (0, 1), (20, 20), (3, 41), (16, 40)]
+    mask = torch.zeros(rows, keys, dtype=torch.bool)
+    for r, (a, b) in enumerate(windows):
+        mask[r, a:b] = True
+    mask = mask[:, None, None, :]
+    got = step_attention(q, k, v, mask, avx512=path(avx512))
+    reference, _ = MultiHeadAttention(heads * d, heads).eval().attend(q, k.float(), v.float(), mask,
+                                                                     False, False)
+    seen = mask.reshape(rows, keys).any(1)
+    assert torch.allclose(got[seen], reference[seen], atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[~seen], torch.zeros_like(got[~seen]))
+    hidden = ~mask.reshape(rows, 1, keys, 1).expand_as(k)
+    garbage = [t.masked_fill(hidden, float("nan")) for t in (k, v)]
+    assert torch.equal(step_attention(q, *garbage, mask, avx512=path(avx512)), got)
+
+
 @pytest.mark.parametrize("d, avx512", [(8, False), (16, False), (16, True)])
 def test_the_step_attention_reads_an_indirect_cache_as_pytorch_reads_the_copying_one(d, avx512):
     """Through reorders, joins and trims (``helpers.cache_walk``), the kernel reading the

@@ -178,6 +178,25 @@ DOTS(dots_f16_wide, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd
 WIDE_SUM(weighted_sum_f32_wide, float, load16_f32)
 WIDE_SUM(weighted_sum_f16_wide, uint16_t, load16_f16)
 
+/* The keys a row's softmax reads: from its first visible key rounded down to a multiple of 8
+ * to its last visible one rounded up to a multiple of 8 (at most n), every key when there is no
+ * mask. A serving lane's rows see only the cache's columns from where their sentence joined,
+ * and cross-attention only its own source, not the padding to the longest: the keys outside
+ * are masked, and would cost their products and exponentials for nothing. Whole blocks of 8
+ * from a multiple of 8 leave every sum as it was to the bit: the blocks keep their places, and
+ * what falls out added zeros (and skipped weights) to its lanes. No visible key: an empty
+ * window. */
+static void window(const uint8_t *visible, long n, long *first, long *end) {
+  *first = 0;
+  *end = n;
+  if (!visible) return;
+  long lo = 0, hi = n;
+  while (lo < n && !visible[lo]) lo++;
+  while (hi > lo && !visible[hi - 1]) hi--;
+  *first = lo & ~7L;
+  *end = hi == lo ? *first : ((hi + 7) & ~7L) < n ? ((hi + 7) & ~7L) : n;
+}
+
 /* Row r, head h: q at q + r * q_row + h * d. Its key j of head h is at k + slot * k_row +
  * h * k_head + j * k_pos (v alike, with v's strides), where slot is its key set r / group,
  * or, given `ancestry` (group 1: a cache that keeps each position where it was written),
@@ -214,20 +233,22 @@ int step_attention(const float *q, long q_row, long rows, long group, long heads
   const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
   long *at_v = at + n_keys;
   long placed = -1; /* the key set whose offsets at and at_v hold */
+  long first = 0, end = n_keys; /* its window: the keys from `first` to `end` (see window()) */
   for (long r = 0; r < rows; r++) {
     const long s = r / group;
     const uint8_t *visible = mask ? mask + s * mask_row : 0;
     if (ancestry || s != placed) { /* a group's rows share one set's offsets: placed once */
-      long j = 0;
+      window(visible, n_keys, &first, &end);
+      long j = first;
       if (ancestry)
-        for (; j < written; j++) {
+        for (; j < written && j < end; j++) {
           const long slot = ancestry[r * ancestry_row + j];
           at[j] = slot * k_row + j * k_pos;
           at_v[j] = slot * v_row + j * v_pos;
         }
       /* the rest one stride apart: additions (a product per key, vectorized as 64-bit
          multiplications emulated, took most of this function's time) */
-      for (long kj = s * k_row + j * k_pos, vj = s * v_row + j * v_pos; j < n_keys;
+      for (long kj = s * k_row + j * k_pos, vj = s * v_row + j * v_pos; j < end;
            j++, kj += k_pos, vj += v_pos) {
         at[j] = kj;
         at_v[j] = vj;
@@ -237,14 +258,16 @@ int step_attention(const float *q, long q_row, long rows, long group, long heads
     for (long h = 0; h < heads; h++) {
       float *o = out + r * out_row + h * d;
       if (half)
-        dots_f16_at(q + r * q_row + h * d, (const uint16_t *)k + h * k_head, at, n_keys, d, scores);
+        dots_f16_at(q + r * q_row + h * d, (const uint16_t *)k + h * k_head, at + first, end - first, d,
+                    scores + first);
       else
-        dots_f32_at(q + r * q_row + h * d, (const float *)k + h * k_head, at, n_keys, d, scores);
+        dots_f32_at(q + r * q_row + h * d, (const float *)k + h * k_head, at + first, end - first, d,
+                    scores + first);
       /* scale, mask, and the largest score (softmax's shift) */
       __m256 top = minus_inf;
-      long j = 0;
+      long j = first;
       const __m256 scale8 = _mm256_set1_ps(scale);
-      for (; j + 8 <= n_keys; j += 8) {
+      for (; j + 8 <= end; j += 8) {
         __m256 x = _mm256_mul_ps(_mm256_loadu_ps(scores + j), scale8);
         if (visible) {
           const __m128i bytes = _mm_loadl_epi64((const __m128i *)(visible + j));
@@ -256,7 +279,7 @@ int step_attention(const float *q, long q_row, long rows, long group, long heads
         top = _mm256_max_ps(top, x);
       }
       float largest = max8(top);
-      for (; j < n_keys; j++) {
+      for (; j < end; j++) {
         scores[j] = (!visible || visible[j]) ? scores[j] * scale : -INFINITY;
         largest = scores[j] > largest ? scores[j] : largest;
       }
@@ -267,21 +290,21 @@ int step_attention(const float *q, long q_row, long rows, long group, long heads
       /* w_j = e^(x_j - max) / sum */
       const __m256 shift = _mm256_set1_ps(largest);
       __m256 total8 = _mm256_setzero_ps();
-      for (j = 0; j + 8 <= n_keys; j += 8) {
+      for (j = first; j + 8 <= end; j += 8) {
         const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + j), shift));
         _mm256_storeu_ps(scores + j, e);
         total8 = _mm256_add_ps(total8, e);
       }
       float total = sum8(total8);
-      for (; j < n_keys; j++) {
+      for (; j < end; j++) {
         scores[j] = scores[j] == -INFINITY ? 0.0f : expf(scores[j] - largest);
         total += scores[j];
       }
       const float inverse = 1.0f / total;
       if (half)
-        sum_f16_at(scores, (const uint16_t *)v + h * v_head, at_v, n_keys, d, o);
+        sum_f16_at(scores + first, (const uint16_t *)v + h * v_head, at_v + first, end - first, d, o);
       else
-        sum_f32_at(scores, (const float *)v + h * v_head, at_v, n_keys, d, o);
+        sum_f32_at(scores + first, (const float *)v + h * v_head, at_v + first, end - first, d, o);
       const __m256 inverse8 = _mm256_set1_ps(inverse);
       for (long c = 0; c < d; c += 8) _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(o + c), inverse8));
     }
