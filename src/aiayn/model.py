@@ -485,6 +485,11 @@ class Transformer(nn.Module):
         x = self.tgt_pos(self.tgt_embed(tgt), offset=offset)
         return self.decoder(x, memory, padding_mask(src_pad), cache)
 
+    def encoded_cache(self, src: Tensor, src_pad: Tensor | None = None) -> KVCache:
+        """``new_cache(encode(src, src_pad))``: a cache whose cross-attention K/V are those of
+        ``src``'s memory (sentences joining a running search), the memory not kept."""
+        return self.new_cache(self.encode(src, src_pad))
+
     def new_cache(self, memory: Tensor | None = None) -> KVCache:
         """An empty decoding cache (``indirect_cache``: aiayn.inference.int8's decoder reads one); with
         ``memory`` its cross-attention K/V computed now, not at the first step (to ``join`` one)."""

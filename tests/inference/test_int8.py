@@ -535,10 +535,12 @@ def test_the_native_step_embeds_and_decodes_as_the_models_decode(monkeypatch, no
                       norm_first=norm_first)
     model = int8_model(Transformer(cfg).eval())
     assert isinstance(model, NativeTransformer)
-    embedded, embed = [], native.embed_step
+    embedded, embed, encoded, encode = [], native.embed_step, [], native.encode_memory
     monkeypatch.setattr(native, "embed_step", lambda *a: embedded.append(1) or embed(*a))
+    monkeypatch.setattr(native, "encode_memory", lambda *a: encoded.append(1) or encode(*a))
     ours = joined_and_reordered(model)
-    assert len(embedded) == 5 + 2  # every step but the first, and the two joins' encodings
+    assert len(embedded) == 5  # every step but the first
+    assert len(encoded) == 2  # the two joins' encodings
     with monkeypatch.context() as m:
         m.setattr(NativeTransformer, "decode", Transformer.decode)
         theirs = joined_and_reordered(model)
@@ -649,6 +651,48 @@ def test_the_native_memory_kv_is_the_modules_to_the_bit(monkeypatch, qk_norm, av
     with pytest.raises(ValueError, match="memory_kv takes"):
         native.memory_kv(native.Product.of(model.decoder.layers[0].cross_attn.kv_proj.product),
                          torch.randn(1, 3, 32), 4, None, 0.0)
+
+
+@pytest.mark.parametrize("norm_first, qk_norm, avx512", [(True, True, True), (False, False, True),
+                                                         (True, True, False)])
+def test_the_native_encoded_cache_is_encode_then_new_cache(monkeypatch, norm_first, qk_norm, avx512):
+    """Sentences joining a search get the encoder and every decoder layer's cross-attention K/V
+    in one call of the kernel (``NativeTransformer.encoded_cache``: ``native.encode_memory``):
+    the floats of ``encode`` then ``new_cache`` (which a batch's first step computes) to the
+    bit, of their shapes and dtype, padded sentences as if alone up to rounding; a pass that
+    keeps gradients or records the attention takes the modules; an id outside the embedding is
+    a ValueError."""
+    if not avx512:
+        monkeypatch.setattr(native, "avx512_supported", lambda: False)
+    torch.manual_seed(0)
+    cfg = ModelConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=64, n_heads=4, d_ff=96,
+                      n_encoder_layers=2, n_decoder_layers=2, dropout=0.0, max_len=32,
+                      norm_first=norm_first, qk_norm=qk_norm)
+    model = int8_model(Transformer(cfg).eval())
+    calls, kernel = [], native.encode_memory
+    monkeypatch.setattr(native, "encode_memory", lambda *a: calls.append(a[1].shape) or kernel(*a))
+    src = torch.randint(4, 40, (3, 9), generator=torch.Generator().manual_seed(1))
+    src[1, 5:], src[2, 2:] = cfg.pad_id, cfg.pad_id
+    kept = ~model.src_pad_mask(src)
+    with torch.no_grad():
+        ours, theirs = model.encoded_cache(src), Transformer.encoded_cache(model, src)
+        assert calls == [(3, 9)]
+        alone = [model.encoded_cache(src[i:i + 1, :int(kept[i].sum())]) for i in range(3)]
+    for layer, (mine, its) in enumerate(zip(ours.layers, theirs.layers, strict=True)):
+        for name in ("k", "v"):
+            a, b = mine["cross"][name], its["cross"][name]
+            assert a.dtype == b.dtype == torch.float16 and a.shape == b.shape == (3, 4, 9, 16)
+            assert torch.equal(a, b)
+            for i in range(3):  # padding changes nothing but rounding
+                own = alone[i].layers[layer]["cross"][name][0]
+                assert torch.allclose(a[i][:, :own.size(1)].float(), own.float(), atol=2e-3, rtol=2e-3)
+    calls.clear()
+    model.encoded_cache(src)  # gradients kept: the modules
+    with torch.no_grad(), capture_attention(model):
+        model.encoded_cache(src)
+    assert calls == []
+    with torch.no_grad(), pytest.raises(ValueError, match="outside the tables"):
+        model.encoded_cache(torch.full((1, 3), 40))
 
 
 def sharp_model(norm_first: bool, restricted: bool) -> Transformer:

@@ -274,7 +274,10 @@ class NativeTransformer(Transformer):
         may_attend = (~src_pad).to(torch.uint8).contiguous()
         for weights in self._encoder_weights:
             native.encoder_layer(weights, x, may_attend)
-        return self.encoder.norm(x)
+        norm = self.encoder.norm  # as encode_memory computes it (encoded_cache): the same floats
+        if isinstance(norm, nn.LayerNorm) and norm.weight is not None and norm.bias is not None:
+            return native.layer_norm(x, norm.weight, norm.bias, norm.eps)
+        return norm(x)
 
     @property
     def _encoder_weights(self) -> list[native.LayerWeights] | None:
@@ -284,6 +287,61 @@ class NativeTransformer(Transformer):
             weights = [_layer_weights(layer) for layer in self.encoder.layers]
             self.__dict__["_native_encoder"] = None if None in weights else weights
         return self.__dict__["_native_encoder"]
+
+    def encoded_cache(self, src: Tensor, src_pad: Tensor | None = None):
+        """``Transformer.encoded_cache``: with the kernel, the encoder and each decoder layer's
+        cross-attention K/V in one call (``native.encode_memory``: ``encode`` and ``new_cache``
+        made a dozen calls from Python, ~0.2 ms of a sentence joining a serving lane), the same
+        floats as they give (``encode``'s final LayerNorm is the kernel's too)."""
+        weights = self._memory_weights
+        if (weights is None or self.training or not src.is_cpu or torch.is_grad_enabled()
+                or torch.is_autocast_enabled("cpu") or src.dim() != 2 or 0 in src.shape
+                or src.size(1) > self.src_pos.max_len
+                or any(layer.self_attn.record_weights for layer in self.encoder.layers)
+                or any(attn.record_weights for attn, _, _ in self._memory_layers)):
+            return super().encoded_cache(src, src_pad)
+        self._check_ids(src, "src")
+        src_pad = self.src_pad_mask(src) if src_pad is None else src_pad
+        if src_pad.shape != src.shape:
+            return super().encoded_cache(src, src_pad)
+        may_attend = (~src_pad).to(torch.uint8).contiguous()
+        cache = Transformer.new_cache(self)
+        kept = native.encode_memory(weights, src, may_attend, self.cfg.d_model)
+        for (k, v), layer_cache in zip(kept, cache.layers, strict=True):
+            layer_cache["cross"].update(k=k, v=v)
+        return cache
+
+    @property
+    def _memory_weights(self) -> native.MemoryWeights | None:
+        """What ``native.encode_memory`` takes, gathered at the first call (None where the kernel
+        cannot compute the encoder or a decoder layer's memory K/V)."""
+        if "_native_memory_weights" not in self.__dict__:
+            self.__dict__["_native_memory_weights"] = self._gather_memory_weights()
+        return self.__dict__["_native_memory_weights"]
+
+    def _gather_memory_weights(self) -> native.MemoryWeights | None:
+        encoder, memory = self._encoder_weights, self._memory_layers
+        norm = self.encoder.norm
+        final = isinstance(norm, nn.LayerNorm) and norm.weight is not None and norm.bias is not None
+        if (encoder is None or memory is None or not (final or isinstance(norm, nn.Identity))
+                or len({attn.n_heads for attn, _, _ in memory}) != 1
+                or len({attn.k_norm.eps for attn, _, gain in memory if gain is not None}) > 1):
+            return None
+        embedding, table = self.src_embed.embedding.weight.detach(), self.src_pos.table
+        if (embedding.dtype != torch.float32 or table.dtype != torch.float32 or not embedding.is_contiguous()
+                or not table.is_contiguous()):
+            return None
+        gains = [gain for _, _, gain in memory]
+        weights = native.MemoryWeights(
+            (native.LayerWeights * len(encoder))(*encoder), len(encoder), embedding.data_ptr(),
+            table.data_ptr(), embedding.size(0), table.size(0), self.src_embed.scale,
+            norm.weight.data_ptr() if final else None, norm.bias.data_ptr() if final else None,
+            norm.eps if final else 0.0, (native.Product * len(memory))(*(p for _, p, _ in memory)),
+            (ctypes.c_void_p * len(memory))(*(None if g is None else g.data_ptr() for g in gains)),
+            len(memory), memory[0][0].n_heads,
+            next((attn.k_norm.eps for attn, _, gain in memory if gain is not None), 0.0))
+        weights.keep = [embedding, table, gains, encoder, memory]  # alive with it
+        return weights
 
     def new_cache(self, memory: Tensor | None = None):
         """``Transformer.new_cache``, with the memory's cross-attention K/V of each decoder layer

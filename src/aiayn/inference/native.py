@@ -122,6 +122,8 @@ def _library() -> ctypes.CDLL:
     lib.top_log_softmax.restype = None
     lib.rms_norm.argtypes = [pointer, size, size, pointer, ctypes.c_float]
     lib.rms_norm.restype = None
+    lib.layer_norm.argtypes = [pointer, size, size, pointer, pointer, ctypes.c_float, pointer]
+    lib.layer_norm.restype = None
     lib.decoder_layer_step.argtypes = [ctypes.POINTER(LayerWeights), ctypes.POINTER(StepPlaces),
                                        pointer, size, ctypes.c_int]
     lib.decoder_layer_step.restype = ctypes.c_int
@@ -130,6 +132,9 @@ def _library() -> ctypes.CDLL:
     lib.memory_kv.argtypes = [ctypes.POINTER(Product), pointer, size, size, pointer, ctypes.c_float,
                               pointer, pointer, ctypes.c_int]
     lib.memory_kv.restype = ctypes.c_int
+    lib.encode_memory.argtypes = [ctypes.POINTER(MemoryWeights), pointer, size, size, pointer, pointer,
+                                  pointer, ctypes.c_int]
+    lib.encode_memory.restype = ctypes.c_int
     lib.mask_step.argtypes = [pointer, size, size, pointer, size, pointer, size, size, pointer,
                               pointer, ctypes.c_int64]
     lib.mask_step.restype = None
@@ -300,6 +305,19 @@ def rms_norm(x: Tensor, gain: Tensor, eps: float) -> Tensor:
     return out
 
 
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last dimension, a new contiguous
+    float32 tensor (torch.nn.LayerNorm's values up to rounding; a multiple of 8 features): the
+    encoder's final norm as ``encode_memory`` computes it, so that a memory and the K/V made
+    from it agree to the bit whichever way they are made."""
+    out = torch.empty(x.shape)
+    x = x.contiguous()
+    d = x.size(-1)
+    _library().layer_norm(x.data_ptr(), x.numel() // d, d, weight.data_ptr(), bias.data_ptr(), eps,
+                          out.data_ptr())
+    return out
+
+
 def log_softmax(x: Tensor, avx512: bool | None = None) -> Tensor:
     """log softmax over the last dimension of float32 CPU x (torch.log_softmax's values up to
     rounding), a new contiguous tensor: a search's log-probabilities in one pass of AVX2's
@@ -412,6 +430,47 @@ def memory_kv(kv: Product, memory: Tensor, heads: int, k_gain: Tensor | None, ep
                             k.data_ptr(), v.data_ptr(), int(_avx512_path(avx512))):
         raise MemoryError(f"memory_kv could not allocate its scratch for {n * S} rows")
     return k.transpose(1, 2), v.transpose(1, 2)
+
+
+class MemoryWeights(ctypes.Structure):
+    """The encoder and each decoder layer's memory product for ``encode_memory`` (``layers.c``'s
+    ``Memory``): its layers' ``LayerWeights``, the source embedding and sinusoid table, the
+    final LayerNorm (None after post-norm layers), the decoder layers' cross-attention K/V
+    ``Product``s and their keys' QK-norm gains (None: none); pointers into tensors that whoever
+    fills it keeps alive and unchanged."""
+
+    _fields_ = [("layers", ctypes.POINTER(LayerWeights)), ("n_layers", ctypes.c_long),
+                ("embedding", ctypes.c_void_p), ("table", ctypes.c_void_p), ("vocab", ctypes.c_long),
+                ("positions", ctypes.c_long), ("scale", ctypes.c_float), ("norm_gain", ctypes.c_void_p),
+                ("norm_bias", ctypes.c_void_p), ("norm_eps", ctypes.c_float),
+                ("kv", ctypes.POINTER(Product)), ("k_gain", ctypes.POINTER(ctypes.c_void_p)),
+                ("n_decoder", ctypes.c_long), ("heads", ctypes.c_long), ("qk_eps", ctypes.c_float)]
+
+
+def encode_memory(weights: MemoryWeights, src: Tensor, may_attend: Tensor, d_model: int,
+                  avx512: bool | None = None) -> list[tuple[Tensor, Tensor]]:
+    """Sentences' (n, S) source ids (padded; ``may_attend`` (n, S) uint8, nonzero where not
+    padding) through the encoder to each decoder layer's cross-attention K and V, (n, H, S,
+    d_k) float16 each, views of (n, S, H, d_k) tensors (``layers.c``): ``memory_kv`` of the
+    encoder's memory, in one call. A ValueError for an id outside the embedding or a sentence
+    longer than the positions. ``avx512`` as ``PackedInt8``'s."""
+    n, S = src.shape
+    if may_attend.shape != (n, S) or may_attend.dtype != torch.uint8 or not may_attend.is_contiguous():
+        raise ValueError(f"encode_memory takes a contiguous ({n}, {S}) uint8 mask")
+    src = src.to(torch.long).contiguous()
+    heads = weights.heads
+    kept = [tuple(torch.empty(n, S, heads, d_model // heads, dtype=torch.float16) for _ in range(2))
+            for _ in range(weights.n_decoder)]
+    keys = (ctypes.c_void_p * len(kept))(*(k.data_ptr() for k, _ in kept))
+    values = (ctypes.c_void_p * len(kept))(*(v.data_ptr() for _, v in kept))
+    failed = _library().encode_memory(ctypes.byref(weights), src.data_ptr(), n, S, may_attend.data_ptr(),
+                                      keys, values, int(_avx512_path(avx512)))
+    if failed == -2:
+        raise ValueError(f"source ids or positions outside the tables ({weights.vocab} ids, "
+                         f"{weights.positions} positions)")
+    if failed:
+        raise MemoryError(f"encode_memory could not allocate its scratch for {n * S} rows")
+    return [(k.transpose(1, 2), v.transpose(1, 2)) for k, v in kept]
 
 
 def mask_step(logits: Tensor, never: Sequence[int], history: np.ndarray | None = None,

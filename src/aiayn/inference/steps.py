@@ -201,7 +201,7 @@ class DecoderState:
         """Encode ``src`` (n, S) and add its rows (``copies`` per sentence) at the next
         step; returns their (n, S) source padding mask."""
         src_pad = self.model.src_pad_mask(src)
-        self.cache.join(self.model.new_cache(self.model.encode(src, src_pad)), copies)
+        self.cache.join(self.model.encoded_cache(src, src_pad), copies)
         width = max(self.src_pad.size(1), src.size(1))  # padded on the right, masked
         self.src_pad = torch.cat([F.pad(self.src_pad, (0, width - self.src_pad.size(1)), value=True),
                                   F.pad(src_pad, (0, width - src.size(1)), value=True)])
