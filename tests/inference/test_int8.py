@@ -173,8 +173,9 @@ def test_the_step_attention_equals_pytorchs(rows, group, keys, masked, kept, avx
 def test_the_step_attention_sees_each_rows_window_alone(half, avx512):
     """Rows whose visible keys are a window (masked before, after, both, or everywhere, as a
     serving lane's rows see the cache from where they joined and their own source's length):
-    PyTorch's attention over the window, zeros for a row that sees nothing, and keys outside
-    the window never read (not-a-number there changes no bit)."""
+    PyTorch's attention over the window, zeros for a row that sees nothing, and nothing of the
+    keys outside it in the result (not-a-number there changes no bit). (That the window leaves
+    every float as the whole row's masked pass gave it is not visible from outside.)"""
     g = torch.Generator().manual_seed(7)
     rows, heads, d, keys = 10, 4, 64, 45
     kept = torch.float16 if half else torch.float32
@@ -651,6 +652,8 @@ def test_the_native_memory_kv_is_the_modules_to_the_bit(monkeypatch, qk_norm, av
     with pytest.raises(ValueError, match="memory_kv takes"):
         native.memory_kv(native.Product.of(model.decoder.layers[0].cross_attn.kv_proj.product),
                          torch.randn(1, 3, 32), 4, None, 0.0)
+    with pytest.raises(ValueError, match="layer_norm takes"):  # 12 features: not a multiple of 8
+        native.layer_norm(torch.randn(2, 12), torch.ones(12), torch.zeros(12), 1e-5)
 
 
 @pytest.mark.parametrize("norm_first, qk_norm, avx512", [(True, True, True), (False, False, True),
@@ -658,10 +661,10 @@ def test_the_native_memory_kv_is_the_modules_to_the_bit(monkeypatch, qk_norm, av
 def test_the_native_encoded_cache_is_encode_then_new_cache(monkeypatch, norm_first, qk_norm, avx512):
     """Sentences joining a search get the encoder and every decoder layer's cross-attention K/V
     in one call of the kernel (``NativeTransformer.encoded_cache``: ``native.encode_memory``):
-    the floats of ``encode`` then ``new_cache`` (which a batch's first step computes) to the
-    bit, of their shapes and dtype, padded sentences as if alone up to rounding; a pass that
-    keeps gradients or records the attention takes the modules; an id outside the embedding is
-    a ValueError."""
+    the floats of ``encode`` then ``new_cache`` (which a batch's first step computes; the
+    memory_kv test above holds new_cache's to the modules') to the bit, of their shapes and
+    dtype, padded sentences as if alone up to rounding; a pass that keeps gradients or records
+    the attention takes the modules; an id outside the embedding is a ValueError."""
     if not avx512:
         monkeypatch.setattr(native, "avx512_supported", lambda: False)
     torch.manual_seed(0)

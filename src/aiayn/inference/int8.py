@@ -16,9 +16,9 @@ they decode (a loaded run's do not).
 
 int8 changes the translations a little (held to a BLEU and agreement tolerance, not to
 exactness: tests/inference/test_int8.py); fp32 stays the reference of every exactness test.
-The figures: docs/translating.md#int8-decoding. At about 530 lines the module is over the
-house's ~500: the int8 model's modules, its whole-step call and the places that call reads
-are one contract with the kernels, and read best together.
+The figures: docs/translating.md#int8-decoding. At about 630 lines the module is over the
+house's ~500: the int8 model's modules, its whole-step and joining calls and the places and
+weights those calls read are one contract with the kernels, and read best together.
 """
 
 from __future__ import annotations
@@ -323,7 +323,7 @@ class NativeTransformer(Transformer):
         encoder, memory = self._encoder_weights, self._memory_layers
         norm = self.encoder.norm
         final = isinstance(norm, nn.LayerNorm) and norm.weight is not None and norm.bias is not None
-        if (encoder is None or memory is None or not (final or isinstance(norm, nn.Identity))
+        if (not encoder or memory is None or not (final or isinstance(norm, nn.Identity))
                 or len({attn.n_heads for attn, _, _ in memory}) != 1
                 or len({attn.k_norm.eps for attn, _, gain in memory if gain is not None}) > 1):
             return None

@@ -15,6 +15,10 @@
  *   FFN(x) = max(0, x W1 + b1) W2 + b2                                   (eq. 2)
  *   (an encoder layer: the same without CrossAttn, its FFN's norm the second)
  *
+ * A sentence joining a search goes from its source ids to every decoder layer's memory keys
+ * and values in one call too (`encode_memory`: the encoder, its final layer_norm, and each
+ * layer's `memory_kv`).
+ *
  * Self-attention's new key and value of each row are written, as float16, into its own slot
  * of the cache's store at `position` (aiayn/cache.py: Store, position-major), then read with
  * the row's ancestry, as the Python path writes and reads them. */
@@ -59,7 +63,8 @@ typedef struct { /* where a step reads and writes: the cache and the masks */
   long ancestry_row, written;
   const uint8_t *self_mask;   /* (rows or 1, position + 1) may-attend, or NULL */
   long self_mask_row;
-  const void *cross_k, *cross_v; /* the memory's K/V, (sets, H, S, d_k), float16 or float32 */
+  const void *cross_k, *cross_v; /* the memory's K/V, (sets, H, S, d_k) by the strides below
+                                    (encode_memory writes them position-major), float16 or float32 */
   long ck_row, ck_head, ck_pos, cv_row, cv_head, cv_pos, sources, group, cross_half;
   const uint8_t *src_mask;    /* (sets or 1, S) may-attend, or NULL */
   long src_mask_row;

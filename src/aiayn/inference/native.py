@@ -3,7 +3,9 @@ through ctypes: the int8 product ``PackedInt8`` (``int8_linear.c`` beside this f
 comment has the arithmetic) and a step's one-query attention, QK-norm and log-softmax
 (``step_attention``, ``rms_norm``, ``log_softmax``, ``top_log_softmax``: ``step_attention.c``),
 an encoder layer and a decoder layer's whole step made of them (``encoder_layer``,
-``decoder_layer_step``: ``layers.c``), a beam step's work between the model and the
+``decoder_layer_step``: ``layers.c``), a joining sentence's encoding and each decoder
+layer's memory keys and values (``memory_kv``, ``encode_memory``, with the encoder's final
+``layer_norm``: ``layers.c``), a beam step's work between the model and the
 bookkeeping (``mask_step``, ``beam_choose``: ``search_step.c``), and a whole beam step from
 the tokens to the choice in one call (``beam_step``); ``aiayn.inference.int8`` puts them in
 the encoder, the decoder, the output layer and the searches' steps. Over 500 lines because
@@ -310,9 +312,12 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
     float32 tensor (torch.nn.LayerNorm's values up to rounding; a multiple of 8 features): the
     encoder's final norm as ``encode_memory`` computes it, so that a memory and the K/V made
     from it agree to the bit whichever way they are made."""
-    out = torch.empty(x.shape)
-    x = x.contiguous()
     d = x.size(-1)
+    if (x.dtype != torch.float32 or not x.is_cpu or d % 8 or any(
+            t.dtype != torch.float32 or t.shape != (d,) or not t.is_contiguous() for t in (weight, bias))):
+        raise ValueError("layer_norm takes float32 CPU input of a multiple of 8 features and a "
+                         "float32 weight and bias of as many")
+    out, x = torch.empty(x.shape, dtype=torch.float32), x.contiguous()
     _library().layer_norm(x.data_ptr(), x.numel() // d, d, weight.data_ptr(), bias.data_ptr(), eps,
                           out.data_ptr())
     return out

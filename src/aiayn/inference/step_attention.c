@@ -183,9 +183,9 @@ WIDE_SUM(weighted_sum_f16_wide, uint16_t, load16_f16)
  * mask. A serving lane's rows see only the cache's columns from where their sentence joined,
  * and cross-attention only its own source, not the padding to the longest: the keys outside
  * are masked, and would cost their products and exponentials for nothing. Whole blocks of 8
- * from a multiple of 8 leave every sum as it was to the bit: the blocks keep their places, and
- * what falls out added zeros (and skipped weights) to its lanes. No visible key: an empty
- * window. */
+ * from a multiple of 8 leave every sum as it was to the bit (of finite scores): the blocks keep
+ * their places, and what falls out added zeros (and skipped weights) to its lanes. No visible
+ * key: an empty window. */
 static void window(const uint8_t *visible, long n, long *first, long *end) {
   *first = 0;
   *end = n;
