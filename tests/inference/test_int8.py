@@ -579,6 +579,21 @@ def test_the_native_decoder_layer_gives_its_modules_logits(monkeypatch, norm_fir
         assert torch.allclose(ours, theirs, atol=1e-4), (ours - theirs).abs().max()
 
 
+def small_int8_encoder(monkeypatch, avx512: bool, norm_first: bool, qk_norm: bool,
+                       decoder_layers: int) -> tuple[Transformer, torch.Tensor]:
+    """A small random model's int8 copy (two encoder layers) on the AVX2 paths or AVX-512's,
+    and three sources of 9, 5 and 2 tokens padded together."""
+    if not avx512:
+        monkeypatch.setattr(native, "avx512_supported", lambda: False)
+    torch.manual_seed(0)
+    cfg = ModelConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=64, n_heads=4, d_ff=96,
+                      n_encoder_layers=2, n_decoder_layers=decoder_layers, dropout=0.0, max_len=32,
+                      norm_first=norm_first, qk_norm=qk_norm)
+    src = torch.randint(4, 40, (3, 9), generator=torch.Generator().manual_seed(1))
+    src[1, 5:], src[2, 2:] = cfg.pad_id, cfg.pad_id
+    return int8_model(Transformer(cfg).eval()), src
+
+
 @pytest.mark.parametrize("norm_first, qk_norm, avx512", [(True, True, True), (False, False, True),
                                                          (True, True, False)])
 def test_the_native_encoder_gives_its_modules_memory(monkeypatch, norm_first, qk_norm, avx512):
@@ -587,17 +602,9 @@ def test_the_native_encoder_gives_its_modules_memory(monkeypatch, norm_first, qk
     and additions in C, equal up to rounding) for sentences of several lengths padded
     together, each as if alone; on the AVX2 paths as on AVX-512's. A pass that keeps
     gradients or records the attention takes the modules."""
-    if not avx512:
-        monkeypatch.setattr(native, "avx512_supported", lambda: False)
-    torch.manual_seed(0)
-    cfg = ModelConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=64, n_heads=4, d_ff=96,
-                      n_encoder_layers=2, n_decoder_layers=1, dropout=0.0, max_len=32,
-                      norm_first=norm_first, qk_norm=qk_norm)
-    model = int8_model(Transformer(cfg).eval())
+    model, src = small_int8_encoder(monkeypatch, avx512, norm_first, qk_norm, decoder_layers=1)
     calls, layer = [], native.encoder_layer
     monkeypatch.setattr(native, "encoder_layer", lambda *a: calls.append(a[1].shape) or layer(*a))
-    src = torch.randint(4, 40, (3, 9), generator=torch.Generator().manual_seed(1))
-    src[1, 5:], src[2, 2:] = cfg.pad_id, cfg.pad_id
     kept = ~model.src_pad_mask(src)
     with torch.no_grad():
         ours = model.encode(src)
@@ -665,17 +672,9 @@ def test_the_native_encoded_cache_is_encode_then_new_cache(monkeypatch, norm_fir
     memory_kv test above holds new_cache's to the modules') to the bit, of their shapes and
     dtype, padded sentences as if alone up to rounding; a pass that keeps gradients or records
     the attention takes the modules; an id outside the embedding is a ValueError."""
-    if not avx512:
-        monkeypatch.setattr(native, "avx512_supported", lambda: False)
-    torch.manual_seed(0)
-    cfg = ModelConfig(src_vocab_size=40, tgt_vocab_size=40, d_model=64, n_heads=4, d_ff=96,
-                      n_encoder_layers=2, n_decoder_layers=2, dropout=0.0, max_len=32,
-                      norm_first=norm_first, qk_norm=qk_norm)
-    model = int8_model(Transformer(cfg).eval())
+    model, src = small_int8_encoder(monkeypatch, avx512, norm_first, qk_norm, decoder_layers=2)
     calls, kernel = [], native.encode_memory
     monkeypatch.setattr(native, "encode_memory", lambda *a: calls.append(a[1].shape) or kernel(*a))
-    src = torch.randint(4, 40, (3, 9), generator=torch.Generator().manual_seed(1))
-    src[1, 5:], src[2, 2:] = cfg.pad_id, cfg.pad_id
     kept = ~model.src_pad_mask(src)
     with torch.no_grad():
         ours, theirs = model.encoded_cache(src), Transformer.encoded_cache(model, src)
