@@ -297,3 +297,26 @@ def test_translate_file_times_the_command_against_one_batch(run_dir, tmp_path, m
     assert {"command", "commit", "cpu", "torch", "load", "date"} <= set(
         record["conditions"]["30000-lines-beam1"])
     assert "ratio" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- kernel_ab.py, quick
+def test_kernel_ab_compares_the_kernels_of_two_revisions_in_one_process(run_dir, tmp_path,
+                                                                        monkeypatch, capsys):
+    """benchmarks/kernel_ab.py against this checkout's own revision: both libraries decode
+    the same translations and a ratio per size comes out (near 1 here, but a tiny model's
+    passes are too short to hold it to that); a revision git does not know is one line."""
+    from aiayn.inference import native
+
+    if not native.cpu_supported():
+        pytest.skip("int8 decoding needs AVX2")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    main = runpy.run_path(str(BENCHMARKS / "kernel_ab.py"))["main"]
+    out = tmp_path / "ab.json"
+    main(["--run-dir", str(run_dir), "--against", "HEAD", "--sizes", "1,4", "--limit", "12",
+          "--pairs", "2", "--json", str(out)])
+    record = json.loads(out.read_text(encoding="utf-8"))
+    assert [row[0] for row in record["rows"]] == ["1", "4"]
+    assert all(row[4] == "yes" and float(row[1]) > 0 for row in record["rows"])
+    assert "against those of HEAD" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--against no-such-rev: git cannot show"):
+        main(["--run-dir", str(run_dir), "--against", "no-such-rev", "--limit", "2"])
