@@ -258,26 +258,32 @@ class NativeTransformer(Transformer):
     up to rounding (the attention is ``native.step_attention``'s, not PyTorch's)."""
 
     def encode(self, src: Tensor, src_pad: Tensor | None = None) -> Tensor:
-        layers = self.encoder.layers
-        if (self.training or not src.is_cpu or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu")
-                or src.dim() != 2 or 0 in src.shape or src.size(1) > self.src_pos.max_len
-                or any(layer.self_attn.record_weights for layer in layers)
-                or self._encoder_weights is None):
-            return super().encode(src, src_pad)
-        self._check_ids(src, "src")
-        src_pad = self.src_pad_mask(src) if src_pad is None else src_pad
-        if src_pad.shape != src.shape:  # a mask that broadcasts: the modules take it
+        may_attend = self._kernel_encodes(src, src_pad) if self._encoder_weights is not None else None
+        if may_attend is None:
             return super().encode(src, src_pad)
         n, S = src.shape
         x = native.embed_step(self.src_embed.embedding.weight, self.src_embed.scale, self.src_pos.table,
                               src.reshape(-1), torch.arange(S).repeat(n)).view(n, S, -1)
-        may_attend = (~src_pad).to(torch.uint8).contiguous()
         for weights in self._encoder_weights:
             native.encoder_layer(weights, x, may_attend)
         norm = self.encoder.norm  # as encode_memory computes it (encoded_cache): the same floats
         if isinstance(norm, nn.LayerNorm) and norm.weight is not None and norm.bias is not None:
             return native.layer_norm(x, norm.weight, norm.bias, norm.eps)
         return norm(x)
+
+    def _kernel_encodes(self, src: Tensor, src_pad: Tensor | None) -> Tensor | None:
+        """The (n, S) uint8 may-attend mask the kernel's encoding takes for ``src``, or None
+        where the modules encode it (training, gradients, autocast, not the CPU, an empty or
+        over-long batch, attention recorded, a padding mask that broadcasts)."""
+        if (self.training or not src.is_cpu or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu")
+                or src.dim() != 2 or 0 in src.shape or src.size(1) > self.src_pos.max_len
+                or any(layer.self_attn.record_weights for layer in self.encoder.layers)):
+            return None
+        self._check_ids(src, "src")
+        src_pad = self.src_pad_mask(src) if src_pad is None else src_pad
+        if src_pad.shape != src.shape:  # a mask that broadcasts: the modules take it
+            return None
+        return (~src_pad).to(torch.uint8).contiguous()
 
     @property
     def _encoder_weights(self) -> list[native.LayerWeights] | None:
@@ -294,17 +300,11 @@ class NativeTransformer(Transformer):
         made a dozen calls from Python, ~0.2 ms of a sentence joining a serving lane), the same
         floats as they give (``encode``'s final LayerNorm is the kernel's too)."""
         weights = self._memory_weights
-        if (weights is None or self.training or not src.is_cpu or torch.is_grad_enabled()
-                or torch.is_autocast_enabled("cpu") or src.dim() != 2 or 0 in src.shape
-                or src.size(1) > self.src_pos.max_len
-                or any(layer.self_attn.record_weights for layer in self.encoder.layers)
-                or any(attn.record_weights for attn, _, _ in self._memory_layers)):
+        may_attend = None
+        if weights is not None and not any(attn.record_weights for attn, _, _ in self._memory_layers):
+            may_attend = self._kernel_encodes(src, src_pad)
+        if may_attend is None:
             return super().encoded_cache(src, src_pad)
-        self._check_ids(src, "src")
-        src_pad = self.src_pad_mask(src) if src_pad is None else src_pad
-        if src_pad.shape != src.shape:
-            return super().encoded_cache(src, src_pad)
-        may_attend = (~src_pad).to(torch.uint8).contiguous()
         cache = Transformer.new_cache(self)
         kept = native.encode_memory(weights, src, may_attend, self.cfg.d_model)
         for (k, v), layer_cache in zip(kept, cache.layers, strict=True):
