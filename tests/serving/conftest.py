@@ -42,8 +42,8 @@ def client(service) -> TestClient:
 def server(run_dir):
     """`aiayn serve RUN_DIR --port P` as a subprocess, one for test_server.py and test_page.py;
     its base URL once /health answers."""
-    with serve_process(run_dir) as url:
-        yield url
+    with serve_process(run_dir) as served:
+        yield served.url
 
 
 @pytest.fixture(scope="session")

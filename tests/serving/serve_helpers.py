@@ -4,6 +4,7 @@ ways to hold the model, wait for a state, compare answers and call a server."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -134,13 +135,21 @@ def http_json(url: str, body: dict | None = None, timeout: float = 30) -> dict:
         return json.loads(response.read())
 
 
+@dataclasses.dataclass
+class Served:
+    """A server of ``serve_process``: its base URL and process id."""
+
+    url: str
+    pid: int
+
+
 @contextlib.contextmanager
-def serve_process(run_dir):
-    """`aiayn serve RUN_DIR --port P` as a subprocess; its base URL once /health answers."""
+def serve_process(run_dir, *args: str):
+    """`aiayn serve RUN_DIR --port P ARGS` as a subprocess, once /health answers."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen([sys.executable, "-m", "aiayn", "serve", str(run_dir),
-                                "--port", str(port), "--device", "cpu"], env=env,
+                                "--port", str(port), "--device", "cpu", *args], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -154,7 +163,22 @@ def serve_process(run_dir):
                     process.kill()
                     pytest.fail(f"aiayn serve did not start: {process.stdout.read()}")
                 time.sleep(0.2)
-        yield url
+        yield Served(url, process.pid)
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+def child_processes(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:  # "pid (name) state ppid ..."
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):  # ended meanwhile
+                continue
+            if parent == pid:
+                found.append(int(entry))
+    return found

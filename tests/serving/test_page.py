@@ -185,7 +185,8 @@ def test_the_page_of_a_model_of_two_languages_offers_them(tagged_run_dir):
     want = {to: translator.toward(to).translate([sentence])[0] for to in ("xx", "yy")}
     assert want["xx"] != want["yy"]
     driver = chromium_driver()
-    with serve_process(tagged_run_dir) as server:
+    with serve_process(tagged_run_dir) as served:
+        server = served.url
         try:
             driver.get(server + "/")
             wait = WebDriverWait(driver, 60)

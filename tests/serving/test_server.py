@@ -5,6 +5,7 @@ command as a process of its own under concurrent clients (the ``server`` fixture
 from __future__ import annotations
 
 import json
+import os
 import random
 import socket
 import threading
@@ -15,8 +16,10 @@ import pytest
 pytest.importorskip("fastapi", reason="the serve extra is not installed: pip install 'aiayn[serve]'")
 from helpers import random_sentence  # noqa: E402
 from serve_helpers import (  # noqa: E402
+    child_processes,
     held_model,
     http_json,
+    serve_process,
     until,
 )
 
@@ -78,6 +81,23 @@ def test_a_real_server_answers_concurrent_clients_correctly(server, translator):
         answers = list(pool.map(lambda t: http_json(f"{server}/translate",
                                                      {"text": [t], "beam": 2}), texts))
     assert [a["translations"][0] for a in answers] == expected
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+def test_a_cpu_server_and_its_lane_processes_run_under_the_batch_policy(run_dir, translator):
+    """On a CPU every thread of `aiayn serve` and every lane process is SCHED_BATCH
+    (aiayn.util.threads.batch_policy: a thread that wakes does not preempt a lane in
+    mid-step), those started before the call and after it alike, and it answers as the
+    translator does."""
+    with serve_process(run_dir, "--lanes", "processes") as served:
+        answer = http_json(f"{served.url}/translate", {"text": ["black sun"]})
+        threads = [int(thread) for thread in os.listdir(f"/proc/{served.pid}/task")]
+        lanes = [child for child in child_processes(served.pid)
+                 if b"spawn_main" in open(f"/proc/{child}/cmdline", "rb").read()]
+        policies = {os.sched_getscheduler(pid) for pid in [*threads, *lanes]}
+    assert len(lanes) == 1 and len(threads) > 2  # one core's lane; the event loop, the batcher's
+    assert policies == {os.SCHED_BATCH}
+    assert answer["translations"] == translator.translate(["black sun"])
 
 
 def test_the_server_listens_on_localhost_only_by_default(server):

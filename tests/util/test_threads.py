@@ -3,7 +3,10 @@ the thread tuner of training. Behaviour only; the speed is benchmarks/threads.py
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -14,7 +17,7 @@ from aiayn.data.tokenizer import EOS_ID, train_tokenizers
 from aiayn.evaluation.evaluate import dev_loss
 from aiayn.inference.translator import Translator
 from aiayn.model import Transformer
-from aiayn.util.threads import ThreadTuner, on_one_thread, parallel_map
+from aiayn.util.threads import ThreadTuner, batch_policy, on_one_thread, parallel_map
 
 WORDS = "red green blue black white sun moon star tree river".split()
 
@@ -316,3 +319,31 @@ def test_a_fixed_thread_count_is_never_changed(threads):
     for _ in range(20):
         FakeClock({1: 1.0, 2: 50.0}).step(tuner)
     assert not tuner.enabled and torch.get_num_threads() == 2
+
+
+BATCH_PROBE = """
+import os, threading, subprocess, sys
+from aiayn.util.threads import batch_policy
+before = threading.Thread(target=threading.Event().wait, args=(30,), daemon=True)
+before.start()
+done = batch_policy()
+after = []
+threading.Thread(target=lambda: after.append(os.sched_getscheduler(0))).start()
+child = subprocess.run([sys.executable, "-c", "import os; print(os.sched_getscheduler(0))"],
+                       capture_output=True, text=True, check=True).stdout.strip()
+print(done, os.sched_getscheduler(0), os.sched_getscheduler(before.native_id), after[0], child)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+def test_batch_policy_covers_the_threads_before_and_after_and_the_processes_after():
+    """In a process of its own (it changes every thread of the caller): the calling thread, a
+    thread started before, one started after and a child process, all SCHED_BATCH."""
+    out = subprocess.run([sys.executable, "-c", BATCH_PROBE], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["True", *[str(os.SCHED_BATCH)] * 4]
+
+
+def test_batch_policy_says_false_where_the_system_has_none(monkeypatch):
+    monkeypatch.delattr(os, "SCHED_BATCH", raising=False)
+    assert batch_policy() is False

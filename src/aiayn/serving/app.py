@@ -97,6 +97,7 @@ from aiayn.serving.service import (
     check_size,
     hung_up,
 )
+from aiayn.util.threads import batch_policy
 
 log = logging.getLogger("aiayn.serve")  # one name for the server's log lines
 STATIC_DIR = Path(__file__).parent / "static"
@@ -381,6 +382,8 @@ def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
     check_lanes(lanes, torch.device(device),
                 batching or ("continuous" if kind.continuous else "pass"))
     sock = listening_socket(host, port)  # before loading: a busy port is one line, at once
+    if torch.device(device).type == "cpu":
+        batch_policy()  # before the lanes start, so that they have it too (docs/serving.md#lanes)
     service = ModelService.from_run(run_dir, weights, device, engine, decode_tokens,
                                     max_wait_ms, batching, lanes, int8)
     app = create_app(service, limits)
