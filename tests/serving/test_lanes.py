@@ -12,6 +12,7 @@ import os
 import random
 import re
 import signal
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -83,6 +84,44 @@ def test_lanes_in_processes_answer_each_request_as_alone(run_dir, translator):
     finally:
         service.close()
     assert not lane_processes(service)
+
+
+def test_a_job_that_arrives_while_lanes_decode_goes_to_a_lane_from_its_own_thread(
+        run_dir, translator):
+    """An idle server's first job waits on a lane's thread (for others to start with it);
+    one that arrives while something decodes is sent to the lane process holding least by
+    the thread that submits it (``Batcher._lane_taking_now``: no wakeup of a lane's thread).
+    The answers are those alone."""
+    service = process_lanes_service(run_dir)
+    batcher, senders = service.batcher, []
+    for lane in batcher._lanes:
+        def send(adds, removes=(), send=lane.searches.send):
+            senders.append(threading.current_thread().name)
+            send(adds, removes)
+        lane.searches.send = send
+    processes = [lane.searches.process for lane in batcher._lanes]
+    search = translator.resolve(beam=2)
+    texts = ["red green", "black sun"]
+    try:
+        for process in processes:  # frozen: the first job stays in its lane
+            os.kill(process.pid, signal.SIGSTOP)
+        first = batcher.translate(translator.prepare(texts[:1]), search)
+        until(lambda: senders, "the first job sent")
+        second = batcher.translate(translator.prepare(texts[1:]), search)
+        assert senders[0].startswith("aiayn-batcher-")
+        assert senders[1:] == [threading.current_thread().name]
+        assert [lane.load > 0 for lane in batcher._lanes] == [True, True]  # the other lane
+    finally:
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGCONT)
+    try:
+        answers = [translator.translations(translator.prepare([text]), future.result(60)[0],
+                                           1)[0][0].text
+                   for text, future in zip(texts, [first, second], strict=True)]
+        assert answers == translator.translate(texts, search)
+    finally:
+        service.close()
 
 
 def test_a_lane_process_that_dies_is_replaced_and_costs_only_its_requests_a_503(run_dir,

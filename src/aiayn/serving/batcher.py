@@ -272,9 +272,31 @@ class Batcher:
             job.future.add_done_callback(lambda future: self._jobs.pop(future, None))
             if job.alone is not None or not self._lanes:
                 self._wake_all()
-            else:
+                return job.future
+            lane = self._lane_taking_now()
+            if lane is None:
                 self._wake_taker()
+                return job.future
+            jobs = self._admit(lane)
+            if self._queue:  # what did not fit waits for a lane with room
+                self._wake_taker(besides=lane)
+            adds, removes = self._hand_over(lane, jobs)
+        if adds or removes:
+            lane.searches.send(adds, removes)  # outside the lock, as a lane's thread sends
         return job.future
+
+    def _lane_taking_now(self) -> _Lane | None:
+        """Under the lock: the lane process that a new job goes to at once from the caller's
+        thread (the one holding the least), where its lane's thread would take it without
+        waiting: nothing runs alone or waits to, and something is decoding (an idle server's
+        first job waits ``max_wait`` for others on that thread). None otherwise. Each
+        request then wakes one thread fewer in the server's process: a wakeup that waits
+        for a core the lanes hold (docs/serving.md#lanes)."""
+        lane = min(self._lanes, key=lambda lane: lane.load)
+        if (not lane.searches.remote or self._exclusive or self._queue[0].alone is not None
+                or (self._load == 0 and not self._queue_fills_budget())):
+            return None
+        return lane
 
     def _wake_all(self) -> None:
         """Under the lock: every thread that waits for a change."""
@@ -299,8 +321,7 @@ class Batcher:
                 if taken is None:
                     return
                 alone, jobs = taken
-                adds = self._lane_adds(lane, jobs)
-                removes, lane.removes = lane.removes, []
+                adds, removes = self._hand_over(lane, jobs)
                 self._stepping += 1
             try:
                 if alone is not None:
@@ -380,6 +401,12 @@ class Batcher:
             self.stats.started(jobs, time.monotonic())
             self.stats.most_tokens = max(self.stats.most_tokens, self._load)
         return jobs
+
+    def _hand_over(self, lane: _Lane, jobs: list[Job]) -> tuple[Adds, list[int]]:
+        """Under the lock: what ``lane`` gets next, ``jobs``' sentences (``_lane_adds``)
+        and those it is to take out (``forget``)."""
+        removes, lane.removes = lane.removes, []
+        return self._lane_adds(lane, jobs), removes
 
     def _lane_adds(self, lane: _Lane, jobs: list[Job]) -> Adds:
         """Under the lock: number the sentences of ``jobs`` (the lane's owners know whose
