@@ -99,6 +99,8 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
         command += ["--batching", args.batching]
     if args.lanes:
         command += ["--lanes", args.lanes]
+    if args.scheduling:
+        command += ["--scheduling", args.scheduling]
     if args.int8:
         command.append("--int8")
     process = subprocess.Popen(command, env=env)
@@ -461,6 +463,8 @@ def main() -> None:
                         help="the server's (default: its own)")
     parser.add_argument("--lanes", choices=["processes", "threads"],
                         help="the server's (default: its own)")
+    parser.add_argument("--scheduling", choices=["batch", "inherited"],
+                        help="the server's (default: its own)")
     parser.add_argument("--int8", action="store_true",
                         help="the server and the reference decoding in int8")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
@@ -575,7 +579,8 @@ def main() -> None:
                 references.append(offline_rate(translator, sentences, args))
             reference_of = [(a + b) / 2 for (a, _), (b, _) in zip(references, references[1:])]
             how = "".join(f", {name} {value}" for name, value in
-                          [("batching", args.batching), ("lanes", args.lanes)] if value)
+                          [("batching", args.batching), ("lanes", args.lanes),
+                           ("scheduling", args.scheduling)] if value)
             how += ", --int8" if args.int8 else ""
             connections = "" if args.keep_alive else ", a new connection a request"
             of = f", median of {args.repeats}" if args.repeats > 1 else ""

@@ -905,6 +905,10 @@ def _add_serve(sub) -> None:
                    help="continuous batching decodes on one lane per core: processes (the "
                    "default on a CPU with two or more cores: lanes as threads take turns on "
                    "Python's lock) or threads (one process, less memory)")
+    p.add_argument("--scheduling", choices=["batch", "inherited"], default=None,
+                   help="batch: the server's threads and lanes under Linux's batch policy, so "
+                   "that its HTTP threads do not preempt a lane in mid-step (the default on a "
+                   "CPU); inherited: as the server was started (the default on a GPU)")
     _add_weights(p)
     _add_device(p)
     _add_engine(p)
@@ -925,7 +929,8 @@ def _run_serve(args) -> int:
                            got=args.decode_tokens)
     serve(args.run_dir, args.host, args.port, args.weights, choose_device(args.device),
           engine=args.engine, decode_tokens=args.decode_tokens, max_wait_ms=args.max_wait_ms,
-          batching=args.batching, lanes=args.lanes, int8=args.int8)
+          batching=args.batching, lanes=args.lanes, int8=args.int8,
+          scheduling=args.scheduling)
     return 0
 
 

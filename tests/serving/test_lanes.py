@@ -90,37 +90,45 @@ def test_a_job_that_arrives_while_lanes_decode_goes_to_a_lane_from_its_own_threa
         run_dir, translator):
     """An idle server's first job waits on a lane's thread (for others to start with it);
     one that arrives while something decodes is sent to the lane process holding least by
-    the thread that submits it (``Batcher._lane_taking_now``: no wakeup of a lane's thread).
-    The answers are those alone."""
+    the thread that submits it (``Batcher._lane_taking_now``: no wakeup of a lane's thread),
+    unless that lane's pipe is busy (a send or a new child's start): then the submitting
+    thread does not wait, and the lane's thread sends it. The answers are those alone."""
     service = process_lanes_service(run_dir)
-    batcher, senders = service.batcher, []
+    batcher, sends = service.batcher, []
     for lane in batcher._lanes:
-        def send(adds, removes=(), send=lane.searches.send):
-            senders.append(threading.current_thread().name)
-            send(adds, removes)
+        def send(adds, removes=(), wait=True, send=lane.searches.send):
+            sent = send(adds, removes, wait)
+            sends.append((threading.current_thread().name, sent))
+            return sent
         lane.searches.send = send
     processes = [lane.searches.process for lane in batcher._lanes]
     search = translator.resolve(beam=2)
-    texts = ["red green", "black sun"]
+    texts = ["red green", "black sun", "white star moon"]
+    here = threading.current_thread().name
     try:
-        for process in processes:  # frozen: the first job stays in its lane
+        for process in processes:  # frozen: the jobs stay in their lanes
             os.kill(process.pid, signal.SIGSTOP)
-        first = batcher.translate(translator.prepare(texts[:1]), search)
-        until(lambda: senders, "the first job sent")
-        second = batcher.translate(translator.prepare(texts[1:]), search)
-        assert senders[0].startswith("aiayn-batcher-")
-        assert senders[1:] == [threading.current_thread().name]
+        futures = [batcher.translate(translator.prepare(texts[:1]), search)]
+        until(lambda: sends, "the first job sent")
+        futures.append(batcher.translate(translator.prepare(texts[1:2]), search))
+        assert sends[0][0].startswith("aiayn-batcher-") and sends[1:] == [(here, True)]
         assert [lane.load > 0 for lane in batcher._lanes] == [True, True]  # the other lane
+        busy = min(batcher._lanes, key=lambda lane: lane.load)
+        with busy.searches._lock:  # its pipe held: the third job is left to its thread
+            futures.append(batcher.translate(translator.prepare(texts[2:]), search))
+            assert sends[2] == (here, False)
+        until(lambda: len(sends) == 4, "the lane's thread to send the third job")
+        assert sends[3][0].startswith("aiayn-batcher-") and sends[3][1] and not busy.unsent
+        for process in processes:
+            os.kill(process.pid, signal.SIGCONT)
+        answers = [translator.translations(translator.prepare([text]), future.result(60)[0],
+                                           1)[0][0].text
+                   for text, future in zip(texts, futures, strict=True)]
+        assert answers == translator.translate(texts, search)
     finally:
         for process in processes:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(process.pid, signal.SIGCONT)
-    try:
-        answers = [translator.translations(translator.prepare([text]), future.result(60)[0],
-                                           1)[0][0].text
-                   for text, future in zip(texts, [first, second], strict=True)]
-        assert answers == translator.translate(texts, search)
-    finally:
         service.close()
 
 

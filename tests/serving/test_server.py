@@ -10,6 +10,7 @@ import random
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +24,7 @@ from serve_helpers import (  # noqa: E402
     until,
 )
 
+from aiayn.errors import AiaynError  # noqa: E402
 from aiayn.serving.app import create_app  # noqa: E402
 from aiayn.serving.service import ModelService  # noqa: E402
 
@@ -84,20 +86,31 @@ def test_a_real_server_answers_concurrent_clients_correctly(server, translator):
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
-def test_a_cpu_server_and_its_lane_processes_run_under_the_batch_policy(run_dir, translator):
+@pytest.mark.parametrize("scheduling", [None, "inherited"])
+def test_a_cpu_server_and_its_lane_processes_run_under_the_batch_policy(run_dir, translator,
+                                                                        scheduling):
     """On a CPU every thread of `aiayn serve` and every lane process is SCHED_BATCH
     (aiayn.util.threads.batch_policy: a thread that wakes does not preempt a lane in
-    mid-step), those started before the call and after it alike, and it answers as the
-    translator does."""
-    with serve_process(run_dir, "--lanes", "processes") as served:
+    mid-step); with --scheduling inherited, as the test started it. Either way it answers
+    as the translator does."""
+    args = ["--lanes", "processes"] + (["--scheduling", scheduling] if scheduling else [])
+    with serve_process(run_dir, *args) as served:
         answer = http_json(f"{served.url}/translate", {"text": ["black sun"]})
         threads = [int(thread) for thread in os.listdir(f"/proc/{served.pid}/task")]
         lanes = [child for child in child_processes(served.pid)
-                 if b"spawn_main" in open(f"/proc/{child}/cmdline", "rb").read()]
+                 if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()]
         policies = {os.sched_getscheduler(pid) for pid in [*threads, *lanes]}
     assert len(lanes) == 1 and len(threads) > 2  # one core's lane; the event loop, the batcher's
-    assert policies == {os.SCHED_BATCH}
+    assert policies == {os.SCHED_BATCH if scheduling is None else os.sched_getscheduler(0)}
     assert answer["translations"] == translator.translate(["black sun"])
+
+
+def test_an_unknown_scheduling_is_one_line_before_loading():
+    from aiayn.serving.app import serve
+
+    with pytest.raises(AiaynError, match="^--scheduling must be one of batch, inherited, got "
+                                         "'nice'$"):
+        serve("no-such-run", port=0, scheduling="nice")
 
 
 def test_the_server_listens_on_localhost_only_by_default(server):

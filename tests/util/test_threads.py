@@ -324,26 +324,44 @@ def test_a_fixed_thread_count_is_never_changed(threads):
 BATCH_PROBE = """
 import os, threading, subprocess, sys
 from aiayn.util.threads import batch_policy
-before = threading.Thread(target=threading.Event().wait, args=(30,), daemon=True)
-before.start()
+ids = []
+def wait(ready):
+    ids.append(threading.get_native_id())
+    ready.wait(30)
+ready = threading.Event()
+before = threading.Thread(target=wait, args=(ready,), daemon=True)
+chosen = threading.Thread(target=wait, args=(ready,), daemon=True)
+before.start(), chosen.start()
+while len(ids) < 2:
+    pass
+os.sched_setscheduler(chosen.native_id, os.SCHED_IDLE, os.sched_param(0))
 done = batch_policy()
-after = []
-threading.Thread(target=lambda: after.append(os.sched_getscheduler(0))).start()
+after = threading.Thread(target=lambda: ids.append(os.sched_getscheduler(0)))
+after.start(), after.join()
 child = subprocess.run([sys.executable, "-c", "import os; print(os.sched_getscheduler(0))"],
                        capture_output=True, text=True, check=True).stdout.strip()
-print(done, os.sched_getscheduler(0), os.sched_getscheduler(before.native_id), after[0], child)
+print(done, os.sched_getscheduler(0), os.sched_getscheduler(before.native_id),
+      os.sched_getscheduler(chosen.native_id), ids[2], child)
+ready.set()
 """
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
 def test_batch_policy_covers_the_threads_before_and_after_and_the_processes_after():
-    """In a process of its own (it changes every thread of the caller): the calling thread, a
-    thread started before, one started after and a child process, all SCHED_BATCH."""
+    """In a process of its own (it changes every thread of the caller): the calling thread,
+    a thread started before, one started after and a child process become SCHED_BATCH; a
+    thread put under another policy (SCHED_IDLE) keeps it."""
     out = subprocess.run([sys.executable, "-c", BATCH_PROBE], capture_output=True, text=True,
                          check=True).stdout.split()
-    assert out == ["True", *[str(os.SCHED_BATCH)] * 4]
+    batch, idle = str(os.SCHED_BATCH), str(os.SCHED_IDLE)
+    assert out == ["True", batch, batch, idle, batch, batch]
 
 
-def test_batch_policy_says_false_where_the_system_has_none(monkeypatch):
+def test_batch_policy_says_false_where_the_system_has_none_or_refuses(monkeypatch):
+    def refuse(*args):
+        raise PermissionError("not here")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refuse, raising=False)
+    assert batch_policy() is False  # refused (where the policy exists)
     monkeypatch.delattr(os, "SCHED_BATCH", raising=False)
     assert batch_policy() is False

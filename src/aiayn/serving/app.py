@@ -371,18 +371,22 @@ def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
           weights: str = "best", device: str | torch.device = "cpu",
           limits: ServeLimits | None = None, engine: str = "aiayn",
           decode_tokens: int | None = None, max_wait_ms: float = MAX_WAIT_MS,
-          batching: str | None = None, lanes: str | None = None, int8: bool = False) -> None:
+          batching: str | None = None, lanes: str | None = None, int8: bool = False,
+          scheduling: str | None = None) -> None:
     """Load the run once and serve it until interrupted (`aiayn serve`; port 0: any free
     one). ``engine``, ``decode_tokens``, ``max_wait_ms``, ``batching``, ``lanes``, ``int8``:
-    see ``ModelService.from_run``."""
+    see ``ModelService.from_run``. ``scheduling``: "batch" puts the server's threads and
+    its lanes under Linux's batch policy (``batch_policy``; None: on a CPU), "inherited"
+    leaves them as the process was started."""
     check_max_wait(max_wait_ms)  # before loading, as the port below
+    check_scheduling(scheduling)
     kind = engine_class(engine)  # what it can do is known before it is loaded
     if batching is not None:
         check_batching(batching, kind)
     check_lanes(lanes, torch.device(device),
                 batching or ("continuous" if kind.continuous else "pass"))
     sock = listening_socket(host, port)  # before loading: a busy port is one line, at once
-    if torch.device(device).type == "cpu":
+    if (scheduling or default_scheduling(device)) == "batch":
         batch_policy()  # before the lanes start, so that they have it too (docs/serving.md#lanes)
     service = ModelService.from_run(run_dir, weights, device, engine, decode_tokens,
                                     max_wait_ms, batching, lanes, int8)
@@ -403,6 +407,22 @@ def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
         uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
     finally:
         service.close()
+
+
+SCHEDULING = ("batch", "inherited")
+
+
+def check_scheduling(scheduling: str | None) -> None:
+    """--scheduling: batch or inherited (None: ``default_scheduling``)."""
+    if scheduling is not None and scheduling not in SCHEDULING:
+        raise AiaynError(f"--scheduling must be one of {', '.join(SCHEDULING)}, got "
+                         f"{scheduling!r}")
+
+
+def default_scheduling(device: str | torch.device) -> str:
+    """Batch on a CPU, where the server's threads share the cores with its lanes' decoding
+    (``batch_policy``); inherited on a GPU, whose decoding they do not hold up."""
+    return "batch" if torch.device(device).type == "cpu" else "inherited"
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

@@ -116,6 +116,7 @@ class _Lane:
     owners: dict[int, tuple[Job, int]] = field(default_factory=dict)  # sentence -> job, index
     load: int = 0  # source tokens x beam of its sentences
     removes: list[int] = field(default_factory=list)  # sentences to take out (Batcher.forget)
+    unsent: Adds = field(default_factory=list)  # handed over but not sent: its thread sends them
     wake: threading.Condition | None = None  # its thread waits on it, under the batcher's lock
 
 
@@ -129,7 +130,8 @@ class Batcher:
     thread here (``lanes="threads"``), or in a process of the lane's own that steps on its
     own while its thread here sends it jobs and a receiver answers them (``"processes"``,
     the default on a CPU of two or more cores: threads would take turns on Python's lock).
-    Before each round of steps (a process: whenever jobs wait) a lane takes the waiting
+    Before each round of steps (a process: whenever jobs wait; while something decodes, the
+    thread that submits a job sends it to the process itself) a lane takes the waiting
     jobs, oldest first, while they fit: every lane's sentences together stay within
     ``decode_tokens`` source tokens x beam (a job comes whole; the first when nothing decodes
     always goes, however large), and a lane takes a job only while no other lane holds
@@ -281,17 +283,24 @@ class Batcher:
             if self._queue:  # what did not fit waits for a lane with room
                 self._wake_taker(besides=lane)
             adds, removes = self._hand_over(lane, jobs)
-        if adds or removes:
-            lane.searches.send(adds, removes)  # outside the lock, as a lane's thread sends
+        # Outside the lock, as a lane's thread sends; never waiting here (this is the
+        # server's event loop): where the pipe is busy, the lane's thread sends them.
+        if (adds or removes) and not lane.searches.send(adds, removes, wait=False):
+            with self._changed:
+                lane.unsent[:0], lane.removes[:0] = adds, removes
+                lane.wake.notify()
         return job.future
 
     def _lane_taking_now(self) -> _Lane | None:
         """Under the lock: the lane process that a new job goes to at once from the caller's
         thread (the one holding the least), where its lane's thread would take it without
-        waiting: nothing runs alone or waits to, and something is decoding (an idle server's
-        first job waits ``max_wait`` for others on that thread). None otherwise. Each
-        request then wakes one thread fewer in the server's process: a wakeup that waits
-        for a core the lanes hold (docs/serving.md#lanes)."""
+        waiting: nothing runs alone or waits to, and something is decoding or the waiting
+        jobs fill the budget (an idle server's first job waits ``max_wait`` for others on
+        that thread). None otherwise. Each request then wakes one thread fewer in the
+        server's process: a wakeup that waits for a core the lanes hold
+        (docs/serving.md#lanes). Two threads may send to one lane: a job's removal can
+        reach the lane before its sentences, which are then decoded for nothing (their
+        answers are dropped, as for any job forgotten)."""
         lane = min(self._lanes, key=lambda lane: lane.load)
         if (not lane.searches.remote or self._exclusive or self._queue[0].alone is not None
                 or (self._load == 0 and not self._queue_fills_budget())):
@@ -365,7 +374,7 @@ class Batcher:
             if self._queue:  # what it left waits for a lane that holds less (or for room)
                 self._wake_taker(besides=lane)
             # A lane's process steps on its own: its thread here only sends it work.
-            if jobs or lane.removes or (lane.load and not lane.searches.remote):
+            if jobs or lane.removes or lane.unsent or (lane.load and not lane.searches.remote):
                 return None, jobs
             if self._closed and not self._queue and not lane.load:
                 return None
@@ -403,10 +412,11 @@ class Batcher:
         return jobs
 
     def _hand_over(self, lane: _Lane, jobs: list[Job]) -> tuple[Adds, list[int]]:
-        """Under the lock: what ``lane`` gets next, ``jobs``' sentences (``_lane_adds``)
-        and those it is to take out (``forget``)."""
+        """Under the lock: what ``lane`` gets next, the sentences handed over before but not
+        sent, ``jobs``' (``_lane_adds``), and those it is to take out (``forget``)."""
         removes, lane.removes = lane.removes, []
-        return self._lane_adds(lane, jobs), removes
+        unsent, lane.unsent = lane.unsent, []
+        return unsent + self._lane_adds(lane, jobs), removes
 
     def _lane_adds(self, lane: _Lane, jobs: list[Job]) -> Adds:
         """Under the lock: number the sentences of ``jobs`` (the lane's owners know whose

@@ -166,12 +166,19 @@ class LaneProcess:
         self.process.start()
         child.close()
 
-    def send(self, adds: Adds, removes: Sequence[int] = ()) -> None:
-        """What ``LaneSearches.round`` takes, for the child's next step."""
-        with self._lock:
+    def send(self, adds: Adds, removes: Sequence[int] = (), wait: bool = True) -> bool:
+        """What ``LaneSearches.round`` takes, for the child's next step. ``wait=False``:
+        only if no other send, and no start of a new child, holds the pipe now (the server's
+        event loop must not wait seconds for a child to start); returns whether it was sent."""
+        if not self._lock.acquire(blocking=wait):
+            return False
+        try:
             # A child that has ended is the receiver's to report (its end closes the pipe).
             with contextlib.suppress(OSError):
                 self._conn.send((adds, list(removes)))
+        finally:
+            self._lock.release()
+        return True
 
     @property
     def ready(self) -> bool:

@@ -87,24 +87,33 @@ def on_one_thread(fn: Callable[[], R]) -> R:
 
 # ---------------------------------------------------------------- a server beside its lanes
 def batch_policy() -> bool:
-    """Put every thread of this process, and the threads and processes started after, under
-    Linux's SCHED_BATCH scheduling policy; False where there is none (or it is refused).
+    """Put the threads of this process that run under the ordinary policy, and the threads
+    and processes they start after, under Linux's SCHED_BATCH scheduling policy (a policy
+    chosen for the process, such as `chrt --idle`, stays); False where there is no such
+    policy or it is refused. Once set, the process keeps it.
 
     For `aiayn serve` on a CPU, whose lanes decode on the cores its HTTP threads use
     (aiayn.serving.lanes). A request wakes the server's threads several times (the event
-    loop, the thread that hands its sentences to a lane, the one that takes the answer
-    back), and under the ordinary policy each wakeup preempts whatever runs on the core,
+    loop when it arrives, the thread that takes a lane's answer, the event loop again to
+    send it), and under the ordinary policy each wakeup preempts whatever runs on the core,
     often a lane in mid-step, which then resumes with its caches cold. A batch thread that
     wakes waits for the running one's time slice to end instead; its share of the CPU is
-    the same. On a 2-core CPU about a seventh more requests a second at 32 clients
+    the same. On a 2-core CPU about a sixth more requests a second at 32 clients
     (docs/serving.md#lanes)."""
-    if not hasattr(os, "SCHED_BATCH"):
+    if not hasattr(os, "SCHED_BATCH") or not hasattr(os, "sched_setscheduler"):
         return False
     try:
-        for thread in os.listdir("/proc/self/task"):
-            os.sched_setscheduler(int(thread), os.SCHED_BATCH, os.sched_param(0))
-    except OSError:  # no /proc, a thread that ended meanwhile, a system that refuses
+        threads = [int(thread) for thread in os.listdir("/proc/self/task")]
+    except OSError:  # no /proc
         return False
+    for thread in threads:
+        try:
+            if os.sched_getscheduler(thread) == os.SCHED_OTHER:
+                os.sched_setscheduler(thread, os.SCHED_BATCH, os.sched_param(0))
+        except ProcessLookupError:  # it ended meanwhile
+            continue
+        except OSError:  # a system that refuses
+            return False
     return True
 
 
