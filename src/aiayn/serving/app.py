@@ -377,7 +377,8 @@ def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
     one). ``engine``, ``decode_tokens``, ``max_wait_ms``, ``batching``, ``lanes``, ``int8``:
     see ``ModelService.from_run``. ``scheduling``: "batch" puts the server's threads and
     its lanes under Linux's batch policy (``batch_policy``; None: on a CPU), "inherited"
-    leaves them as the process was started."""
+    leaves them as the process was started. The calling process keeps the policy, a start
+    that fails after the port is bound included: `aiayn serve` is a process of its own."""
     check_max_wait(max_wait_ms)  # before loading, as the port below
     check_scheduling(scheduling)
     kind = engine_class(engine)  # what it can do is known before it is loaded
