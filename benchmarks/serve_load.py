@@ -9,7 +9,8 @@
 Starts `aiayn serve RUN_DIR` on a free port of 127.0.0.1 (nothing else is ever contacted)
 and sends N sentences of the run's test split, each as its own POST /translate, from K
 concurrent clients (each sends its next request when its last is answered, over the same
-connection: ``--connections new`` opens one a request), for each K of --clients. Every
+connection: ``--connections new`` opens one a request; all K from one thread, ``Clients``, so
+that they take little of the cores the server runs on), for each K of --clients. Every
 answer is checked against the same sentences translated in this process: none lost, none
 wrong. The reference, timed in the same run on the same machine: those
 sentences decoded offline as one batch (``Translator.translate``), the best a server could
@@ -49,6 +50,7 @@ import math
 import multiprocessing
 import os
 import random
+import selectors
 import socket
 import statistics
 import subprocess
@@ -57,7 +59,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -222,14 +225,136 @@ def ask(url: str, sentence: str, beam: int, alpha: float, keep_alive: bool = Tru
     return text, time.perf_counter() - start
 
 
+class Clients:
+    """K clients of POST /translate, one sentence a request, each sending its next when its
+    last is answered, over a connection kept open from one request to its next (HTTP/1.1
+    keep-alive, as client libraries keep theirs) or a new one a request (``keep_alive``).
+
+    All K from one thread (``selectors``), each answer read as any client reads it (status
+    line, Content-Length, the JSON body): the clients share the cores with the server they
+    measure, and a thread a client (``http.client``, Python's lock handed between them at
+    every socket call) costs those cores several times what this loop does (the CPU column
+    of docs/results.md#serving-under-load)."""
+
+    def __init__(self, url: str, beam: int, alpha: float, keep_alive: bool = True,
+                 timeout: float = 300):
+        host, port = url.removeprefix("http://").split(":")
+        self.address, self.settings = (host, int(port)), {"beam": beam, "alpha": alpha}
+        self.keep_alive, self.timeout = keep_alive, timeout
+        self.head = (f"POST /translate HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                     "Content-Type: application/json\r\n"
+                     + ("" if keep_alive else "Connection: close\r\n")).encode()
+
+    def run(self, jobs: Iterator[tuple[int, str]], clients: int
+            ) -> list[tuple[int, str | None, float]]:
+        """Send the sentence of every (id, sentence) of ``jobs``, taken as clients are free,
+        ``clients`` at a time: (id, its translation or None where lost, seconds), in the
+        order answered."""
+        # Each connection's data: [(id, sentence), sent at, the answer so far, sent again]
+        selector = selectors.DefaultSelector()
+        done: list[tuple[int, str | None, float]] = []
+
+        def send(sock: socket.socket | None, job: tuple[int, str], retried: bool = False
+                 ) -> None:
+            """``job``'s request over ``sock`` (kept, registered) or a new connection."""
+            body = json.dumps({"text": [job[1]], **self.settings}).encode()
+            request = self.head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+            kept = sock is not None
+            try:
+                if not kept:
+                    sock = socket.create_connection(self.address, timeout=self.timeout)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.sendall(request)
+            except OSError:  # a kept connection the server closed (idle): once more, anew
+                if kept:
+                    hang_up(sock)
+                if retried or not kept:
+                    done.append((job[0], None, 0.0))
+                    return next_request(None)
+                return send(None, job, retried=True)
+            state = [job, time.perf_counter(), bytearray(), retried]
+            if kept:
+                selector.modify(sock, selectors.EVENT_READ, state)  # no system call
+            else:
+                selector.register(sock, selectors.EVENT_READ, state)
+
+        def hang_up(sock: socket.socket) -> None:
+            selector.unregister(sock)
+            sock.close()
+
+        def next_request(sock: socket.socket | None) -> None:
+            """The next job, over ``sock`` where it is kept; none left: ``sock`` closes."""
+            job = next(jobs, None)
+            if job is not None and sock is not None and self.keep_alive:
+                return send(sock, job)
+            if sock is not None:
+                hang_up(sock)
+            if job is not None:
+                send(None, job)
+
+        def answered(sock: socket.socket, state: list, text: str | None, reuse: bool) -> None:
+            done.append((state[0][0], text, time.perf_counter() - state[1]))
+            if not reuse:
+                hang_up(sock)
+            next_request(sock if reuse else None)
+
+        for _ in range(clients):
+            next_request(None)
+        while selector.get_map():
+            for key, _ in selector.select(timeout=1.0):
+                sock, state = key.fileobj, key.data
+                try:
+                    data = sock.recv(1 << 16)
+                except OSError:
+                    data = b""
+                if not data:  # closed by the server: a kept connection idle too long, once
+                    hang_up(sock)
+                    if not state[2] and not state[3] and self.keep_alive:
+                        send(None, state[0], retried=True)
+                    else:
+                        done.append((state[0][0], None, time.perf_counter() - state[1]))
+                        next_request(None)
+                    continue
+                state[2] += data
+                answer = _http_answer(state[2])
+                if answer is not None:
+                    status, body, close = answer
+                    try:
+                        text = json.loads(body)["translations"][0] if status == 200 else None
+                    except (ValueError, KeyError, IndexError):
+                        text = None
+                    answered(sock, state, text, self.keep_alive and not close)
+            now = time.perf_counter()
+            for key in list(selector.get_map().values()):
+                if now - key.data[1] > self.timeout:
+                    answered(key.fileobj, key.data, None, reuse=False)
+        selector.close()
+        return done
+
+
+def _http_answer(data: bytearray) -> tuple[int, bytes, bool] | None:
+    """An HTTP/1.1 answer with a Content-Length as (status, body, whether the server closes
+    the connection), once ``data`` holds all of it; None before."""
+    end = data.find(b"\r\n\r\n")
+    if end < 0:
+        return None
+    lines = bytes(data[:end]).decode("latin-1").split("\r\n")
+    headers = dict(line.lower().split(":", 1) for line in lines[1:] if ":" in line)
+    length = int(headers.get("content-length", "0"))
+    if len(data) < end + 4 + length:
+        return None
+    return (int(lines[0].split()[1]), bytes(data[end + 4:end + 4 + length]),
+            "close" in headers.get("connection", ""))
+
+
 def load(url: str, sentences: list[str], clients: int, beam: int, alpha: float,
          keep_alive: bool = True) -> tuple[list[str | None], list[float], float]:
-    """Each sentence as its own request, ``clients`` at a time: answers, latencies, wall time."""
+    """Each sentence as its own request, ``clients`` at a time (``Clients``): answers and
+    latencies in the order of ``sentences``, and the wall time."""
     start = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        results = list(pool.map(lambda s: ask(url, s, beam, alpha, keep_alive), sentences))
+    done = sorted(Clients(url, beam, alpha, keep_alive).run(enumerate(sentences), clients))
     wall = time.perf_counter() - start
-    return [text for text, _ in results], [seconds for _, seconds in results], wall
+    return [text for _, text, _ in done], [seconds for _, _, seconds in done], wall
 
 
 def pass_summary(before: dict, after: dict) -> dict:
@@ -266,17 +391,19 @@ def hang_up(url: str, sentences: list[str], beam: int, alpha: float) -> None:
 def soak(url: str, pid: int, sentences: list[str], expected: dict[str, str], args) -> dict:
     """``args.soak_clients`` polite clients and one that hangs up, for ``args.soak`` seconds."""
     stop = time.monotonic() + args.soak
-    results: list[tuple[bool, bool, float]] = []  # (answered, correct, seconds) of each polite one
+    sent: list[str] = []  # the polite clients' sentences, by request
+    answers: list[tuple[int, str | None, float]] = []
     hung_up = [0]
-    lock = threading.Lock()
 
-    def polite(seed: int) -> None:
-        rng = random.Random(seed)
+    def jobs() -> Iterator[tuple[int, str]]:
+        rng = random.Random(0)
         while time.monotonic() < stop:
-            sentence = rng.choice(sentences)
-            text, seconds = ask(url, sentence, args.beam, args.alpha, args.keep_alive)
-            with lock:
-                results.append((text is not None, text == expected[sentence], seconds))
+            sent.append(rng.choice(sentences))
+            yield len(sent) - 1, sent[-1]
+
+    def polite() -> None:
+        clients = Clients(url, args.beam, args.alpha, args.keep_alive)
+        answers.extend(clients.run(jobs(), args.soak_clients))
 
     def rude() -> None:
         rng = random.Random(-1)
@@ -287,8 +414,7 @@ def soak(url: str, pid: int, sentences: list[str], expected: dict[str, str], arg
 
     before = http_json(f"{url}/stats")
     rss = [rss_mb(pid)]
-    threads = [threading.Thread(target=polite, args=(i,)) for i in range(args.soak_clients)]
-    threads.append(threading.Thread(target=rude))
+    threads = [threading.Thread(target=polite), threading.Thread(target=rude)]
     for thread in threads:
         thread.start()
     while time.monotonic() < stop:
@@ -298,6 +424,8 @@ def soak(url: str, pid: int, sentences: list[str], expected: dict[str, str], arg
         thread.join()
     rss.append(rss_mb(pid))
     after = http_json(f"{url}/stats")
+    results = [(text is not None, text == expected[sent[i]], seconds)  # answered, correct
+               for i, text, seconds in answers]
     seconds = [s for _, _, s in results]
     return {"requests": len(results), "answered": sum(answered for answered, _, _ in results),
             "correct": sum(ok for _, ok, _ in results),

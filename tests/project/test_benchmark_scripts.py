@@ -9,6 +9,7 @@ was once left importing read_metrics from aiayn.inspect.plots."""
 import ast
 import importlib
 import json
+import math
 import re
 import runpy
 import sys
@@ -320,3 +321,63 @@ def test_kernel_ab_compares_the_kernels_of_two_revisions_in_one_process(run_dir,
     assert "against those of HEAD" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--against no-such-rev: git cannot show"):
         main(["--run-dir", str(run_dir), "--against", "no-such-rev", "--limit", "2"])
+
+
+# ---------------------------------------------------------------- serve_load.py's clients
+def _stub_translator(close_every: int):
+    """An HTTP/1.1 server whose POST /translate answers {"translations": [TEXT upper-cased]}
+    (500 for "FAIL"), and closes a kept connection after every ``close_every``-th answer
+    without saying so, as a server does with an idle one; counts its connections."""
+    import http.server
+    import threading
+
+    connections = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def setup(self):
+            super().setup()
+            connections.append(self.client_address)
+            self.answered = 0
+
+        def do_POST(self):
+            text = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["text"][0]
+            body = json.dumps({"translations": [text.upper()]}).encode()
+            self.send_response(500 if text == "fail" else 200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            self.answered += 1
+            if self.answered % close_every == 0:
+                self.close_connection = True
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, connections
+
+
+@pytest.mark.parametrize("keep_alive", [True, False], ids=["kept", "new"])
+def test_serve_load_clients_read_every_answer_in_order(monkeypatch, keep_alive):
+    """The load test's clients (one thread for all of them) give each sentence its own
+    answer, in the order sent; a kept connection the server closed is opened anew and the
+    request sent again, not lost; a non-200 answer is a lost one (None)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    serve_load = importlib.import_module("serve_load")
+    server, connections = _stub_translator(close_every=3)
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        sentences = [f"sentence {i}" for i in range(40)] + ["fail", "last"]
+        answers, latencies, wall = serve_load.load(url, sentences, 4, 4, 0.6, keep_alive)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert answers == [s.upper() for s in sentences[:40]] + [None, "LAST"]
+    assert len(latencies) == len(sentences) and all(0 < s <= wall for s in latencies)
+    if keep_alive:  # 3 requests a connection before the server closes it (a client's last fewer)
+        assert math.ceil(len(sentences) / 3) <= len(connections) <= len(sentences) / 3 + 4
+    else:
+        assert len(connections) == len(sentences)
