@@ -269,3 +269,160 @@ def test_a_lane_process_that_cannot_build_its_model_fails_the_start_in_one_line(
         assert not lane.ready and not lane.process.is_alive()
     finally:
         lane.close()
+
+
+def reading_on_loop(service: ModelService) -> bool:
+    """Whether an event loop, not a thread, reads every lane process's answers now."""
+    return all(lane.searches._loop_reads for lane in service.batcher._lanes)
+
+
+def test_a_running_server_reads_the_lanes_answers_on_its_event_loop(run_dir, translator):
+    """Once the app's loop starts (its lifespan), it reads the lane processes' answers
+    itself: every answer is taken on the loop's thread, none by a thread of the lanes, and
+    each is the one alone. When the loop stops, threads read again, and a job sent after it
+    is answered."""
+    service = process_lanes_service(run_dir)
+    batcher, taken_on = service.batcher, []
+    lane_result = batcher._lane_result
+
+    def recording(lane, result):
+        taken_on.append(threading.current_thread().name)
+        lane_result(lane, result)
+
+    batcher._lane_result = recording
+    rng = random.Random(11)
+    bodies = [{"text": [random_sentence(rng) for _ in range(rng.randint(1, 3))], "beam": 2}
+              for _ in range(12)]
+    try:
+        with TestClient(create_app(service)) as client:
+            until(lambda: reading_on_loop(service), "the loop to read the lanes")
+            assert not any(t.name == "aiayn-lane-results" for t in threading.enumerate())
+            loop_thread = client.portal.call(lambda: threading.current_thread().name)
+            with ThreadPoolExecutor(4) as pool:
+                answers = list(pool.map(lambda b: client.post("/translate", json=b), bodies))
+        for body, response in zip(bodies, answers, strict=True):
+            assert response.status_code == 200, response.text
+            assert_same_answer(response.json(), *expected_answer(translator, body, (2, 0.6)))
+        assert taken_on and set(taken_on) == {loop_thread}
+        assert not reading_on_loop(service)
+        assert sum(t.name == "aiayn-lane-results" for t in threading.enumerate()) == 2
+        sources = translator.prepare(["red green"])
+        hyps, _ = batcher.translate(sources, Search(2, 0.6)).result(timeout=60)
+        assert translator.finish(sources, hyps, 1)[0][0][0] == \
+            translator.translate(["red green"], translator.resolve(beam=2, alpha=0.6))[0]
+        assert taken_on[-1] == "aiayn-lane-results"
+    finally:
+        service.close()
+    assert not lane_processes(service)
+
+
+def test_a_lane_process_that_dies_while_the_loop_reads_is_replaced_off_the_loop(run_dir,
+                                                                              translator):
+    """A lane process that ends while the event loop reads its answers: its request gets a
+    503 with one line, a thread starts the new process (the loop goes on answering
+    meanwhile), and once the new one can decode the loop reads its answers again."""
+    service = process_lanes_service(run_dir)
+    body = {"text": ["red green"], "beam": 2}
+    expected = translator.translate(["red green"], translator.resolve(beam=2))
+    try:
+        with TestClient(create_app(service), raise_server_exceptions=False) as client:
+            until(lambda: reading_on_loop(service), "the loop to read the lanes")
+            lanes = [lane.searches for lane in service.batcher._lanes]
+            processes = [lane.process for lane in lanes]
+            for process in processes:  # frozen: the request is sent to one and waits there
+                os.kill(process.pid, signal.SIGSTOP)
+            with ThreadPoolExecutor(1) as pool:
+                sent = pool.submit(client.post, "/translate", json=body)
+                until(lambda: any(lane.owners for lane in service.batcher._lanes),
+                      "a lane to take the request")
+                holder = next(lane for lane in service.batcher._lanes if lane.owners)
+                os.kill(holder.searches.process.pid, signal.SIGKILL)
+                response = sent.result()
+            for process in processes:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGCONT)
+            assert_clean_error(response, 503, "a decoding process of the server ended "
+                                              "(exit code -9) with this request's sentences")
+            assert client.get("/health").status_code == 200  # the loop is not held
+            until(lambda: reading_on_loop(service), "the loop to read the new process")
+            assert holder.searches.process not in processes
+            assert [client.post("/translate", json=body).json()["translations"]
+                    for _ in range(3)] == [expected] * 3
+    finally:
+        service.close()
+    assert not lane_processes(service)
+
+
+def test_the_loop_never_waits_to_send_to_a_lane_process(translator):
+    """What the server's loop sends a lane process (``send(wait=False)``) goes only where
+    the pipe has room for all of it: with the child frozen, sends are refused once the pipe
+    is nearly full, and none of them blocks (the loop may be what reads the child's
+    answers); the lane's thread sends the rest, waiting. Each refusal writes nothing."""
+    lane = LaneProcess(translator.model, False, on_result=lambda result: None,
+                       on_lost=lambda exc: None)
+    try:
+        lane.wait_ready(timeout=120)
+        os.kill(lane.process.pid, signal.SIGSTOP)
+        removes = list(range(2000))  # a message of a few KB: only removals, of no sentence
+        results: list[bool] = []
+        sender = threading.Thread(target=lambda: results.extend(
+            lane.send([], removes, wait=False) for _ in range(400)), daemon=True)
+        sender.start()
+        sender.join(timeout=60)
+        assert not sender.is_alive(), "a send of the loop's waited for the frozen child"
+        assert results[0] and not results[-1]
+        refused = results.index(False)
+        assert all(results[:refused]) and not any(results[refused:])
+        assert 0.5 * lane._capacity < refused * len(pickle_size(removes)) <= lane._capacity
+        assert lane.send([], removes, wait=False) is False
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(lane.process.pid, signal.SIGCONT)
+        lane.close()
+
+
+def pickle_size(removes: list[int]) -> bytes:
+    from multiprocessing.reduction import ForkingPickler
+    return bytes(ForkingPickler.dumps(([], removes)))
+
+
+def test_a_loop_that_stops_without_letting_go_leaves_the_answers_to_threads(run_dir,
+                                                                           translator):
+    """A forced exit stops the server's loop without its shutdown (which lets go of the
+    lanes): closing the service still reads the answers still to come, so the jobs taken
+    are answered and the close ends."""
+    import asyncio
+
+    service = process_lanes_service(run_dir)
+    batcher = service.batcher
+    loop = asyncio.new_event_loop()
+    running = threading.Thread(target=loop.run_forever, daemon=True)
+    running.start()
+    processes = [lane.searches.process for lane in batcher._lanes]
+    closing = threading.Thread(target=service.close, daemon=True)
+    try:
+        loop.call_soon_threadsafe(batcher.read_on, loop)
+        until(lambda: reading_on_loop(service), "the loop to read the lanes")
+        for process in processes:  # frozen: the job waits in its lane
+            os.kill(process.pid, signal.SIGSTOP)
+        sources = translator.prepare(["red green"])
+        future = batcher.translate(sources, Search(2, 0.6))
+        until(lambda: any(lane.owners for lane in batcher._lanes), "a lane to take it")
+        loop.call_soon_threadsafe(loop.stop)
+        running.join(timeout=30)
+        for process in processes:
+            os.kill(process.pid, signal.SIGCONT)
+        closing.start()
+        closing.join(timeout=60)
+        assert not closing.is_alive(), "the close waited for answers nobody read"
+        hyps, _ = future.result(timeout=0)
+        assert translator.finish(sources, hyps, 1)[0][0][0] == \
+            translator.translate(["red green"], translator.resolve(beam=2, alpha=0.6))[0]
+    finally:
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGCONT)
+        if not closing.is_alive():  # a close that hangs would hang here too
+            service.close()
+        loop.close()
+    assert not lane_processes(service)

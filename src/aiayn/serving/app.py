@@ -69,6 +69,8 @@ line when they are missing.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import socket
 from dataclasses import asdict
@@ -199,8 +201,17 @@ class AttentionRequest(SearchSettings):
 def create_app(service: ModelService, limits: ServeLimits | None = None) -> FastAPI:
     """The FastAPI application around one loaded model."""
     limits = limits or ServeLimits()
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        # While the loop runs, it reads the lanes' answers itself (docs/serving.md#lanes).
+        service.batcher.read_on(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            service.batcher.read_on(None)
+
     app = FastAPI(title="aiayn", summary="Translate with an aiayn run and look at its attention",
-                  version="0.1.0")
+                  version="0.1.0", lifespan=lifespan)
     static_files = {p.name: p for p in STATIC_DIR.iterdir() if p.suffix in CONTENT_TYPES}
 
     app.add_middleware(RefuseLargeBodies, max_bytes=limits.max_body_bytes)

@@ -7,12 +7,13 @@ as soon as its last sentence is done (``BatchStats`` counts what happened). It n
 HTTP library: the app and tests drive it through futures. On a CPU of two cores or more
 the searches run in lane processes (``aiayn.serving.lanes``).
 
-At about 620 lines this module is over the house's ~500: the batcher's thread, its lanes
+At about 630 lines this module is over the house's ~500: the batcher's thread, its lanes
 and its statistics share one lock and one set of invariants, and read best together.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import threading
 import time
@@ -128,8 +129,9 @@ class Batcher:
     GPU) each hold one ``JoinableSearch`` per search settings (beam, alpha) that has
     sentences, stepped in turn on one intra-op thread (``aiayn.serving.lanes``): in the lane's
     thread here (``lanes="threads"``), or in a process of the lane's own that steps on its
-    own while its thread here sends it jobs and a receiver answers them (``"processes"``,
-    the default on a CPU of two or more cores: threads would take turns on Python's lock).
+    own while its thread here sends it jobs and its answers are read here, by the server's
+    event loop once it runs (``read_on``), else by a thread (``"processes"``, the default
+    on a CPU of two or more cores: threads would take turns on Python's lock).
     Before each round of steps (a process: whenever jobs wait; while something decodes, the
     thread that submits a job sends it to the process itself) a lane takes the waiting
     jobs, oldest first, while they fit: every lane's sentences together stay within
@@ -246,6 +248,14 @@ class Batcher:
             future.set_exception(ClientGone())
             lane.wake.notify()
 
+    def read_on(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Called on ``loop``'s thread as it starts: that event loop reads what the lane
+        processes answer (``LaneProcess.read_on``: one thread fewer woken an answer); None,
+        as it stops: their threads read again."""
+        for lane in self._lanes:
+            if lane.searches.remote:
+                lane.searches.read_on(loop)
+
     def run_alone(self, fn: Callable[[], Any]) -> Future:
         """A future of ``fn()``, run on a model thread with no decoding beside it."""
         return self._submit(Job(None, alone=fn))
@@ -259,6 +269,9 @@ class Batcher:
         with self._changed:
             self._closed = True
             self._wake_all()
+        for lane in self._lanes:  # the answers still to come are read, whoever stopped how
+            if lane.searches.remote:
+                lane.searches.take_back()
         for worker in self._workers:
             worker.join()
         for lane in self._lanes:

@@ -19,14 +19,21 @@ sentences of every direction share a search.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import multiprocessing
+import os
 import pickle
 import signal
+import socket
+import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 
@@ -132,13 +139,18 @@ class LaneLost(RuntimeError):
 class LaneProcess:
     """``LaneSearches`` in a child process that decodes on its own: ``send`` gives it
     sentences, and it steps its searches while it has any, taking what is sent between
-    steps; a thread here receives what it finishes and calls ``on_result(Round)``. So the
-    server never waits on the child at a step (a round trip per step cost more than it
-    saved: a process woken ~40 times per sentence). The child gets the model's config and
-    weights once, at its start, and says when it can decode (``wait_ready``: a server that
-    answered before its lanes had built their models kept its first requests waiting ~2 s).
-    If it ends (killed, out of memory), ``on_lost(LaneLost)`` is called and a new child
-    starts."""
+    steps; what it finishes is read here and given to ``on_result(Round)``. So the server
+    never waits on the child at a step (a round trip per step cost more than it saved: a
+    process woken ~40 times per sentence). The child gets the model's config and weights
+    once, at its start, and says when it can decode (``wait_ready``: a server that answered
+    before its lanes had built their models kept its first requests waiting ~2 s). If it
+    ends (killed, out of memory), ``on_lost(LaneLost)`` is called and a new child starts.
+
+    What the child sends is read by a thread here, or, once the server's event loop has
+    asked (``read_on``), by that loop itself: an answer then wakes one thread of the server
+    instead of two, each wakeup a wait for a core the lanes hold (docs/serving.md#lanes).
+    The thread reads again whenever the loop cannot: before it asks, after it lets go, and
+    while a child that ended is replaced (a start takes seconds the loop must not wait)."""
 
     remote = True
 
@@ -153,32 +165,56 @@ class LaneProcess:
         self._closing = False
         self._ready = threading.Event()  # the child has built its model (READY), or failed to
         self._start_failed: str | None = None  # why the first child ended before it was ready
+        # Who reads the child's pipe: the thread, or the loop. Under _reader_lock: the loop
+        # that asked (None: the thread reads), and whether the thread has handed over to it
+        # (a call on the loop pending) or the loop reads.
+        self._reader_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._handing_over = self._loop_reads = False
+        self._decoding = False  # the current child has said READY (the loop reads only then)
+        self._wake_r, self._wake_w = os.pipe()  # wakes the thread to look at _loop again
         self._start()
-        self._receiver = threading.Thread(target=self._receive, name="aiayn-lane-results",
-                                          daemon=True)
-        self._receiver.start()
+        self._start_receiver()
 
     def _start(self) -> None:
         context = multiprocessing.get_context("spawn")  # no fork of a process with threads
         self._conn, child = context.Pipe()
+        self._capacity = 0  # of the socket to the child, where ``_unread_bytes`` can count
+        if _CAN_COUNT_UNREAD:
+            with socket.socket(fileno=os.dup(self._conn.fileno())) as sock:
+                self._capacity = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
         self.process = context.Process(target=_lane_main, args=(child, *self._start_args),
                                        name="aiayn-lane", daemon=True)
         self.process.start()
         child.close()
 
     def send(self, adds: Adds, removes: Sequence[int] = (), wait: bool = True) -> bool:
-        """What ``LaneSearches.round`` takes, for the child's next step. ``wait=False``:
-        only if no other send, and no start of a new child, holds the pipe now (the server's
-        event loop must not wait seconds for a child to start); returns whether it was sent."""
+        """What ``LaneSearches.round`` takes, for the child's next step. ``wait=False`` (the
+        server's event loop, which must never wait here: it may be what reads the child's
+        answers): only if no other send, and no start of a new child, holds the pipe now
+        and the pipe has room for the whole message; returns whether it was sent."""
         if not self._lock.acquire(blocking=wait):
             return False
         try:
-            # A child that has ended is the receiver's to report (its end closes the pipe).
+            message = ForkingPickler.dumps((adds, list(removes)))
+            if not wait and not self._room_for(len(message)):
+                return False  # the lane's thread sends it
+            # A child that has ended is the reader's to report (its end closes the pipe).
             with contextlib.suppress(OSError):
-                self._conn.send((adds, list(removes)))
+                self._conn.send_bytes(message)
         finally:
             self._lock.release()
         return True
+
+    def _room_for(self, size: int) -> bool:
+        """Whether ``size`` more bytes fit in the pipe to the child now, so that sending them
+        does not wait (with a margin for the kernel's accounting of what it holds). Where the
+        platform cannot say, the loop never reads (``read_on``), so a wait is no deadlock."""
+        try:
+            unread = _unread_bytes(self._conn)
+        except OSError:
+            return False
+        return unread is None or unread + 2 * size + 4096 <= self._capacity
 
     @property
     def ready(self) -> bool:
@@ -193,38 +229,122 @@ class LaneProcess:
         if self._start_failed is not None:
             raise AiaynError(self._start_failed)
 
-    def _receive(self) -> None:
-        while True:
-            try:
-                result = self._conn.recv()
-            except (EOFError, OSError):
-                with self._lock:
-                    if self._closing:
-                        return
-                    self.process.join(timeout=5)
-                    if not self._ready.is_set():  # it never could decode: a new one would not
-                        self._start_failed = (f"a decoding process of the server ended before it "
-                                              f"could decode (exit code {self.process.exitcode})")
-                        self._ready.set()
-                        return
-                    lost = LaneLost(f"a decoding process of the server ended (exit code "
-                                    f"{self.process.exitcode}) with this request's sentences; "
-                                    "a new one has started: send it again")
-                    self.on_lost(lost)  # before the new child: what it gets is not lost
-                    self._conn.close()
-                    self._start()
-                continue
-            if result == READY:
-                self._ready.set()
-                continue
-            if isinstance(result, tuple) and result[0] == CANNOT_START:
-                self._start_failed = f"a decoding process of the server could not start: {result[1]}"
-                self.process.join(timeout=10)  # it ends on its own
-                self._ready.set()
+    def read_on(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Called on ``loop``'s own thread: let that event loop read what the child sends,
+        from the thread's next look on (at once where it waits). None: the loop lets go
+        (it is stopping) and a thread reads again. A platform that cannot say how much of
+        a pipe is unread (``_unread_bytes``) keeps the thread: the loop must never wait on a
+        send while it alone reads."""
+        if loop is not None:
+            if not _CAN_COUNT_UNREAD:
                 return
-            self.on_result(result)
+            with self._reader_lock:
+                self._loop = loop
+            os.write(self._wake_w, b"x")
+            return
+        with self._reader_lock:
+            loop, self._loop = self._loop, None
+            pending, self._handing_over = self._handing_over, False
+            reads, self._loop_reads = self._loop_reads, False
+        if reads:
+            with contextlib.suppress(RuntimeError):  # a closed loop has let go already
+                loop.remove_reader(self._conn.fileno())
+        if reads or pending:  # the thread has ended: a new one reads
+            self._start_receiver()
+
+    def take_back(self) -> None:
+        """From any thread: where the loop that reads has stopped without letting go (a
+        forced exit skips its shutdown), a thread reads again; a running loop keeps on."""
+        with self._reader_lock:
+            loop = self._loop
+        if loop is not None and not loop.is_running():
+            self.read_on(None)  # safe off its thread: a stopped loop runs nothing meanwhile
+
+    def _start_receiver(self) -> None:
+        self._receiver = threading.Thread(target=self._receive, name="aiayn-lane-results",
+                                          daemon=True)
+        self._receiver.start()
+
+    def _receive(self) -> None:
+        """The thread's reading, until the loop takes over, a start fails, or close."""
+        while True:
+            with self._reader_lock:
+                if self._loop is not None and self._decoding and not self._closing:
+                    self._handing_over = True
+                    self._loop.call_soon_threadsafe(self._read_on_loop)
+                    return
+            if self._wake_r in wait([self._conn, self._wake_r]):
+                os.read(self._wake_r, 512)
+                continue
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                if not self._replace():
+                    return
+                continue
+            if not self._take(message):
+                return
+
+    def _read_on_loop(self) -> None:
+        """On the loop's thread: the thread has handed over; the loop reads from now on
+        (unless it let go meanwhile: then a new thread reads already)."""
+        with self._reader_lock:
+            if not self._handing_over:
+                return
+            self._handing_over, self._loop_reads = False, True
+            self._loop.add_reader(self._conn.fileno(), self._readable)
+
+    def _readable(self) -> None:
+        """On the loop's thread: the child has sent something, or ended."""
+        try:
+            message = self._conn.recv()
+        except (EOFError, OSError):  # a thread finds the end and starts a new child
+            with self._reader_lock:
+                self._loop_reads = self._decoding = False  # not back before a new READY
+                self._loop.remove_reader(self._conn.fileno())
+            self._start_receiver()
+            return
+        self._take(message)
+
+    def _take(self, message) -> bool:
+        """A message of the child: READY, CANNOT_START (then False: no more to read) or a
+        ``Round``."""
+        if message == READY:
+            self._decoding = True
+            self._ready.set()
+        elif isinstance(message, tuple) and message[0] == CANNOT_START:
+            self._start_failed = f"a decoding process of the server could not start: {message[1]}"
+            self.process.join(timeout=10)  # it ends on its own
+            self._ready.set()
+            return False
+        else:
+            self.on_result(message)
+        return True
+
+    def _replace(self) -> bool:
+        """The thread: the child has ended. Unless closing or it never could decode, its
+        sentences are lost (``on_lost``) and a new child starts; returns whether it did."""
+        with self._lock:
+            if self._closing:
+                return False
+            self.process.join(timeout=5)
+            if not self._ready.is_set():  # it never could decode: a new one would not
+                self._start_failed = (f"a decoding process of the server ended before it "
+                                      f"could decode (exit code {self.process.exitcode})")
+                self._ready.set()
+                return False
+            lost = LaneLost(f"a decoding process of the server ended (exit code "
+                            f"{self.process.exitcode}) with this request's sentences; "
+                            "a new one has started: send it again")
+            self.on_lost(lost)  # before the new child: what it gets is not lost
+            self._conn.close()
+            self._decoding = False  # the loop reads again once the new child is READY
+            self._start()
+        return True
 
     def close(self) -> None:
+        """Stop the child (after the steps it has: its searches are the batcher's to have
+        finished) and the reading; a loop reading must have let go (``read_on(None)``)."""
         with self._lock:
             self._closing = True
             with contextlib.suppress(OSError):
@@ -235,6 +355,25 @@ class LaneProcess:
             self.process.join()
         self._receiver.join(timeout=10)
         self._conn.close()
+        if self._wake_w is not None:  # not closed before (their numbers may be reused)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_r = self._wake_w = None
+
+
+# SIOCOUTQ (= TIOCOUTQ): the bytes a socket has sent that its peer has not read yet, on
+# Linux, where a duplex multiprocessing Pipe is a Unix socket pair.
+_CAN_COUNT_UNREAD = sys.platform.startswith("linux")
+
+
+def _unread_bytes(conn) -> int | None:
+    """What was sent over ``conn``'s socket and is not yet read at its other end (None
+    where the platform cannot say)."""
+    if not _CAN_COUNT_UNREAD:
+        return None
+    import fcntl  # Unix only, as termios
+    import termios
+    return struct.unpack("i", fcntl.ioctl(conn.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
 
 
 def _lane_main(conn, cfg, state: dict, kernel, bf16: bool, int8: bool) -> None:
