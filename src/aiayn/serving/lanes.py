@@ -172,7 +172,8 @@ class LaneProcess:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handing_over = self._loop_reads = False
         self._decoding = False  # the current child has said READY (the loop reads only then)
-        self._wake_r, self._wake_w = os.pipe()  # wakes the thread to look at _loop again
+        # Wakes the thread to look at _loop again (where a loop may read: Linux).
+        self._wake_r, self._wake_w = os.pipe() if _CAN_COUNT_UNREAD else (None, None)
         self._start()
         self._start_receiver()
 
@@ -190,9 +191,10 @@ class LaneProcess:
 
     def send(self, adds: Adds, removes: Sequence[int] = (), wait: bool = True) -> bool:
         """What ``LaneSearches.round`` takes, for the child's next step. ``wait=False`` (the
-        server's event loop, which must never wait here: it may be what reads the child's
-        answers): only if no other send, and no start of a new child, holds the pipe now
-        and the pipe has room for the whole message; returns whether it was sent."""
+        server's event loop, which must never wait here where it may be what reads the
+        child's answers): only if no other send, and no start of a new child, holds the pipe
+        now and, on Linux, the pipe has room for the whole message; returns whether it was
+        sent."""
         if not self._lock.acquire(blocking=wait):
             return False
         try:
@@ -231,34 +233,42 @@ class LaneProcess:
 
     def read_on(self, loop: asyncio.AbstractEventLoop | None) -> None:
         """Called on ``loop``'s own thread: let that event loop read what the child sends,
-        from the thread's next look on (at once where it waits). None: the loop lets go
-        (it is stopping) and a thread reads again. A platform that cannot say how much of
-        a pipe is unread (``_unread_bytes``) keeps the thread: the loop must never wait on a
-        send while it alone reads."""
-        if loop is not None:
-            if not _CAN_COUNT_UNREAD:
-                return
-            with self._reader_lock:
-                self._loop = loop
-            os.write(self._wake_w, b"x")
+        from the thread's next look on (at once where it waits); the first loop to ask
+        keeps it. None, on the reading loop's thread: it lets go (it is stopping) and a
+        thread reads again. A platform that cannot say how much of a pipe is unread
+        (``_unread_bytes``: Linux can) keeps the thread: the loop must never wait on a send
+        while it alone reads."""
+        if loop is None:
+            if self._loop is asyncio.get_running_loop():
+                self._let_go()
             return
+        if not _CAN_COUNT_UNREAD or self._closing:
+            return
+        with self._reader_lock:
+            if self._loop is not None:
+                return
+            self._loop = loop
+        os.write(self._wake_w, b"x")
+
+    def take_back(self) -> None:
+        """From any thread: where the loop that reads has stopped without letting go (a
+        forced exit may skip its shutdown), a thread reads again; a running loop keeps on."""
+        with self._reader_lock:
+            loop = self._loop
+        if loop is not None and not loop.is_running():
+            self._let_go()
+
+    def _let_go(self) -> None:
+        """The loop reads no more (from its thread, or from any where it does not run)."""
         with self._reader_lock:
             loop, self._loop = self._loop, None
             pending, self._handing_over = self._handing_over, False
             reads, self._loop_reads = self._loop_reads, False
         if reads:
-            with contextlib.suppress(RuntimeError):  # a closed loop has let go already
+            with contextlib.suppress(RuntimeError, OSError):  # a closed loop let go already
                 loop.remove_reader(self._conn.fileno())
         if reads or pending:  # the thread has ended: a new one reads
             self._start_receiver()
-
-    def take_back(self) -> None:
-        """From any thread: where the loop that reads has stopped without letting go (a
-        forced exit skips its shutdown), a thread reads again; a running loop keeps on."""
-        with self._reader_lock:
-            loop = self._loop
-        if loop is not None and not loop.is_running():
-            self.read_on(None)  # safe off its thread: a stopped loop runs nothing meanwhile
 
     def _start_receiver(self) -> None:
         self._receiver = threading.Thread(target=self._receive, name="aiayn-lane-results",
@@ -273,7 +283,7 @@ class LaneProcess:
                     self._handing_over = True
                     self._loop.call_soon_threadsafe(self._read_on_loop)
                     return
-            if self._wake_r in wait([self._conn, self._wake_r]):
+            if self._wake_r is not None and self._wake_r in wait([self._conn, self._wake_r]):
                 os.read(self._wake_r, 512)
                 continue
             try:
@@ -291,8 +301,17 @@ class LaneProcess:
         with self._reader_lock:
             if not self._handing_over:
                 return
-            self._handing_over, self._loop_reads = False, True
-            self._loop.add_reader(self._conn.fileno(), self._readable)
+            self._handing_over = False
+            try:
+                self._loop.add_reader(self._conn.fileno(), self._readable)
+            except (RuntimeError, OSError):  # closing meanwhile: its thread ends it
+                self._loop = None
+                return
+            self._loop_reads = True
+        # uvloop's poll makes the socket non-blocking, and a non-blocking Connection can
+        # read or write half a message (a thread's send to a full pipe, a read of a Round
+        # the child has not finished writing): it stays blocking.
+        os.set_blocking(self._conn.fileno(), True)
 
     def _readable(self) -> None:
         """On the loop's thread: the child has sent something, or ended."""
@@ -301,7 +320,8 @@ class LaneProcess:
         except (EOFError, OSError):  # a thread finds the end and starts a new child
             with self._reader_lock:
                 self._loop_reads = self._decoding = False  # not back before a new READY
-                self._loop.remove_reader(self._conn.fileno())
+                with contextlib.suppress(RuntimeError, OSError):
+                    self._loop.remove_reader(self._conn.fileno())
             self._start_receiver()
             return
         self._take(message)
@@ -355,20 +375,21 @@ class LaneProcess:
             self.process.join()
         self._receiver.join(timeout=10)
         self._conn.close()
-        if self._wake_w is not None:  # not closed before (their numbers may be reused)
+        if self._wake_w is not None and not self._receiver.is_alive():  # once: numbers reuse
             os.close(self._wake_r)
             os.close(self._wake_w)
             self._wake_r = self._wake_w = None
 
 
-# SIOCOUTQ (= TIOCOUTQ): the bytes a socket has sent that its peer has not read yet, on
-# Linux, where a duplex multiprocessing Pipe is a Unix socket pair.
+# SIOCOUTQ (= TIOCOUTQ): the memory a socket's sent and not yet read data holds, which
+# a send waits on once it reaches SO_SNDBUF; Linux's, where a duplex Pipe is a socket pair.
 _CAN_COUNT_UNREAD = sys.platform.startswith("linux")
 
 
 def _unread_bytes(conn) -> int | None:
-    """What was sent over ``conn``'s socket and is not yet read at its other end (None
-    where the platform cannot say)."""
+    """The memory that what was sent over ``conn``'s socket and not yet read at its other
+    end holds, in bytes (more than the data: the kernel's accounting); None where the
+    platform cannot say."""
     if not _CAN_COUNT_UNREAD:
         return None
     import fcntl  # Unix only, as termios
