@@ -42,6 +42,16 @@ from aiayn.serving.lanes import LaneProcess  # noqa: E402
 from aiayn.serving.service import ModelService, ServeLimits, serve_info  # noqa: E402
 
 
+def assert_decodes_as_alone(batcher: Batcher, translator: Translator, hyps=None) -> None:
+    """"red green" through ``batcher`` (or ``hyps``, its answer already) at beam 2 gives
+    the translator's own translation."""
+    sources = translator.prepare(["red green"])
+    if hyps is None:
+        hyps, _ = batcher.translate(sources, Search(2, 0.6)).result(timeout=60)
+    assert translator.finish(sources, hyps, 1)[0][0][0] == \
+        translator.translate(["red green"], translator.resolve(beam=2, alpha=0.6))[0]
+
+
 def lane_processes(service: ModelService) -> list:
     """The lane processes of ``service`` that are alive."""
     return [lane.searches.process for lane in service.batcher._lanes
@@ -133,6 +143,30 @@ def test_a_job_that_arrives_while_lanes_decode_goes_to_a_lane_from_its_own_threa
         service.close()
 
 
+def kill_the_lane_holding(service: ModelService, client, body: dict,
+                          meanwhile=lambda: None) -> tuple:
+    """Freeze every lane process, send ``body`` (it waits in the lane that takes it), kill
+    the process that holds it and resume the others: its response and that lane. Calls
+    ``meanwhile()`` once the response came, before the others resume."""
+    lanes = service.batcher._lanes
+    processes = [lane.searches.process for lane in lanes]
+    try:
+        for process in processes:
+            os.kill(process.pid, signal.SIGSTOP)
+        with ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(client.post, "/translate", json=body)
+            until(lambda: any(lane.owners for lane in lanes), "a lane to take the request")
+            holder = next(lane for lane in lanes if lane.owners)
+            os.kill(holder.searches.process.pid, signal.SIGKILL)
+            response = sent.result(timeout=60)
+            meanwhile()
+    finally:
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGCONT)
+    return response, holder.searches
+
+
 def test_a_lane_process_that_dies_is_replaced_and_costs_only_its_requests_a_503(run_dir,
                                                                               translator):
     """A process that ended while it held nothing is replaced unnoticed; one that ends
@@ -150,19 +184,7 @@ def test_a_lane_process_that_dies_is_replaced_and_costs_only_its_requests_a_503(
         until(lambda: all(lane.process not in ended for lane in lanes), "new processes")
         for _ in range(3):
             assert client.post("/translate", json=body).json()["translations"] == expected
-        processes = [lane.process for lane in lanes]
-        for process in processes:  # frozen: the request is sent to one and waits there
-            os.kill(process.pid, signal.SIGSTOP)
-        with ThreadPoolExecutor(1) as pool:
-            sent = pool.submit(client.post, "/translate", json=body)
-            until(lambda: any(lane.owners for lane in service.batcher._lanes),
-                  "a lane to take the request")
-            holder = next(lane for lane in service.batcher._lanes if lane.owners)
-            os.kill(holder.searches.process.pid, signal.SIGKILL)
-            response = sent.result()
-        for process in processes:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(process.pid, signal.SIGCONT)
+        response, _ = kill_the_lane_holding(service, client, body)
         assert_clean_error(response, 503, "a decoding process of the server ended "
                                           "(exit code -9) with this request's sentences")
         assert [client.post("/translate", json=body).json()["translations"]
@@ -198,10 +220,7 @@ def test_a_lane_process_takes_out_the_sentences_of_a_request_whose_client_hung_u
         until(lambda: service.stats()["passes"] == 1, "the lane to report its search ended")
         stats = service.stats()
         assert stats["abandoned"] == 1 and stats["steps"] == 0 and batcher._load == 0
-        sources = translator.prepare(["red green"])
-        hyps, _ = batcher.translate(sources, Search(2, 0.6)).result(timeout=60)
-        assert translator.finish(sources, hyps, 1)[0][0][0] == \
-            translator.translate(["red green"], translator.resolve(beam=2, alpha=0.6))[0]
+        assert_decodes_as_alone(batcher, translator)
     finally:
         for process in processes:
             with contextlib.suppress(ProcessLookupError):
@@ -313,10 +332,7 @@ def test_a_running_server_reads_the_lanes_answers_on_its_event_loop(run_dir, tra
         assert taken_on and set(taken_on) == {loop_thread}
         assert not any(lane.searches._loop_reads for lane in batcher._lanes)
         assert all(lane.searches._receiver.is_alive() for lane in batcher._lanes)
-        sources = translator.prepare(["red green"])
-        hyps, _ = batcher.translate(sources, Search(2, 0.6)).result(timeout=60)
-        assert translator.finish(sources, hyps, 1)[0][0][0] == \
-            translator.translate(["red green"], translator.resolve(beam=2, alpha=0.6))[0]
+        assert_decodes_as_alone(batcher, translator)
         assert taken_on[-1] == "aiayn-lane-results"
     finally:
         service.close()
@@ -335,26 +351,15 @@ def test_a_lane_process_that_dies_while_the_loop_reads_is_replaced_off_the_loop(
     try:
         with TestClient(create_app(service), raise_server_exceptions=False) as client:
             until(lambda: reading_on_loop(service), "the loop to read the lanes")
-            lanes = [lane.searches for lane in service.batcher._lanes]
-            processes = [lane.process for lane in lanes]
-            for process in processes:  # frozen: the request is sent to one and waits there
-                os.kill(process.pid, signal.SIGSTOP)
-            with ThreadPoolExecutor(1) as pool:
-                sent = pool.submit(client.post, "/translate", json=body)
-                until(lambda: any(lane.owners for lane in service.batcher._lanes),
-                      "a lane to take the request")
-                holder = next(lane for lane in service.batcher._lanes if lane.owners)
-                os.kill(holder.searches.process.pid, signal.SIGKILL)
-                response = sent.result(timeout=60)
-                # A new child starts on a thread: meanwhile the loop answers at once.
-                assert client.get("/health").status_code == 200
-            for process in processes:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(process.pid, signal.SIGCONT)
+            processes = [lane.searches.process for lane in service.batcher._lanes]
+            # A new child starts on a thread: meanwhile the loop answers at once.
+            response, holder = kill_the_lane_holding(
+                service, client, body,
+                meanwhile=lambda: client.get("/health").raise_for_status())
             assert_clean_error(response, 503, "a decoding process of the server ended "
                                               "(exit code -9) with this request's sentences")
             until(lambda: reading_on_loop(service), "the loop to read the new process")
-            assert holder.searches.process not in processes
+            assert holder.process not in processes
             assert [client.post("/translate", json=body).json()["translations"]
                     for _ in range(3)] == [expected] * 3
     finally:
@@ -421,8 +426,7 @@ def test_a_loop_that_stops_without_letting_go_leaves_the_answers_to_threads(run_
         until(lambda: reading_on_loop(service), "the loop to read the lanes")
         for process in processes:  # frozen: the job waits in its lane
             os.kill(process.pid, signal.SIGSTOP)
-        sources = translator.prepare(["red green"])
-        future = batcher.translate(sources, Search(2, 0.6))
+        future = batcher.translate(translator.prepare(["red green"]), Search(2, 0.6))
         until(lambda: any(lane.owners for lane in batcher._lanes), "a lane to take it")
         loop.call_soon_threadsafe(loop.stop)
         running.join(timeout=30)
@@ -431,9 +435,7 @@ def test_a_loop_that_stops_without_letting_go_leaves_the_answers_to_threads(run_
         closing.start()
         closing.join(timeout=60)
         assert not closing.is_alive(), "the close waited for answers nobody read"
-        hyps, _ = future.result(timeout=0)
-        assert translator.finish(sources, hyps, 1)[0][0][0] == \
-            translator.translate(["red green"], translator.resolve(beam=2, alpha=0.6))[0]
+        assert_decodes_as_alone(batcher, translator, future.result(timeout=0)[0])
     finally:
         for process in processes:
             with contextlib.suppress(ProcessLookupError):
