@@ -255,8 +255,9 @@ class Clients:
         done: list[tuple[int, str | None, float]] = []
 
         def send(sock: socket.socket | None, job: tuple[int, str], retried: bool = False
-                 ) -> None:
-            """``job``'s request over ``sock`` (kept, registered) or a new connection."""
+                 ) -> bool:
+            """``job``'s request over ``sock`` (kept, registered) or a new connection; False
+            where it could not be sent (counted lost)."""
             body = json.dumps({"text": [job[1]], **self.settings}).encode()
             request = self.head + b"Content-Length: %d\r\n\r\n" % len(body) + body
             kept = sock is not None
@@ -268,29 +269,33 @@ class Clients:
             except OSError:  # a kept connection the server closed (idle): once more, anew
                 if kept:
                     hang_up(sock)
-                if retried or not kept:
-                    done.append((job[0], None, 0.0))
-                    return next_request(None)
-                return send(None, job, retried=True)
+                    if not retried:
+                        return send(None, job, retried=True)
+                done.append((job[0], None, 0.0))
+                return False
             state = [job, time.perf_counter(), bytearray(), retried]
             if kept:
                 selector.modify(sock, selectors.EVENT_READ, state)  # no system call
             else:
                 selector.register(sock, selectors.EVENT_READ, state)
+            return True
 
         def hang_up(sock: socket.socket) -> None:
             selector.unregister(sock)
             sock.close()
 
         def next_request(sock: socket.socket | None) -> None:
-            """The next job, over ``sock`` where it is kept; none left: ``sock`` closes."""
-            job = next(jobs, None)
-            if job is not None and sock is not None and self.keep_alive:
-                return send(sock, job)
+            """The next job that can be sent (a loop, not a recursion: a server that is
+            gone loses every job), over ``sock`` where it is kept; none left: it closes."""
+            if sock is not None and not self.keep_alive:
+                hang_up(sock)
+                sock = None
+            for job in jobs:
+                if send(sock, job):
+                    return
+                sock = None  # a kept one that failed is closed
             if sock is not None:
                 hang_up(sock)
-            if job is not None:
-                send(None, job)
 
         def answered(sock: socket.socket, state: list, text: str | None, reuse: bool) -> None:
             done.append((state[0][0], text, time.perf_counter() - state[1]))
@@ -310,10 +315,11 @@ class Clients:
                 if not data:  # closed by the server: a kept connection idle too long, once
                     hang_up(sock)
                     if not state[2] and not state[3] and self.keep_alive:
-                        send(None, state[0], retried=True)
+                        if send(None, state[0], retried=True):  # (a failed one counts lost)
+                            continue
                     else:
                         done.append((state[0][0], None, time.perf_counter() - state[1]))
-                        next_request(None)
+                    next_request(None)
                     continue
                 state[2] += data
                 answer = _http_answer(state[2])

@@ -381,3 +381,14 @@ def test_serve_load_clients_read_every_answer_in_order(monkeypatch, keep_alive):
         assert math.ceil(len(sentences) / 3) <= len(connections) <= len(sentences) / 3 + 4
     else:
         assert len(connections) == len(sentences)
+
+
+def test_serve_load_clients_count_every_request_lost_when_the_server_is_gone(monkeypatch):
+    """A server that is not there: every request counts lost (None), however many there
+    are (each failed send takes the next job in a loop, not a deeper call)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    serve_load = importlib.import_module("serve_load")
+    url = f"http://127.0.0.1:{serve_load.free_port()}"  # nothing listens there
+    sentences = [f"sentence {i}" for i in range(3000)]  # > Python's recursion limit
+    answers, latencies, _ = serve_load.load(url, sentences, 4, 4, 0.6)
+    assert answers == [None] * len(sentences) and len(latencies) == len(sentences)
