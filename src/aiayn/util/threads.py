@@ -93,13 +93,12 @@ def batch_policy() -> bool:
     policy or it is refused. Once set, the process keeps it.
 
     For `aiayn serve` on a CPU, whose lanes decode on the cores its HTTP threads use
-    (aiayn.serving.lanes). A request wakes the server's threads several times (the event
-    loop when it arrives, the thread that takes a lane's answer, the event loop again to
-    send it), and under the ordinary policy each wakeup preempts whatever runs on the core,
-    often a lane in mid-step, which then resumes with its caches cold. A batch thread that
-    wakes waits for the running one's time slice to end instead; its share of the CPU is
-    the same. On a 2-core CPU about a sixth more requests a second at 32 clients
-    (docs/serving.md#lanes)."""
+    (aiayn.serving.lanes). A request wakes the server's event loop when it arrives and when
+    its lane answers, and under the ordinary policy each wakeup preempts whatever runs on
+    the core, often a lane in mid-step, which then resumes with its caches cold. A batch
+    thread that wakes waits for the running one's time slice to end instead; its share of
+    the CPU is the same. On a 2-core CPU a little more of the offline rate with nothing
+    else running, the same with a core busy (docs/serving.md#lanes)."""
     if not hasattr(os, "SCHED_BATCH") or not hasattr(os, "sched_setscheduler"):
         return False
     try:
