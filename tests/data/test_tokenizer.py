@@ -168,3 +168,14 @@ def test_bad_settings():
         train_tokenizers([], DataConfig())
     with pytest.raises(TypeError):
         train_tokenizers(PAIRS, DataConfig()).encode_src("not a list")
+
+
+def test_text_that_is_no_unicode_is_one_line_naming_the_sentence():
+    """A lone surrogate (JSON's "\\ud800", or a file's bad byte read with surrogateescape)
+    is no text the tokenizer can read: an AiaynError that says which sentence, not its
+    TypeError."""
+    tokenizers = train_tokenizers(PAIRS, DataConfig())
+    with pytest.raises(AiaynError, match=r"sentence 2 is not valid Unicode: '\\udcff' at "
+                                         r"character 4"):
+        tokenizers.encode_src(["fine", "bad\udcffbyte"])
+    assert tokenizers.encode_src(["fine"]) == tokenizers.encode_src(["fine"])  # still works
