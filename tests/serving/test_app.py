@@ -319,6 +319,7 @@ def test_requests_over_the_limits_get_413_with_a_message(client):
     ("/translate", '{"text": [1, 2]}', "body.text"),
     ("/translate", '{"text": ["red"], "beam": 2, "nbest": 3}',
      "nbest must be between 1 and the beam (beam 2), got 3"),
+    ("/translate", '{"text": ["red", "x\\udcff"]}', "sentence 2 is not valid Unicode"),
     ("/attention", '{"text": "   "}', "the sentence to translate is empty"),
     ("/attention", '{"text": ["red"]}', "body.text"),
 ])
@@ -382,6 +383,47 @@ def test_an_unexpected_failure_is_a_500_without_traceback(run_dir, monkeypatch):
         assert client.post("/translate", json={"text": ["red"]}).status_code == 200
     finally:
         service.close()
+
+
+# ---------------------------------------------------------------- the fast path
+
+# A JSON type that FastAPI reads as JSON and JsonFastPath leaves to it.
+ROUTED = {"Content-Type": "application/x-aiayn+json"}
+JSON = {"Content-Type": "application/json"}
+
+
+@pytest.mark.parametrize("body", [
+    '{"text": ["red sun", "", "star tree"], "beam": 3, "nbest": 2, "alignments": true}',
+    '{"text": "moon", "prefix": "white", "alpha": 1}',
+    '{"text": ["red"], "sample": {"temperature": 0.5}, "seed": 3, "nbest": 2}',
+    '{"text": ["red"], "seed": 3}',  # the answer's refusal (AiaynError)
+    '{"text": ["red"], "x": 1}',  # a field the API does not name
+    '{"text": ["red"] * 9}',  # not JSON
+    '{"text": ["red", "red", "red", "red", "red", "red", "red", "red", "red"]}',  # TooLarge
+    '{"text": ["red"], "beam": "4"}',  # does not validate: FastAPI's own line
+    '{"text": ["red"], "to": "es"}',  # a model of one direction
+    '{"text": "\\ud800"}',  # a lone surrogate: JSON to Python, not to pydantic's reader (422)
+])
+def test_the_fast_path_answers_as_fastapis_route(client, body):
+    fast = client.post("/translate", content=body, headers=JSON)
+    routed = client.post("/translate", content=body, headers=ROUTED)
+    assert fast.status_code == routed.status_code
+    got, expected = fast.json(), routed.json()
+    got.pop("seconds", None), expected.pop("seconds", None)
+    assert got == expected
+
+
+def test_the_fast_path_answers_without_fastapis_route(service, translator):
+    app = create_app(service)
+    app.router.routes[:] = [r for r in app.router.routes if getattr(r, "path", "") != "/translate"]
+    client = TestClient(app)
+    answer = client.post("/translate", json={"text": SENTENCES, "beam": 2})
+    assert answer.status_code == 200
+    assert answer.json()["translations"] == translator.translate(
+        SENTENCES, translator.resolve(beam=2))
+    # what it does not take goes on to FastAPI, which here has no such route
+    assert client.post("/translate", content='{"text": ["red"]}', headers=ROUTED).status_code == 404
+    assert client.post("/translate", content='{"txt": ["red"]}', headers=JSON).status_code == 404
 
 
 # ---------------------------------------------------------------- the rest of the API
