@@ -575,7 +575,9 @@ def save(key: str, rows: list[dict], args) -> None:
     print(f"saved {len(rows)} rows as {key!r} in {RESULTS}")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; also what ``start_server`` reads (server_cost.py starts the server
+    from it, so that a new server option has its default there too)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir")
     parser.add_argument("--data", metavar="DIR",
@@ -611,8 +613,13 @@ def main() -> None:
     parser.add_argument("--soak-clients", type=int, default=8)
     parser.add_argument("--save", metavar="KEY", help="write the rows to " + str(RESULTS))
     parser.add_argument("--load", default="quiet", help="--save: the machine's load, in words")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.keep_alive = args.connections == "kept"
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     try:
         clients = [int(c) for c in args.clients.split(",")]
     except ValueError:

@@ -29,6 +29,7 @@ from statistics import median
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import device_description, interleave, print_table  # noqa: E402
 from serve_load import ask, cpu_seconds, kept, start_server  # noqa: E402
+from serve_load import parse_args as parse_server_args  # noqa: E402
 
 from aiayn.data.prepared import load_prepared  # noqa: E402
 from aiayn.runs.directory import read_data_dir  # noqa: E402
@@ -57,10 +58,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def server_args(args: argparse.Namespace) -> argparse.Namespace:
-    """What ``serve_load.start_server`` reads: the server as a user starts it."""
-    return argparse.Namespace(run_dir=args.run_dir, weights=args.weights, device="cpu",
-                              engine="aiayn", decode_tokens=8192, max_wait_ms=5.0,
-                              batching=None, lanes=None, int8=args.int8, threads=2)
+    """What ``serve_load.start_server`` reads: the server as a user starts it (serve_load's
+    defaults, two torch threads)."""
+    return parse_server_args([args.run_dir, "--weights", args.weights, "--threads", "2",
+                              *(["--int8"] if args.int8 else [])])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     for name in kinds:
         ms = median(cpu[name][1:])
         rate = args.requests / median(rep[0] for rep in times[name])
-        rows.append([name, f"{ms:.2f}", f"{ms / base:.2f}x", f"{rate:.1f}"])
+        ratio = f"{ms / base:.2f}x" if base > 0 else "n/a (/health took under a clock tick)"
+        rows.append([name, f"{ms:.2f}", ratio, f"{rate:.1f}"])
     conditions = (f"aiayn serve {args.run_dir} ({args.weights}{', --int8' if args.int8 else ''}), "
                   f"{args.clients} concurrent clients ({args.connections} connections), {args.requests} "
                   f"requests of each kind, beam "

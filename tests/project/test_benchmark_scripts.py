@@ -300,6 +300,24 @@ def test_translate_file_times_the_command_against_one_batch(run_dir, tmp_path, m
     assert "ratio" in capsys.readouterr().out
 
 
+# ---------------------------------------------------------------- server_cost.py, quick
+def test_server_cost_prices_each_kind_of_request_against_health(run_dir, tmp_path, monkeypatch):
+    """benchmarks/server_cost.py end to end on the tiny run: it starts the server as
+    serve_load.py does (a server option added there needs nothing here) and prices three
+    kinds of request against GET /health."""
+    pytest.importorskip("fastapi", reason="the serve extra is not installed")
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    main = runpy.run_path(str(BENCHMARKS / "server_cost.py"))["main"]
+    out = tmp_path / "cost.json"
+    main([str(run_dir), "--requests", "150", "--repeats", "1", "--clients", "2",
+          "--json", str(out)])
+    rows = json.loads(out.read_text(encoding="utf-8"))["rows"]
+    assert [row[0] for row in rows] == ["GET /health", "POST /translate 'Amen.'",
+                                        "POST /translate, a test verse"]
+    assert all(float(row[1]) >= 0 and float(row[3]) > 0 for row in rows)
+    assert rows[0][2] in ("1.00x", "n/a (/health took under a clock tick)")
+
+
 # ---------------------------------------------------------------- kernel_ab.py, quick
 def test_kernel_ab_compares_the_kernels_of_two_revisions_in_one_process(run_dir, tmp_path,
                                                                         monkeypatch, capsys):
