@@ -60,8 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def server_args(args: argparse.Namespace) -> argparse.Namespace:
     """What ``serve_load.start_server`` reads: the server as a user starts it (serve_load's
     defaults, two torch threads)."""
-    return parse_server_args([args.run_dir, "--weights", args.weights, "--threads", "2",
-                              *(["--int8"] if args.int8 else [])])
+    return parse_server_args([f"--weights={args.weights}", "--threads", "2",
+                              *(["--int8"] if args.int8 else []), "--", args.run_dir])
 
 
 def main(argv: list[str] | None = None) -> None:

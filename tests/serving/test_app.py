@@ -36,6 +36,11 @@ from aiayn.runs.directory import load_run  # noqa: E402
 from aiayn.serving.app import create_app  # noqa: E402
 from aiayn.serving.service import MAX_BEAM, ModelService  # noqa: E402
 
+# A JSON type that FastAPI reads as JSON and JsonFastPath leaves to it.
+ROUTED = {"Content-Type": "application/x-aiayn+json"}
+JSON = {"Content-Type": "application/json"}
+
+
 # ---------------------------------------------------------------- /translate
 
 @pytest.mark.parametrize("beam", [1, 4])
@@ -306,6 +311,12 @@ def test_requests_over_the_limits_get_413_with_a_message(client):
     assert_clean_error(client.post("/translate", content=body,
                                    headers={"Content-Type": "application/json"}), 413,
                        "the limit is 20000")
+    for kind in (JSON, ROUTED):  # chunked, with no Content-Length: counted as it comes
+        chunks = iter([body[:15_000].encode(), body[15_000:].encode()])
+        assert_clean_error(client.post("/translate", content=chunks, headers=kind), 413,
+                           "sent without a Content-Length); the limit is 20000")
+    small = iter([b'{"text": ', b'["red"]}'])
+    assert client.post("/translate", content=small, headers=JSON).status_code == 200
 
 
 @pytest.mark.parametrize("path, body, words", [
@@ -387,11 +398,6 @@ def test_an_unexpected_failure_is_a_500_without_traceback(run_dir, monkeypatch):
 
 # ---------------------------------------------------------------- the fast path
 
-# A JSON type that FastAPI reads as JSON and JsonFastPath leaves to it.
-ROUTED = {"Content-Type": "application/x-aiayn+json"}
-JSON = {"Content-Type": "application/json"}
-
-
 @pytest.mark.parametrize("body", [
     '{"text": ["red sun", "", "star tree"], "beam": 3, "nbest": 2, "alignments": true}',
     '{"text": "moon", "prefix": "white", "alpha": 1}',
@@ -411,6 +417,16 @@ def test_the_fast_path_answers_as_fastapis_route(client, body):
     got, expected = fast.json(), routed.json()
     got.pop("seconds", None), expected.pop("seconds", None)
     assert got == expected
+
+
+def test_a_json_body_the_fast_path_cannot_read_goes_on_to_fastapi_whole(client, translator):
+    """Python's JSON reads UTF-16, pydantic's reader does not: the request goes on to
+    FastAPI's route with its body handed on, and is answered."""
+    body = json.dumps({"text": SENTENCES, "beam": 2}).encode("utf-16")
+    answer = client.post("/translate", content=body, headers=JSON)
+    assert answer.status_code == 200
+    assert answer.json()["translations"] == translator.translate(
+        SENTENCES, translator.resolve(beam=2))
 
 
 def test_the_fast_path_answers_without_fastapis_route(service, translator):

@@ -409,12 +409,14 @@ def _check_special_ids(tok: Tokenizer, side: str) -> None:
 def _encode(tok: Tokenizer, texts: list[str]) -> list[list[int]]:
     if isinstance(texts, str):  # a common slip: one string is not a list of sentences
         raise TypeError("encode_src/encode_tgt take a list of strings")
+    texts = list(texts)
     try:
-        return [enc.ids for enc in tok.encode_batch(list(texts), add_special_tokens=False)]
+        return [enc.ids for enc in tok.encode_batch(texts, add_special_tokens=False)]
     except TypeError:  # the tokenizer's words for text that is no Unicode it can read
         for number, text in enumerate(texts, 1):
             try:
-                text.encode("utf-8")
+                if isinstance(text, str):
+                    text.encode("utf-8")
             except UnicodeEncodeError as exc:  # a lone surrogate, as JSON's "\ud800" gives
                 raise AiaynError(f"sentence {number} is not valid Unicode: "
                                  f"{text[exc.start]!r} at character {exc.start + 1} is half "

@@ -228,7 +228,7 @@ def create_app(service: ModelService, limits: ServeLimits | None = None) -> Fast
         return await service.translate(texts, search, lambda: hung_up(receive), body.alignments,
                                        request_prefixes(body, len(texts)), body.to)
 
-    # Added first, so inside RefuseLargeBodies: a body over the limit never reaches it.
+    # Added first, so inside RefuseLargeBodies (a body over the limit is refused there).
     app.add_middleware(JsonFastPath, path="/translate", model=TranslateRequest,
                        answer=answer_translate)
     app.add_middleware(RefuseLargeBodies, max_bytes=limits.max_body_bytes)
@@ -240,14 +240,10 @@ def create_app(service: ModelService, limits: ServeLimits | None = None) -> Fast
             line += "; send the body as JSON with the header Content-Type: application/json"
         return _error(422, line)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):  # 404, 405, ...
-        return _error(exc.status_code, str(exc.detail))
-
     async def refused(request: Request, exc: Exception) -> JSONResponse:
         return refusal(exc, f"{request.method} {request.url.path}")
 
-    for kind in REFUSED:
+    for kind in (*REFUSALS, Exception):  # (Starlette's HTTPException: 404, 405, 413, ...)
         app.add_exception_handler(kind, refused)
 
     # Async: a request waiting for the batcher holds no thread, and /health, /info and
@@ -306,13 +302,17 @@ def create_app(service: ModelService, limits: ServeLimits | None = None) -> Fast
     return app
 
 
-# What a request's handling may raise, and its answer (``refusal``), most specific first.
-REFUSED = (TooLarge, ClientGone, LaneLost, AiaynError, Exception)
+# What a request's handling may raise that has an answer of its own (``refusal``); any
+# other exception is a 500 through Starlette's ServerErrorMiddleware, which logs it too.
+REFUSALS = (StarletteHTTPException, TooLarge, ClientGone, LaneLost, AiaynError)
 
 
 def refusal(exc: Exception, request_line: str) -> JSONResponse:
     """The answer to an exception a request's handling raised: for FastAPI's handlers and
-    ``JsonFastPath`` alike. ``request_line``: method and path, for the server's log."""
+    ``JsonFastPath`` alike (which leaves any but ``REFUSALS`` to Starlette, as the route
+    does). ``request_line``: method and path, for the server's log."""
+    if isinstance(exc, StarletteHTTPException):
+        return _error(exc.status_code, str(exc.detail))
     if isinstance(exc, TooLarge):
         return _error(413, str(exc))
     if isinstance(exc, ClientGone):
@@ -343,24 +343,35 @@ class JsonFastPath:
                 and scope["path"] == self.path and _sends_json(scope)):
             await self.app(scope, receive, send)
             return
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return  # gone before its request was whole: no one to answer
-            body += message.get("body", b"")
-            if not message.get("more_body", False):
-                break
+        try:
+            body = await _whole_body(receive)
+        except StarletteHTTPException as exc:  # RefuseLargeBodies' count: a 413
+            await refusal(exc, f"POST {self.path}")(scope, receive, send)
+            return
+        if body is None:
+            return  # gone before its request was whole: no one to answer
         try:
             request = self.model.model_validate_json(body)
         except ValidationError:
-            await self.app(scope, _replay(bytes(body), receive), send)
+            await self.app(scope, _replay(body, receive), send)
             return
         try:
             response = JSONResponse(await self.answer(request, receive))
-        except Exception as exc:
+        except REFUSALS as exc:
             response = refusal(exc, f"POST {self.path}")
         await response(scope, receive, send)
+
+
+async def _whole_body(receive) -> bytes | None:
+    """A request's body, read to its end (None: the client hung up first)."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
 
 
 def _sends_json(scope) -> bool:
@@ -385,8 +396,11 @@ def _replay(body: bytes, receive):
 
 
 class RefuseLargeBodies:
-    """413 for a body whose Content-Length is over the limit, before it is read. Plain ASGI
-    (not FastAPI's @app.middleware, which hides a client's hanging up from the endpoint)."""
+    """413 for a body whose Content-Length is over the limit, before it is read; a body sent
+    without one (chunked) is counted as it arrives, its reader raising a 413 HTTPException
+    once it passes the limit (the one exception FastAPI's body parsing passes on as it is).
+    Plain ASGI (not FastAPI's @app.middleware, which hides a client's hanging up from the
+    endpoint)."""
 
     def __init__(self, app, max_bytes: int):
         self.app, self.max_bytes = app, max_bytes
@@ -399,7 +413,24 @@ class RefuseLargeBodies:
                                        f"{self.max_bytes}")
                 await response(scope, receive, send)
                 return
+            if not length.isdigit():
+                receive = self._counted(receive)
         await self.app(scope, receive, send)
+
+    def _counted(self, receive):
+        """``receive``, raising a 413 once the body's bytes pass the limit."""
+        seen = 0
+
+        async def counted() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise StarletteHTTPException(
+                    413, f"request body of over {self.max_bytes} bytes (sent without a "
+                         f"Content-Length); the limit is {self.max_bytes}")
+            return message
+        return counted
 
 
 def _static(files: dict[str, Path], name: str) -> Response:
