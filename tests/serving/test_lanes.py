@@ -12,6 +12,8 @@ import os
 import random
 import re
 import signal
+import socket
+import struct
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -479,3 +481,53 @@ def test_the_pipe_a_uvloop_loop_reads_stays_blocking_and_long_answers_arrive_who
         running.join(timeout=30)
         service.close()
         loop.close()
+
+
+@linux_only
+def test_frames_take_whole_messages_from_any_piece_of_them_without_waiting():
+    """What a lane's pipe carries, cut anywhere: a read gives the messages completed so far
+    and never waits for the rest (the loop must not), a message begun survives to the next
+    read, several arrive in one read, a long one over many, the 8-byte length's frame too;
+    the other end's close is EOFError."""
+    from multiprocessing.connection import Connection, wait
+    from multiprocessing.reduction import ForkingPickler
+
+    from aiayn.serving.pipes import Frames
+
+    ours, theirs = socket.socketpair()
+    sender = Connection(theirs.detach())
+    frames = Frames(ours.fileno())
+    try:
+        assert frames.read() == []  # nothing yet: at once, not a wait
+        long = {"hyps": list(range(60_000))}  # several reads' worth
+        wire = bytearray()
+        for message in ("ready", [1, 2.5, "x"], long, None):
+            payload = ForkingPickler.dumps(message)
+            wire += struct.pack("!i", len(payload)) + payload
+        payload = ForkingPickler.dumps("big frame")  # the form of a message over 2 GiB
+        wire += struct.pack("!iQ", -1, len(payload)) + payload
+        sock = socket.socket(fileno=os.dup(sender.fileno()))
+        sock.sendall(wire[:2])  # half of the first length
+        assert frames.read() == []  # returns, the message unfinished (a wait would hang here)
+        sock.sendall(wire[2:30])
+        assert frames.read() == ["ready"]  # the first whole, the second begun
+
+        def send_the_rest() -> None:  # in pieces, some within a frame's length or pickle
+            cuts = [30, 31, 33, 5000, len(wire) // 2, len(wire) - 3, len(wire)]
+            for start, end in zip(cuts, cuts[1:]):
+                sock.sendall(wire[start:end])
+        writer = threading.Thread(target=send_the_rest)
+        writer.start()
+        got = ["ready"]
+        while len(got) < 5 and wait([ours], timeout=30):
+            got += frames.read()
+        writer.join()
+        assert got == ["ready", [1, 2.5, "x"], long, None, "big frame"]
+        sock.close()
+        sender.close()
+        with pytest.raises(EOFError):
+            while True:
+                frames.read()
+    finally:
+        frames.close()
+        ours.close()

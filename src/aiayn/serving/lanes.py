@@ -26,8 +26,6 @@ import os
 import pickle
 import signal
 import socket
-import struct
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -44,6 +42,7 @@ from aiayn.inference.joinable import JoinableSearch
 from aiayn.inference.search import Hypothesis
 from aiayn.inference.settings import Search
 from aiayn.model import OutputKernel, Transformer
+from aiayn.serving.pipes import CAN_COUNT_UNREAD, Frames, unread_bytes
 
 Key = Search  # a request's resolved search: only equal ones (nbest aside) share a search
 # (settings, sentence ids, source ids, target prefixes: [] where none)
@@ -173,17 +172,18 @@ class LaneProcess:
         self._handing_over = self._loop_reads = False
         self._decoding = False  # the current child has said READY (the loop reads only then)
         # Wakes the thread to look at _loop again (where a loop may read: Linux).
-        self._wake_r, self._wake_w = os.pipe() if _CAN_COUNT_UNREAD else (None, None)
+        self._wake_r, self._wake_w = os.pipe() if CAN_COUNT_UNREAD else (None, None)
         self._start()
         self._start_receiver()
 
     def _start(self) -> None:
         context = multiprocessing.get_context("spawn")  # no fork of a process with threads
         self._conn, child = context.Pipe()
-        self._capacity = 0  # of the socket to the child, where ``_unread_bytes`` can count
-        if _CAN_COUNT_UNREAD:
-            with socket.socket(fileno=os.dup(self._conn.fileno())) as sock:
-                self._capacity = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        self._capacity = 0  # of the socket to the child, where ``unread_bytes`` can count
+        self._frames: Frames | None = None  # where the loop may read (Linux): what came so far
+        if CAN_COUNT_UNREAD:
+            self._frames = Frames(self._conn.fileno())
+            self._capacity = self._frames.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
         self.process = context.Process(target=_lane_main, args=(child, *self._start_args),
                                        name="aiayn-lane", daemon=True)
         self.process.start()
@@ -213,7 +213,7 @@ class LaneProcess:
         does not wait (with a margin for the kernel's accounting of what it holds). Where the
         platform cannot say, the loop never reads (``read_on``), so a wait is no deadlock."""
         try:
-            unread = _unread_bytes(self._conn)
+            unread = unread_bytes(self._conn)
         except OSError:
             return False
         return unread is None or unread + 2 * size + 4096 <= self._capacity
@@ -236,13 +236,13 @@ class LaneProcess:
         from the thread's next look on (at once where it waits); the first loop to ask
         keeps it. None, on the reading loop's thread: it lets go (it is stopping) and a
         thread reads again. A platform that cannot say how much of a pipe is unread
-        (``_unread_bytes``: Linux can) keeps the thread: the loop must never wait on a send
+        (``unread_bytes``: Linux can) keeps the thread: the loop must never wait on a send
         while it alone reads."""
         if loop is None:
             if self._loop is asyncio.get_running_loop():
                 self._let_go()
             return
-        if not _CAN_COUNT_UNREAD or self._closing:
+        if not CAN_COUNT_UNREAD or self._closing:
             return
         with self._reader_lock:
             if self._loop is not None:
@@ -286,14 +286,15 @@ class LaneProcess:
             if self._wake_r is not None and self._wake_r in wait([self._conn, self._wake_r]):
                 os.read(self._wake_r, 512)
                 continue
-            try:
-                message = self._conn.recv()
+            try:  # where the loop may read, what has come (it waited above); else one whole
+                messages = self._frames.read() if self._frames else [self._conn.recv()]
             except (EOFError, OSError):
                 if not self._replace():
                     return
                 continue
-            if not self._take(message):
-                return
+            for message in messages:
+                if not self._take(message):
+                    return
 
     def _read_on_loop(self) -> None:
         """On the loop's thread: the thread has handed over; the loop reads from now on
@@ -309,14 +310,16 @@ class LaneProcess:
                 return
             self._loop_reads = True
         # uvloop's poll makes the socket non-blocking, and a non-blocking Connection can
-        # read or write half a message (a thread's send to a full pipe, a read of a Round
-        # the child has not finished writing): it stays blocking.
+        # write half a message (a thread's send to a full pipe): it stays blocking (reads
+        # never wait either way: ``Frames``).
         os.set_blocking(self._conn.fileno(), True)
 
     def _readable(self) -> None:
-        """On the loop's thread: the child has sent something, or ended."""
+        """On the loop's thread: the child has sent something, or ended. What has come is
+        read without waiting for the rest of a message (``Frames``): a child stopped in
+        mid-write holds up no request but its own."""
         try:
-            message = self._conn.recv()
+            messages = self._frames.read()
         except (EOFError, OSError):  # a thread finds the end and starts a new child
             with self._reader_lock:
                 self._loop_reads = self._decoding = False  # not back before a new READY
@@ -324,7 +327,8 @@ class LaneProcess:
                     self._loop.remove_reader(self._conn.fileno())
             self._start_receiver()
             return
-        self._take(message)
+        for message in messages:
+            self._take(message)
 
     def _take(self, message) -> bool:
         """A message of the child: READY, CANNOT_START (then False: no more to read) or a
@@ -357,7 +361,7 @@ class LaneProcess:
                             f"{self.process.exitcode}) with this request's sentences; "
                             "a new one has started: send it again")
             self.on_lost(lost)  # before the new child: what it gets is not lost
-            self._conn.close()
+            self._close_conn()
             self._decoding = False  # the loop reads again once the new child is READY
             self._start()
         return True
@@ -374,27 +378,17 @@ class LaneProcess:
             self.process.terminate()
             self.process.join()
         self._receiver.join(timeout=10)
-        self._conn.close()
+        self._close_conn()
         if self._wake_w is not None and not self._receiver.is_alive():  # once: numbers reuse
             os.close(self._wake_r)
             os.close(self._wake_w)
             self._wake_r = self._wake_w = None
 
 
-# SIOCOUTQ (= TIOCOUTQ): the memory a socket's sent and not yet read data holds, which
-# a send waits on once it reaches SO_SNDBUF; Linux's, where a duplex Pipe is a socket pair.
-_CAN_COUNT_UNREAD = sys.platform.startswith("linux")
-
-
-def _unread_bytes(conn) -> int | None:
-    """The memory that what was sent over ``conn``'s socket and not yet read at its other
-    end holds, in bytes (more than the data: the kernel's accounting); None where the
-    platform cannot say."""
-    if not _CAN_COUNT_UNREAD:
-        return None
-    import fcntl  # Unix only, as termios
-    import termios
-    return struct.unpack("i", fcntl.ioctl(conn.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+    def _close_conn(self) -> None:
+        self._conn.close()
+        if self._frames is not None:
+            self._frames.close()
 
 
 def _lane_main(conn, cfg, state: dict, kernel, bf16: bool, int8: bool) -> None:

@@ -1,0 +1,67 @@
+"""What the server knows of a lane process's pipe where the event loop may read it (Linux,
+where a duplex ``multiprocessing.Pipe`` is a socket pair): how much of what was sent is still
+unread (``unread_bytes``: a send that would wait is left to a thread) and the messages that
+have arrived so far, without waiting for the rest of one (``Frames``). Sockets only, no model.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import sys
+from multiprocessing.reduction import ForkingPickler
+
+# SIOCOUTQ (= TIOCOUTQ): the memory a socket's sent and not yet read data holds, which
+# a send waits on once it reaches SO_SNDBUF; Linux's, where a duplex Pipe is a socket pair.
+CAN_COUNT_UNREAD = sys.platform.startswith("linux")
+
+
+class Frames:
+    """The messages a ``multiprocessing.Connection`` sends (a 4-byte big-endian length, or
+    -1 and an 8-byte one, then the pickle), taken from whatever of them has arrived on the
+    socket ``fd``: a read never waits for the rest of a message, and a message begun stays
+    here between readers (the loop hands the reading back to a thread and takes it again).
+    Linux's duplex Pipe is a socket pair."""
+
+    def __init__(self, fd: int):
+        self.sock = socket.socket(fileno=os.dup(fd))  # its own descriptor, the same socket
+        self.pending = b""  # the start of a message whose rest has not come
+
+    def read(self) -> list:
+        """The messages completed by what has arrived since the last read (none: EOFError,
+        the child has ended)."""
+        try:
+            data = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return []
+        if not data:
+            raise EOFError("the lane's process has closed its end")
+        buffer = self.pending + data if self.pending else data
+        messages, at = [], 0
+        while len(buffer) - at >= 4:
+            (size,), start = struct.unpack_from("!i", buffer, at), at + 4
+            if size == -1:
+                if len(buffer) - at < 12:
+                    break
+                (size,), start = struct.unpack_from("!Q", buffer, at + 4), at + 12
+            if len(buffer) < start + size:
+                break
+            messages.append(ForkingPickler.loads(memoryview(buffer)[start:start + size]))
+            at = start + size
+        self.pending = buffer[at:]
+        return messages
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def unread_bytes(conn) -> int | None:
+    """The memory that what was sent over ``conn``'s socket and not yet read at its other
+    end holds, in bytes (more than the data: the kernel's accounting); None where the
+    platform cannot say."""
+    if not CAN_COUNT_UNREAD:
+        return None
+    import fcntl  # Unix only, as termios
+    import termios
+    return struct.unpack("i", fcntl.ioctl(conn.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
