@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import multiprocessing
 import os
+import pickle
 import random
 import re
 import signal
@@ -484,50 +485,73 @@ def test_the_pipe_a_uvloop_loop_reads_stays_blocking_and_long_answers_arrive_who
 
 
 @linux_only
-def test_frames_take_whole_messages_from_any_piece_of_them_without_waiting():
+def test_frames_take_whole_messages_from_any_piece_of_them_without_waiting(caplog):
     """What a lane's pipe carries, cut anywhere: a read gives the messages completed so far
-    and never waits for the rest (the loop must not), a message begun survives to the next
-    read, several arrive in one read, a long one over many, the 8-byte length's frame too;
+    and never waits (on nothing, or for the rest of a message: the loop must not), a
+    message begun survives to the next read, several arrive in one read, a long one over
+    many, the 8-byte length's frame too; one that cannot be unpickled costs only itself;
     the other end's close is EOFError."""
-    from multiprocessing.connection import Connection, wait
+    import fcntl
+    import termios
     from multiprocessing.reduction import ForkingPickler
 
     from aiayn.serving.pipes import Frames
 
     ours, theirs = socket.socketpair()
-    sender = Connection(theirs.detach())
     frames = Frames(ours.fileno())
-    try:
-        assert frames.read() == []  # nothing yet: at once, not a wait
-        long = {"hyps": list(range(60_000))}  # several reads' worth
-        wire = bytearray()
-        for message in ("ready", [1, 2.5, "x"], long, None):
-            payload = ForkingPickler.dumps(message)
-            wire += struct.pack("!i", len(payload)) + payload
-        payload = ForkingPickler.dumps("big frame")  # the form of a message over 2 GiB
-        wire += struct.pack("!iQ", -1, len(payload)) + payload
-        sock = socket.socket(fileno=os.dup(sender.fileno()))
-        sock.sendall(wire[:2])  # half of the first length
-        assert frames.read() == []  # returns, the message unfinished (a wait would hang here)
-        sock.sendall(wire[2:30])
-        assert frames.read() == ["ready"]  # the first whole, the second begun
 
-        def send_the_rest() -> None:  # in pieces, some within a frame's length or pickle
-            cuts = [30, 31, 33, 5000, len(wire) // 2, len(wire) - 3, len(wire)]
-            for start, end in zip(cuts, cuts[1:]):
-                sock.sendall(wire[start:end])
-        writer = threading.Thread(target=send_the_rest)
-        writer.start()
-        got = ["ready"]
-        while len(got) < 5 and wait([ours], timeout=30):
+    def waiting() -> int:  # bytes in our end not yet read
+        return struct.unpack("i", fcntl.ioctl(ours.fileno(), termios.FIONREAD, b"\0" * 4))[0]
+
+    def take(piece: bytes) -> list:  # send a piece and read until all of it is taken
+        theirs.sendall(piece)
+        got = []
+        while waiting():
             got += frames.read()
-        writer.join()
-        assert got == ["ready", [1, 2.5, "x"], long, None, "big frame"]
-        sock.close()
-        sender.close()
+        return got
+
+    def frame(message, long_form: bool = False) -> bytes:  # as Connection.send writes it
+        payload = ForkingPickler.dumps(message)
+        head = struct.pack("!iQ", -1, len(payload)) if long_form else struct.pack("!i", len(payload))
+        return head + payload
+
+    try:
+        reading = threading.Thread(target=frames.read)  # nothing has come: returns at once
+        reading.start()
+        reading.join(timeout=30)
+        assert not reading.is_alive()
+        first, second, big = frame("ready"), frame([1, 2.5, "x"]), frame("big", long_form=True)
+        assert take(first[:2]) == []  # half a length
+        assert take(first[2:] + second[:3]) == ["ready"]  # the next begun
+        assert take(second[3:] + big[:4]) == [[1, 2.5, "x"]]  # the long form's -1 alone
+        assert take(big[4:9]) == []  # within its 8-byte length
+        assert take(big[9:-1]) == []
+        assert take(big[-1:]) == ["big"]
+        long = {"hyps": list(range(30_000))}  # over several reads of 64 KiB
+        wire = frame(long)
+        assert take(wire[:len(wire) // 2]) == [] and take(wire[len(wire) // 2:]) == [long]
+        bad = struct.pack("!i", 6) + b"\x80\x05junk"  # no pickle
+        assert take(frame("before") + bad + frame("after")) == ["before", "after"]
+        assert "could not be read" in caplog.text
+        theirs.close()
         with pytest.raises(EOFError):
-            while True:
-                frames.read()
+            frames.read()
     finally:
         frames.close()
         ours.close()
+
+
+class _RebuiltWrongly(Exception):
+    """Pickles, but cannot be rebuilt from its args (its __init__ takes a keyword)."""
+
+    def __init__(self, *, why: str):
+        super().__init__(f"bad input: {why}")
+
+
+def test_a_lanes_failure_travels_as_itself_only_where_the_server_can_read_it_back():
+    from aiayn.serving.lanes import _picklable
+
+    assert isinstance(_picklable(AiaynError("plain")), AiaynError)
+    sent = _picklable(_RebuiltWrongly(why="x"))
+    assert type(sent) is RuntimeError and str(sent) == "_RebuiltWrongly: bad input: x"
+    pickle.loads(pickle.dumps(sent))  # and it arrives

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import multiprocessing
 import os
 import pickle
@@ -44,6 +45,7 @@ from aiayn.inference.settings import Search
 from aiayn.model import OutputKernel, Transformer
 from aiayn.serving.pipes import CAN_COUNT_UNREAD, Frames, unread_bytes
 
+log = logging.getLogger(__name__)
 Key = Search  # a request's resolved search: only equal ones (nbest aside) share a search
 # (settings, sentence ids, source ids, target prefixes: [] where none)
 Adds = list[tuple[Key, list[int], list[list[int]], list[list[int]]]]
@@ -292,9 +294,8 @@ class LaneProcess:
                 if not self._replace():
                     return
                 continue
-            for message in messages:
-                if not self._take(message):
-                    return
+            if not self._take_all(messages):
+                return
 
     def _read_on_loop(self) -> None:
         """On the loop's thread: the thread has handed over; the loop reads from now on
@@ -327,8 +328,18 @@ class LaneProcess:
                     self._loop.remove_reader(self._conn.fileno())
             self._start_receiver()
             return
+        self._take_all(messages)
+
+    def _take_all(self, messages: list) -> bool:
+        """``_take`` each message in turn (False: no more to read); one whose handling fails
+        is logged, and the others taken still: they have left the pipe."""
         for message in messages:
-            self._take(message)
+            try:
+                if not self._take(message):
+                    return False
+            except Exception:
+                log.exception("a lane's answer could not be taken")
+        return True
 
     def _take(self, message) -> bool:
         """A message of the child: READY, CANNOT_START (then False: no more to read) or a
@@ -384,8 +395,8 @@ class LaneProcess:
             os.close(self._wake_w)
             self._wake_r = self._wake_w = None
 
-
     def _close_conn(self) -> None:
+        """The pipe to the child that ended or is closing, and the reader's hold on it."""
         self._conn.close()
         if self._frames is not None:
             self._frames.close()
@@ -443,9 +454,10 @@ def _lane_loop(conn, lane: LaneSearches) -> None:
 
 
 def _picklable(exc: Exception) -> Exception:
-    """``exc`` itself if it can travel to the server, else a RuntimeError with its line."""
+    """``exc`` itself if it can travel to the server and be read there, else a RuntimeError
+    with its line."""
     try:
-        pickle.dumps(exc)
+        pickle.loads(pickle.dumps(exc))  # both ways: some pickle and cannot be rebuilt
         return exc
     except Exception:
         return RuntimeError(f"{type(exc).__name__}: {exc}")

@@ -6,11 +6,14 @@ have arrived so far, without waiting for the rest of one (``Frames``). Sockets o
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import struct
 import sys
 from multiprocessing.reduction import ForkingPickler
+
+log = logging.getLogger(__name__)
 
 # SIOCOUTQ (= TIOCOUTQ): the memory a socket's sent and not yet read data holds, which
 # a send waits on once it reaches SO_SNDBUF; Linux's, where a duplex Pipe is a socket pair.
@@ -26,30 +29,39 @@ class Frames:
 
     def __init__(self, fd: int):
         self.sock = socket.socket(fileno=os.dup(fd))  # its own descriptor, the same socket
-        self.pending = b""  # the start of a message whose rest has not come
+        self.sock.settimeout(None)  # whatever socket's default: a timeout would set O_NONBLOCK
+        self.pending = bytearray()  # the start of a message whose rest has not come
 
     def read(self) -> list:
         """The messages completed by what has arrived since the last read (none: EOFError,
-        the child has ended)."""
+        the child has ended). A message that cannot be unpickled is logged and left out:
+        the others, its neighbours in the pipe, still arrive."""
         try:
             data = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
         except BlockingIOError:
             return []
         if not data:
             raise EOFError("the lane's process has closed its end")
-        buffer = self.pending + data if self.pending else data
-        messages, at = [], 0
-        while len(buffer) - at >= 4:
-            (size,), start = struct.unpack_from("!i", buffer, at), at + 4
+        pending = self.pending
+        pending += data  # a long message grows in place: linear, not a copy a read
+        frames, at = [], 0
+        while len(pending) - at >= 4:
+            (size,), start = struct.unpack_from("!i", pending, at), at + 4
             if size == -1:
-                if len(buffer) - at < 12:
+                if len(pending) - at < 12:
                     break
-                (size,), start = struct.unpack_from("!Q", buffer, at + 4), at + 12
-            if len(buffer) < start + size:
+                (size,), start = struct.unpack_from("!Q", pending, at + 4), at + 12
+            if len(pending) < start + size:
                 break
-            messages.append(ForkingPickler.loads(memoryview(buffer)[start:start + size]))
+            frames.append(pending[start:start + size])
             at = start + size
-        self.pending = buffer[at:]
+        del pending[:at]  # before unpickling: a bad message must not stay to spoil the next
+        messages = []
+        for frame in frames:
+            try:
+                messages.append(ForkingPickler.loads(frame))
+            except Exception:
+                log.exception("a lane's message (%d bytes) could not be read", len(frame))
         return messages
 
     def close(self) -> None:
