@@ -17,6 +17,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -451,12 +452,12 @@ def test_a_loop_that_stops_without_letting_go_leaves_the_answers_to_threads(run_
 
 @linux_only
 @pytest.mark.filterwarnings("ignore::aiayn.inference.translations.TruncationWarning")
-def test_the_pipe_a_uvloop_loop_reads_stays_blocking_and_long_answers_arrive_whole(
-        run_dir, translator):
-    """uvloop (what `aiayn serve` runs) makes a socket it polls non-blocking, under which a
-    Connection reads or writes half a message: the pipe stays blocking while the loop reads
-    it, and rounds of many long n-best lists (messages of several writes: the tiny model's
-    length limit ends the sentences together) arrive whole."""
+def test_long_messages_cross_a_pipe_a_uvloop_loop_reads_whole_both_ways(run_dir, translator):
+    """uvloop (what `aiayn serve` runs) makes a socket it polls non-blocking, where a
+    Connection's own reads and writes can stop at half a message: over the pipe the loop
+    reads (non-blocking), a job of 300 sentences (a send larger than the pipe holds, left
+    to the lane's thread) and rounds of many long n-best lists (messages of several writes:
+    the tiny model's length limit ends the sentences together) arrive whole."""
     uvloop = pytest.importorskip("uvloop")
     service = process_lanes_service(run_dir)
     batcher = service.batcher
@@ -466,7 +467,7 @@ def test_the_pipe_a_uvloop_loop_reads_stays_blocking_and_long_answers_arrive_who
     try:
         loop.call_soon_threadsafe(batcher.read_on, loop)
         until(lambda: reading_on_loop(service), "the loop to read the lanes")
-        assert all(os.get_blocking(lane.searches._conn.fileno()) for lane in batcher._lanes)
+        assert not any(os.get_blocking(lane.searches._conn.fileno()) for lane in batcher._lanes)
         rng = random.Random(3)
         texts = [" ".join(random_sentence(rng) for _ in range(6)) for _ in range(300)]
         search = Search(4, 0.6, nbest=4)
@@ -555,3 +556,40 @@ def test_a_lanes_failure_travels_as_itself_only_where_the_server_can_read_it_bac
     sent = _picklable(_RebuiltWrongly(why="x"))
     assert type(sent) is RuntimeError and str(sent) == "_RebuiltWrongly: bad input: x"
     pickle.loads(pickle.dumps(sent))  # and it arrives
+
+
+@linux_only
+def test_frames_send_a_message_whole_over_a_socket_that_does_not_block():
+    """A message far larger than the socket holds, sent while the other end (a child's
+    Connection) reads slowly: it arrives whole, where a Connection's write to a
+    non-blocking socket stops part way."""
+    from multiprocessing.connection import Connection
+    from multiprocessing.reduction import ForkingPickler
+
+    from aiayn.serving.pipes import Frames
+
+    ours, theirs = socket.socketpair()
+    frames = Frames(ours.fileno())
+    child = Connection(theirs.detach())
+    try:
+        assert not os.get_blocking(ours.fileno())  # as an event loop's poll leaves it
+        message = {"sources": [list(range(200)) for _ in range(2_000)]}  # a few MB pickled
+        failed, got = [], []
+
+        def send() -> None:
+            try:
+                frames.send(ForkingPickler.dumps(message))
+            except Exception as exc:
+                failed.append(exc)
+        sending = threading.Thread(target=send, daemon=True)
+        sending.start()
+        time.sleep(0.2)  # the socket fills: the send must wait for room, not fail
+        receiving = threading.Thread(target=lambda: got.append(child.recv()), daemon=True)
+        receiving.start()
+        sending.join(timeout=60)
+        receiving.join(timeout=60)
+        assert not failed and got == [message]
+    finally:
+        frames.close()
+        ours.close()
+        child.close()

@@ -205,10 +205,19 @@ class LaneProcess:
                 return False  # the lane's thread sends it
             # A child that has ended is the reader's to report (its end closes the pipe).
             with contextlib.suppress(OSError):
-                self._conn.send_bytes(message)
+                self._send(message)
         finally:
             self._lock.release()
         return True
+
+    def _send(self, message: bytes) -> None:
+        """One pickled message to the child, whole: where the loop may read, through
+        ``Frames`` (the socket may be non-blocking: uvloop's poll makes it so); elsewhere
+        through the Connection."""
+        if self._frames is not None:
+            self._frames.send(message)
+        else:
+            self._conn.send_bytes(message)
 
     def _room_for(self, size: int) -> bool:
         """Whether ``size`` more bytes fit in the pipe to the child now, so that sending them
@@ -310,10 +319,6 @@ class LaneProcess:
                 self._loop = None
                 return
             self._loop_reads = True
-        # uvloop's poll makes the socket non-blocking, and a non-blocking Connection can
-        # write half a message (a thread's send to a full pipe): it stays blocking (reads
-        # never wait either way: ``Frames``).
-        os.set_blocking(self._conn.fileno(), True)
 
     def _readable(self) -> None:
         """On the loop's thread: the child has sent something, or ended. What has come is
@@ -383,7 +388,7 @@ class LaneProcess:
         with self._lock:
             self._closing = True
             with contextlib.suppress(OSError):
-                self._conn.send(None)
+                self._send(ForkingPickler.dumps(None))
         self.process.join(timeout=10)
         if self.process.is_alive():
             self.process.terminate()

@@ -1,13 +1,15 @@
-"""What the server knows of a lane process's pipe where the event loop may read it (Linux,
-where a duplex ``multiprocessing.Pipe`` is a socket pair): how much of what was sent is still
-unread (``unread_bytes``: a send that would wait is left to a thread) and the messages that
-have arrived so far, without waiting for the rest of one (``Frames``). Sockets only, no model.
+"""The server's end of a lane process's pipe where the event loop may read it (Linux, where
+a duplex ``multiprocessing.Pipe`` is a socket pair): how much of what was sent is still
+unread (``unread_bytes``: a send that would wait is left to a thread), and the messages
+both ways in Connection's framing (``Frames``): read as they arrive, without waiting for
+the rest of one, and sent whole. Sockets only, no model.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import select
 import socket
 import struct
 import sys
@@ -18,26 +20,46 @@ log = logging.getLogger(__name__)
 # SIOCOUTQ (= TIOCOUTQ): the memory a socket's sent and not yet read data holds, which
 # a send waits on once it reaches SO_SNDBUF; Linux's, where a duplex Pipe is a socket pair.
 CAN_COUNT_UNREAD = sys.platform.startswith("linux")
+SEND_TIMEOUT = 3600.0  # seconds a send waits for a child that reads nothing: one stopped
 
 
 class Frames:
-    """The messages a ``multiprocessing.Connection`` sends (a 4-byte big-endian length, or
-    -1 and an 8-byte one, then the pickle), taken from whatever of them has arrived on the
-    socket ``fd``: a read never waits for the rest of a message, and a message begun stays
-    here between readers (the loop hands the reading back to a thread and takes it again).
-    Linux's duplex Pipe is a socket pair."""
+    """The server's end of the socket ``fd``, in ``multiprocessing.Connection``'s framing (a
+    4-byte big-endian length, or -1 and an 8-byte one, then the pickle), which the child's
+    Connection writes and reads: ``read`` takes whatever has arrived and never waits for
+    the rest of a message (one begun stays here between readers: the loop hands the reading
+    back to a thread and takes it again); ``send`` writes a message whole."""
 
     def __init__(self, fd: int):
+        # Non-blocking from here on (an event loop's poll makes it so anyway): reads never
+        # wait, and a send waits for room here, so is never cut short (a Connection's write
+        # to a socket an event loop made non-blocking can be).
         self.sock = socket.socket(fileno=os.dup(fd))  # its own descriptor, the same socket
-        self.sock.settimeout(None)  # whatever socket's default: a timeout would set O_NONBLOCK
+        self.sock.settimeout(0.0)
         self.pending = bytearray()  # the start of a message whose rest has not come
+
+    def send(self, message: bytes) -> None:
+        """``message`` (a pickle) with Connection's frame, as its ``send_bytes`` writes it,
+        whole: the child reads it with ``Connection.recv``."""
+        size = len(message)
+        head = struct.pack("!i", size) if size <= 0x7FFFFFFF else struct.pack("!iQ", -1, size)
+        rest = memoryview(head + message)
+        while rest:
+            try:
+                rest = rest[self.sock.send(rest):]
+            except BlockingIOError:  # full: wait for room (the loop's sends never get here)
+                room = select.poll()
+                room.register(self.sock, select.POLLOUT)
+                if not room.poll(SEND_TIMEOUT * 1000):
+                    raise TimeoutError(f"a lane's process read nothing for {SEND_TIMEOUT:g} "
+                                       "s") from None
 
     def read(self) -> list:
         """The messages completed by what has arrived since the last read (none: EOFError,
         the child has ended). A message that cannot be unpickled is logged and left out:
         the others, its neighbours in the pipe, still arrive."""
         try:
-            data = self.sock.recv(1 << 16, socket.MSG_DONTWAIT)
+            data = self.sock.recv(1 << 16)
         except BlockingIOError:
             return []
         if not data:
