@@ -25,6 +25,7 @@ import errno
 import io
 import json
 import math
+import os
 import sys
 import warnings
 from collections.abc import Iterator
@@ -33,7 +34,7 @@ from importlib import metadata
 from pathlib import Path
 
 from aiayn.config import AUTO, Config, DecodeConfig, check_setting, load_config, preset_names, validate_given
-from aiayn.errors import AiaynError, SettingError, is_out_of_memory
+from aiayn.errors import AiaynError, ProcessBroken, SettingError, is_out_of_memory
 from aiayn.inference.settings import Sampling, resolve_search
 from aiayn.options import CHUNK_LINES, DEVICES, ENGINES, EXPORT_TARGETS, QUANTIZATIONS
 from aiayn.util.io import DiskError, as_disk_error, atomic_path, check_output_file, check_writable_dir
@@ -1055,6 +1056,11 @@ def main(argv: list[str] | None = None) -> int:
         return _error(_disk_error_line(exc, args))
     except SettingError as exc:
         return _error(_setting_line(exc, args))
+    except ProcessBroken as exc:  # its teardown at exit could abort it after the line
+        _error(str(exc))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
     except AiaynError as exc:
         return _error(str(exc))
     except OSError as exc:  # a file the user named, a full disk, a permission
