@@ -34,7 +34,7 @@ from importlib import metadata
 from pathlib import Path
 
 from aiayn.config import AUTO, Config, DecodeConfig, check_setting, load_config, preset_names, validate_given
-from aiayn.errors import AiaynError, ProcessBroken, SettingError, is_out_of_memory
+from aiayn.errors import AiaynError, SettingError, is_out_of_memory
 from aiayn.inference.settings import Sampling, resolve_search
 from aiayn.options import CHUNK_LINES, DEVICES, ENGINES, EXPORT_TARGETS, QUANTIZATIONS
 from aiayn.util.io import DiskError, as_disk_error, atomic_path, check_output_file, check_writable_dir
@@ -1048,6 +1048,31 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:
         _unknown_arguments(parser, args.command, extra, argv)
+    code = _run_command(args)
+    if args.command == "train" and _one_rank_of_many():
+        _end_rank(code)
+    return code
+
+
+def _one_rank_of_many() -> bool:
+    from aiayn.training.distributed import world_size_from_env
+
+    return world_size_from_env() > 1
+
+
+def _end_rank(code: int) -> None:
+    """End a rank of a distributed run with ``code``, its line and files already out, without
+    the interpreter's teardown: gloo's threads can abort a process there (SIGABRT, "terminate
+    called without an active exception") after the run has finished and destroyed its process
+    group, which turned a finished run, or a clean one-line stop, into a crash."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run_command(args) -> int:
+    """Run the command; a user's mistake becomes one line and status 2 (a bug keeps its
+    traceback)."""
     _, run = COMMANDS[args.command]
     try:
         with _warnings_as_lines():
@@ -1056,11 +1081,6 @@ def main(argv: list[str] | None = None) -> int:
         return _error(_disk_error_line(exc, args))
     except SettingError as exc:
         return _error(_setting_line(exc, args))
-    except ProcessBroken as exc:  # its teardown at exit could abort it after the line
-        _error(str(exc))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(2)
     except AiaynError as exc:
         return _error(str(exc))
     except OSError as exc:  # a file the user named, a full disk, a permission

@@ -11,13 +11,6 @@ class AiaynError(Exception):
     """A problem with the user's input, described in one line that names what to fix."""
 
 
-class ProcessBroken(AiaynError):
-    """A failure after which this process cannot end cleanly: a distributed run whose peer
-    process is gone, where tearing down what is left of the process group at exit can abort
-    the process (SIGABRT, "terminate called without an active exception") after its line.
-    The CLI prints the line and ends the process at once, without that teardown."""
-
-
 def is_out_of_memory(exc: BaseException) -> bool:
     """A CPU or GPU allocation failure (torch raises several kinds for it)."""
     if isinstance(exc, MemoryError):

@@ -493,6 +493,20 @@ def test_padding_lengths_to_a_multiple_changes_no_update(data_dir):
 
 
 # ---------------------------------------------------------------- distributed
+TEARDOWN = "the interpreter tore this rank down"
+
+
+def rank_program(tmp_path: Path) -> str:
+    """`python -m aiayn` that prints TEARDOWN if the interpreter's exit runs: a rank must end
+    without it (gloo's threads can abort a process there, SIGABRT, after its run is done)."""
+    script = tmp_path / "rank.py"
+    script.write_text("import atexit\n"
+                      f"atexit.register(print, {TEARDOWN!r}, flush=True)\n"
+                      "from aiayn.cli import main\n"
+                      "raise SystemExit(main())\n")
+    return str(script)
+
+
 def test_two_gloo_processes_match_one_process_with_the_same_global_batch(data_dir, tmp_path):
     """torchrun, 2 CPU ranks with one micro-batch each == 1 process accumulating 2.
 
@@ -514,9 +528,10 @@ def test_two_gloo_processes_match_one_process_with_the_same_global_batch(data_di
     one, two = tmp_path / "one", tmp_path / "two"
     run_train(*common, "--out", str(one), *sets(grad_accum=2))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           "2", "-m", "aiayn", "train", *common, "--out", str(two), "--device", "cpu"]
+           "2", rank_program(tmp_path), "train", *common, "--out", str(two), "--device", "cpu"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert TEARDOWN not in done.stdout
     loss_one = [r["loss"] for r in records(one, "train")]
     loss_two = [r["loss"] for r in records(two, "train")]
     assert len(loss_one) == len(loss_two) == steps
@@ -542,20 +557,22 @@ def test_an_error_on_rank_0_stops_every_rank_at_once(data_dir, tmp_path):
     launcher would; torchrun would kill rank 1 itself and hide that."""
     run = tmp_path / "run"
     run_train("--config", TINY, "--data", str(data_dir), "--out", str(run), *sets(max_steps=1))
-    cmd = [sys.executable, "-m", "aiayn", "train", "--config", TINY, "--data", str(data_dir),
-           "--out", str(run), "--device", "cpu"]
+    cmd = [sys.executable, rank_program(tmp_path), "train", "--config", TINY, "--data",
+           str(data_dir), "--out", str(run), "--device", "cpu"]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": "2"}
     ranks = [subprocess.Popen(cmd, cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
     try:
-        errs = [p.communicate(timeout=120)[1] for p in ranks]
+        outs = [p.communicate(timeout=120) for p in ranks]
     finally:
         for p in ranks:
             p.kill()
     assert [p.returncode for p in ranks] == [2, 2]
-    for err in errs:
+    for out, err in outs:
         assert "already holds a run" in error_line(err)
+        assert TEARDOWN not in out
 
 
 def test_a_rank_killed_mid_run_stops_the_other_with_one_line_naming_the_resume(
@@ -567,24 +584,25 @@ def test_a_rank_killed_mid_run_stops_the_other_with_one_line_naming_the_resume(
     import time
 
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "aiayn", "train", "--config", TINY, "--data", str(data_dir),
-           "--out", str(run), "--device", "cpu",
+    cmd = [sys.executable, rank_program(tmp_path), "train", "--config", TINY, "--data",
+           str(data_dir), "--out", str(run), "--device", "cpu",
            *sets(max_steps=100_000, save_every=2, eval_every=100_000)]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": "2"}
     ranks = [subprocess.Popen(cmd, cwd=ROOT, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(2)]
     try:
         deadline = time.time() + 120
         while not (run / "train_state.pt").exists() and time.time() < deadline:
             time.sleep(0.05)
         ranks[1].send_signal(signal.SIGKILL)
-        err = ranks[0].communicate(timeout=120)[1]
+        out, err = ranks[0].communicate(timeout=120)
     finally:
         for p in ranks:
             p.kill()
     assert ranks[0].returncode == 2 and "Traceback" not in err, err
+    assert TEARDOWN not in out
     line = error_line(err)
     assert "rank 0 of 2: another process of the run stopped" in line
     assert f"-m aiayn train --resume {run}`" in line

@@ -44,13 +44,18 @@ class Dist:
 
 
 
+def world_size_from_env() -> int:
+    """How many ranks the launcher (torchrun, or a cluster's) started: WORLD_SIZE, else 1."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def setup_distributed(device: str | None = None) -> Dist:
     """Read torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK); start the process group.
 
     NCCL when every rank has a GPU, gloo on CPUs. ``device``: see :func:`choose_device`
     (under torchrun, a rank's GPU is its LOCAL_RANK).
     """
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = world_size_from_env()
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     where = choose_device(device, local_rank)

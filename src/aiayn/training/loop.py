@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from aiayn.config import Config, save_config
 from aiayn.data.batching import length_multiple
-from aiayn.errors import AiaynError, ProcessBroken
+from aiayn.errors import AiaynError
 from aiayn.evaluation.evaluate import validate
 from aiayn.inference.kernels import choose_output_kernel, output_kernel, output_kernel_name
 from aiayn.model import OutputKernel
@@ -239,7 +239,7 @@ def train(
     except RuntimeError as exc:
         if not (world.enabled and lost_a_rank(exc)):
             raise
-        raise ProcessBroken(
+        raise AiaynError(
             f"rank {world.rank} of {world.world_size}: another process of the run stopped "
             f"({str(exc).splitlines()[0][:160]}); see its own output for why, then go on from "
             f"the last save with `torchrun --nproc_per_node {world.world_size} -m aiayn train "
