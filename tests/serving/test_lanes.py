@@ -593,3 +593,25 @@ def test_frames_send_a_message_whole_over_a_socket_that_does_not_block():
         frames.close()
         ours.close()
         child.close()
+
+
+def test_a_lanes_arrival_check_says_what_connection_poll_says_without_waiting():
+    """The check a lane makes between two steps (a poller kept for the pipe's life where the
+    platform has one) answers as Connection.poll(): nothing yet, a message, the message
+    taken, and the other end closed (which ``recv`` then reports), never waiting."""
+    from aiayn.serving.pipes import arrival_check
+
+    ours, theirs = multiprocessing.Pipe()
+    arrived = arrival_check(theirs)
+    try:
+        seen = []
+        for act in (lambda: None, lambda: ours.send("job"), theirs.recv, ours.close):
+            act()
+            start = time.monotonic()
+            seen.append((arrived(), theirs.poll()))
+            assert time.monotonic() - start < 1.0
+        assert seen == [(False, False), (True, True), (False, False), (True, True)]
+        with pytest.raises(EOFError):
+            theirs.recv()
+    finally:
+        theirs.close()

@@ -43,7 +43,7 @@ from aiayn.inference.joinable import JoinableSearch
 from aiayn.inference.search import Hypothesis
 from aiayn.inference.settings import Search
 from aiayn.model import OutputKernel, Transformer
-from aiayn.serving.pipes import CAN_COUNT_UNREAD, Frames, unread_bytes
+from aiayn.serving.pipes import CAN_COUNT_UNREAD, Frames, arrival_check, unread_bytes
 
 log = logging.getLogger(__name__)
 Key = Search  # a request's resolved search: only equal ones (nbest aside) share a search
@@ -436,11 +436,12 @@ def _lane_main(conn, cfg, state: dict, kernel, bf16: bool, int8: bool) -> None:
 def _lane_loop(conn, lane: LaneSearches) -> None:
     """``_lane_main``'s decoding, until told to stop or the server is gone."""
     steps, sentences, seconds = 0, 0, 0.0
+    arrived = arrival_check(conn)
     while True:
         adds: Adds = []
         removes: list[int] = []
         try:
-            while not adds and not lane.searches or conn.poll():  # wait only when idle
+            while not adds and not lane.searches or arrived():  # wait only when idle
                 message = conn.recv()
                 if message is None:
                     return

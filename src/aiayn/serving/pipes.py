@@ -2,7 +2,8 @@
 a duplex ``multiprocessing.Pipe`` is a socket pair): how much of what was sent is still
 unread (``unread_bytes``: a send that would wait is left to a thread), and the messages
 both ways in Connection's framing (``Frames``): read as they arrive, without waiting for
-the rest of one, and sent whole. Sockets only, no model.
+the rest of one, and sent whole; and the lane's own check for what has arrived
+(``arrival_check``). Sockets only, no model.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import select
 import socket
 import struct
 import sys
+from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 
 log = logging.getLogger(__name__)
@@ -88,6 +90,18 @@ class Frames:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def arrival_check(conn) -> Callable[[], bool]:
+    """A check, without waiting, whether ``conn`` has something to read (a message, or its
+    other end closed: then ``recv`` raises). A poller kept for the connection's life where
+    the platform has one: ``Connection.poll`` builds a selector each call, which a lane
+    pays between every two of its steps (3 us warm here, 12-25 us after a step)."""
+    if not hasattr(select, "poll"):
+        return conn.poll
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN)
+    return lambda: bool(poller.poll(0))
 
 
 def unread_bytes(conn) -> int | None:
