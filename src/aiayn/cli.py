@@ -27,11 +27,13 @@ import json
 import math
 import os
 import sys
+import traceback
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
+from typing import NoReturn
 
 from aiayn.config import AUTO, Config, DecodeConfig, check_setting, load_config, preset_names, validate_given
 from aiayn.errors import AiaynError, SettingError, is_out_of_memory
@@ -1048,19 +1050,26 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:
         _unknown_arguments(parser, args.command, extra, argv)
-    code = _run_command(args)
-    if args.command == "train" and _one_rank_of_many():
-        _end_rank(code)
-    return code
+    if not (args.command == "train" and _one_rank_of_many()):
+        return _run_command(args)
+    try:
+        code = _run_command(args)
+    except Exception:  # a bug in aiayn: its traceback, then the same end as any other
+        traceback.print_exc()
+        code = 1
+    _end_rank(code)
 
 
 def _one_rank_of_many() -> bool:
     from aiayn.training.distributed import world_size_from_env
 
-    return world_size_from_env() > 1
+    try:
+        return world_size_from_env() > 1
+    except ValueError:  # not a launcher's WORLD_SIZE: the run's set-up says so in its line
+        return False
 
 
-def _end_rank(code: int) -> None:
+def _end_rank(code: int) -> NoReturn:
     """End a rank of a distributed run with ``code``, its line and files already out, without
     the interpreter's teardown: gloo's threads can abort a process there (SIGABRT, "terminate
     called without an active exception") after the run has finished and destroyed its process

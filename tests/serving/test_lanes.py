@@ -12,6 +12,7 @@ import os
 import pickle
 import random
 import re
+import select
 import signal
 import socket
 import struct
@@ -595,6 +596,7 @@ def test_frames_send_a_message_whole_over_a_socket_that_does_not_block():
         child.close()
 
 
+@pytest.mark.skipif(not hasattr(select, "poll"), reason="the check is Connection.poll there")
 def test_a_lanes_arrival_check_says_what_connection_poll_says_without_waiting():
     """The check a lane makes between two steps (a poller kept for the pipe's life where the
     platform has one) answers as Connection.poll(): nothing yet, a message, the message

@@ -507,6 +507,30 @@ def rank_program(tmp_path: Path) -> str:
     return str(script)
 
 
+def test_a_bug_on_a_rank_prints_its_traceback_and_ends_the_same_way(monkeypatch, capsys):
+    """An exception that escapes a rank's command (a bug: a traceback, not one line) also ends
+    the process without the interpreter's teardown, with status 1; a WORLD_SIZE that is not
+    a number leaves main as in one process (the run's set-up reports it)."""
+    import aiayn.cli as cli
+
+    def bug(args):
+        raise RuntimeError("a bug")
+
+    def exit_now(code):
+        raise SystemExit(("ended at once", code))
+
+    monkeypatch.setattr(cli, "_run_command", bug)
+    monkeypatch.setattr(cli.os, "_exit", exit_now)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as ended:
+        cli.main(["train", "--resume", "runs/none"])
+    assert ended.value.code == ("ended at once", 1)
+    assert "RuntimeError: a bug" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.main(["train", "--resume", "runs/none"])
+
+
 def test_two_gloo_processes_match_one_process_with_the_same_global_batch(data_dir, tmp_path):
     """torchrun, 2 CPU ranks with one micro-batch each == 1 process accumulating 2.
 
