@@ -90,6 +90,14 @@ def http_json(url: str, body: dict | None = None, timeout: float = 300) -> dict:
         return json.loads(response.read())
 
 
+def server_options(run_dir: str, weights: str = "best", int8: bool = False) -> argparse.Namespace:
+    """What ``start_server`` reads, for the server as a user starts it (this script's
+    defaults, two torch threads): the scripts that start one for other work
+    (server_cost.py, serve_screenshot.py) take a new server option's default from here."""
+    return parse_args([f"--weights={weights}", "--threads", "2",
+                       *(["--int8"] if int8 else []), "--", run_dir])
+
+
 def start_server(args) -> tuple[subprocess.Popen, str]:
     """`aiayn serve` on 127.0.0.1 and a free port; returns once GET /health answers."""
     port = free_port()

@@ -21,7 +21,7 @@ from selenium.webdriver.support.select import Select
 from selenium.webdriver.support.ui import WebDriverWait
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_load import start_server  # noqa: E402
+from serve_load import server_options, start_server  # noqa: E402
 
 
 def headless_chromium(width: int, height: int) -> webdriver.Chrome:
@@ -48,9 +48,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1000)
     args = parser.parse_args()
 
-    process, url = start_server(argparse.Namespace(  # serve_load's options, its defaults
-        run_dir=args.run_dir, weights=args.weights, threads=2, device="cpu", engine="aiayn",
-        decode_tokens=8192, max_wait_ms=5.0, batching=None, lanes=None))
+    process, url = start_server(server_options(args.run_dir, args.weights))
     driver = headless_chromium(args.width, 1000)
     try:
         driver.get(url + "/")

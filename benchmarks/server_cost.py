@@ -28,8 +28,7 @@ from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import device_description, interleave, print_table  # noqa: E402
-from serve_load import ask, cpu_seconds, kept, start_server  # noqa: E402
-from serve_load import parse_args as parse_server_args  # noqa: E402
+from serve_load import ask, cpu_seconds, kept, server_options, start_server  # noqa: E402
 
 from aiayn.data.prepared import load_prepared  # noqa: E402
 from aiayn.runs.directory import read_data_dir  # noqa: E402
@@ -57,18 +56,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def server_args(args: argparse.Namespace) -> argparse.Namespace:
-    """What ``serve_load.start_server`` reads: the server as a user starts it (serve_load's
-    defaults, two torch threads)."""
-    return parse_server_args([f"--weights={args.weights}", "--threads", "2",
-                              *(["--int8"] if args.int8 else []), "--", args.run_dir])
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     verses = [src for src, _ in load_prepared(read_data_dir(args.run_dir)).split("test")]
     keep_alive = args.connections == "kept"
-    process, url = start_server(server_args(args))
+    process, url = start_server(server_options(args.run_dir, args.weights, args.int8))
     cpu: dict[str, list[float]] = {}  # ms of the server's process a request, each repetition
 
     def kind(name: str, send: Callable[[int], object]) -> Callable[[], None]:

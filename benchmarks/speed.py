@@ -13,7 +13,7 @@ What it measures, per model config (``configs/small.yaml``, ``configs/base.yaml`
 3. Model FLOP utilisation (MFU) of every training row: matmul FLOPs of the step (formula in
    ``training_flops``) per second, divided by the FLOP/s of a large square matmul of the
    same dtype timed in the same repetitions.
-4. Greedy decoding of exactly 100 tokens with ``aiayn.inference.search.greedy_decode``, batch 1 and
+4. Greedy decoding of exactly 100 tokens with ``aiayn.inference.search.decode_greedy``, batch 1 and
    32, with the KV cache against re-running the whole prefix at every step
    (``use_cache=False``, what the tutorials do).
 
@@ -64,7 +64,8 @@ from common import (  # noqa: E402  (benchmarks/ is not a package)
 
 from aiayn.config import ModelConfig, load_config  # noqa: E402
 from aiayn.data.tokenizer import EOS_ID, PAD_ID  # noqa: E402
-from aiayn.inference.search import greedy_decode  # noqa: E402
+from aiayn.inference.search import decode_greedy  # noqa: E402
+from aiayn.inference.settings import Search  # noqa: E402
 from aiayn.inspect.reference import TorchReference, copy_weights, max_logit_difference  # noqa: E402
 from aiayn.model import Transformer  # noqa: E402
 
@@ -243,25 +244,16 @@ def bench_training(
 # --------------------------------------------------------------------------- decoding
 
 
-class NoEOS(nn.Module):
-    """Wraps a generator so that EOS is never the argmax: greedy search runs its full length."""
-
-    def __init__(self, generator: nn.Module):
-        super().__init__()
-        self.inner = generator
-
-    def forward(self, hidden: Tensor) -> Tensor:
-        logits = self.inner(hidden)
-        logits[..., EOS_ID] = float("-inf")
-        return logits
+def no_eos(hidden: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """An output kernel (``aiayn.model.OutputKernel``) whose EOS logit is -inf: greedy search
+    runs to its length limit."""
+    logits = F.linear(hidden, weight, bias)
+    logits[..., EOS_ID] = float("-inf")
+    return logits
 
 
 def decoding_sources(cfg: ModelConfig, batch_size: int, length: int = 30, seed: int = 1) -> Tensor:
-    """(B, S) source ids, every sentence ``length`` tokens long (EOS included).
-
-    greedy_decode gives each sentence its own limit (its length + max_len_b), so equal
-    source lengths are what makes every sentence run exactly DECODE_STEPS steps.
-    """
+    """(B, S) source ids, every sentence ``length`` tokens long (EOS included)."""
     return make_batch([(length, length)] * batch_size, cfg.src_vocab_size, seed=seed).src
 
 
@@ -276,39 +268,39 @@ class DecodingRow:
     spread: str
 
 
-def decoding_run(model: Transformer, src: Tensor, max_len_b: int, use_cache: bool,
+def decoding_run(model: Transformer, src: Tensor, steps: int, use_cache: bool,
                  outputs: dict[str, list[list[int]]], key: str) -> Callable[[], None]:
-    """A callable running greedy_decode once, keeping its output under ``outputs[key]``."""
+    """A callable running greedy search for exactly ``steps`` tokens a sentence (EOS
+    forbidden, the limit the same for every source length: max_len_a 0), keeping its
+    output under ``outputs[key]``."""
+    search = Search(1, max_len_a=0, max_len_b=steps)
 
     def run() -> None:
         with torch.inference_mode():
-            outputs[key] = greedy_decode(model, src, max_len_b=max_len_b, use_cache=use_cache)
+            outputs[key] = decode_greedy(model, src, search, use_cache, no_eos)
 
     return run
 
 
 def bench_decoding(name: str, cfg: ModelConfig, batch_sizes: tuple[int, ...],
                    reps: int) -> list[DecodingRow]:
-    """greedy_decode for exactly DECODE_STEPS tokens, KV cache vs full-prefix recompute."""
+    """Greedy search for exactly DECODE_STEPS tokens, KV cache vs full-prefix recompute."""
     torch.manual_seed(0)
     model = Transformer(cfg).eval()
-    model.generator = NoEOS(model.generator)
     rows = []
     for batch_size in batch_sizes:
         src = decoding_sources(cfg, batch_size)
-        src_len = int(src.ne(PAD_ID).sum(dim=1).max())
-        max_len_b = DECODE_STEPS - src_len  # greedy_decode's limit is src_len + max_len_b
         outputs: dict[str, list[list[int]]] = {}
         # Warm-up: a few steps each, so first-call costs (oneDNN primitives) are not timed.
-        decoding_run(model, src, 5 - src_len, True, {}, "warm")()
-        decoding_run(model, src, 5 - src_len, False, {}, "warm")()
+        decoding_run(model, src, 5, True, {}, "warm")()
+        decoding_run(model, src, 5, False, {}, "warm")()
         times = interleave(
-            {"cache": decoding_run(model, src, max_len_b, True, outputs, "cache"),
-             "recompute": decoding_run(model, src, max_len_b, False, outputs, "recompute")},
+            {"cache": decoding_run(model, src, DECODE_STEPS, True, outputs, "cache"),
+             "recompute": decoding_run(model, src, DECODE_STEPS, False, outputs, "recompute")},
             reps=reps, warmup=0)
         lengths = {len(ids) for key in outputs for ids in outputs[key]}
         if lengths != {DECODE_STEPS}:
-            raise SystemExit(f"greedy_decode produced lengths {lengths}, not {DECODE_STEPS}")
+            raise SystemExit(f"greedy search produced lengths {lengths}, not {DECODE_STEPS}")
         same = sum(a == b for x, y in zip(outputs["cache"], outputs["recompute"], strict=True)
                    for a, b in zip(x, y, strict=True))
         t_cache, t_full = typical_total(times["cache"]), typical_total(times["recompute"])
@@ -353,7 +345,7 @@ def report(plans: dict[str, Plan], train_rows: list[TrainingRow],
         f"time / aiayn time (± half-range of the per-repetition ratios). {reps}.\n\n"
         f"{train_table}\n\n"
         f"Greedy decoding of exactly {DECODE_STEPS} tokens per sentence (aiayn.inference.search."
-        f"greedy_decode, EOS suppressed), fp32, medians; speed-up = recompute time / KV-cache "
+        f"decode_greedy, EOS forbidden), fp32, medians; speed-up = recompute time / KV-cache "
         f"time.\n\n{decode_table}\n"
     )
 

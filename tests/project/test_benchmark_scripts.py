@@ -2,9 +2,11 @@
 parse), and every aiayn name a script uses exists (read from its source, so a name used only
 in a section that --help never reaches counts too: benchmarks/gpu.py once read and patched
 search functions the translator no longer had, and died after spending its GPU time on the
-sections before). benchmarks/gpu.py's sections run here on the CPU with tiny sizes; the
-other benchmarks are not run here (benchmarks/README.md measures with them). time_to_bleu.py
-was once left importing read_metrics from aiayn.inspect.plots."""
+sections before). benchmarks/gpu.py's sections run here on the CPU with tiny sizes, and so do
+the scripts that once broke where --help could not see it (time_to_bleu.py importing a name
+that had moved; server_cost.py and serve_screenshot.py building serve_load's options by hand
+without a newer one; speed.py and bf16_shapes.py after the searches' and the regularisation's
+settings changed); benchmarks/README.md measures with them all."""
 
 import ast
 import importlib
@@ -410,3 +412,55 @@ def test_serve_load_clients_count_every_request_lost_when_the_server_is_gone(mon
     sentences = [f"sentence {i}" for i in range(3000)]  # > Python's recursion limit
     answers, latencies, _ = serve_load.load(url, sentences, 4, 4, 0.6)
     assert answers == [None] * len(sentences) and len(latencies) == len(sentences)
+
+
+# ---------------------------------------------------------------- the scripts that had rotted
+def test_speed_decodes_exactly_its_steps_with_the_cache_and_without(monkeypatch, capsys):
+    """benchmarks/speed.py's decoding half (its training half takes a minute): greedy search
+    with EOS forbidden (an output kernel) runs exactly its 100 tokens a sentence at any
+    source length, the cache and recomputing giving the same tokens (the script checks the
+    lengths and stops otherwise)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    main = runpy.run_path(str(BENCHMARKS / "speed.py"))["main"]
+    main(["--quick", "--skip-train", "--threads", "1", "--decode-reps", "1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| small |")]
+    assert len(rows) == 2 and all(line.rstrip().endswith("| 100% |") for line in rows)
+
+
+@pytest.mark.slow
+def test_bf16_shapes_trains_the_demo_preset_in_both_arms(tmp_path):
+    """benchmarks/bf16_shapes.py end to end (fp32, which every CPU runs at speed): each arm
+    trains the demo preset, its "auto" regularisation resolved as a run resolves it, in a
+    process of its own, and the padded arm's ratio is printed."""
+    import subprocess
+
+    from helpers import write_prepared
+
+    data = write_prepared(tmp_path / "data")
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "bf16_shapes.py"), "--data", str(data),
+                           "--steps", "2", "--reps", "1", "--multiple", "8", "--precision", "fp32",
+                           "--threads", "1"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert re.search(r"padded to 8: [\d,]+ tok/s, \d+\.\d\dx", done.stdout), done.stdout
+
+
+@pytest.mark.slow
+def test_serve_screenshot_starts_the_server_as_serve_load_does(run_dir, tmp_path):
+    """benchmarks/serve_screenshot.py on the tiny run: it starts the server from serve_load's
+    own options (a server option added there needs nothing here), translates on the page in
+    Chromium and saves the page as a PNG."""
+    import shutil
+    import subprocess
+
+    pytest.importorskip("selenium", reason="selenium is not installed")
+    pytest.importorskip("fastapi", reason="the serve extra is not installed")
+    if not ((shutil.which("chromium") or shutil.which("chromium-browser"))
+            and shutil.which("chromedriver")):
+        pytest.skip("Chromium is missing: apt-get install chromium chromium-driver")
+    png = tmp_path / "serve.png"
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "serve_screenshot.py"), str(run_dir),
+                           "-o", str(png), "--sentence", "a b c", "--layer", "1", "--head", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "translation:" in done.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
