@@ -198,11 +198,11 @@ def report(args, pairs, rates, train) -> None:
     def cell(value: float, floor: float | None) -> str:
         return f"{value:.1f}" + (f" ({value / floor:.2f}x)" if floor else "")
 
-    print(f"\n{len(pairs)} {args.split} sentences of {args.run_dir} ({args.weights}), beam "
-          f"{args.beam}, alpha {args.alpha}, decode_tokens {args.decode_tokens}; sentences/s, "
-          f"median "
-          f"of {args.repeats}; (x) = against quiet '{REFERENCE}'; load pinned to core "
-          f"{args.core}")
+    if rates:
+        print(f"\n{len(pairs)} {args.split} sentences of {args.run_dir} ({args.weights}), beam "
+              f"{args.beam}, alpha {args.alpha}, decode_tokens {args.decode_tokens}; "
+              f"sentences/s, median of {args.repeats}; (x) = against quiet '{REFERENCE}'; load "
+              f"pinned to core {args.core}")
     print(f"device: {device_description()}\n")
     if rates:
         names = list(next(iter(rates.values())))
@@ -211,7 +211,7 @@ def report(args, pairs, rates, train) -> None:
     if train:
         floor = train.get("quiet", {}).get("train.cpu_threads=1")
         print(f"\ntraining steps/s over {args.train_seconds:g} s of `aiayn train` (x) = against "
-              "quiet train.cpu_threads=1\n")
+              f"quiet train.cpu_threads=1; load pinned to core {args.core}\n")
         settings = list(next(iter(train.values())))
         print(markdown_table(["training", *train],
                              [[s, *(cell(train[ld][s], floor) for ld in train)]
