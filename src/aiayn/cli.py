@@ -1065,7 +1065,7 @@ def _one_rank_of_many() -> bool:
 
     try:
         return world_size_from_env() > 1
-    except ValueError:  # not a launcher's WORLD_SIZE: the run's set-up says so in its line
+    except AiaynError:  # not a launcher's WORLD_SIZE: the run's set-up says so in one line
         return False
 
 

@@ -531,6 +531,15 @@ def test_a_bug_on_a_rank_prints_its_traceback_and_ends_the_same_way(monkeypatch,
         cli.main(["train", "--resume", "runs/none"])
 
 
+def test_a_world_size_that_is_no_number_is_one_line(data_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    code = main(["train", "--config", TINY, "--data", str(data_dir), "--out",
+                 str(tmp_path / "run"), *sets(max_steps=1)])
+    assert code == 2
+    assert "WORLD_SIZE='two' is not a number of processes" in error_line(capsys.readouterr().err)
+    assert not (tmp_path / "run").exists()
+
+
 def test_two_gloo_processes_match_one_process_with_the_same_global_batch(data_dir, tmp_path):
     """torchrun, 2 CPU ranks with one micro-batch each == 1 process accumulating 2.
 

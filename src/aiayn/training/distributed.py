@@ -46,7 +46,12 @@ class Dist:
 
 def world_size_from_env() -> int:
     """How many ranks the launcher (torchrun, or a cluster's) started: WORLD_SIZE, else 1."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    given = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return int(given)
+    except ValueError:
+        raise AiaynError(f"WORLD_SIZE={given!r} is not a number of processes (torchrun or a "
+                         "cluster's launcher sets it; unset it to train in one process)") from None
 
 
 def setup_distributed(device: str | None = None) -> Dist:
