@@ -47,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -324,6 +325,7 @@ def bench_decode(label: str, model: Transformer, tokenizers, sources: list[str],
 # --------------------------------------------------------------------------- profile
 def profile(fn, device: torch.device, path: Path, rows: int = 15) -> dict:
     """Run ``fn`` twice (warm), then once under torch.profiler; write the kernel table."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -340,8 +342,10 @@ def profile(fn, device: torch.device, path: Path, rows: int = 15) -> dict:
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=rows)
     path.write_text(table)
-    events = prof.key_averages()
-    device_us = sum(getattr(e, "self_device_time_total", 0) for e in events)
+    # The device's own rows alone, as torch's table totals them: an operator's row holds its
+    # kernels' time too, so a sum over every row counts each kernel twice.
+    device_us = sum(e.self_device_time_total for e in prof.key_averages()
+                    if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
     return {"wall_s": wall, "device_busy_s": device_us / 1e6,
             "device_busy_share": device_us / 1e6 / wall if wall else None, "table": str(path)}
 
@@ -376,12 +380,21 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(result, indent=1))
         if section is not None:  # the section alone, beside --out (gpu.step.json, ...)
             alone = {k: result[k] for k in ("device", "date", "command") if k in result}
-            alone.update({k: v for k, v in result.items() if k == section or (
-                section == "step" and k == "peak_bf16_tflops")})
+            alone.update({k: v for k, v in result.items() if k in (section, f"{section}_error")
+                          or (section == "step" and k == "peak_bf16_tflops")})
             args.out.with_name(f"{args.out.stem}.{section}.json").write_text(
                 json.dumps(alone, indent=1))
 
-    if "step" in sections:
+    # What the decode and profile sections read, loaded first: a run or data that did not
+    # travel fails here in seconds, not after the step and loop sections spent their minutes.
+    if "decode" in sections or "profile" in sections:
+        _, demo_model, demo_tokenizers = load_run(args.run, "best")
+        demo_model.to(device).eval()
+        pairs = load_prepared(args.data).split("test")
+        sources = [src for src, _ in pairs][:40 if args.quick else None]
+    loop_model: dict = {}  # the loop section's model, which the decode section decodes too
+
+    def step_section() -> None:
         result["peak_bf16_tflops"] = matmul_peak(device, peak_n) / 1e12
         result["step"] = []
         for name in ["tiny"] if args.quick else args.configs.split(","):
@@ -398,40 +411,37 @@ def main(argv: list[str] | None = None) -> int:
                 + f"; aiayn/ref {row['ratio_vs_reference']:.2f} "
                 f"[{time.perf_counter() - began:.0f}s]", flush=True)
             save("step")
-    base_model = base_tokenizers = None
-    if "loop" in sections:
+
+    def loop_section() -> None:
         result["loop"] = []
         for ahead in (False, True)[2 - args.loop_runs:]:
-            row, base_model, base_tokenizers = bench_loop(
+            row, model, tokenizers = bench_loop(
                 args.data, device, 2048 if args.quick else args.step_tokens,
                 2 if args.quick else args.loop_seconds, ahead, args.quick)
+            loop_model.update(model=model, tokenizers=tokenizers)
             result["loop"].append(row)
             print(f"  loop (collate ahead {ahead}): {row['loop_tokens_per_s']:,.0f} tok/s = "
                   f"{100 * row['loop_vs_step']:.0f}% of its step; 90% after "
                   f"{row['seconds_to_90pct']} s [{time.perf_counter() - began:.0f}s]", flush=True)
             save("loop")
-    if "decode" in sections or "profile" in sections:
-        _, demo_model, demo_tokenizers = load_run(args.run, "best")
-        demo_model.to(device).eval()
-        pairs = load_prepared(args.data).split("test")
-        sources = [src for src, _ in pairs]
-        if args.quick:
-            sources = sources[:40]
-    if "decode" in sections:
+
+    def decode_section() -> None:
         result["decode"] = bench_decode("demo", demo_model, demo_tokenizers, sources, device,
                                         (4, 1))
         save("decode")
-        if base_model is not None:
-            result["decode"] += bench_decode("base-shaped (loop)", base_model.eval(),
-                                             base_tokenizers, sources, device, (4,))
+        if loop_model:
+            result["decode"] += bench_decode("base-shaped (loop)", loop_model["model"].eval(),
+                                             loop_model["tokenizers"], sources, device, (4,))
             save("decode")
-    if "profile" in sections:
+
+    def profile_section() -> None:
         result["profile"] = {}
         for suffix, bf16 in (("", False), ("_bf16", True)):  # bf16: where its time goes
             t = Translator(demo_model, demo_tokenizers, device=device, bf16=bf16)
             result["profile"][f"decode_demo_beam4{suffix}"] = profile(
                 lambda t=t: t.translate(sources, search=Search(beam=4, alpha=0.6)), device,
                 out_dir / f"profile_decode{suffix}.txt")
+            save("profile")
         cfg = load_config(REPO / "configs" / ("tiny.yaml" if args.quick else "base.yaml")).model
         groups = bucket(sentence_lengths(100_000, max_len=cfg.max_len, seed=0),
                         1024 if args.quick else args.step_tokens)
@@ -441,10 +451,26 @@ def main(argv: list[str] | None = None) -> int:
         step = training_steps(model, [b], bf16=True)[0]
         result["profile"]["train_step_base"] = profile(step, device, out_dir / "profile_step.txt")
         save("profile")
+
+    # One section's failure is its own: what it measured and its traceback are saved, and
+    # the sections after it still run (a GPU session has no minutes for a second start).
+    failed = []
+    for name, section in (("step", step_section), ("loop", loop_section),
+                          ("decode", decode_section), ("profile", profile_section)):
+        if name not in sections:
+            continue
+        try:
+            section()
+        except Exception:
+            failed.append(name)
+            result[f"{name}_error"] = traceback.format_exc()
+            print(f"  {name} failed [{time.perf_counter() - began:.0f}s]:\n"
+                  f"{result[f'{name}_error']}", flush=True)
+            save(name)
     result["seconds"] = time.perf_counter() - began
     save()
     print(json.dumps({k: v for k, v in result.items() if k != "device"}, indent=1))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

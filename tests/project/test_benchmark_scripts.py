@@ -464,3 +464,31 @@ def test_serve_screenshot_starts_the_server_as_serve_load_does(run_dir, tmp_path
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "translation:" in done.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_a_gpu_section_that_fails_leaves_its_traceback_and_the_next_sections_run(
+        run_dir, tmp_path, monkeypatch):
+    """benchmarks/gpu.py: a section that raises saves its traceback in its own JSON and the
+    sections after it still run (a GPU session has no time for a second start); the status
+    says something failed. A run that is not there fails before any section starts."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    main = runpy.run_path(str(BENCHMARKS / "gpu.py"))["main"]
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("the loop broke")
+
+    monkeypatch.setitem(main.__globals__, "bench_loop", boom)
+    data = (run_dir / "data_dir.txt").read_text(encoding="utf-8").strip()
+    out = tmp_path / "gpu.json"
+    common = ["--data", data, "--device", "cpu", "--quick", "--out", str(out)]
+    assert main([*common, "--run", str(run_dir), "--sections", "loop,decode"]) == 1
+    loop = json.loads((tmp_path / "gpu.loop.json").read_text(encoding="utf-8"))
+    assert "RuntimeError: the loop broke" in loop["loop_error"]
+    decode = json.loads((tmp_path / "gpu.decode.json").read_text(encoding="utf-8"))["decode"]
+    assert decode and all(r["sentences_per_s"] > 0 for r in decode)
+    from aiayn.errors import AiaynError
+
+    with pytest.raises(AiaynError, match="run directory not found"):
+        main([*common, "--run", str(tmp_path / "gone"), "--sections", "step,decode"])
+    assert not (tmp_path / "gpu.step.json").exists()
