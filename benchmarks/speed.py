@@ -338,24 +338,25 @@ def report(plans: dict[str, Plan], train_rows: list[TrainingRow],
     reps = ", ".join(f"{n}: {p.train_reps} training / {p.decode_reps} decoding reps, "
                      f"{p.n_batches} batches of <= {p.max_tokens} tokens"
                      for n, p in plans.items())
-    return (
-        f"Device: {device_description()}. Load average (1 min): {load}.\n\n"
+    training = (
         f"Training step (forward, label-smoothed CE, backward, Adam), real target tokens/s: "
         f"per batch the median over repetitions, summed over the batches; ratio = reference "
         f"time / aiayn time (± half-range of the per-repetition ratios). {reps}.\n\n"
-        f"{train_table}\n\n"
+        f"{train_table}\n\n")
+    decoding = (
         f"Greedy decoding of exactly {DECODE_STEPS} tokens per sentence (aiayn.inference.search."
         f"decode_greedy, EOS forbidden), fp32, medians; speed-up = recompute time / KV-cache "
-        f"time.\n\n{decode_table}\n"
-    )
+        f"time.\n\n{decode_table}\n")
+    return (f"Device: {device_description()}. Load average (1 min): {load}.\n\n"
+            + (training if train_rows else "") + (decoding if decode_rows else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = script_parser(__doc__)
     parser.add_argument("--quick", action="store_true",
-                        help="smoke test: small config, 2 batches of <= 1024 tokens, 1 rep, "
-                             "decoding batch 1 and 8")
-    parser.add_argument("--configs", default="small,base",
+                        help="smoke test: 2 batches of <= 1024 tokens, 1 rep, decoding batch 1 "
+                             "and 8, of the small config unless --configs names others")
+    parser.add_argument("--configs",
                         help="comma-separated config names from configs/ (default small,base)")
     parser.add_argument("--reps", type=int, default=0,
                         help="training repetitions per config (default: per-config plan)")
@@ -369,10 +370,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-train", action="store_true")
     args = parser.parse_args(argv)
 
-    names = ["small"] if args.quick else [n.strip() for n in args.configs.split(",") if n.strip()]
+    configs = args.configs or ("small" if args.quick else "small,base")
+    names = [n.strip() for n in configs.split(",") if n.strip()]
     for n in names:
         if not (REPO / "configs" / f"{n}.yaml").is_file():
             parser.error(f"no config configs/{n}.yaml")
+        max_len = load_config(REPO / "configs" / f"{n}.yaml").model.max_len
+        if not args.skip_decode and max_len <= DECODE_STEPS:  # BOS + the steps must fit
+            parser.error(f"configs/{n}.yaml: model.max_len {max_len} holds fewer than the "
+                         f"{DECODE_STEPS} decoding steps; add --skip-decode")
     plans: dict[str, Plan] = {}
     for n in names:
         plan = QUICK if args.quick else PLANS.get(n, PLANS["base"])

@@ -423,8 +423,28 @@ def test_speed_decodes_exactly_its_steps_with_the_cache_and_without(monkeypatch,
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     main = runpy.run_path(str(BENCHMARKS / "speed.py"))["main"]
     main(["--quick", "--skip-train", "--threads", "1", "--decode-reps", "1"])
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| small |")]
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| small |")]
     assert len(rows) == 2 and all(line.rstrip().endswith("| 100% |") for line in rows)
+    assert "Training step" not in out  # no empty table for the half that did not run
+
+
+def test_speed_times_a_training_step_against_nn_transformer(monkeypatch, capsys):
+    """benchmarks/speed.py's training half on the tiny config: aiayn's step and
+    nn.Transformer's, in fp32 and bf16, a positive rate each; a config too short for the
+    decoding half's 100 steps is one line that says to skip it."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    main = runpy.run_path(str(BENCHMARKS / "speed.py"))["main"]
+    main(["--quick", "--configs", "tiny", "--skip-decode", "--threads", "1", "--reps", "1"])
+    out = capsys.readouterr().out
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| tiny |")]
+    assert [r[2].strip() for r in rows] == ["fp32", "bf16"]
+    assert all(float(r[4].replace(",", "")) > 0 and float(r[5].replace(",", "")) > 0
+               for r in rows)
+    assert "Greedy decoding" not in out
+    with pytest.raises(SystemExit):
+        main(["--quick", "--configs", "tiny", "--skip-train"])
+    assert "holds fewer than the 100 decoding steps; add --skip-decode" in capsys.readouterr().err
 
 
 @pytest.mark.slow
