@@ -31,15 +31,16 @@ RUN = {"run_dir": "/runs/x", "weights": "best", "engine": "aiayn", "device": "cp
 
 
 class Upper:
-    """A translator: each line upper-cased, ``chunk`` lines a string; counts what it read."""
+    """A translator: each line numbered (from ``first_line``, as the real one numbers n-best
+    rows) and upper-cased, ``chunk`` lines a string; counts what it read."""
 
     def __init__(self, stop_after: int | None = None, during=None):
         self.read, self.chunks, self.stop_after, self.during = 0, 0, stop_after, during
         self.calls: list[dict] = []
 
-    def translate_lines(self, lines, search=None, chunk=2000, **modes):
+    def translate_lines(self, lines, search=None, chunk=2000, first_line=0, **modes):
         self.calls.append({"search": search, "chunk": chunk, **modes})
-        lines = iter(lines)
+        lines, number = iter(lines), first_line
         while part := list(islice(lines, chunk)):
             self.read += len(part)
             if self.stop_after is not None and self.chunks == self.stop_after:
@@ -47,7 +48,9 @@ class Upper:
             if self.during is not None:
                 self.during(self.chunks)
             self.chunks += 1
-            yield "".join(f"{line.upper()}|{len(part)}\n" for line in part)
+            yield "".join(f"{n}:{line.upper()}|{len(part)}\n"
+                          for n, line in enumerate(part, number))
+            number += len(part)
 
 
 def reference_lines(data: bytes) -> list[str]:
@@ -330,7 +333,7 @@ def test_the_command_resumes_without_decoding_the_lines_done_again(
 
     source, out = big_input(tmp_path, 47), tmp_path / "out.txt"
     argv = ["translate", str(run_dir), "-i", str(source), "-o", str(out), "--beam", "2",
-            "--chunk-lines", "10"]
+            "--chunk-lines", "10", "--nbest", "2"]  # n-best rows number their lines
     real = Translator.prepare  # once per chunk, with its sentences
     decoded, stop = [], [True]
 

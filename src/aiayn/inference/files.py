@@ -321,7 +321,8 @@ class Job:
                       initial=done)
         try:
             for text in translator.translate_lines(lines, search=self.search, chunk=self.chunk,
-                                                   **self.modes, **_per_batch(translator, counter)):
+                                                   first_line=done, **self.modes,
+                                                   **_per_batch(translator, counter)):
                 data = text.encode("utf-8")
                 try:
                     _write_all(fd, data)

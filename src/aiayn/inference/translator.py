@@ -347,8 +347,8 @@ class Translator:
 
     def translate_lines(self, lines: Iterable[str], search: Search | None = None,
                         chunk: int = 2000, alignments: bool = False, scores: bool = False,
-                        prefixes: bool = False, progress: Callable[[int], object] | None = None
-                        ) -> Iterator[str]:
+                        prefixes: bool = False, progress: Callable[[int], object] | None = None,
+                        first_line: int = 0) -> Iterator[str]:
         """`aiayn translate`'s output, ``chunk`` lines at a time (so output appears as it is
         ready and memory stays bounded; ``chunk=1`` answers each line of a lazy iterable,
         e.g. a terminal, as soon as it arrives): one translation per line, or with
@@ -359,13 +359,15 @@ class Translator:
         object per line instead (``Translation.as_dict``; with nbest > 1 {"nbest": [...]};
         an empty line {"translation": ""} alone). ``prefixes``: each line is
         'SENTENCE<TAB>PREFIX' (no tab: no prefix), the translation starting with PREFIX.
-        ``progress(n)``: called after each batch with its number of sentences."""
+        ``progress(n)``: called after each batch with its number of sentences.
+        ``first_line``: the number of the first of ``lines`` (a resumed file's rest), which
+        n-best rows and error messages count from."""
         lines = sentence_list(lines, "translate_lines")
         search = search or self.resolve()
         if alignments:
             self.check_alignments()
         nbest = search.nbest
-        lines, first = iter(lines), 0  # first: the number of the chunk's first line
+        lines, first = iter(lines), first_line  # first: the number of the chunk's first line
         while part := list(islice(lines, chunk)):
             given = None
             if prefixes:
