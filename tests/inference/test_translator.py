@@ -147,6 +147,25 @@ def test_translations_keep_the_input_order_whatever_the_batching(translator):
     assert small.translate(sentences, small.resolve(beam=3)) == together == alone
 
 
+def test_a_translation_that_spells_a_line_break_stays_one_line_of_one_column(translator,
+                                                                            monkeypatch):
+    """A model with byte fallback can write a newline, a tab or another line break: each is
+    a space, so that output line i is still input line i and a row keeps its columns."""
+    breaks = "\n\r\t\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
+    kind, real = type(translator.tokenizers), type(translator.tokenizers).decode_tgt
+    monkeypatch.setattr(kind, "decode_tgt",
+                        lambda self, ids: [f"a{breaks}b {text}" for text in real(self, ids)])
+    rng = random.Random(5)
+    sentences = [random_sentence(rng, longest=8) for _ in range(5)] + [""]
+    assert all(t.startswith("a" + " " * len(breaks) + "b ") for t in
+               translator.translate(sentences[:-1]))
+    for search, rows, tabs in ((translator.resolve(), 6, 0),
+                               (translator.resolve(beam=2, nbest=2), 11, 2)):
+        out = "".join(translator.translate_lines(sentences, search))
+        assert len(out.splitlines()) == rows == out.count("\n")
+        assert all(line.count("\t") == tabs for line in out.splitlines())
+
+
 def test_beam_one_translates_like_greedy_search(translator):
     sentences = ["red sun", "moon tree river blue", "star"]
     src = pad(translator.tokenizers.encode_src(sentences))

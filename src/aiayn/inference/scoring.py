@@ -59,6 +59,7 @@ from aiayn.inference.kernels import log_softmax
 from aiayn.inference.sampling import ban_repeated_ngrams
 from aiayn.inference.settings import Search
 from aiayn.inference.steps import NEVER_GENERATED, length_penalty
+from aiayn.inference.translations import one_line
 from aiayn.model import OutputKernel, Transformer
 from aiayn.runs.directory import read_data_dir
 from aiayn.util.threads import default_streams, parallel_map
@@ -142,9 +143,9 @@ def score_pairs(translator, sources: Sequence[str], targets: Sequence[str], sear
     if len(sources) != len(targets):
         raise ValueError(f"{len(sources)} sources but {len(targets)} targets")
     max_len = translator.max_len
-    src_ids, cut_sources = translator.source_ids([_one_line(s) for s in sources])
+    src_ids, cut_sources = translator.source_ids([one_line(s) for s in sources])
     tokenizers = translator.tokenizers
-    tgt_ids = [ids[1:-1] for ids in tokenizers.encode_tgt([_one_line(t) for t in targets])] \
+    tgt_ids = [ids[1:-1] for ids in tokenizers.encode_tgt([one_line(t) for t in targets])] \
         if targets else []
     cut_targets = sum(len(ids) > max_len - 1 for ids in tgt_ids)
     tgt_ids = [ids[:max_len - 1] for ids in tgt_ids]  # [BOS] + pieces fit max_len positions
@@ -191,11 +192,6 @@ def pair_score(log_probs: np.ndarray, pieces: list[str], alpha: float) -> PairSc
     total = float(np.sum(log_probs, dtype=np.float64))
     return PairScore(total / length_penalty(len(log_probs), alpha), total,
                      [float(v) for v in log_probs], pieces)
-
-
-def _one_line(sentence: str) -> str:
-    """As ``Translator.prepare`` makes a sentence one line: line breaks become spaces."""
-    return " ".join(sentence.splitlines()) if "\n" in sentence or "\r" in sentence else sentence
 
 
 # ---------------------------------------------------------------- output rows

@@ -124,3 +124,16 @@ def sentence_list(sentences, method: str):
 def one_line(sentence: str) -> str:
     """Line breaks inside a sentence would break the one-line-per-sentence contract."""
     return " ".join(sentence.splitlines()) if "\n" in sentence or "\r" in sentence else sentence
+
+
+# What ends a line for str.splitlines (and so for many readers of a text file), and the tab
+# that separates `aiayn translate`'s columns: each a space in a translation.
+_BREAKS = str.maketrans(dict.fromkeys("\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029\t", " "))
+
+
+def single_line(translation: str) -> str:
+    """A translation as one line of one column: a model whose vocabulary spells any byte
+    (byte fallback) can write a newline, a tab or another line break, which would shift every
+    later line of a file (``read_lines``' contract: input line i is output line i) or split
+    a row's columns; each becomes a space."""
+    return translation.translate(_BREAKS)

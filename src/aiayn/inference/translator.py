@@ -75,6 +75,7 @@ from aiayn.inference.translations import (
     one_line,
     output_rows,
     sentence_list,
+    single_line,
     truncate_source,
     truncation_message,
 )
@@ -332,7 +333,7 @@ class Translator:
         results: list[list[Translation]] = [[] for _ in range(sources.count)]
         for i, sentence_hyps in zip(sources.todo, hyps, strict=True):
             kept = sentence_hyps[:nbest]
-            texts = self.tokenizers.decode_tgt([h.ids for h in kept])
+            texts = [single_line(t) for t in self.tokenizers.decode_tgt([h.ids for h in kept])]
             results[i] = [Translation(
                 text, h.score, h.log_prob if h.log_probs else None,
                 [piece(t) for t in h.ids] + [EOS] * (len(h.log_probs) > len(h.ids)),
