@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import random_sentence, run_cli
+from helpers import error_line, random_sentence, run_cli, snapshot
 from safetensors.torch import save_file
 
 from aiayn.config import DataConfig, DecodeConfig, ModelConfig, load_config, save_config
@@ -36,7 +36,7 @@ from aiayn.inference.translator import (
 )
 from aiayn.model import Transformer
 from aiayn.runs.checkpoint import average_checkpoints, read_metadata, read_weights, save_weights
-from aiayn.runs.directory import load_run, load_run_config
+from aiayn.runs.directory import load_run, load_run_config, read_data_dir
 
 
 @pytest.fixture(scope="module")
@@ -453,6 +453,26 @@ def test_cli_evaluate_scores_the_test_split(run_dir, tmp_path, capsys):
     assert len(hypotheses) == 40
     summary = json.loads(hyp.with_suffix(".json").read_text(encoding="utf-8"))
     assert summary["bleu"] > 80 and summary["sentences"] == 40 and summary["beam"] == 2
+
+
+def test_cli_evaluate_refuses_an_output_that_would_replace_what_it_reads(run_dir, tmp_path,
+                                                                         capsys):
+    run, data = copy_of(run_dir, tmp_path), tmp_path / "data"
+    shutil.copytree(read_data_dir(run), data)
+    before = snapshot(tmp_path)
+    for target, what in ((data / "test.jsonl", f"is a file of the prepared data {data}"),
+                         (data / "stats.txt", "stats.json is a file of the prepared data"),
+                         (run / "config.yaml", "is a file of the run"),
+                         (run / "best.safetensors", "is a file of the run")):
+        code, _, err = run_cli(["evaluate", str(run), "--data", str(data), "--limit", "2",
+                                "-o", str(target)], capsys)
+        assert code == 2 and what in error_line(err), err
+    assert snapshot(tmp_path) == before
+    (run / "eval").mkdir(exist_ok=True)  # its own evaluations' folder: written there
+    (run / "eval" / "mine.txt").write_text("an earlier evaluation\n", encoding="utf-8")
+    code, _, err = run_cli(["evaluate", str(run), "--data", str(data), "--limit", "2", "-o",
+                            str(run / "eval" / "mine.txt")], capsys)
+    assert code == 0, err
 
 
 def test_cli_evaluate_without_data_dir_asks_for_data(run_dir, tmp_path, capsys):

@@ -167,6 +167,31 @@ def search_name(search: Search) -> str:
     return f"{name}.norepeat{guard}" if guard else name
 
 
+def check_evaluate_output(output: str | Path, run_dir: str | Path, data_dir: Path) -> None:
+    """-o (and the .json of its scores beside it) can be written and replaces none of what
+    the evaluation reads: the prepared data, or the run's own files (its evaluations under
+    eval/ aside, which a new evaluation of the same name replaces)."""
+    check_output_file(output, "-o")  # the spelling translate and score use
+    output = Path(output)
+    if output.suffix == ".json":  # the scores go to OUTPUT with .json for its suffix
+        raise AiaynError(f"-o {output}: the scores are written to the output's name "
+                         "with .json for its suffix, the same file; give the translations "
+                         "another suffix (e.g. .txt)")
+    run_dir = Path(run_dir).resolve()
+    for path in (output, output.with_suffix(".json")):
+        if not path.exists():
+            continue
+        where = path.resolve()
+        if where.is_relative_to(data_dir.resolve()):
+            read = f"a file of the prepared data {data_dir}"
+        elif where.is_relative_to(run_dir) and not where.is_relative_to(run_dir / "eval"):
+            read = f"a file of the run {run_dir}"
+        else:
+            continue
+        raise AiaynError(f"-o {output}: {path} is {read}, which the evaluation reads; "
+                         "writing it would replace it: choose another -o")
+
+
 def evaluate_run(run_dir: str | Path, split: str = "test", search: Search | None = None,
                  data_dir: str | Path | None = None, weights: str | Path = "best",
                  output: str | Path | None = None, limit: int = 0,
@@ -198,12 +223,9 @@ def evaluate_run(run_dir: str | Path, split: str = "test", search: Search | None
     search = search or resolve_search(run_decode(run_dir))
     if limit < 0:
         raise AiaynError(f"--limit must be 0 (all) or a positive number of sentences, got {limit}")
+    data_dir = Path(data_dir) if data_dir else read_data_dir(run_dir)
     if output is not None:
-        check_output_file(output, "-o")  # the spelling translate and score use
-        if Path(output).suffix == ".json":  # the scores go to OUTPUT with .json for its suffix
-            raise AiaynError(f"-o {output}: the scores are written to the output's name "
-                             "with .json for its suffix, the same file; give the translations "
-                             "another suffix (e.g. .txt)")
+        check_evaluate_output(output, run_dir, data_dir)
     translator = Translator.from_pretrained(run_dir, weights, device=choose_device(device),
                                             decode_tokens=decode_tokens, bf16=bf16, engine=engine,
                                             int8=int8)
@@ -212,7 +234,6 @@ def evaluate_run(run_dir: str | Path, split: str = "test", search: Search | None
     weights_file = resolve_weights(run_dir, weights) if own else None
     fingerprint = weights_fingerprint(weights_file) if weights_file else None
     translator.check(search)  # what the model and the decoding budget can hold
-    data_dir = Path(data_dir) if data_dir else read_data_dir(run_dir)
     prepared = load_prepared(data_dir)
     pairs = prepared.split(split)
     if limit > 0:
