@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
-import io
 import json
 import math
 import os
@@ -439,7 +438,8 @@ def _run_translate(args) -> int:
 
     # The one resolution of the search (the run's decode section and these options),
     # before waiting for stdin or loading; every layer below gets this very value.
-    search = resolve_search(run_decode(args.run_dir), beam=args.beam, alpha=args.alpha,
+    decode = run_decode(args.run_dir)
+    search = resolve_search(decode, beam=args.beam, alpha=args.alpha,
                             nbest=args.nbest, no_repeat_ngram=args.no_repeat_ngram,
                             sampling=_sampling_from_args(args))
     if args.interactive and args.input is not None:
@@ -462,7 +462,9 @@ def _run_translate(args) -> int:
         job = Job(args.input, args.output, search, chunk=args.chunk_lines, resume=args.resume,
                   seed_given=args.seed is not None, modes=modes,
                   run=run_identity(args.run_dir, args.weights, args.engine, str(device),
-                                   args.decode_tokens, int8=args.int8, to=args.to))
+                                   args.decode_tokens, int8=args.int8, to=args.to,
+                                   alignment_layer=decode.alignment_layer if args.alignments
+                                   else None))
         search = job.search  # on --resume, a seed drawn at random is the interrupted run's
     translator = Translator.from_pretrained(args.run_dir, args.weights, device=device,
                                             decode_tokens=args.decode_tokens,
@@ -507,31 +509,23 @@ def _write(chunks: Iterator[str], out) -> None:
 def _stdin_lines() -> Iterator[str]:
     """stdin line by line, each as soon as it has arrived, by ``_read_stdin``'s rules (UTF-8,
     lines end at "\\n" only, a trailing "\\r" goes, a byte-order mark at the start too)."""
-    stream = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8-sig", newline="\n")
-    number = 0
-    try:
-        for line in stream:
-            number += 1
-            line = line.removesuffix("\n")
-            yield line.removesuffix("\r")
-    except UnicodeDecodeError as exc:
-        raise AiaynError(f"stdin, line {number + 1}: not UTF-8 text ({exc.reason})") from None
+    from aiayn.inference.lines import stream_lines
+
+    if not hasattr(sys.stdin, "buffer"):  # a text stream put in its place
+        yield from (line.removesuffix("\n").removesuffix("\r") for line in sys.stdin)
+        return
+    yield from stream_lines(sys.stdin.buffer, "stdin")
 
 
 def _read_stdin() -> list[str]:
-    """All of stdin's lines, by ``aiayn.inference.files.read_lines``'s rules (lines end at
+    """All of stdin's lines, by ``aiayn.inference.lines.read_lines``'s rules (lines end at
     "\\n" only, a trailing "\\r" goes, a UTF-8 byte-order mark at the start too), read
     before any is translated, so that text that is not UTF-8 fails before any output."""
-    try:
-        data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else \
-            sys.stdin.read().encode("utf-8")
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise AiaynError(f"stdin: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    lines = text.split("\n")
-    if lines[-1] == "":  # the newline that ends the last line starts no new one
-        lines.pop()
-    return [line[:-1] if line.endswith("\r") else line for line in lines]
+    from aiayn.inference.lines import text_lines
+
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else \
+        sys.stdin.read().encode("utf-8")
+    return text_lines(data, "stdin")
 
 
 # ---------------------------------------------------------------- evaluate

@@ -9,6 +9,7 @@ the command on a real tiny run."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -23,7 +24,8 @@ from helpers import error_line, random_sentence, run_cli, snapshot
 
 from aiayn.errors import AiaynError
 from aiayn.inference import files
-from aiayn.inference.files import Job, read_lines, scan_input
+from aiayn.inference.files import Job
+from aiayn.inference.lines import read_lines, scan_input, stream_lines, text_lines
 from aiayn.inference.settings import Sampling, Search
 
 RUN = {"run_dir": "/runs/x", "weights": "best", "engine": "aiayn", "device": "cpu",
@@ -71,6 +73,26 @@ def test_lazy_reading_keeps_the_rules_of_reading_whole(tmp_path, data):
     path.write_bytes(data)
     assert list(read_lines(path)) == reference_lines(data)
     assert scan_input(path).lines == len(reference_lines(data))
+    # stdin's readers, whole and line by line (--interactive), and `aiayn score`'s
+    assert text_lines(data, "stdin") == reference_lines(data)
+    assert list(stream_lines(io.BytesIO(data), "stdin")) == reference_lines(data)
+
+
+@pytest.mark.parametrize("data, line, byte, before", [
+    (b"God is love.\nJesus wept.\nThe Lord.\n\xff bad\nok\n", 4, 35,
+     ["God is love.", "Jesus wept.", "The Lord."]),
+    (b"\xef\xbb\xbfab\n\xff\n", 2, 6, ["ab"]),  # the byte-order mark counts among the bytes
+    (b"\xef\xbb\xbf\xff", 1, 3, []),
+])
+def test_stdin_text_that_is_not_utf8_names_its_line_and_byte(data, line, byte, before):
+    """Read whole, nothing comes out; line by line, the lines before the bad one do."""
+    said = rf"stdin, line {line}: not UTF-8 text \(invalid start byte at byte {byte}\)"
+    with pytest.raises(AiaynError, match=said):
+        text_lines(data, "stdin")
+    read = []
+    with pytest.raises(AiaynError, match=said):
+        read.extend(stream_lines(io.BytesIO(data), "stdin"))
+    assert read == before
 
 
 def test_reading_from_a_chunk_boundary_gives_the_rest(tmp_path):
@@ -217,6 +239,54 @@ def test_an_output_being_written_is_refused_to_a_second_translate(tmp_path):
     assert refusals == [f"-o {out} is in use by pid {os.getpid()} (aiayn translate), writing "
                         f"{out}.partial; wait for it to finish (or stop it) and try again"] * 2
     assert out.read_text(encoding="utf-8") == expected(source)
+
+
+@pytest.mark.parametrize("change", ["append", "shorten"])
+def test_an_input_written_to_while_it_is_translated_stops_the_run_in_one_line(
+        tmp_path, capsys, change):
+    """The lines read are the lines scanned (counted, hashed): a file another program
+    lengthens or cuts meanwhile is refused, the whole chunks read before kept (20 lines:
+    the change is in the last chunk's lines) with how to go on."""
+    source, out = lines_file(tmp_path), tmp_path / "out.txt"
+    data, whole = source.read_bytes(), expected(source)
+
+    def write(chunks_done):
+        if chunks_done == 1:
+            source.write_bytes(data + b"more\n" if change == "append" else data[:-20])
+
+    with pytest.raises(AiaynError, match=r"in.txt: the file changed while it was translated "
+                                         rf"\({len(data)} bytes when the command began, "):
+        job(source, out).run(Upper(during=write), progress=False)
+    assert "out.txt.partial keeps the first 20 of 23 lines; the same command with --resume " \
+           "continues it once the cause below is fixed (after a change to -i, delete it and " \
+           "out.txt.partial.json to start again)" in capsys.readouterr().err
+    kept = (tmp_path / "out.txt.partial").read_text(encoding="utf-8")
+    assert kept == "".join(whole.splitlines(keepends=True)[:20])
+    source.write_bytes(data)  # written whole again: resumed, the run ends as one alone
+    job(source, out, resume=True).run(Upper(), progress=False)
+    assert out.read_text(encoding="utf-8") == whole
+    with pytest.raises(AiaynError, match=r"in.txt: the file changed while it was translated"):
+        for _ in files.translate_file(Upper(during=write), source, BEAM2, chunk=5,
+                                      progress=False):
+            pass
+
+
+def test_an_input_that_is_a_pipe_is_refused_before_it_is_read(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(AiaynError, match=r"fifo: not a regular file; -i is read twice .* send "
+                                         r"it on stdin instead"):
+        scan_input(fifo)
+
+
+def test_the_alignment_layer_is_part_of_what_a_resume_must_match(tmp_path):
+    source = lines_file(tmp_path)
+    with_layer = files.run_identity(tmp_path, "best", "aiayn", "cpu", None, alignment_layer=0)
+    assert with_layer["alignment_layer"] == 0
+    assert "alignment_layer" not in files.run_identity(tmp_path, "best", "aiayn", "cpu", None)
+    interrupt(source, tmp_path / "out.txt", chunks=1, run={**RUN, "alignment_layer": 0})
+    refused(tmp_path, r"the model differs .*\(alignment_layer 0 then, -1 now\)", resume=True,
+            run={**RUN, "alignment_layer": -1})
 
 
 def test_an_error_before_the_first_chunk_leaves_nothing(tmp_path):

@@ -6,8 +6,9 @@ it takes and gives (translations), the engines it drives behind one interface (e
 aiayn's own, aiayn_engine, or CTranslate2's, ct2; by --engine name: engines), the batch
 budget (budget), the output layer's kernel (kernels), int8 decoding (int8) through aiayn's
 own C kernel (native), attention maps of a translation (attention) and word alignments from
-them (align), files of any length translated chunk by chunk, resumable (files), and the
-teacher-forced scores of given pairs (scoring).
+them (align), files of any length translated chunk by chunk, resumable (files), the rules
+by which lines of text are read from files and stdin (lines), and the teacher-forced scores
+of given pairs (scoring).
 
 May import: aiayn.errors, aiayn.options, aiayn.util, aiayn.config, aiayn.model, aiayn.data, aiayn.runs.
 """

@@ -27,7 +27,6 @@ second translate to the same ``-o`` is refused in one line naming the holder's p
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import inspect
 import json
 import os
@@ -36,6 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from aiayn.errors import AiaynError
+from aiayn.inference.lines import read_lines, scan_input
 from aiayn.inference.settings import Search
 from aiayn.options import CHUNK_LINES
 from aiayn.runs.directory import resolve_weights
@@ -43,81 +43,7 @@ from aiayn.util.io import DiskError, as_disk_error, atomic_write_text
 from aiayn.util.lock import hold_file, process_alive
 from aiayn.util.progress import bar
 
-BOM = b"\xef\xbb\xbf"
 SIDECAR_VERSION = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class InputFile:
-    """What ``scan_input`` found: the line count, and the identity ``--resume`` checks."""
-
-    path: Path
-    lines: int
-    size: int
-    sha256: str
-
-    def identity(self) -> dict:
-        return {"path": str(self.path.resolve()), "size": self.size, "sha256": self.sha256}
-
-
-def scan_input(path: str | Path, option: str = "-i") -> InputFile:
-    """One streaming pass over the file: UTF-8 checked line by line (the error names the
-    line and the byte), the lines counted by ``read_lines``'s rules, the bytes hashed."""
-    path = Path(path)
-    digest, lines, size = hashlib.sha256(), 0, 0
-    for number, raw in _raw_lines(path, option):
-        digest.update(raw)
-        try:
-            raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise AiaynError(f"{option} {path}, line {number + 1}: not UTF-8 text ({exc.reason} "
-                             f"at byte {size + exc.start})") from None
-        size += len(raw)
-        lines += _is_line(number, raw)
-    return InputFile(path, lines, size, digest.hexdigest())
-
-
-def read_lines(path: str | Path, start: int = 0, boundaries: dict | None = None,
-               chunk: int = 0, first_line: int = 0) -> Iterator[str]:
-    """The file's lines, one at a time, by `aiayn translate`'s rules: lines end at "\\n"
-    only (a trailing "\\r" goes), so input line i is output line i whatever else the text
-    holds; a UTF-8 byte-order mark at the start goes; the newline that ends the last line
-    starts no new one. ``start``: the byte offset to begin at (a line's start), numbered
-    ``first_line``. ``boundaries``: filled with {line number: byte offset} at each
-    ``chunk``-th line and at the end (where each chunk of the output ends in the input)."""
-    number, offset = first_line, start
-    for index, raw in _raw_lines(Path(path), "-i", start):
-        offset += len(raw)
-        if not _is_line(index if start == 0 else 1, raw):
-            continue
-        text = raw.decode("utf-8")
-        if index == 0 and start == 0:
-            text = text.removeprefix("\ufeff")
-        number += 1
-        if boundaries is not None and chunk and number % chunk == 0:
-            boundaries[number] = offset
-        yield text.removesuffix("\n").removesuffix("\r")
-    if boundaries is not None:
-        boundaries[number] = offset
-
-
-def _raw_lines(path: Path, option: str, start: int = 0) -> Iterator[tuple[int, bytes]]:
-    """(index, bytes) of each line, its "\\n" kept (a binary file splits at b"\\n" only)."""
-    try:
-        fh = open(path, "rb")
-    except FileNotFoundError:
-        raise AiaynError(f"{option} {path}: input file not found") from None
-    except IsADirectoryError:
-        raise AiaynError(f"{option} {path}: is a directory, not a file") from None
-    with fh:
-        fh.seek(start)
-        yield from enumerate(fh)
-
-
-def _is_line(index: int, raw: bytes) -> bool:
-    """Every piece is a line but a file holding nothing but a byte-order mark (the text
-    after it is empty, and no newline starts a line)."""
-    return not (index == 0 and raw == BOM)
 
 
 def translate_file(translator, source: str | Path, search: Search, chunk: int = CHUNK_LINES,
@@ -125,7 +51,7 @@ def translate_file(translator, source: str | Path, search: Search, chunk: int = 
     """``translate_lines`` over a file checked first (``scan_input``: nothing comes out of
     a file that is not all UTF-8) and read lazily, with a progress bar of its lines."""
     found = scan_input(source)
-    lines = read_lines(found.path)
+    lines = read_lines(found.path, end=found.size)
     counter = bar(enabled=progress, desc="translating", total=found.lines, unit=" sentences")
     done = 0
     try:
@@ -316,7 +242,7 @@ class Job:
         total, done = self.input.lines, self.done["lines"]
         ends: dict[int, int] = {}
         lines = read_lines(self.input.path, self.done["input_bytes"], ends, self.chunk,
-                           first_line=done)
+                           first_line=done, end=self.input.size)
         counter = bar(enabled=progress, desc="translating", total=total, unit=" sentences",
                       initial=done)
         try:
@@ -330,6 +256,9 @@ class Job:
                 except OSError as exc:
                     raise self._disk_error(exc) or exc from None
                 done = min(done + self.chunk, total)
+                if done not in ends:  # its lines are not where the scan found them
+                    raise AiaynError(f"-i {self.input.path}: the file changed while it was "
+                                     "translated; translate it once it is written whole")
                 self.done = {"lines": done, "input_bytes": ends.pop(done),
                              "output_bytes": self.done["output_bytes"] + len(data)}
                 self._record()
@@ -358,10 +287,13 @@ class Job:
             os.ftruncate(fd, self.done["output_bytes"])
         except OSError:
             return
+        kept = (f"aiayn: {self.partial} keeps the first {self.done['lines']:,} of "
+                f"{self.input.lines:,} lines; the same command with --resume continues it")
         if isinstance(exc, KeyboardInterrupt):
-            print(f"aiayn: {self.partial} keeps the first {self.done['lines']:,} of "
-                  f"{self.input.lines:,} lines; the same command with --resume continues it",
-                  file=sys.stderr)
+            print(kept, file=sys.stderr)
+        elif not isinstance(exc, DiskError):  # whose own line says what is kept
+            print(f"{kept} once the cause below is fixed (after a change to -i, delete it and "
+                  f"{self.sidecar.name} to start again)", file=sys.stderr)
 
     def _disk_error(self, exc: BaseException) -> DiskError | None:
         """A full disk (or the like) writing the output, as one line that says what is kept."""
@@ -442,18 +374,23 @@ def _said(value) -> str:
 
 
 def run_identity(run_dir: str | Path, weights: str, engine: str, device: str,
-                 decode_tokens: int | None, int8: bool = False, to: str | None = None) -> dict:
+                 decode_tokens: int | None, int8: bool = False, to: str | None = None,
+                 alignment_layer: int | None = None) -> dict:
     """What the model is, for the sidecar: the run directory, the weights file (its size and
     modification time: a run that trained on since then decodes otherwise), the engine,
     the device and the decoding budget (batches of another size may round otherwise), and
     int8 decoding where it decodes so (``aiayn.inference.int8``), and the target
-    language of a model of several (``to``: another would translate every line otherwise)."""
+    language of a model of several (``to``: another would translate every line otherwise),
+    and with word alignments the run's ``decode.alignment_layer`` (the layer they are read
+    from: editable after training)."""
     identity = {"run_dir": str(Path(run_dir).resolve()), "weights": str(weights),
                 "engine": engine, "device": str(device), "decode_tokens": decode_tokens}
     if int8:
         identity["int8"] = True
     if to is not None:
         identity["to"] = to
+    if alignment_layer is not None:
+        identity["alignment_layer"] = alignment_layer
     try:
         path = resolve_weights(run_dir, weights) if engine == "aiayn" else \
             Path(run_dir) / "model.bin"

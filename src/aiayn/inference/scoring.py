@@ -56,6 +56,7 @@ from aiayn.data.prepared import load_prepared
 from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from aiayn.errors import AiaynError
 from aiayn.inference.kernels import log_softmax
+from aiayn.inference.lines import text_lines
 from aiayn.inference.sampling import ban_repeated_ngrams
 from aiayn.inference.settings import Search
 from aiayn.inference.steps import NEVER_GENERATED, length_penalty
@@ -233,25 +234,14 @@ def score_lines(translator, sources: Sequence[str], targets: Sequence[str], sear
 # ---------------------------------------------------------------- `aiayn score`'s input
 def read_lines(path: str | Path, option: str) -> list[str]:
     """Lines of a UTF-8 file, by `aiayn translate`'s rules: lines end at "\\n" only (a trailing
-    "\\r" goes), a byte-order mark at the start is dropped."""
+    "\\r" goes), a byte-order mark at the start is dropped (``files.text_lines``)."""
     try:
-        text = Path(path).read_bytes().decode("utf-8-sig")
+        data = Path(path).read_bytes()
     except FileNotFoundError:
         raise AiaynError(f"{option} {path}: file not found") from None
     except IsADirectoryError:
         raise AiaynError(f"{option} {path}: is a directory, not a file") from None
-    except UnicodeDecodeError as exc:
-        line = text_line_of(Path(path).read_bytes(), exc.start)
-        raise AiaynError(f"{option} {path}, line {line}: not UTF-8 text ({exc.reason})") from None
-    lines = text.split("\n")
-    if lines[-1] == "":  # the newline that ends the last line starts no new one
-        lines.pop()
-    return [line[:-1] if line.endswith("\r") else line for line in lines]
-
-
-def text_line_of(data: bytes, offset: int) -> int:
-    """The line (from 1) that byte ``offset`` of ``data`` is on."""
-    return data.count(b"\n", 0, offset) + 1
+    return text_lines(data, f"{option} {path}")
 
 
 def read_tsv_pairs(path: str | Path, option: str = "-i") -> tuple[list[str], list[str]]:

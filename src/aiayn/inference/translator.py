@@ -358,7 +358,7 @@ class Translator:
         ``alignments``: each row ends with a tab and the translation's word alignment in the
         Pharaoh format ('0-0 1-2', ``aiayn.inference.align.pharaoh``). ``scores``: one JSON
         object per line instead (``Translation.as_dict``; with nbest > 1 {"nbest": [...]};
-        an empty line {"translation": ""} alone). ``prefixes``: each line is
+        an empty line {"translation": ""} alone, or with nbest > 1 {"nbest": []}). ``prefixes``: each line is
         'SENTENCE<TAB>PREFIX' (no tab: no prefix), the translation starting with PREFIX.
         ``progress(n)``: called after each batch with its number of sentences.
         ``first_line``: the number of the first of ``lines`` (a resumed file's rest), which
