@@ -94,7 +94,7 @@ def test_the_card_shows_a_test_figure_only_for_the_weights_that_gave_it(run_dir,
     assert Path(sample["output"]).name.endswith(".first2.txt") and sample["sentences"] == 2
     assert json.loads(Path(whole["scores_file"]).read_text())["sentences"] == whole["sentences"] > 2
     search = "greedy" if whole["beam"] == 1 else f"beam {whole['beam']}, alpha {whole['alpha']}"
-    assert whole["weights_step"] == "8"
+    assert whole["weights_step"] == 8  # a number, as `aiayn info --json` gives steps
     row = (f"| best (step 8) (exported) | {search} | {whole['sentences']} | "
            f"{whole['bleu']:.2f} |")
     evaluation = section(model_card(run, "hf"), "Evaluation")

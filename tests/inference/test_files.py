@@ -78,15 +78,16 @@ def test_lazy_reading_keeps_the_rules_of_reading_whole(tmp_path, data):
     assert list(stream_lines(io.BytesIO(data), "stdin")) == reference_lines(data)
 
 
-@pytest.mark.parametrize("data, line, byte, before", [
-    (b"God is love.\nJesus wept.\nThe Lord.\n\xff bad\nok\n", 4, 35,
+@pytest.mark.parametrize("data, line, column, byte, before", [
+    (b"God is love.\nJesus wept.\nThe Lord.\n\xff bad\nok\n", 4, 1, 36,
      ["God is love.", "Jesus wept.", "The Lord."]),
-    (b"\xef\xbb\xbfab\n\xff\n", 2, 6, ["ab"]),  # the byte-order mark counts among the bytes
-    (b"\xef\xbb\xbf\xff", 1, 3, []),
+    (b"\xef\xbb\xbfab\nok \xff\n", 2, 4, 10, ["ab"]),  # the byte-order mark among the bytes
+    (b"\xef\xbb\xbf\xff", 1, 4, 4, []),
 ])
-def test_stdin_text_that_is_not_utf8_names_its_line_and_byte(data, line, byte, before):
+def test_stdin_text_that_is_not_utf8_names_its_line_and_byte(data, line, column, byte, before):
     """Read whole, nothing comes out; line by line, the lines before the bad one do."""
-    said = rf"stdin, line {line}: not UTF-8 text \(invalid start byte at byte {byte}\)"
+    said = (rf"stdin, line {line}: not UTF-8 text \(invalid start byte: byte {column} of the "
+            rf"line, {byte} of the input\)")
     with pytest.raises(AiaynError, match=said):
         text_lines(data, "stdin")
     read = []
@@ -108,7 +109,7 @@ def test_text_that_is_not_utf8_names_its_line_before_anything_is_read(tmp_path):
     path = tmp_path / "in.txt"
     path.write_bytes(b"one\ntwo\nthr\xffee\nfour\n")
     with pytest.raises(AiaynError, match=r"in.txt, line 3: not UTF-8 text \(invalid start "
-                                         r"byte at byte 11\)"):
+                                         r"byte: byte 4 of the line, 12 of the input\)"):
         scan_input(path)
 
 

@@ -167,6 +167,13 @@ def search_name(search: Search) -> str:
     return f"{name}.norepeat{guard}" if guard else name
 
 
+def _step(weights_file: Path | None) -> int | None:
+    """The training step a weights file was saved at, as a number (safetensors metadata
+    holds strings; `aiayn info --json` and /info give steps as numbers), or None."""
+    step = read_metadata(weights_file).get("step") if weights_file else None
+    return int(step) if step is not None and str(step).isdigit() else None
+
+
 def check_evaluate_output(output: str | Path, run_dir: str | Path, data_dir: Path) -> None:
     """-o (and the .json of its scores beside it) can be written and replaces none of what
     the evaluation reads: the prepared data, or the run's own files (its evaluations under
@@ -265,7 +272,7 @@ def evaluate_run(run_dir: str | Path, split: str = "test", search: Search | None
     summary = {
         "run_dir": str(run_dir), "data_dir": str(data_dir),
         "weights": str(weights) if own else weights_name,
-        "weights_step": read_metadata(weights_file).get("step") if weights_file else None,
+        "weights_step": _step(weights_file),
         "weights_sha256": fingerprint,
         "split": split, "sentences": len(pairs), "limit": limit, "beam": search.beam, "alpha": search.alpha,
         "no_repeat_ngram": search.no_repeat_ngram,

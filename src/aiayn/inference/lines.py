@@ -47,8 +47,7 @@ def scan_input(path: str | Path, option: str = "-i") -> InputFile:
         try:
             raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise AiaynError(f"{option} {path}, line {number + 1}: not UTF-8 text ({exc.reason} "
-                             f"at byte {size + exc.start})") from None
+            raise not_utf8(f"{option} {path}", number + 1, exc, size) from None
         size += len(raw)
         lines += _is_line(number, raw)
     return InputFile(path, lines, size, digest.hexdigest())
@@ -105,9 +104,9 @@ def text_lines(data: bytes, where: str) -> list[str]:
         text = data[start:].decode("utf-8")
     except UnicodeDecodeError as exc:
         byte = start + exc.start
-        line = data.count(b"\n", 0, byte) + 1
-        raise AiaynError(f"{where}, line {line}: not UTF-8 text ({exc.reason} at byte "
-                         f"{byte})") from None
+        line_start = data.rfind(b"\n", 0, byte) + 1
+        exc.start = byte - line_start  # counted in its line, as the two readers above count
+        raise not_utf8(where, data.count(b"\n", 0, byte) + 1, exc, line_start) from None
     lines = text.split("\n")
     if lines[-1] == "":  # the newline that ends the last line starts no new one
         lines.pop()
@@ -123,14 +122,21 @@ def stream_lines(stream, where: str) -> Iterator[str]:
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise AiaynError(f"{where}, line {index + 1}: not UTF-8 text ({exc.reason} at "
-                             f"byte {offset + exc.start})") from None
+            raise not_utf8(where, index + 1, exc, offset) from None
         offset += len(raw)
         if index == 0:
             if raw == BOM:  # a stream of nothing but a byte-order mark holds no line
                 continue
             text = text.removeprefix("\ufeff")
         yield text.removesuffix("\n").removesuffix("\r")
+
+
+def not_utf8(where: str, line: int, exc: UnicodeDecodeError, line_start: int) -> AiaynError:
+    """The one error of text that is not UTF-8: ``exc`` of decoding line ``line`` (from 1),
+    which starts at byte ``line_start`` of the input (from 0); says where the bad byte is in
+    its line and in the input, both counted from 1 (an editor's column, ``cmp``'s byte)."""
+    return AiaynError(f"{where}, line {line}: not UTF-8 text ({exc.reason}: byte "
+                      f"{exc.start + 1} of the line, {line_start + exc.start + 1} of the input)")
 
 
 def _raw_lines(path: Path, option: str, start: int = 0) -> Iterator[tuple[int, bytes]]:
