@@ -878,10 +878,12 @@ def _label_smoothing(run_dir: str) -> float | None:
 def _add_serve(sub) -> None:
     p = sub.add_parser(
         "serve", help="an HTTP API and a web page: translate, n-best lists, attention maps",
-        description="Load the run's model once and serve POST /translate, POST /attention, "
-        "GET /info, GET /health, GET /stats, the page at / and the API's documentation at "
-        "/docs (needs the extra: pip install 'aiayn[serve]'). Requests that wait while the "
-        "model is busy are decoded together, each answer the same as alone.")
+        description="Load the run's model once and serve POST /translate, POST /next, POST "
+        "/attention, GET /info, GET /health, GET /stats, the run's figures at "
+        "/figures/NAME.png, the page at / and the API's documentation at /docs (needs the "
+        "extra: pip install 'aiayn[serve]'). Requests that wait while the model is busy are "
+        "decoded together, each answer the same as alone. The start-up line, with the address "
+        "(the port chosen where --port is 0), goes to stdout; warnings and errors to stderr.")
     p.add_argument("run_dir", help="run directory (from `aiayn train`; with --engine "
                    "ctranslate2 a directory from `aiayn export --to ctranslate2`)")
     p.add_argument("--host", default="127.0.0.1",
