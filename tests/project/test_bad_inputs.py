@@ -261,6 +261,12 @@ CASES = [
     # other error paths
     ("translate: no run directory", ["translate", "TMP/none", "-i", "TMP/in.txt"],
      "run directory not found: TMP/none", _sentences),
+    ("translate: a weights file for the run", ["translate", "RUN/best.safetensors", "-i",
+                                               "TMP/in.txt"],
+     "RUN/best.safetensors: is a file, not a run directory", _sentences),
+    ("evaluate: no run directory", ["evaluate", "TMP/none"], "run directory not found: TMP/none",
+     None),
+    ("info: no run directory", ["info", "TMP/none"], "run directory not found: TMP/none", None),
     ("translate: -i missing", ["translate", "RUN", "-i", "TMP/none.txt"],
      "-i TMP/none.txt: input file not found", None),
     ("translate --resume without -o", ["translate", "RUN", "-i", "TMP/in.txt", "--resume"],

@@ -29,7 +29,13 @@ from aiayn.inference.settings import Search, resolve_search
 from aiayn.inference.translator import Translator, TruncationWarning
 from aiayn.model import OutputKernel, Transformer
 from aiayn.runs.checkpoint import check_unchanged, read_metadata, weights_fingerprint
-from aiayn.runs.directory import load_run_config, read_data_dir, resolve_weights, run_decode
+from aiayn.runs.directory import (
+    check_run_dir,
+    load_run_config,
+    read_data_dir,
+    resolve_weights,
+    run_decode,
+)
 from aiayn.util.device import choose_device
 from aiayn.util.io import atomic_write_text, check_output_file
 from aiayn.util.threads import default_streams, parallel_map
@@ -230,6 +236,7 @@ def evaluate_run(run_dir: str | Path, split: str = "test", search: Search | None
     search = search or resolve_search(run_decode(run_dir))
     if limit < 0:
         raise AiaynError(f"--limit must be 0 (all) or a positive number of sentences, got {limit}")
+    check_run_dir(Path(run_dir))  # before its data_dir.txt is looked for
     data_dir = Path(data_dir) if data_dir else read_data_dir(run_dir)
     if output is not None:
         check_evaluate_output(output, run_dir, data_dir)

@@ -29,6 +29,7 @@ from aiayn.errors import AiaynError
 from aiayn.model import Transformer
 from aiayn.runs.checkpoint import load_train_state, read_metadata
 from aiayn.runs.directory import (
+    check_run_dir,
     describe_export,
     list_step_checkpoints,
     not_a_run_error,
@@ -42,6 +43,7 @@ def run_info(run_dir: str | Path) -> dict[str, Any]:
     """A summary of the run directory as plain JSON-able values (None where unknown); of a
     prepared data directory, ``data_info``'s."""
     run_dir = Path(run_dir)
+    check_run_dir(run_dir)
     if not (run_dir / "config.yaml").is_file() and (run_dir / STATS_FILE).is_file():
         return data_info(run_dir)
     exported = read_export_info(run_dir)

@@ -268,6 +268,17 @@ def not_a_run_error(run_dir: Path, info: dict[str, Any]) -> AiaynError:
                       "training and export need the run directory it came from")
 
 
+def check_run_dir(run_dir: Path) -> None:
+    """A run directory that is no directory, as one line the same from every command: not
+    there, or a file (a weights file given where its run is asked for)."""
+    if run_dir.is_dir():
+        return
+    if run_dir.exists():
+        raise AiaynError(f"{run_dir}: is a file, not a run directory (the folder `aiayn "
+                         "train` wrote; a weights file of it goes to --weights)")
+    raise AiaynError(f"run directory not found: {run_dir}")
+
+
 def load_run(run_dir: str | Path, weights: str | Path = "best"):
     """Load a run directory: ``(Config, Transformer in eval mode on the CPU, Tokenizers)``.
 
@@ -276,8 +287,7 @@ def load_run(run_dir: str | Path, weights: str | Path = "best"):
     AiaynError that names the file.
     """
     run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise AiaynError(f"run directory not found: {run_dir}")
+    check_run_dir(run_dir)
     exported = read_export_info(run_dir)
     if exported is not None:
         raise not_a_run_error(run_dir, exported)
