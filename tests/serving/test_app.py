@@ -320,9 +320,13 @@ def test_requests_over_the_limits_get_413_with_a_message(client):
 
 
 @pytest.mark.parametrize("path, body, words", [
-    ("/translate", '{"text": ["red"', "JSON decode error"),
-    ("/translate", "not json at all", "JSON decode error"),
-    ("/translate", '["red"]', "body"),
+    ("/translate", '{"text": ["red"', "the body is not valid JSON (Expecting ',' delimiter, "
+     "at character 16); send an object such as {\"text\": "),
+    ("/translate", "not json at all", "the body is not valid JSON (Expecting value, at "
+     "character 1)"),
+    ("/translate", "", 'the request has no body; send a JSON object such as {"text": '),
+    ("/translate", '["red"]', 'the body must be a JSON object, such as {"text": '),
+    ("/next", '"red"', 'the body must be a JSON object, such as {"text": '),
     ("/translate", '{"txt": ["red"]}', "body.text: Field required"),
     ("/translate", '{"text": ["red"], "beam": 0}', "body.beam"),
     ("/translate", '{"text": ["red"], "beam": 99}', "body.beam"),

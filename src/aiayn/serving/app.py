@@ -327,12 +327,27 @@ def request_prefixes(body: TranslateRequest, sentences: int) -> list[str | None]
     return prefixes
 
 
+EXAMPLE_BODY = '{"text": "The Lord is my shepherd."}'
+
+
 def _validation_line(errors) -> str:
-    """Pydantic's list of errors as one line: 'body.beam: Input should be ...; ...'."""
+    """Pydantic's list of errors as one line: 'body.beam: Input should be ...; ...'; a body
+    that is no JSON, none, or no JSON object said as such, with a body that would do."""
     parts = []
     for error in errors:
-        where = ".".join(str(part) for part in error.get("loc", ()))
-        parts.append(f"{where}: {error.get('msg', 'invalid')}")
+        loc, kind = tuple(error.get("loc", ())), error.get("type")
+        if kind == "json_invalid":  # loc: ("body", character)
+            at = f" at character {loc[1] + 1}" if len(loc) > 1 and isinstance(loc[1], int) else ""
+            why = (error.get("ctx") or {}).get("error", "")
+            parts.append(f"the body is not valid JSON ({why}{',' * bool(why and at)}{at}); "
+                         f"send an object such as {EXAMPLE_BODY}")
+        elif loc == ("body",) and kind == "missing":
+            parts.append(f"the request has no body; send a JSON object such as {EXAMPLE_BODY}")
+        elif loc == ("body",) and kind in ("model_attributes_type", "dict_type"):
+            parts.append(f"the body must be a JSON object, such as {EXAMPLE_BODY}")
+        else:
+            where = ".".join(str(part) for part in loc)
+            parts.append(f"{where}: {error.get('msg', 'invalid')}")
     return "; ".join(parts) or "invalid request"
 
 
