@@ -1113,7 +1113,11 @@ def _way_on(args) -> str:
     try:
         step = load_train_state(Path(run) / "train_state.pt")["step"]
     except (AiaynError, OSError, KeyError, TypeError):
-        return f"; `aiayn train --resume {run}` starts it again (no checkpoint was saved yet)"
+        snapshots = any((Path(run) / "checkpoints").glob("step_*.safetensors"))
+        return (f"; `aiayn train --resume {run}` starts it again from step 0 (no checkpoint "
+                "to go on from was saved yet" + ("; checkpoints/step_*.safetensors are weights "
+                                                 "to look at, not a point to go on from)"
+                                                 if snapshots else ")"))
     return f"; `aiayn train --resume {run}` goes on from step {step}, its last checkpoint"
 
 

@@ -789,3 +789,21 @@ def test_out_of_memory_in_training_is_one_line_and_keeps_the_checkpoint(
     after = checkpoint.read_weights(run / "last.safetensors")
     assert all(bool((before[k] == after[k]).all()) for k in before)
     assert load_train_state(run / "train_state.pt")["step"] == 8
+
+
+def test_ctrl_c_before_the_first_checkpoint_says_the_run_starts_again_from_step_0(tmp_path):
+    """The line after Ctrl-C names the command that goes on; with no train state saved yet
+    it starts again, and step snapshots (weights to look at) are no point to go on from."""
+    from argparse import Namespace
+
+    from aiayn.cli import _way_on
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("model: {}\n", encoding="utf-8")
+    args = Namespace(command="train", resume=None, out=str(run))
+    assert _way_on(args) == (f"; `aiayn train --resume {run}` starts it again from step 0 (no "
+                             "checkpoint to go on from was saved yet)")
+    (run / "checkpoints" / "step_0000050.safetensors").write_bytes(b"")
+    assert "checkpoints/step_*.safetensors are weights to look at, not a point to go on " \
+           "from" in _way_on(args)

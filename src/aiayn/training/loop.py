@@ -509,7 +509,8 @@ class Trainer:
                       "elapsed_s": progress.elapsed_s, "tokens": progress.tokens,
                       "eval_s": time.perf_counter() - began, **best.record_fields()}
             self.metrics.write(record)
-            what = "whole dev" if full else "dev subset"
+            whole = full or result["n_sentences"] >= len(self.data.dev_pairs)
+            what = "whole dev" if whole else "dev subset"
             log(f"step {progress.step}: dev loss {result['dev_loss']:.3f}  BLEU "
                 f"{result['bleu']:.2f}  chrF {result['chrf']:.2f}  ({what}, "
                 f"{result['n_sentences']} sentences, {record['eval_s']:.0f}s)"
