@@ -10,6 +10,7 @@ settings (split, beam, alpha, bf16) do.
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -262,8 +263,10 @@ def evaluate_run(run_dir: str | Path, split: str = "test", search: Search | None
         loss, nll = split_loss(translator.model, prepared, split, len(pairs), run_config,
                                translator.device, bf16, translator.kernel)
     tokenize = prepared.bleu_tokenize(setting)
+    # Into a log (stderr no terminal) a line every 30 s, as training's bar: not ten a second.
     with tqdm(total=len(pairs), unit="sent", dynamic_ncols=True, disable=not progress,
-              desc=f"{split} beam {search.beam}") as bar:
+              desc=f"{split} beam {search.beam}",
+              mininterval=1 if sys.stderr is not None and sys.stderr.isatty() else 30) as bar:
         hypotheses, scores = translate_and_score(translator, pairs, search, bar.update,
                                                  tokenize)
     speed = translator.last_stats
