@@ -550,7 +550,12 @@ ABOUT = (
     "reference rows that column is the CPU a sentence cost the offline batch (its process, "
     "every thread) and the lanes alone (their processes together): it moves less than a rate "
     "when a shared machine's speed swings, and the server's three figures against the "
-    "batch's say what serving costs beside the model. The soak row: "
+    "batch's say what serving costs beside the model. *Cores held*: that CPU time over the "
+    "wall time (the CPU a request cost times the requests a second), the share of the "
+    "cores the row's processes had: a row's ratio is its share against the batch's times "
+    "the batch's CPU a sentence against the row's a request, so the two columns say whether "
+    "a gap is the cores a row got (another program on a core takes more from one than from "
+    "another) or the CPU it spent. The soak row: "
     "steady load for minutes, "
     "with one more client that hangs up before each answer; the server's memory at the "
     "start, its least and most over the samples of the load (every 10 s from the first on: "
@@ -563,6 +568,7 @@ COLUMNS = [
         ("ratio", "/ offline batch"), ("correct", "answered correctly"),
         ("batches", "decoded together"), ("wait", "mean wait ms"),
         ("cpu", "CPU ms a request: server, its lanes, the clients"),
+        ("cores", "cores held"),
         ("memory", "server RSS: start → under load (least–most) → end")]),
 ]
 
@@ -721,7 +727,9 @@ def main() -> None:
                     runs[k].append({"latencies": latencies, "rps": len(sentences) / wall,
                                     "correct": correct, **passes,
                                     "cpu": [1000 * (b - a) / len(sentences)
-                                            for a, b in zip(cpu_before, cpu_after)]})
+                                            for a, b in zip(cpu_before, cpu_after)],
+                                    "cores": sum(b - a for a, b in zip(cpu_before, cpu_after))
+                                    / wall})
                     if after.get("batching") == "continuous" and args.device == "cpu":
                         lanes_alone = lanes_alone or LanesAlone(args, after["lanes"])
                         alone[k].append(lanes_alone.rate(sentences, k))
@@ -748,7 +756,8 @@ def main() -> None:
                              "batches": done[len(done) // 2]["together"],
                              "cpu": ", ".join(f"{statistics.median(r['cpu'][i] for r in done):.2f}"
                                               for i in range(3)),
-                             "wait": round(statistics.median(r["mean_wait_ms"] for r in done))})
+                             "wait": round(statistics.median(r["mean_wait_ms"] for r in done)),
+                             "cores": f"{statistics.median(r['cores'] for r in done):.2f}"})
             for k in clients:
                 if not alone[k]:
                     continue
@@ -760,20 +769,23 @@ def main() -> None:
                                     f"in flight in each){how}{of}",
                              "rps": round(statistics.median(r for r, _ in alone[k]), 1),
                              "ratio": f"{ratio:.2f}",
-                             "cpu": f"{statistics.median(cpu for _, cpu in alone[k]):.2f}"})
+                             "cpu": f"{statistics.median(cpu for _, cpu in alone[k]):.2f}",
+                             "cores": f"{statistics.median(r * cpu / 1000 for r, cpu in alone[k]):.2f}"})
             timed = ", ".join(f"{r:.1f}" for r, _ in references)
             rows.append({"who": f"reference: the same sentences as one batch, in-process "
                                 f"(`Translator.translate`; timed before and after each repeat: "
                                 f"{timed})",
                          "rps": round(statistics.median(reference_of), 1), "ratio": "1.00",
-                         "cpu": f"{statistics.median(cpu for _, cpu in references):.2f}"})
+                         "cpu": f"{statistics.median(cpu for _, cpu in references):.2f}",
+                         "cores": f"{statistics.median(r * cpu / 1000 for r, cpu in references):.2f}"})
             print("| | p50 ms | p95 ms | p99 ms | requests/s | / offline | correct | "
-                  "decoded together | mean wait ms | CPU ms a request: server, lanes, clients |")
-            print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+                  "decoded together | mean wait ms | CPU ms a request: server, lanes, clients | "
+                  "cores held |")
+            print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
             for row in rows:
                 print("| " + " | ".join(str(row.get(key, "")) for key in (
                     "who", "p50", "p95", "p99", "rps", "ratio", "correct", "batches", "wait",
-                    "cpu")) + " |")
+                    "cpu", "cores")) + " |")
     finally:
         if lanes_alone is not None:
             lanes_alone.close()
