@@ -27,7 +27,7 @@ from pathlib import Path
 
 from aiayn.config import load_config
 from aiayn.inspect.plots import save_figure
-from aiayn.runs.directory import read_metrics
+from aiayn.runs.metrics import read_metrics
 from aiayn.training.loop import train
 
 

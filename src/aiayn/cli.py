@@ -835,7 +835,7 @@ def _add_plot(sub) -> None:
 
 def _run_plot(args) -> int:
     from aiayn.inspect import plots
-    from aiayn.runs.directory import read_metrics
+    from aiayn.runs.metrics import read_metrics
 
     chosen = [bool(args.run_dirs), args.pe, args.schedule is not None]
     if sum(chosen) != 1:

@@ -21,7 +21,7 @@ from aiayn.errors import AiaynError
 from aiayn.inference.attention import capture_attention, sentence_attention
 from aiayn.inspect import attention_plots, plots
 from aiayn.model import Transformer, sinusoid_table
-from aiayn.runs.directory import read_metrics
+from aiayn.runs.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -399,7 +399,7 @@ def test_a_torn_last_metrics_line_is_left_out_with_a_note_by_every_reader(run_di
     """plot, info (and so serve's /info) and a resume read a run whose last line is cut
     short as the run without it, and plot and info say so in one line."""
     from aiayn.inspect.info import run_info
-    from aiayn.runs.directory import MetricsLog
+    from aiayn.runs.metrics import MetricsLog
 
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)
@@ -422,7 +422,7 @@ def test_a_torn_last_metrics_line_is_left_out_with_a_note_by_every_reader(run_di
 def test_a_damaged_metrics_line_before_the_last_is_an_error_for_every_reader(run_dir, tmp_path,
                                                                               capsys):
     from aiayn.inspect.info import run_info
-    from aiayn.runs.directory import MetricsLog
+    from aiayn.runs.metrics import MetricsLog
 
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)

@@ -289,7 +289,7 @@ def test_average_and_evaluate_on_a_full_disk_are_one_line_and_write_nothing(aiay
 
 
 def test_the_metrics_log_and_a_plot_on_a_full_disk(aiayn, small_fs):
-    from aiayn.runs.directory import MetricsLog
+    from aiayn.runs.metrics import MetricsLog
 
     run = small_fs / "run"
     run.mkdir()

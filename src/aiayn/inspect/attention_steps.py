@@ -16,7 +16,8 @@ from aiayn.inference.settings import Search
 from aiayn.inference.translator import Translator
 from aiayn.model import Transformer
 from aiayn.runs.checkpoint import load_weights
-from aiayn.runs.directory import read_metrics, step_weights
+from aiayn.runs.directory import step_weights
+from aiayn.runs.metrics import read_metrics
 
 # ---------------------------------------------------------------- attention capture
 

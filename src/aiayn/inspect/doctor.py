@@ -65,7 +65,8 @@ from aiayn.runs.checkpoint import (
     read_metadata,
     read_weights,
 )
-from aiayn.runs.directory import list_step_checkpoints, read_metrics, resolve_weights
+from aiayn.runs.directory import list_step_checkpoints, resolve_weights
+from aiayn.runs.metrics import read_metrics
 from aiayn.training.transfer import describe_tokenizer
 from aiayn.util.lock import in_use
 

@@ -34,8 +34,8 @@ from aiayn.runs.directory import (
     list_step_checkpoints,
     not_a_run_error,
     read_export_info,
-    read_metrics,
 )
+from aiayn.runs.metrics import read_metrics
 from aiayn.training.transfer import describe_tokenizer, read_init_from
 
 

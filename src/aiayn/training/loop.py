@@ -58,11 +58,11 @@ from aiayn.runs.checkpoint import (
     save_weights,
 )
 from aiayn.runs.directory import (
-    MetricsLog,
     build_model,
     prune_step_checkpoints,
     step_checkpoint_path,
 )
+from aiayn.runs.metrics import MetricsLog
 from aiayn.training.admission import RunStart, check_run_request, run_dir_held, run_size
 from aiayn.training.distributed import (
     Dist,
