@@ -182,16 +182,10 @@ def _step(weights_file: Path | None) -> int | None:
 
 
 def check_evaluate_output(output: str | Path, run_dir: str | Path, data_dir: Path) -> None:
-    """-o (and the .json of its scores beside it) can be written and replaces none of what
-    the evaluation reads: the prepared data, or the run's own files (its evaluations under
-    eval/ aside, which a new evaluation of the same name replaces)."""
-    check_output_file(output, "-o")  # the spelling translate and score use
-    output = Path(output)
-    if output.suffix == ".json":  # the scores go to OUTPUT with .json for its suffix
-        raise AiaynError(f"-o {output}: the scores are written to the output's name "
-                         "with .json for its suffix, the same file; give the translations "
-                         "another suffix (e.g. .txt)")
-    run_dir = Path(run_dir).resolve()
+    """-o (and the .json of its scores beside it) replaces none of what the evaluation
+    reads: the prepared data, or the run's own files (its evaluations under eval/ aside,
+    which a new evaluation of the same name replaces)."""
+    output, run_dir = Path(output), Path(run_dir).resolve()
     for path in (output, output.with_suffix(".json")):
         if not path.exists():
             continue
@@ -237,10 +231,13 @@ def evaluate_run(run_dir: str | Path, split: str = "test", search: Search | None
     search = search or resolve_search(run_decode(run_dir))
     if limit < 0:
         raise AiaynError(f"--limit must be 0 (all) or a positive number of sentences, got {limit}")
-    check_run_dir(Path(run_dir))  # before its data_dir.txt is looked for
-    data_dir = Path(data_dir) if data_dir else read_data_dir(run_dir)
+    check_run_dir(Path(run_dir))  # before anything is looked for in it
     if output is not None:
-        check_evaluate_output(output, run_dir, data_dir)
+        check_output_file(output, "-o")  # the spelling translate and score use
+        if Path(output).suffix == ".json":  # the scores go to OUTPUT with .json for its suffix
+            raise AiaynError(f"-o {output}: the scores are written to the output's name "
+                             "with .json for its suffix, the same file; give the translations "
+                             "another suffix (e.g. .txt)")
     translator = Translator.from_pretrained(run_dir, weights, device=choose_device(device),
                                             decode_tokens=decode_tokens, bf16=bf16, engine=engine,
                                             int8=int8)
@@ -249,6 +246,9 @@ def evaluate_run(run_dir: str | Path, split: str = "test", search: Search | None
     weights_file = resolve_weights(run_dir, weights) if own else None
     fingerprint = weights_fingerprint(weights_file) if weights_file else None
     translator.check(search)  # what the model and the decoding budget can hold
+    data_dir = Path(data_dir) if data_dir else read_data_dir(run_dir)
+    if output is not None:  # before the split is read: -o must not be one of its files
+        check_evaluate_output(output, run_dir, data_dir)
     prepared = load_prepared(data_dir)
     pairs = prepared.split(split)
     if limit > 0:
