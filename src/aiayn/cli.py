@@ -463,8 +463,7 @@ def _run_translate(args) -> int:
                   seed_given=args.seed is not None, modes=modes,
                   run=run_identity(args.run_dir, args.weights, args.engine, str(device),
                                    args.decode_tokens, int8=args.int8, to=args.to,
-                                   alignment_layer=decode.alignment_layer if args.alignments
-                                   else None))
+                                   alignment_layer=_alignment_layer(decode, args.alignments)))
         search = job.search  # on --resume, a seed drawn at random is the interrupted run's
     translator = Translator.from_pretrained(args.run_dir, args.weights, device=device,
                                             decode_tokens=args.decode_tokens,
@@ -490,6 +489,16 @@ def _run_translate(args) -> int:
     return 0
 
 
+def _alignment_layer(decode, alignments: bool) -> int | None:
+    """The run's decode.alignment_layer for a resumable job's record where word alignments
+    are written and it is not the default (a record without one is the default's: those
+    written before it was recorded resume as they were)."""
+    from aiayn.config import DecodeConfig
+
+    layer = decode.alignment_layer
+    return layer if alignments and layer != DecodeConfig().alignment_layer else None
+
+
 def _write_output(chunks: Iterator[str], output: str | None) -> None:
     """``chunks`` to stdout as they come, or to ``output`` whole (written atomically: a
     failure leaves it as it was)."""
@@ -512,7 +521,9 @@ def _stdin_lines() -> Iterator[str]:
     from aiayn.inference.lines import stream_lines
 
     if not hasattr(sys.stdin, "buffer"):  # a text stream put in its place
-        yield from (line.removesuffix("\n").removesuffix("\r") for line in sys.stdin)
+        for number, line in enumerate(sys.stdin):
+            line = line.removeprefix("\ufeff") if number == 0 else line
+            yield line.removesuffix("\n").removesuffix("\r")
         return
     yield from stream_lines(sys.stdin.buffer, "stdin")
 

@@ -272,6 +272,18 @@ def test_an_input_written_to_while_it_is_translated_stops_the_run_in_one_line(
             pass
 
 
+def test_an_input_removed_once_it_is_open_is_read_to_its_end(tmp_path):
+    """A file removed (or renamed) while it is read is still read whole through the open
+    handle: its lines come, as the scan found them, with no error."""
+    source = lines_file(tmp_path, 3)
+    found, lines = scan_input(source), []
+    for line in read_lines(source, end=scan_input(source).size):
+        lines.append(line)
+        source.unlink(missing_ok=True)
+    assert lines == ["", "line 1", "line 2"]
+    assert found.lines == 3
+
+
 def test_an_input_that_is_a_pipe_is_refused_before_it_is_read(tmp_path):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
@@ -288,6 +300,16 @@ def test_the_alignment_layer_is_part_of_what_a_resume_must_match(tmp_path):
     interrupt(source, tmp_path / "out.txt", chunks=1, run={**RUN, "alignment_layer": 0})
     refused(tmp_path, r"the model differs .*\(alignment_layer 0 then, -1 now\)", resume=True,
             run={**RUN, "alignment_layer": -1})
+    # The command records the layer only where alignments are written and it is not the
+    # default, so that a record from before it was recorded resumes as it was.
+    from dataclasses import replace
+
+    from aiayn.cli import _alignment_layer
+    from aiayn.config import DecodeConfig
+
+    default, other = DecodeConfig(), replace(DecodeConfig(), alignment_layer=-1)
+    assert (_alignment_layer(default, True), _alignment_layer(other, True),
+            _alignment_layer(other, False)) == (None, -1, None)
 
 
 def test_an_error_before_the_first_chunk_leaves_nothing(tmp_path):

@@ -463,16 +463,19 @@ def test_cli_evaluate_refuses_an_output_that_would_replace_what_it_reads(run_dir
     for target, what in ((data / "test.jsonl", f"is a file of the prepared data {data}"),
                          (data / "stats.txt", "stats.json is a file of the prepared data"),
                          (run / "config.yaml", "is a file of the run"),
-                         (run / "best.safetensors", "is a file of the run")):
+                         (run / "best.safetensors", "is a file of the run"),
+                         (data / "ids" / "test.src.ids.npy", "of the prepared data")):
         code, _, err = run_cli(["evaluate", str(run), "--data", str(data), "--limit", "2",
                                 "-o", str(target)], capsys)
         assert code == 2 and what in error_line(err), err
     assert snapshot(tmp_path) == before
     (run / "eval").mkdir(exist_ok=True)  # its own evaluations' folder: written there
     (run / "eval" / "mine.txt").write_text("an earlier evaluation\n", encoding="utf-8")
-    code, _, err = run_cli(["evaluate", str(run), "--data", str(data), "--limit", "2", "-o",
-                            str(run / "eval" / "mine.txt")], capsys)
-    assert code == 0, err
+    for output in (run / "eval" / "mine.txt", run / "hyp.txt", data / "hyp.txt"):
+        for _ in range(2):  # a file of its own it wrote before is no file it reads
+            code, _, err = run_cli(["evaluate", str(run), "--data", str(data), "--limit", "2",
+                                    "-o", str(output)], capsys)
+            assert code == 0, err
 
 
 def test_cli_evaluate_without_data_dir_asks_for_data(run_dir, tmp_path, capsys):

@@ -347,7 +347,8 @@ def test_a_json_body_sent_as_a_form_names_the_header(client):
     """`curl -d '{...}'` sends application/x-www-form-urlencoded: the line says what to add."""
     response = client.post("/translate", content='{"text": ["red"]}',
                            headers={"Content-Type": "application/x-www-form-urlencoded"})
-    assert_clean_error(response, 422, "Content-Type: application/json")
+    assert_clean_error(response, 422, "the body was not read as JSON; send the body as JSON "
+                                      "with the header Content-Type: application/json")
     response = client.post("/translate", content='{"txt": ["red"]}',
                            headers={"Content-Type": "application/json"})
     assert "Content-Type" not in response.json()["error"]

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from aiayn.config import Config, rate
 from aiayn.data.batching import Example, collate, length_multiple, token_batches
-from aiayn.data.prepared import load_prepared
+from aiayn.data.prepared import IDS_DIR, STATS_FILE, TOKENIZER_DIR, load_prepared
 from aiayn.errors import AiaynError
 from aiayn.evaluation.metrics import STUTTER_N, Scores, score, stutter_share
 from aiayn.inference.settings import Search, resolve_search
@@ -31,6 +31,7 @@ from aiayn.inference.translator import Translator, TruncationWarning
 from aiayn.model import OutputKernel, Transformer
 from aiayn.runs.checkpoint import check_unchanged, read_metadata, weights_fingerprint
 from aiayn.runs.directory import (
+    RUN_FILES,
     check_run_dir,
     load_run_config,
     read_data_dir,
@@ -181,23 +182,28 @@ def _step(weights_file: Path | None) -> int | None:
     return int(step) if step is not None and str(step).isdigit() else None
 
 
-def check_evaluate_output(output: str | Path, run_dir: str | Path, data_dir: Path) -> None:
+def check_evaluate_output(output: str | Path, run_dir: str | Path, data_dir: Path,
+                          weights_file: Path | None) -> None:
     """-o (and the .json of its scores beside it) replaces none of what the evaluation
-    reads: the prepared data, or the run's own files (its evaluations under eval/ aside,
-    which a new evaluation of the same name replaces)."""
-    output, run_dir = Path(output), Path(run_dir).resolve()
+    reads: the prepared data's files (its splits, stats, ids and tokenizer) or the run's
+    (``RUN_FILES``: its config, tokenizer, weights...; its evaluations under eval/ aside,
+    which a new evaluation of the same name replaces), or the weights it scores."""
+    output = Path(output)
+    read = [(data_dir / name, f"the prepared data {data_dir}") for name in
+            (*(f"{split}.jsonl" for split in ("train", "dev", "test")), STATS_FILE, IDS_DIR,
+             TOKENIZER_DIR)]
+    read += [(Path(run_dir) / name, f"the run {run_dir}") for name in RUN_FILES if name != "eval"]
+    if weights_file is not None:
+        read.append((weights_file, "the weights it scores"))
     for path in (output, output.with_suffix(".json")):
         if not path.exists():
             continue
         where = path.resolve()
-        if where.is_relative_to(data_dir.resolve()):
-            read = f"a file of the prepared data {data_dir}"
-        elif where.is_relative_to(run_dir) and not where.is_relative_to(run_dir / "eval"):
-            read = f"a file of the run {run_dir}"
-        else:
-            continue
-        raise AiaynError(f"-o {output}: {path} is {read}, which the evaluation reads; "
-                         "writing it would replace it: choose another -o")
+        for kept, whose in read:
+            if kept.exists() and (where == kept.resolve() or where.is_relative_to(kept.resolve())):
+                raise AiaynError(f"-o {output}: {path} is a file of {whose}, which the "
+                                 "evaluation reads; writing it would replace it: choose "
+                                 "another -o")
 
 
 def evaluate_run(run_dir: str | Path, split: str = "test", search: Search | None = None,
@@ -248,7 +254,7 @@ def evaluate_run(run_dir: str | Path, split: str = "test", search: Search | None
     translator.check(search)  # what the model and the decoding budget can hold
     data_dir = Path(data_dir) if data_dir else read_data_dir(run_dir)
     if output is not None:  # before the split is read: -o must not be one of its files
-        check_evaluate_output(output, run_dir, data_dir)
+        check_evaluate_output(output, run_dir, data_dir, weights_file)
     prepared = load_prepared(data_dir)
     pairs = prepared.split(split)
     if limit > 0:

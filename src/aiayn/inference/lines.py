@@ -80,19 +80,23 @@ def read_lines(path: str | Path, start: int = 0, boundaries: dict | None = None,
         yield text.removesuffix("\n").removesuffix("\r")
         if offset == end:
             break
-    if end is not None and (offset != end or _size(path) != end):
+    now = _size(path) if end is not None else None
+    if end is not None and (offset != end or now not in (end, None)):  # None: removed, read
+        said = f"{now:,} now" if now is not None else "removed or renamed since"
         raise AiaynError(f"-i {path}: the file changed while it was translated ({end:,} "
-                         f"bytes when the command began, {_size(path):,} now); translate it "
-                         "once it is written whole")
+                         f"bytes when the command began, {said}); translate it once it is "
+                         "written whole")
     if boundaries is not None:
         boundaries[number] = offset
 
 
-def _size(path: Path) -> int:
+def _size(path: Path) -> int | None:
+    """The file's size now; None where it is gone (what was read through the open file
+    stands: all of it, where the reading reached the scan's end)."""
     try:
         return path.stat().st_size
     except OSError:
-        return -1
+        return None
 
 
 def text_lines(data: bytes, where: str) -> list[str]:

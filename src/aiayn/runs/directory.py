@@ -272,7 +272,7 @@ def check_run_dir(run_dir: Path) -> None:
         return
     if run_dir.exists():
         raise AiaynError(f"{run_dir}: is a file, not a run directory (the folder `aiayn "
-                         "train` wrote; a weights file of it goes to --weights)")
+                         "train` wrote, not one of its files)")
     raise AiaynError(f"run directory not found: {run_dir}")
 
 

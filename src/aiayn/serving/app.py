@@ -337,12 +337,16 @@ def _validation_line(errors) -> str:
     for error in errors:
         loc, kind = tuple(error.get("loc", ())), error.get("type")
         if kind == "json_invalid":  # loc: ("body", character)
-            at = f" at character {loc[1] + 1}" if len(loc) > 1 and isinstance(loc[1], int) else ""
-            why = (error.get("ctx") or {}).get("error", "")
-            parts.append(f"the body is not valid JSON ({why}{',' * bool(why and at)}{at}); "
-                         f"send an object such as {EXAMPLE_BODY}")
+            said = [(error.get("ctx") or {}).get("error", "")]
+            if len(loc) > 1 and isinstance(loc[1], int):
+                said.append(f"at character {loc[1] + 1}")
+            said = ", ".join(part for part in said if part)
+            parts.append(f"the body is not valid JSON{f' ({said})' if said else ''}; send an "
+                         f"object such as {EXAMPLE_BODY}")
         elif loc == ("body",) and kind == "missing":
             parts.append(f"the request has no body; send a JSON object such as {EXAMPLE_BODY}")
+        elif loc == ("body",) and isinstance(error.get("input"), bytes):  # not read as JSON
+            parts.append("the body was not read as JSON")
         elif loc == ("body",) and kind in ("model_attributes_type", "dict_type"):
             parts.append(f"the body must be a JSON object, such as {EXAMPLE_BODY}")
         else:
