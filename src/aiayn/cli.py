@@ -1125,10 +1125,10 @@ def _way_on(args) -> str:
         step = load_train_state(Path(run) / "train_state.pt")["step"]
     except (AiaynError, OSError, KeyError, TypeError):
         snapshots = any((Path(run) / "checkpoints").glob("step_*.safetensors"))
-        return (f"; `aiayn train --resume {run}` starts it again from step 0 (no checkpoint "
-                "to go on from was saved yet" + ("; checkpoints/step_*.safetensors are weights "
-                                                 "to look at, not a point to go on from)"
-                                                 if snapshots else ")"))
+        why = "no checkpoint to go on from was saved yet"
+        if snapshots:
+            why += "; checkpoints/step_*.safetensors are weights to look at, not a point to go on from"
+        return f"; `aiayn train --resume {run}` starts it again from step 0 ({why})"
     return f"; `aiayn train --resume {run}` goes on from step {step}, its last checkpoint"
 
 

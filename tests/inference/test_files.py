@@ -277,7 +277,7 @@ def test_an_input_removed_once_it_is_open_is_read_to_its_end(tmp_path):
     handle: its lines come, as the scan found them, with no error."""
     source = lines_file(tmp_path, 3)
     found, lines = scan_input(source), []
-    for line in read_lines(source, end=scan_input(source).size):
+    for line in read_lines(source, end=found.size):
         lines.append(line)
         source.unlink(missing_ok=True)
     assert lines == ["", "line 1", "line 2"]

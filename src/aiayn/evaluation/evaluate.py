@@ -200,7 +200,7 @@ def check_evaluate_output(output: str | Path, run_dir: str | Path, data_dir: Pat
             continue
         where = path.resolve()
         for kept, whose in read:
-            if kept.exists() and (where == kept.resolve() or where.is_relative_to(kept.resolve())):
+            if kept.exists() and where.is_relative_to(kept.resolve()):  # it, or inside it
                 raise AiaynError(f"-o {output}: {path} is a file of {whose}, which the "
                                  "evaluation reads; writing it would replace it: choose "
                                  "another -o")
