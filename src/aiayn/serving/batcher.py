@@ -439,7 +439,7 @@ class Batcher:
         for key, group in _by_key(jobs).items():
             self.stats.joins += len(group) if key in lane.requests else 0
             lane.requests[key] = lane.requests.get(key, 0) + len(group)
-            sentences, sources, prefixes = [], [], []
+            sentences, sources, prefixes, kept = [], [], [], []
             for job in group:
                 job.hyps, job.left, job.started = [None] * len(job.sources.ids), 0, started
                 job.lane = lane
@@ -449,7 +449,8 @@ class Batcher:
                     job.left += 1
                     sources.append(ids)
                     prefixes.append(job.sources.prefixes[i] if job.sources.prefixes else [])
-            adds.append((key, sentences, sources, prefixes))
+                    kept.append(job.key.nbest)
+            adds.append((key, sentences, sources, prefixes, kept))
         for job in jobs:
             if job.left == 0:
                 job.future.set_result(([], 0.0))
