@@ -184,8 +184,8 @@ def test_text_that_is_no_unicode_is_one_line_naming_the_sentence():
 
 def test_ids_are_those_of_the_tokenizers_full_encoding_with_or_without_its_fast_batch():
     """Encoding leaves out the character offsets where the tokenizers library can
-    (``encode_batch_fast``): the ids are ``encode_batch``'s; a library without it (before
-    0.21) is asked ``encode_batch``."""
+    (``encode_batch_fast``, asked where it exists): the ids are ``encode_batch``'s; a library
+    without it (an older one) is asked ``encode_batch``."""
     tok = train_tokenizers(PAIRS, DataConfig()).src
     texts = [src for src, _ in PAIRS] + ["  doubled  spaces ", ""]
     full = [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
@@ -195,3 +195,11 @@ def test_ids_are_those_of_the_tokenizers_full_encoding_with_or_without_its_fast_
         encode_batch = tok.encode_batch
 
     assert _batch_ids(Older(), texts) == full
+    asked = []
+
+    class Newer(Older):
+        def encode_batch_fast(self, texts, add_special_tokens):
+            asked.append(len(texts))
+            return tok.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+
+    assert _batch_ids(Newer(), texts) == full and asked == [len(texts)]

@@ -39,6 +39,7 @@ from serve_helpers import (  # noqa: E402
 
 from aiayn.config import load_config  # noqa: E402
 from aiayn.errors import AiaynError  # noqa: E402
+from aiayn.inference.joinable import JoinableSearch  # noqa: E402
 from aiayn.inference.search import Search  # noqa: E402
 from aiayn.inference.translator import Translator  # noqa: E402
 from aiayn.serving.app import create_app  # noqa: E402
@@ -110,17 +111,43 @@ def test_a_lane_answers_each_sentence_with_its_own_requests_nbest(translator):
     search = Search(4, 0.6, nbest=1)
     sources = translator.prepare(texts)
     lane = LaneSearches(translator.model)
-    lane.round([(search, [7, 8], sources.ids, [[], []], [1, 3])])
-    done = {}
+    done = dict(lane.round([(search, [7, 8], sources.ids, [[], []], [1, 3])]).done)
     for _ in range(200):
-        done.update(lane.round([]).done)
         if len(done) == 2:
             break
+        done.update(lane.round([]).done)
     assert [len(done[7]), len(done[8])] == [1, 3]
     full = translator.translate_nbest(texts, translator.resolve(beam=4, alpha=0.6, nbest=4))
     for key, want in ((7, full[0]), (8, full[1])):
         got = translator.finish(translator.prepare([texts[key - 7]]), [done[key]], 4)[0]
-        assert got == want[:len(done[key])]
+        assert [text for text, _ in got] == [text for text, _ in want[:len(got)]]
+        assert [score for _, score in got] == pytest.approx(
+            [score for _, score in want[:len(got)]], abs=1e-5)
+
+
+def test_a_sentence_whose_add_failed_midway_does_not_stop_its_lane(translator, monkeypatch):
+    """An add that fails after its rows joined the search fails its sentences (the server
+    answers their requests with the error); should such a sentence still finish, the lane
+    reports it like any other (the server drops it: no request owns it) and goes on."""
+    real = JoinableSearch.add
+
+    def add_then_fail(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        raise RuntimeError("failed after joining")
+
+    lane = LaneSearches(translator.model)
+    search = Search(2, 0.6)
+    monkeypatch.setattr(JoinableSearch, "add", add_then_fail)
+    first = lane.round([(search, [1], translator.prepare(["red green"]).ids, [[]], [1])])
+    monkeypatch.setattr(JoinableSearch, "add", real)
+    assert [ids for ids, _ in first.failed] == [[1]]
+    done = dict(first.done)
+    lane.round([(search, [2], translator.prepare(["sun moon"]).ids, [[]], [1])])
+    for _ in range(200):
+        if 1 in done and 2 in done:
+            break
+        done.update(lane.round([]).done)
+    assert len(done[2]) == 1 and len(done[1]) >= 1
 
 
 def test_a_job_that_arrives_while_lanes_decode_goes_to_a_lane_from_its_own_thread(

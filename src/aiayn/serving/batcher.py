@@ -140,8 +140,8 @@ class Batcher:
     fewer (so the cores share the work).
     A job's sentences join the lane's search of its settings at its next step (or start
     one), each sentence leaves it when it is done, and the job is answered when its last
-    sentence is, with each sentence's lists (``Translator.finish`` cuts them to its
-    n-best). Each answer equals the request decoded alone: a sentence's search does not
+    sentence is, with each sentence's lists (cut to its request's n-best by the lane,
+    else by ``Translator.finish``). Each answer equals the request decoded alone: a sentence's search does not
     depend on the others decoded beside it or on when it joined (``JoinableSearch``).
     Settings are never mixed in one search; a job whose settings have no search in the
     lane starts one there, decoded in turn with the others. When nothing decodes, the

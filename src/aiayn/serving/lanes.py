@@ -10,7 +10,8 @@ Python's global interpreter lock. Every torch call of a decoding step gives up t
 and takes it back, and a small model's step is a few hundred such calls, so lanes that
 are threads of one process wait for each other (figures: docs/serving.md#lanes). The
 server keeps the requests, the queue and the answers (``serve.Batcher``); only sentence
-ids, token ids and hypotheses cross to a lane's process.
+ids, token ids and the hypotheses each sentence's request keeps (its nbest) cross between
+the server's process and a lane's.
 
 A model of several target languages needs nothing here: a sentence's direction is its
 first source id (its tag, put there where the service tokenizes the request), so
@@ -77,7 +78,7 @@ class LaneSearches:
         self.model, self.bf16, self.kernel = model, bf16, kernel
         self.searches: dict[Key, JoinableSearch] = {}
         # The sentences in each search, each with the hypotheses its request keeps (nbest):
-        # the others never cross to the server (at a beam of 4 they were 3/4 of the pickle).
+        # the others never cross to the server (at beam 4, nbest 1: two thirds of the bytes).
         self.members: dict[Key, dict[int, int]] = {}
 
     def round(self, adds: Adds, removes: Sequence[int] = ()) -> Round:
@@ -118,7 +119,8 @@ class LaneSearches:
                     search, done = JoinableSearch(self.model, key, self.kernel), []
                     self.searches[key], self.members[key] = search, {}
                 for sentence, hyps in done:
-                    result.done.append((sentence, hyps[:self.members[key].pop(sentence)]))
+                    # (None: a sentence whose add failed midway, answered to no one)
+                    result.done.append((sentence, hyps[:self.members[key].pop(sentence, None)]))
             if not len(search):
                 result.ended.append(key)
                 del self.searches[key], self.members[key]
