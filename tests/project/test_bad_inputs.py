@@ -429,6 +429,24 @@ def test_a_start_killed_before_config_yaml_names_its_way_on(aiayn, world, tmp_pa
         assert load_train_state(run / "train_state.pt")["step"] == 2
 
 
+def test_resume_refuses_an_export_and_changes_nothing_in_it(aiayn, world, tmp_path):
+    """`train --resume` given an export (which a CTranslate2 export's config.yaml makes
+    look like a run) names what it is and where it came from, and writes nothing into it:
+    it trained a new model inside the export."""
+    for target in ("ctranslate2", "hf"):
+        export = tmp_path / target
+        export.mkdir()
+        (export / "aiayn_export.json").write_text(
+            json.dumps({"target": target, "run_dir": "runs/demo", "weights": "best"}))
+        if target == "ctranslate2":
+            shutil.copy(world["run"] / "config.yaml", export / "config.yaml")
+        before = snapshot(export, folders=True)
+        line = one_error_line(aiayn("train", "--resume", export, "--data", world["data"]))
+        assert f"{export}: a " in line and "export of run runs/demo" in line
+        assert "need the run directory it came from" in line
+        assert snapshot(export, folders=True) == before
+
+
 def test_a_real_kill_in_the_first_moments_leaves_a_way_on(aiayn, world, tmp_path):
     run = tmp_path / "run"
     proc = start_train("--config", TINY, "--data", world["data"], "--out", run)

@@ -27,7 +27,9 @@ from aiayn.runs.directory import (
     check_new_run_dir,
     create_run_dir,
     load_run_config,
+    not_a_run_error,
     read_data_dir,
+    read_export_info,
     record_config,
     resume_point,
 )
@@ -46,6 +48,9 @@ def run_dir_held(run_dir: Path, resume: bool, force: bool):
     if resume:
         if not run_dir.is_dir():
             raise AiaynError(f"--resume {run_dir}: run directory not found")
+        exported = read_export_info(run_dir)  # a CTranslate2 export has a config.yaml too
+        if exported is not None:
+            raise not_a_run_error(run_dir, exported)
     else:
         check_new_run_dir(run_dir, force)
     created = missing_dirs(run_dir)  # the run directory and the parents made for it (runs/)
