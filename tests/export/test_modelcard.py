@@ -3,6 +3,7 @@ loading code that translates, and the directions of a model of several (none for
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import pytest
 import torch
 from export_helpers import needs_ct2, needs_hf
 
+from aiayn.config import save_config
 from aiayn.data.tokenizer import Tokenizers
 from aiayn.errors import AiaynError
 from aiayn.evaluation.evaluate import evaluate_run
@@ -138,15 +140,24 @@ def test_weights_saved_again_during_an_evaluation_are_refused_not_recorded(
 @needs_ct2
 def test_the_ctranslate2_cards_loading_code_translates(run_dir, tmp_path):
     """The card's Python for CTranslate2 and `tokenizers` alone gives what `aiayn translate
-    --engine ctranslate2` gives."""
-    out = export_run(run_dir, "ctranslate2", tmp_path / "ct2")
+    --engine ctranslate2` gives, the run's repetition guard included (a sentence that repeats
+    itself, which the copying model would copy, repetition and all, without it)."""
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    config = load_run(run)[0]
+    save_config(dataclasses.replace(config, decode=dataclasses.replace(
+        config.decode, no_repeat_ngram=2)), run / "config.yaml")
+    out = export_run(run, "ctranslate2", tmp_path / "ct2")
     card = (out / CARD_FILE).read_text(encoding="utf-8")
     code = section(card, "How to load").split("```python\n", 1)[1].split("```", 1)[0]
-    code = code.replace("THIS_DIR", str(out)).replace("A sentence to translate.", "red green blue")
-    printed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             check=True).stdout
-    expected = Translator.from_pretrained(out, engine="ctranslate2").translate(["red green blue"])
-    assert printed.splitlines() == expected
+    for sentence in ("red green blue", "red green red green red green"):
+        run_code = code.replace("THIS_DIR", str(out)).replace("A sentence to translate.", sentence)
+        printed = subprocess.run([sys.executable, "-c", run_code], capture_output=True,
+                                 text=True, check=True).stdout
+        theirs = Translator.from_pretrained(out, engine="ctranslate2")
+        assert printed.splitlines() == theirs.translate([sentence])
+    unguarded = theirs.translate([sentence], theirs.resolve(no_repeat_ngram=0))
+    assert printed.splitlines() != unguarded  # the guard changed this one
 
 
 def test_the_advice_before_trust_remote_code_names_every_python_file_shipped(run_dir):

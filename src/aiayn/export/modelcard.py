@@ -336,7 +336,7 @@ def _use_and_limits(config: Config, stats: dict | None) -> str:
 def _loading(target: str, config: Config, marian: bool, files: dict[str, str],
              tags: dict[str, str] | None = None) -> str:
     """The loading code; for a model of several directions, asking for the first."""
-    beam, alpha = config.decode.beam, config.decode.alpha
+    beam, alpha, guard = config.decode.beam, config.decode.alpha, config.decode.no_repeat_ngram
     lang, tag = next(iter(tags.items())) if tags else (None, None)
     text = f"{tag} A sentence to translate." if tag else "A sentence to translate."
     to = f" --to {lang}" if lang else ""
@@ -379,9 +379,10 @@ def _loading(target: str, config: Config, marian: bool, files: dict[str, str],
         "by CTranslate2",
         f"result = translator.translate_batch([tokens], beam_size={beam}, "
         f"length_penalty={alpha},",
+        *([f"                                    no_repeat_ngram_size={guard},"] if guard else []),
         '                                    suppress_sequences=[["[PAD]"], ["[BOS]"]])',
         "ids = [target.token_to_id(t) for t in result[0].hypotheses[0]]",
-        "print(target.decode(ids))",
+        "print(target.decode(ids, skip_special_tokens=False))  # [UNK] shown, as aiayn does",
         "```",
     ])
 
