@@ -703,11 +703,12 @@ def _run_average(args) -> int:
 def _add_export(sub) -> None:
     p = sub.add_parser(
         "export", help="write a run's model for Hugging Face Transformers or CTranslate2",
-        description="`--to hf OUT_DIR`: a MarianMTModel directory (config, safetensors, fast "
-        "tokenizer) that transformers' AutoModelForSeq2SeqLM / AutoTokenizer load without "
-        "aiayn. `--to ctranslate2 OUT_DIR`: a CTranslate2 model, which `aiayn translate|"
-        "evaluate OUT_DIR --engine ctranslate2` decode. OUT_DIR must be new or empty. Needs "
-        "pip install 'aiayn[export]'.")
+        description="`--to hf OUT_DIR`: a directory (config, safetensors, fast tokenizer) that "
+        "transformers' AutoModelForSeq2SeqLM / AutoTokenizer load without aiayn: a "
+        "MarianMTModel where the run's model is one, else aiayn's own model code beside it "
+        "(trust_remote_code=True; the demo's). `--to ctranslate2 OUT_DIR`: a CTranslate2 "
+        "model, which `aiayn translate|evaluate|serve OUT_DIR --engine ctranslate2` decode. "
+        "OUT_DIR must be new or empty. Needs pip install 'aiayn[export]'.")
     p.add_argument("run_dir", help="run directory (from `aiayn train`)")
     p.add_argument("--to", required=True, choices=EXPORT_TARGETS, help="the library")
     p.add_argument("out_dir", help="directory to create")
