@@ -616,11 +616,13 @@ def _add_score(sub) -> None:
         "--no-repeat-ngram asks for it (docs/scoring.md).")
     p.add_argument("run_dir", help="run directory (from `aiayn train`)")
     given = p.add_mutually_exclusive_group(required=True)
-    given.add_argument("-i", "--input", help="a file of SOURCE<TAB>TARGET lines")
-    given.add_argument("--source", help="a file of sources, one per line (with --target)")
+    given.add_argument("-i", "--input", help="a file of SOURCE<TAB>TARGET lines ('-': stdin)")
+    given.add_argument("--source", help="a file of sources, one per line (with --target; "
+                       "'-': stdin)")
     given.add_argument("--split", choices=["train", "dev", "test"],
                        help="the pairs of this split of the prepared data")
-    p.add_argument("--target", help="a file of targets, line i the target of --source's line i")
+    p.add_argument("--target", help="a file of targets, line i the target of --source's line i "
+                   "('-': stdin)")
     p.add_argument("--data", help="--split: prepared data directory (default: the one the run "
                    "used, from RUN_DIR/data_dir.txt)")
     p.add_argument("-o", "--output", help="output file (default: stdout), written whole at the end")

@@ -5,8 +5,10 @@ run's own translations."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
+import sys
 import warnings
 from pathlib import Path
 
@@ -222,6 +224,33 @@ def test_cli_three_input_forms_agree_with_the_api(run_dir, translator, tmp_path,
         assert row["score"] == row["log_prob"] == pytest.approx(s.log_prob, abs=1e-4)  # alpha 0
         assert sum(row["log_probs"]) == pytest.approx(row["log_prob"], abs=1e-3)
         assert len(row["log_probs"]) == len(row["pieces"]) + 1
+
+
+def test_cli_reads_pairs_from_stdin_given_as_dash(run_dir, tmp_path, capsys, monkeypatch):
+    """`-i -` and `--source -` read stdin (`paste src tgt | aiayn score RUN -i -`): the same
+    lines as from files; both sides on stdin is one line, as is a bad byte there."""
+    pairs = [("red green", "red green"), ("blue", "blue sun"), ("", "moon")]
+    tsv = "".join(f"{s}\t{t}\n" for s, t in pairs)
+    (tmp_path / "p.tsv").write_text(tsv)
+    (tmp_path / "t.txt").write_text("".join(t + "\n" for _, t in pairs))
+    run = str(run_dir)
+
+    def stdin(data: bytes) -> None:
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8"))
+
+    code, expected, _ = run_cli(["score", run, "-i", str(tmp_path / "p.tsv")], capsys)
+    assert code == 0 and len(expected.splitlines()) == 3
+    stdin(tsv.encode())
+    assert run_cli(["score", run, "-i", "-"], capsys)[:2] == (0, expected)
+    stdin("".join(s + "\n" for s, _ in pairs).encode())
+    assert run_cli(["score", run, "--source", "-", "--target", str(tmp_path / "t.txt")],
+                   capsys)[:2] == (0, expected)
+    stdin(b"")
+    code, _, err = run_cli(["score", run, "--source", "-", "--target", "-"], capsys)
+    assert code == 2 and "would both read stdin" in error_line(err)
+    stdin(b"red\tred\nbad \xff\tx\n")
+    code, _, err = run_cli(["score", run, "-i", "-"], capsys)
+    assert code == 2 and "-i - (stdin)" in error_line(err) and "line 2" in error_line(err)
 
 
 @pytest.mark.parametrize("case", ["tabs", "counts", "missing", "not-utf8", "lone-source"])

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
@@ -233,8 +234,11 @@ def score_lines(translator, sources: Sequence[str], targets: Sequence[str], sear
 
 # ---------------------------------------------------------------- `aiayn score`'s input
 def read_lines(path: str | Path, option: str) -> list[str]:
-    """Lines of a UTF-8 file, by `aiayn translate`'s rules: lines end at "\\n" only (a trailing
-    "\\r" goes), a byte-order mark at the start is dropped (``files.text_lines``)."""
+    """Lines of a UTF-8 file ("-": stdin, as `paste src tgt | aiayn score RUN -i -` sends
+    them), by `aiayn translate`'s rules: lines end at "\\n" only (a trailing "\\r" goes), a
+    byte-order mark at the start is dropped (``files.text_lines``)."""
+    if str(path) == "-":
+        return text_lines(sys.stdin.buffer.read(), f"{option} - (stdin)")
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:
@@ -260,6 +264,9 @@ def read_tsv_pairs(path: str | Path, option: str = "-i") -> tuple[list[str], lis
 
 def read_file_pairs(source: str | Path, target: str | Path) -> tuple[list[str], list[str]]:
     """Line i of ``source`` paired with line i of ``target``: they must have as many lines."""
+    if str(source) == str(target) == "-":
+        raise AiaynError("--source - and --target - would both read stdin: give one of them "
+                         "as a file, or the pairs as SOURCE<TAB>TARGET lines with -i -")
     sources, targets = read_lines(source, "--source"), read_lines(target, "--target")
     if len(sources) != len(targets):
         raise AiaynError(f"--source {source} has {len(sources)} lines but --target {target} has "
