@@ -169,3 +169,21 @@ def test_an_export_holds_no_local_path_and_every_file_is_readable_by_all(run_dir
             data = path.read_bytes()
             leaks = [where for where in local if where.encode() in data]
             assert not leaks, f"{path.relative_to(out)} names {leaks}"
+
+
+@needs_ct2
+def test_an_export_names_what_a_killed_export_left_beside_it_and_deletes_nothing(tmp_path, capsys):
+    """A kill -9 leaves the temporary directory an export was writing (nothing can clean up
+    after it); the next export into that OUT_DIR says so in one line naming it, and leaves it
+    (another export may still be writing it)."""
+    run = random_run(tmp_path, "run")
+    left = tmp_path / "out" / ".ct2.k1x2.tmp"
+    left.mkdir(parents=True)
+    (left / "model.bin").write_bytes(b"half")
+    other = tmp_path / "out" / ".ct20.k1x2.tmp"  # another OUT_DIR's, not named
+    other.mkdir()
+    export_run(run, "ctranslate2", tmp_path / "out" / "ct2")
+    out = capsys.readouterr().out
+    assert f"note: {left} is what an export to {tmp_path / 'out' / 'ct2'} left" in out
+    assert str(other) not in out
+    assert left.is_dir() and (tmp_path / "out" / "ct2" / "model.bin").is_file()

@@ -5,6 +5,7 @@ card into a new directory, written atomically (a failed export leaves nothing be
 from __future__ import annotations
 
 import json
+from glob import escape as glob_escape
 from pathlib import Path
 
 from aiayn.config import load_config
@@ -23,6 +24,7 @@ from aiayn.runs.checkpoint import check_unchanged, weights_fingerprint
 from aiayn.runs.directory import EXPORT_INFO, load_run, resolve_weights
 from aiayn.util.extras import require
 from aiayn.util.io import atomic_directory, atomic_write_text, check_room, check_writable_dir
+from aiayn.util.progress import log
 
 
 def export_run(run_dir: str | Path, to: str, out_dir: str | Path, weights: str | Path = "best",
@@ -57,6 +59,9 @@ def export_run(run_dir: str | Path, to: str, out_dir: str | Path, weights: str |
         check_one_vocabulary(tokenizers, str(run_dir))
     need = export_size(model, run_dir)
     check_room(out_dir, need, "the export")
+    for left in stale_exports(out_dir):
+        log(f"note: {left} is what an export to {out_dir} left when it was killed before it "
+            "finished; it is not used: delete it")
     with atomic_directory(out_dir, need, "the export") as tmp:
         if to == "hf":
             write_hf(model, tokenizers, tmp, config.decode)
@@ -71,3 +76,13 @@ def export_run(run_dir: str | Path, to: str, out_dir: str | Path, weights: str |
         atomic_write_text(tmp / CARD_FILE, card)
         check_unchanged(weights_file, fingerprint)  # else the export is of other weights
     return out_dir
+
+
+def stale_exports(out_dir: Path) -> list[Path]:
+    """The temporary directories beside ``out_dir`` that exports into it began and never
+    renamed (``atomic_directory``'s; a kill -9 leaves one, tens of MB, where nothing else will
+    clean it). Reported, not deleted: one may be another export's, still running."""
+    if not out_dir.parent.is_dir():
+        return []
+    return sorted(path for path in out_dir.parent.glob(f".{glob_escape(out_dir.name)}.*.tmp")
+                  if path.is_dir())
