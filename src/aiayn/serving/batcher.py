@@ -141,8 +141,9 @@ class Batcher:
     A job's sentences join the lane's search of its settings at its next step (or start
     one), each sentence leaves it when it is done, and the job is answered when its last
     sentence is, with each sentence's lists (cut to its request's n-best by the lane,
-    else by ``Translator.finish``). Each answer equals the request decoded alone: a sentence's search does not
-    depend on the others decoded beside it or on when it joined (``JoinableSearch``).
+    else by ``Translator.finish``). Each answer equals the request decoded alone: a
+    sentence's search does not depend on the others decoded beside it or on when it joined
+    (``JoinableSearch``).
     Settings are never mixed in one search; a job whose settings have no search in the
     lane starts one there, decoded in turn with the others. When nothing decodes, the
     first job waits until it has waited ``max_wait`` seconds (or the budget is full):
