@@ -113,13 +113,14 @@ class KVCache:
                                      dtype=torch.long, device=device)
         self.start = torch.cat([self.start, torch.full((n,), self.length, dtype=torch.long,
                                                        device=device)])
+        ancestry = None
         for mine, theirs in zip(self.layers, other.layers, strict=True):
             if "k" in mine["cross"]:
                 _join_rows(mine["cross"], theirs["cross"]["k"], theirs["cross"]["v"])
             else:
                 mine["cross"].update(k=theirs["cross"]["k"], v=theirs["cross"]["v"])
-            if self.indirect:
-                mine["self"]["store"].add_rows(n)
+            if self.indirect:  # every store has the same slots: the first's table serves all
+                ancestry = mine["self"]["store"].add_rows(n, ancestry)
             elif self.length:
                 zeros = joining.new_zeros(n, *mine["self"]["k"].shape[1:])
                 _join_rows(mine["self"], zeros, zeros, room=1)
@@ -223,22 +224,25 @@ class Store:
                              f"{self.rows} rows and {self.length} positions")
         self.ancestry = ancestry
 
-    def add_rows(self, n: int) -> None:
+    def add_rows(self, n: int, ancestry: Tensor | None = None) -> Tensor | None:
         """n rows that start now: their earlier positions, masked (``KVCache.start``), read
-        the first row's (finite values; their own slots may hold another row's past)."""
+        the first row's (finite values; their own slots may hold another row's past).
+        ``ancestry``: the slot table this gives a store of the same rows and length
+        (``KVCache``'s other layers), reused; returns its own."""
         if self.keys is None:
-            return  # nothing written: the first ``append`` has them
+            return None  # nothing written: the first ``append`` has them
         B = self.rows
         self.reserve(B + n, self.length)
-        slots = self.slots()
-        if B:
-            past = slots[:1].expand(n, self.length)
-        else:  # no row reads any slot: theirs are zeroed
+        if not B:  # no row reads any slot: theirs are zeroed
             self.keys[:self.length, :n] = 0
             self.values[:self.length, :n] = 0
-            past = torch.arange(n, device=self.keys.device)[:, None].expand(n, self.length)
-        self.ancestry = torch.cat([slots, past])
-        self.rows = B + n
+        if ancestry is None or ancestry.shape != (B + n, self.length):
+            slots = self.slots()
+            past = (slots[:1].expand(n, self.length) if B else
+                    torch.arange(n, device=self.keys.device)[:, None].expand(n, self.length))
+            ancestry = torch.cat([slots, past])
+        self.ancestry, self.rows = ancestry, B + n
+        return ancestry
 
     def trim(self, columns: int) -> None:
         """Drop the first ``columns`` positions of every row."""
@@ -337,9 +341,11 @@ def _join_rows(cache: dict, k: Tensor, v: Tensor, room: int = 0) -> None:
         buffers = tuple(o.new_empty(_spare_rows(B + n), H, width + room, d) for o in old)
         for buffer, rows in zip(buffers, old, strict=True):
             buffer[:B, :, :rows.size(2)] = rows
-            buffer[:B, :, rows.size(2):width] = 0
+            if rows.size(2) < width:
+                buffer[:B, :, rows.size(2):width] = 0
     for name, buffer, new in (("k", buffers[0], k), ("v", buffers[1], v)):
         buffer[B:B + n, :, :new.size(2)] = new
-        buffer[B:B + n, :, new.size(2):width] = 0
+        if new.size(2) < width:
+            buffer[B:B + n, :, new.size(2):width] = 0
         cache[name] = buffer[:B + n, :, :width]
     cache["buffers"] = buffers
