@@ -892,22 +892,50 @@ def test_the_whole_beam_steps_places_are_made_again_only_when_what_they_point_in
     assert len(calls) == 4 and len(made) == 2 * layers
 
 
+def test_a_sentence_leaving_as_another_joins_is_not_stepped_on_the_old_places():
+    """A search's steps between changes repeat the last one (``StepAgain``) while the cache
+    keeps its places. One sentence removed and another added before the next step leaves as
+    many rows and the same stores, but new memory buffers: the next step makes its places
+    anew, and each sentence gets the lists it gets alone."""
+    model = int8_model(sharp_model(True, False))
+    search, kernel = Search(4, 0.6, max_len_b=20), Int8Output(model.generator)
+    src = random_sources([9, 6, 8], vocab=40, seed=4)
+    joinable, got = JoinableSearch(model, search, kernel), {}
+    joinable.add([0, 1], src[:2])
+    for _ in range(3):
+        got.update(joinable.step())
+    assert joinable.state.again is not None and len(joinable) == 2  # repeating, none done yet
+    joinable.remove([0])
+    joinable.add([2], src[2:3])
+    assert joinable.state.again is None
+    while len(joinable):
+        got.update(joinable.step())
+    for i in (1, 2):
+        alone = beam_search(model, src[i:i + 1], 4, 0.6, 20, 4, kernel=kernel)[0]
+        assert [h.ids for h in got[i]] == [h.ids for h in alone]
+        assert [h.score for h in got[i]] == pytest.approx([h.score for h in alone], abs=1e-5)
+
+
 def test_the_whole_beam_step_holds_what_its_places_point_into(monkeypatch):
     """A search in another thread may replace the model's padding mask while this search's
-    call runs (the kernel lets go of the GIL): what the call reads stays alive and unchanged.
-    Here the model's copy is dropped and its memory likely reused with zeros (masking
-    every source position) at each call: the hypotheses do not change."""
+    call runs (the kernel lets go of the GIL): what the call reads stays alive and unchanged,
+    at a step that made its places and at the steps that repeat it (``StepAgain``). Here the
+    model's copy is dropped wherever there is one and its memory likely reused with zeros
+    (masking every source position) at each call: the hypotheses do not change."""
     model = int8_model(sharp_model(True, False))
     search = Search(4, 0.6, max_len_b=8)
     theirs = searched_both_ways(model, search)
-    whole = native.beam_step
+    whole, dropped = native.beam_step, []
 
     def meddled(*args, **kwargs):
-        mask = model.__dict__.pop("_padding_seen")[1]
-        shape = mask.shape
-        del mask
-        _ = [torch.zeros(shape, dtype=torch.bool) for _ in range(4)]  # the freed block, reused
+        seen = model.__dict__.pop("_padding_seen", None)
+        dropped.append(seen is not None)
+        if seen is not None:
+            shape = seen[1].shape
+            del seen
+            _ = [torch.zeros(shape, dtype=torch.bool) for _ in range(4)]  # the freed block, reused
         return whole(*args, **kwargs)
 
     monkeypatch.setattr(native, "beam_step", meddled)
     assert searched_both_ways(model, search) == theirs
+    assert any(dropped) and not all(dropped)  # both kinds of step were taken

@@ -29,7 +29,7 @@ from aiayn.inference.scoring import (
 )
 from aiayn.inference.search import decode_beam
 from aiayn.inference.settings import Search
-from aiayn.inference.steps import length_penalty, output_limits
+from aiayn.inference.steps import length_penalty, output_limits, source_lengths
 from aiayn.inference.translator import Translator
 
 VOCAB = 16
@@ -71,7 +71,7 @@ def test_scoring_the_searchs_hypotheses_gives_back_their_scores(restricted, guar
     search = Search(4, 0.8, guard, nbest=4, max_len_b=12)
     model = translator.model
     hyps = decode_beam(model, pad(sources), search, kernel=translator.kernel)
-    limits = output_limits(model, model.src_pad_mask(pad(sources)), search).tolist()
+    limits = output_limits(model, source_lengths(model.src_pad_mask(pad(sources))), search).tolist()
     rows = [(i, h) for i, hs in enumerate(hyps) for h in hs]
     scored = score_ids(translator, [sources[i] for i, _ in rows], [h.ids for _, h in rows],
                        search)

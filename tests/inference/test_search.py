@@ -18,7 +18,7 @@ from aiayn.inference.search import (
     greedy_decode,
     next_distribution,
 )
-from aiayn.inference.steps import NEVER_GENERATED, length_penalty, output_limits
+from aiayn.inference.steps import NEVER_GENERATED, length_penalty, output_limits, source_lengths
 from aiayn.model import Transformer
 
 
@@ -46,7 +46,7 @@ def test_beam_of_one_is_greedy(alpha):
     greedy = greedy_decode(model, src, max_len_b=10)
     beam = beam_search(model, src, beam=1, alpha=alpha, max_len_b=10)
     assert [hyps[0][0] for hyps in beam] == greedy
-    limits = output_limits(model, src.eq(PAD_ID), Search(max_len_b=10)).tolist()
+    limits = output_limits(model, source_lengths(src.eq(PAD_ID)), Search(max_len_b=10)).tolist()
     assert sum(len(g) < n for g, n in zip(greedy, limits)) >= 4, "many should end by EOS"
 
 
@@ -73,7 +73,7 @@ def test_beam_scores_are_normalised_log_probs_of_the_returned_hypotheses():
     model = tiny_model()
     src = random_sources([6, 4], vocab=24)
     results = beam_search(model, src, beam=4, alpha=0.6, max_len_b=6, nbest=4)
-    limits = output_limits(model, src.eq(PAD_ID), Search(max_len_b=6)).tolist()
+    limits = output_limits(model, source_lengths(src.eq(PAD_ID)), Search(max_len_b=6)).tolist()
     for i, hyps in enumerate(results):
         assert len(hyps) == 4
         assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
@@ -373,7 +373,7 @@ def test_sampling_with_a_seed_is_reproducible_and_independent_of_the_batch():
         assert [h.ids for h in alone] == [h.ids for h in first[i]]
         assert [h.score for h in alone] == pytest.approx([h.score for h in first[i]], abs=1e-5)
     # A sample's score is the model's log-probability of it, over the length penalty.
-    limits = output_limits(model, src.eq(PAD_ID), Search(max_len_b=8)).tolist()
+    limits = output_limits(model, source_lengths(src.eq(PAD_ID)), Search(max_len_b=8)).tolist()
     for i, hyps in enumerate(first):
         ids = [h.ids for h in hyps]
         ended = [len(h) < limits[i] for h in ids]

@@ -170,7 +170,7 @@ def test_following_every_sentences_beams_is_keeping_every_sentence_then_growing(
     A, K, t = 3, 4, 5
     made = []
     for _ in range(2):
-        rows = Rows(torch.tensor([9, 9, 9]), copies=K, keys=np.arange(A * K, dtype=np.uint64))
+        rows = Rows(np.array([9, 9, 9]), copies=K, keys=np.arange(A * K, dtype=np.uint64))
         rows.history = np.arange(A * K * t).reshape(A * K, t)
         rows.totals = -np.arange(A * K * t, dtype=float).reshape(A * K, t)
         made.append(rows)

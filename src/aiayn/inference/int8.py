@@ -16,7 +16,7 @@ they decode (a loaded run's do not).
 
 int8 changes the translations a little (held to a BLEU and agreement tolerance, not to
 exactness: tests/inference/test_int8.py); fp32 stays the reference of every exactness test.
-The figures: docs/translating.md#int8-decoding. At about 630 lines the module is over the
+The figures: docs/translating.md#int8-decoding. At about 670 lines the module is over the
 house's ~500: the int8 model's modules, its whole-step and joining calls and the places and
 weights those calls read are one contract with the kernels, and read best together.
 """
@@ -394,33 +394,25 @@ class NativeTransformer(Transformer):
         """A whole beam step in one call of aiayn's kernel (``native.beam_step``): the (A*K,)
         newest tokens through the decoder and ``output`` (the output layer's product), the
         search's ``choice`` with its (A, K) live scores, the rows' ``history`` and ``totals``
-        -> ``native.beam_step``'s answer (``beam_choose``'s and the rows followed, or None) and
-        the cache's slot table after the choice (what its
-        ``reorder`` makes of the rows the choice follows: ``KVCache.reorder``'s ``ancestry``),
-        the cache one position longer; or None, nothing done,
-        where the kernel does not take it (then ``decode`` and the search's own steps). The same
-        kernels as ``decode``'s step and ``Int8Output``'s calls, in one: at a serving lane's few
-        rows the calls between them cost as much as the kernels."""
+        -> ``native.beam_step``'s answer (``beam_choose``'s and the rows followed, or None),
+        the cache's slot table after the choice (what its ``reorder`` makes of the rows the
+        choice follows: ``KVCache.reorder``'s ``ancestry``) and the ``StepAgain`` that takes
+        the next step while the cache only follows, the cache one position longer; or None,
+        nothing done, where the kernel does not take it (then ``decode`` and the search's own
+        steps). The same kernels as ``decode``'s step and ``Int8Output``'s calls, in one: at a
+        serving lane's few rows the calls between them cost as much as the kernels."""
         if (cache is None or not cache.indirect or cache.length == 0 or self.training
                 or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or tokens.dtype != torch.long
                 or not tokens.is_cpu or scores.dtype != torch.float32 or not scores.is_cpu):
             return None
         decoder = self._decoder_weights(output)
-        src_mask = self._padding_mask(src_pad)  # held here: the places point into it, and a
-        # search in another thread may replace the model's copy while this one's call runs
+        src_mask = self._padding_mask(src_pad)  # held by the step: the places point into it, and
+        # a search in another thread may replace the model's copy while this one's call runs
         places = self._step_places(tokens.numel(), src_mask, cache) if decoder is not None else None
         if places is None:
             return None
-        start = None if cache.start is None else cache.start.contiguous()
-        store = cache.layers[0]["self"]["store"]  # every layer's store has the same slots
-        followed = torch.empty(tokens.numel(), store.length + 1, dtype=torch.long)
-        host, alive_scores, alive_tokens, rows = native.beam_step(
-            decoder, places, choice, tokens.contiguous(), start, scores.contiguous(), history,
-            store.ancestry, followed, totals)
-        for layer_cache in cache.layers:
-            layer_cache["self"]["store"].length += 1
-        cache.length += 1
-        return host, alive_scores, alive_tokens, rows, followed
+        return StepAgain(decoder, choice, cache, src_mask)(tokens.contiguous(), scores.contiguous(),
+                                                          history, totals)
 
     def _step_places(self, rows: int, src_mask: Tensor, cache) -> ctypes.Array | None:
         """Each decoder layer's places for a step of ``rows`` rows (their self-attention masks
@@ -428,19 +420,11 @@ class NativeTransformer(Transformer):
         while they point into the same tensors: a step then only moves layer 0's position and
         slot table, which the kernel reads for every layer (``layers.c``'s decoder_step). At a
         serving lane's few rows, making every layer's places anew took ~5% of a step."""
-        kept, store = cache.kernel_places, cache.layers[0]["self"]["store"]
-        # kept: ``_pointing``'s ids and tensors, the rows and positions every store has room
-        # for, the places
+        kept = cache.kernel_places
         if kept is not None and kept[0] == _pointing(rows, src_mask, cache)[0]:
-            ancestry, (room_rows, room_positions) = store.ancestry, kept[2]
-            a_rows, a_columns = ancestry.shape
-            if (store.rows == rows and rows <= room_rows and store.length < room_positions
-                    and (a_columns <= 1 or ancestry.stride(1) == 1)):
-                first = kept[3][0]
-                first.position = store.length
-                first.ancestry = ancestry.data_ptr() if a_rows * a_columns else None
-                first.ancestry_row, first.written = ancestry.stride(0), a_columns
-                return kept[3]
+            places = _moved(kept, cache, rows)
+            if places is not None:
+                return places
         made = []
         for layer, layer_cache in zip(self.decoder.layers, cache.layers, strict=True):
             place = layer._places(rows, src_mask, None, layer_cache)
@@ -513,6 +497,61 @@ def _pointing(rows: int, src_mask: Tensor, cache) -> tuple[tuple[int, ...], list
         store, cross = layer_cache["self"]["store"], layer_cache["cross"]
         pointed += (store.keys, store.values, cross.get("k"), cross.get("v"))
     return (rows, *map(id, pointed)), pointed
+
+
+def _moved(kept: tuple, cache, rows: int) -> ctypes.Array | None:
+    """The kept places (``NativeTransformer._step_places``'s) moved to this step of ``rows``
+    rows: layer 0's position and slot table, which the kernel reads for every layer; None
+    where a store has no room left for it or its slot table is not laid out for the kernel."""
+    store, (room_rows, room_positions) = cache.layers[0]["self"]["store"], kept[2]
+    ancestry = store.ancestry
+    a_rows, a_columns = ancestry.shape
+    if (store.rows != rows or rows > room_rows or store.length >= room_positions
+            or (a_columns > 1 and ancestry.stride(1) != 1)):
+        return None
+    first = kept[3][0]
+    first.position = store.length
+    first.ancestry = ancestry.data_ptr() if a_rows * a_columns else None
+    first.ancestry_row, first.written = ancestry.stride(0), a_columns
+    return kept[3]
+
+
+class StepAgain:
+    """A search's whole beam step bound to what ``NativeTransformer.beam_step`` checked: the
+    decoder's weights, the search's choice, the cache and the places kept on it, the padding
+    mask they point into (held here). Called with a step's (A*K,) tokens, (A, K) scores,
+    history and totals it takes that step, as ``beam_step`` would, while the cache keeps
+    those places (a search whose rows only follow their beams: every step of a serving lane
+    between a sentence joining and one leaving); else None, nothing done. At a lane's four
+    sentences the checks and calls it skips took ~3% of a step (``DecoderState.beam_step``
+    keeps it and drops it at any other change)."""
+
+    __slots__ = ("decoder", "choice", "cache", "src_mask", "kept", "keys")
+
+    def __init__(self, decoder: native.DecoderWeights, choice: native.Choice, cache, src_mask: Tensor):
+        self.decoder, self.choice, self.cache, self.src_mask = decoder, choice, cache, src_mask
+        self.kept, self.keys = cache.kernel_places, cache.layers[0]["self"]["store"].keys
+
+    def __call__(self, tokens: Tensor, scores: Tensor, history, totals=None) -> tuple | None:
+        cache, rows = self.cache, tokens.numel()
+        store = cache.layers[0]["self"]["store"]  # every layer's store has the same slots
+        # Whoever changes the cache otherwise drops this (``DecoderState``); these guard the
+        # changes a step can see at no cost: places made again, rows, a store moved or trimmed.
+        if (cache.kernel_places is not self.kept or self.kept[0][0] != rows or store.keys is not self.keys
+                or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu")):
+            return None
+        places = _moved(self.kept, cache, rows)
+        if places is None:
+            return None
+        followed = torch.empty(rows, store.length + 1, dtype=torch.long)
+        start = None if cache.start is None else cache.start.contiguous()
+        host, alive_scores, alive_tokens, rows = native.beam_step(
+            self.decoder, places, self.choice, tokens, start, scores, history,
+            store.ancestry, followed, totals)
+        for layer_cache in cache.layers:
+            layer_cache["self"]["store"].length += 1
+        cache.length += 1
+        return host, alive_scores, alive_tokens, rows, followed, self
 
 
 def _fits_mask(mask: Tensor | None, sets: int, keys: int) -> bool:

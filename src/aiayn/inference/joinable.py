@@ -62,7 +62,7 @@ class JoinableSearch:
         K, device = self.beam, parameter_device(self.model)
         self.state = DecoderState.joinable(self.model, self.search.no_repeat_ngram,
                                             self.kernel)
-        self.rows = Rows(torch.zeros(0, dtype=torch.long), copies=K,
+        self.rows = Rows(np.zeros(0, dtype=np.int64), copies=K,
                           keys=None if self.sampling is None else np.zeros(0, np.uint64))
         self.scores = torch.zeros(0, K, device=device)
         self.token = torch.zeros(0, K, dtype=torch.long, device=device)
@@ -84,8 +84,7 @@ class JoinableSearch:
         if prefixes is not None:
             check_prefixes(self.model, prefixes)
         K = self.beam
-        src_pad = self.state.join(src.to(self.scores.device), K)
-        limits = output_limits(self.model, src_pad, self.search).cpu().numpy()
+        limits = output_limits(self.model, self.state.join(src.to(self.scores.device), K), self.search)
         self.rows.add(np.array(keys, dtype=np.int64), limits, K,
                       None if self.sampling is None else
                       sample_keys(src, seed_of(self.sampling), K), prefixes)
@@ -150,4 +149,4 @@ class JoinableSearch:
         unused = int(self.rows.offset.min())  # columns from before every live sentence joined
         if unused:
             self.rows.trim(unused)
-            self.state.cache.trim(unused)
+            self.state.trim(unused)

@@ -229,6 +229,13 @@ class PackedInt8:
         return y.view(*x.shape[:-1], self.n)
 
 
+def _address(array: np.ndarray) -> int:
+    """Where a writable C-contiguous array made here lies, read through ctypes itself:
+    ``array.ctypes.data`` builds numpy's ctypes helper in Python, ~1 us warm and several
+    right after a kernel's call has emptied the caches (a serving lane's every step)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(array))
+
+
 def _pointer(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -602,13 +609,13 @@ def beam_step(decoder: DecoderWeights, places: ctypes.Array, choice: Choice, tok
         following = np.empty((A * K, t + 1), dtype=np.int64), np.empty((A * K, t + 1))
     failed = _library().beam_step(ctypes.byref(decoder), places, decoder.output.n, ctypes.byref(choice),
                                   tokens.data_ptr(), _pointer(start), A, K, history.ctypes.data, t,
-                                  scores.data_ptr(), host.ctypes.data, alive_scores.data_ptr(),
+                                  scores.data_ptr(), _address(host), alive_scores.data_ptr(),
                                   alive_tokens.data_ptr(), _pointer(ancestry),
                                   0 if ancestry is None else ancestry.stride(0),
                                   0 if ancestry is None else ancestry.size(1),
                                   0 if followed is None else followed.size(1) - 1, _pointer(followed),
-                                  *((totals.ctypes.data, following[0].ctypes.data,
-                                     following[1].ctypes.data) if totals is not None else (None,) * 3),
+                                  *((totals.ctypes.data, _address(following[0]),
+                                     _address(following[1])) if totals is not None else (None,) * 3),
                                   int(_avx512_path(avx512)))
     if failed == -2:
         raise ValueError(f"token ids or positions outside the tables ({decoder.vocab} ids, "

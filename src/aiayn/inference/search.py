@@ -94,7 +94,7 @@ def decode_greedy(model: Transformer, src: Tensor, search: Search, use_cache: bo
     if prefixes is not None:
         check_prefixes(model, prefixes)
     state = DecoderState(model, src, 1, use_cache, search.no_repeat_ngram, kernel)
-    rows = Rows(output_limits(model, state.src_pad, search), copies=1, prefixes=prefixes)
+    rows = Rows(output_limits(model, state.src_len, search), copies=1, prefixes=prefixes)
     outputs: list[list[int]] = [[] for _ in range(B)]
     next_token = torch.full((B,), BOS_ID, dtype=torch.long, device=src.device)
     for step in range(1, rows.longest + 1 if B else 1):
@@ -146,7 +146,7 @@ def decode_beam(model: Transformer, src: Tensor, search: Search, use_cache: bool
     if prefixes is not None:
         check_prefixes(model, prefixes)
     state = DecoderState(model, src, K, use_cache, search.no_repeat_ngram, kernel)
-    rows = Rows(output_limits(model, state.src_pad, search), copies=K,
+    rows = Rows(output_limits(model, state.src_len, search), copies=K,
                 keys=None if sampling is None else sample_keys(src, seed_of(sampling), K),
                 prefixes=prefixes)
     scores = first_scores(B, K, sampling, device)

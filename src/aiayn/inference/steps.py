@@ -67,14 +67,18 @@ class Hypothesis(NamedTuple):
         return float(sum(self.log_probs))
 
 
-def output_limits(model: Transformer, src_pad: Tensor, search: Search) -> Tensor:
-    """(B,) most new tokens (EOS included) per sentence: floor(max_len_a x source length) +
-    max_len_b, capped so that ``[BOS] + tokens + [EOS]`` fits in ``model.cfg.max_len``
-    positions."""
-    src_len = (~src_pad).sum(dim=1)
+def source_lengths(src_pad: Tensor) -> np.ndarray:
+    """(B,) tokens of each source on the host, from its (B, S) padding mask."""
+    return (~src_pad).sum(dim=1).cpu().numpy()
+
+
+def output_limits(model: Transformer, src_len: np.ndarray, search: Search) -> np.ndarray:
+    """(B,) most new tokens (EOS included) per sentence of ``src_len`` source tokens (host,
+    ``source_lengths``): floor(max_len_a x source length) + max_len_b, capped so that
+    ``[BOS] + tokens + [EOS]`` fits in ``model.cfg.max_len`` positions."""
     a = search.max_len_a
-    scaled = src_len * int(a) if float(a).is_integer() else (src_len * a).floor().long()
-    return (scaled + search.max_len_b).clamp(min=1, max=max(1, model.cfg.max_len - 1))
+    scaled = src_len * int(a) if float(a).is_integer() else np.floor(src_len * a).astype(np.int64)
+    return np.minimum(np.maximum(scaled + search.max_len_b, 1), max(1, model.cfg.max_len - 1))
 
 
 def length_penalty(length: int | Tensor, alpha: float) -> float | Tensor:
@@ -91,12 +95,16 @@ class DecoderState:
     """
 
     followed: Tensor | None = None  # the cache's slot table after a fused step's choice
+    # The kernel's next fused step while the cache only follows (int8's ``StepAgain``): every
+    # other change of the rows or the cache (join, select, narrow, trim, a modules' step) drops it.
+    again = None
 
     def __init__(self, model: Transformer, src: Tensor, copies: int, use_cache: bool,
                  no_repeat_ngram: int = 0, kernel: OutputKernel | None = None):
         self.model = model
         self.no_repeat_ngram = no_repeat_ngram
         self.src_pad = model.src_pad_mask(src)  # (B, S): one row per sentence, as memory
+        self.src_len = source_lengths(self.src_pad)  # (B,) on the host: limits, narrowing
         self.memory = model.encode(src, self.src_pad)  # encoded once, read by every beam
         self.cache = model.new_cache() if use_cache else None
         self.ids, self._never = _columns(model)
@@ -116,6 +124,7 @@ class DecoderState:
         (N,) rows whose next token is given (a target prefix, ``Forced``), which the guard
         leaves alone: it rules what the search chooses, not what it is told."""
         step_input = tokens[:, -1:] if self.cache is not None else tokens
+        self.again = None
         hidden = self.model.decode(step_input, self.memory, self.src_pad, self.cache)
         logits = self.model.generator.output_logits(hidden[:, -1], self.rows, self.kernel).float()
         to_column = self._to_column
@@ -137,20 +146,23 @@ class DecoderState:
         none or it does not take this step. With the rows' ``totals`` (``Rows``) the kernel
         also follows every beam: a step at which nothing ends answers ``Followed`` (``go_on``),
         any other ``Candidates`` with it (``advance`` takes it where every sentence goes on)."""
-        own = getattr(self.kernel, "beam_step", None)
-        if own is None or self.cache is None:
-            return None
         K = scores.size(1)
-        width, C = candidate_widths(K, self.rows[0].size(0))
-        answer = own(self.model, token.reshape(-1), scores, self.src_pad, self.cache, history,
-                     self._never, self.no_repeat_ngram, self._to_column, self.ids, width, C, totals)
+        answer = None if self.again is None else self.again(token.view(-1), scores, history, totals)
         if answer is None:
-            return None
-        host, scores, token, rows, self.followed = answer
+            own = getattr(self.kernel, "beam_step", None)
+            if own is None or self.cache is None:
+                return None
+            width, C = candidate_widths(K, self.rows[0].size(0))
+            answer = own(self.model, token.reshape(-1), scores, self.src_pad, self.cache, history,
+                         self._never, self.no_repeat_ngram, self._to_column, self.ids, width, C, totals)
+            if answer is None:
+                return None
+        host, scores, token, rows, self.followed, self.again = answer
         followed = None if rows is None else Followed(*rows[:2])
         if rows is not None and rows[2]:  # nothing ends
             return scores, token, followed
-        return scores, token, _candidates(host, C, K, followed)
+        return scores, token, _candidates(host, candidate_widths(K, self.rows[0].size(0))[1], K,
+                                          followed)
 
     def follow(self) -> None:
         """Every row takes the beam a fused ``beam_step`` chose for it, every sentence
@@ -194,18 +206,22 @@ class DecoderState:
             state.rows = model.generator.allowed_rows()
         state.kernel = for_fixed_weight(kernel, state.rows[0])
         state.src_pad = torch.zeros(0, 0, dtype=torch.bool, device=parameter_device(model))
+        state.src_len = np.zeros(0, dtype=np.int64)
         state.cache = model.new_cache()
         return state
 
-    def join(self, src: Tensor, copies: int) -> Tensor:
+    def join(self, src: Tensor, copies: int) -> np.ndarray:
         """Encode ``src`` (n, S) and add its rows (``copies`` per sentence) at the next
-        step; returns their (n, S) source padding mask."""
+        step; returns their (n,) source lengths (host)."""
         src_pad = self.model.src_pad_mask(src)
+        self.again = None
         self.cache.join(self.model.encoded_cache(src, src_pad), copies)
         width = max(self.src_pad.size(1), src.size(1))  # padded on the right, masked
         self.src_pad = torch.cat([F.pad(self.src_pad, (0, width - self.src_pad.size(1)), value=True),
                                   F.pad(src_pad, (0, width - src.size(1)), value=True)])
-        return src_pad
+        lengths = source_lengths(src_pad)
+        self.src_len = np.concatenate([self.src_len, lengths])
+        return lengths
 
     def select(self, rows: Tensor, sentences: Tensor | None = None) -> None:
         """Keep (and reorder) rows ``rows``, of the sentences ``sentences`` when some leave
@@ -219,6 +235,7 @@ class DecoderState:
         step took a third of beam search's time.)
         """
         followed, self.followed = self.followed, None  # ``beam_step``'s, of this step alone
+        self.again = None
         if self.cache is not None:
             self.cache.reorder(rows, kinds=("self",), within_sentences=sentences is None,
                                ancestry=followed if sentences is None else None)
@@ -229,14 +246,21 @@ class DecoderState:
         if self.memory is not None:
             self.memory = self.memory.index_select(0, sentences)
         self.src_pad = self.src_pad.index_select(0, sentences)
+        self.src_len = self.src_len[sentences.cpu().numpy()]
         self._narrow()
+
+    def trim(self, columns: int) -> None:
+        """Drop the cache's first ``columns`` positions (``KVCache.trim``: every row began
+        after them)."""
+        self.again = None
+        self.cache.trim(columns)
 
     def _narrow(self) -> None:
         """Drop the source positions that are padding in every row left (sources are
         padded on the right). Sentences leave and join a running search (``JoinableSearch``)
         at will: without this, its cross-attention would span the longest source it has
         ever held, where a batch of ``beam_search`` spans the longest of its own."""
-        width = int((~self.src_pad).sum(1).max()) if self.src_pad.size(0) else 0
+        width = int(self.src_len.max()) if self.src_len.size else 0
         if width < self.src_pad.size(1):
             self.src_pad = self.src_pad[:, :width]
             if self.memory is not None:
@@ -470,13 +494,13 @@ class Rows:
     which a finished hypothesis gets its per-token log-probabilities.
     """
 
-    def __init__(self, limits: Tensor, copies: int, keys: np.ndarray | None = None,
+    def __init__(self, limits: np.ndarray, copies: int, keys: np.ndarray | None = None,
                  prefixes: Sequence[Sequence[int]] | None = None):
         self.keys = keys  # (A*K,) sampling: each row's random stream (``sample_keys``)
         self.sentence = np.arange(len(limits))  # (A,) original index of each
         self.prefix, self.prefix_len = _prefix_table(prefixes, len(limits))  # (A, P), (A,)
         # (A,) most new tokens of each live sentence: at least its prefix
-        self.limits = np.maximum(limits.cpu().numpy(), self.prefix_len)
+        self.limits = np.maximum(limits, self.prefix_len)
         self.offset = np.zeros(len(self.limits), dtype=np.int64)  # (A,) steps before it joined
         self.history = np.zeros((len(self.limits) * copies, 0), dtype=np.int64)  # (A*K, t)
         self.totals = np.zeros((len(self.limits) * copies, 0))  # (A*K, t) log P so far
