@@ -30,6 +30,7 @@ from aiayn.inference.int8 import (
     NativeDecoderLayer,
     NativeHeadNorm,
     NativeTransformer,
+    StepAgain,
     StepAttention,
     int8_model,
 )
@@ -892,7 +893,7 @@ def test_the_whole_beam_steps_places_are_made_again_only_when_what_they_point_in
     assert len(calls) == 4 and len(made) == 2 * layers
 
 
-def test_a_sentence_leaving_as_another_joins_is_not_stepped_on_the_old_places():
+def test_a_sentence_leaving_as_another_joins_is_not_stepped_on_the_old_places(monkeypatch):
     """A search's steps between changes repeat the last one (``StepAgain``) while the cache
     keeps its places. One sentence removed and another added before the next step leaves as
     many rows and the same stores, but new memory buffers: the next step makes its places
@@ -900,14 +901,23 @@ def test_a_sentence_leaving_as_another_joins_is_not_stepped_on_the_old_places():
     model = int8_model(sharp_model(True, False))
     search, kernel = Search(4, 0.6, max_len_b=20), Int8Output(model.generator)
     src = random_sources([9, 6, 8], vocab=40, seed=4)
+    checked, repeated = [], []
+    full, again = NativeTransformer.beam_step, StepAgain.__call__
+    monkeypatch.setattr(NativeTransformer, "beam_step",
+                        lambda *a, **k: checked.append(1) or full(*a, **k))
+    monkeypatch.setattr(StepAgain, "__call__", lambda *a, **k: repeated.append(1) or again(*a, **k))
     joinable, got = JoinableSearch(model, search, kernel), {}
     joinable.add([0, 1], src[:2])
-    for _ in range(3):
+    for _ in range(4):
         got.update(joinable.step())
-    assert joinable.state.again is not None and len(joinable) == 2  # repeating, none done yet
+    assert len(joinable) == 2 and len(repeated) > len(checked)  # none done; steps repeated
+    kept = joinable.state.cache.kernel_places
     joinable.remove([0])
     joinable.add([2], src[2:3])
     assert joinable.state.again is None
+    checked.clear()
+    got.update(joinable.step())
+    assert checked and joinable.state.cache.kernel_places is not kept  # its places made anew
     while len(joinable):
         got.update(joinable.step())
     for i in (1, 2):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import math
 
+import numpy as np
 import pytest
 import torch
 from search_helpers import random_sources, sequence_log_probs, tiny_model
@@ -48,6 +50,18 @@ def test_beam_of_one_is_greedy(alpha):
     assert [hyps[0][0] for hyps in beam] == greedy
     limits = output_limits(model, source_lengths(src.eq(PAD_ID)), Search(max_len_b=10)).tolist()
     assert sum(len(g) < n for g, n in zip(greedy, limits)) >= 4, "many should end by EOS"
+
+
+def test_the_length_limit_is_the_formula_in_float64_as_ctranslate2_computes_it():
+    """floor(max_len_a x length) + max_len_b, capped by the positions, for fractional a too:
+    the product in float32 put some limits a token off (a = 1.3 and 90 tokens: 116.99998
+    -> 116), where the CTranslate2 engine takes Python's floor of the float64 product."""
+    model = tiny_model(max_len=512)
+    lengths = np.arange(0, 200)
+    for a in (0.7, 1.05, 1.3, 1.5, 2.0):
+        limits = output_limits(model, lengths, Search(max_len_a=a, max_len_b=3)).tolist()
+        assert limits == [max(1, min(math.floor(a * n) + 3, model.cfg.max_len - 1)) for n in lengths]
+    assert output_limits(model, np.array([90]), Search(max_len_a=1.3, max_len_b=0)).tolist() == [117]
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.6, 1.5])

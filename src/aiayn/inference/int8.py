@@ -73,9 +73,9 @@ class Int8Output:
                   candidates: int, totals=None):
         """A whole beam step of ``model`` (``int8_model``'s) in one call of aiayn's kernel
         (``NativeTransformer.beam_step``): the step's decoding, masks (``never``, the guard's
-        ``n_gram`` over ``history``), top ``width`` and ``candidates``, as ``beam_choose``
-        answers (with ``totals``, the rows' history and totals after a step at which nothing
-        ends: ``native.beam_step``'s); None where it does not take it.
+        ``n_gram`` over ``history``), top ``width`` and ``candidates``; its answer
+        (``beam_choose``'s, the rows followed, the cache's slot table and the ``StepAgain``
+        that repeats the step), or None where it does not take it.
         ``steps.DecoderState.beam_step`` calls it."""
         if not isinstance(model, NativeTransformer) or candidates > native.MAX_CANDIDATES:
             return None
@@ -522,22 +522,25 @@ class StepAgain:
     mask they point into (held here). Called with a step's (A*K,) tokens, (A, K) scores,
     history and totals it takes that step, as ``beam_step`` would, while the cache keeps
     those places (a search whose rows only follow their beams: every step of a serving lane
-    between a sentence joining and one leaving); else None, nothing done. At a lane's four
-    sentences the checks and calls it skips took ~3% of a step (``DecoderState.beam_step``
-    keeps it and drops it at any other change)."""
+    between a sentence joining and one leaving); else None, nothing done. At a lane's few
+    rows the Python around a step's call still weighs (docs/serving.md#lanes): this skips
+    its checks. ``DecoderState.beam_step`` keeps it and drops it at any other change."""
 
-    __slots__ = ("decoder", "choice", "cache", "src_mask", "kept", "keys")
+    __slots__ = ("decoder", "choice", "cache", "src_mask", "kept", "keys", "memory")
 
     def __init__(self, decoder: native.DecoderWeights, choice: native.Choice, cache, src_mask: Tensor):
         self.decoder, self.choice, self.cache, self.src_mask = decoder, choice, cache, src_mask
         self.kept, self.keys = cache.kernel_places, cache.layers[0]["self"]["store"].keys
+        self.memory = cache.layers[0]["cross"].get("k")
 
     def __call__(self, tokens: Tensor, scores: Tensor, history, totals=None) -> tuple | None:
         cache, rows = self.cache, tokens.numel()
         store = cache.layers[0]["self"]["store"]  # every layer's store has the same slots
         # Whoever changes the cache otherwise drops this (``DecoderState``); these guard the
-        # changes a step can see at no cost: places made again, rows, a store moved or trimmed.
+        # changes a step can see at no cost: places made again, rows, a store moved or trimmed,
+        # memory rows replaced, inputs that are not the last call's kind of output.
         if (cache.kernel_places is not self.kept or self.kept[0][0] != rows or store.keys is not self.keys
+                or cache.layers[0]["cross"].get("k") is not self.memory or not scores.is_contiguous()
                 or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu")):
             return None
         places = _moved(self.kept, cache, rows)

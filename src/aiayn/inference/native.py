@@ -230,10 +230,10 @@ class PackedInt8:
 
 
 def _address(array: np.ndarray) -> int:
-    """Where a writable C-contiguous array made here lies, read through ctypes itself:
-    ``array.ctypes.data`` builds numpy's ctypes helper in Python, ~1 us warm and several
-    right after a kernel's call has emptied the caches (a serving lane's every step)."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(array))
+    """Where a writable C-contiguous array made here lies, read through ctypes itself where
+    it holds anything: ``array.ctypes.data`` builds numpy's ctypes helper in Python at
+    every call, and a whole beam step reads three such addresses."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(array)) if array.size else array.ctypes.data
 
 
 def _pointer(t: Tensor | None) -> int | None:

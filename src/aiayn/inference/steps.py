@@ -75,7 +75,8 @@ def source_lengths(src_pad: Tensor) -> np.ndarray:
 def output_limits(model: Transformer, src_len: np.ndarray, search: Search) -> np.ndarray:
     """(B,) most new tokens (EOS included) per sentence of ``src_len`` source tokens (host,
     ``source_lengths``): floor(max_len_a x source length) + max_len_b, capped so that
-    ``[BOS] + tokens + [EOS]`` fits in ``model.cfg.max_len`` positions."""
+    ``[BOS] + tokens + [EOS]`` fits in ``model.cfg.max_len`` positions. The product is a
+    float64's, as CTranslate2's engine computes it (``aiayn.inference.ct2``)."""
     a = search.max_len_a
     scaled = src_len * int(a) if float(a).is_integer() else np.floor(src_len * a).astype(np.int64)
     return np.minimum(np.maximum(scaled + search.max_len_b, 1), max(1, model.cfg.max_len - 1))
@@ -96,7 +97,7 @@ class DecoderState:
 
     followed: Tensor | None = None  # the cache's slot table after a fused step's choice
     # The kernel's next fused step while the cache only follows (int8's ``StepAgain``): every
-    # other change of the rows or the cache (join, select, narrow, trim, a modules' step) drops it.
+    # other change of the rows or the cache (join, select, trim, a modules' step) drops it.
     again = None
 
     def __init__(self, model: Transformer, src: Tensor, copies: int, use_cache: bool,
