@@ -9,7 +9,10 @@ step's milliseconds and a sentence's: where a step of few sentences costs a sent
 than a step of many, the lane at few clients is bound by that fixed part (Python, calls, the
 weights read once per step), not by its arithmetic (docs/serving.md#batching). With int8 it
 also says what share of the time a step spends in the kernels' one call (the rest of a step
-is Python around it) and what share joining sentences (encoding each, adding its rows).
+is Python around it), what share joining sentences (encoding each, adding its rows), and the
+microseconds of Python around the call at a quiet step (the search only follows its beams)
+and at a step where sentences end or just joined or ended (settling them, taking them out of
+the rows and the cache, making the kernel's places again).
 
     python benchmarks/lane_steps.py --run-dir runs/demo --int8 --limit 120 --sizes 1,4,16,32
 """
@@ -57,10 +60,14 @@ def parse_args(argv: list[str] | None = None):
 class Clock:
     """Seconds spent in a lane's parts: its sentences' joining (``JoinableSearch.add``) and,
     with int8, inside the kernels' one call a step (``native.beam_step``, wrapped while a
-    ``Clock`` is on): the rest of a step is the Python around that call."""
+    ``Clock`` is on): the rest of a step is the Python around that call, counted apart for
+    the steps at which nothing joined or ended since the last (``quiet``: the search only
+    follows its beams) and the others (``changed``: a sentence ended at it, or one joined
+    or ended just before it), as (steps, seconds)."""
 
     def __init__(self):
         self.joining = self.kernel = 0.0
+        self.quiet, self.changed = [0, 0.0], [0, 0.0]
 
     def __enter__(self) -> Clock:
         self.beam_step = native.beam_step
@@ -82,8 +89,9 @@ class Clock:
 def lane(translator: Translator, search, ids: list[list[int]], size: int,
          clock: Clock | None = None) -> int:
     """Decode ``ids`` as a lane does, ``size`` sentences in the search at a time; the steps.
-    ``clock``: add the joining's seconds to it."""
+    ``clock``: add the joining's seconds and each step's Python to it."""
     joinable, sent, done, steps = JoinableSearch(translator.model, search, translator.kernel), 0, 0, 0
+    changed = True  # a step after sentences joined or ended
     with torch.inference_mode():  # as a lane's process holds it
         while done < len(ids):
             while sent < len(ids) and len(joinable) < size:
@@ -92,11 +100,15 @@ def lane(translator: Translator, search, ids: list[list[int]], size: int,
                 if clock is not None:
                     clock.joining += time.perf_counter() - start
                 sent += 1
-            done += len(joinable.step())
-            steps += 1
+                changed = True
+            start, kernel = time.perf_counter(), clock.kernel if clock is not None else 0.0
+            ended = joinable.step()
+            if clock is not None:
+                part = clock.changed if changed or ended else clock.quiet
+                part[0] += 1
+                part[1] += time.perf_counter() - start - (clock.kernel - kernel)
+            done, steps, changed = done + len(ended), steps + 1, bool(ended)
     return steps
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)  # a lane's process decodes on one thread
@@ -119,15 +131,20 @@ def main(argv: list[str] | None = None) -> None:
     rows = [[str(size), str(steps[size]), f"{1e3 * seconds[size] / steps[size]:.3f}",
              (f"{clock.kernel / total:.0%}" if clock.kernel else "–"),
              f"{clock.joining / total:.0%}", f"{1e3 * clock.joining / len(ids):.2f}",
+             *((f"{1e6 * seconds / max(1, n):.0f}" if clock.kernel else "–")
+               for n, seconds in (clock.quiet, clock.changed)),
              f"{per_sentence[size]:.2f}", f"{per_sentence[size] / per_sentence[sizes[-1]]:.2f}x"]
             for size in sizes for clock, total in [parts[size]]]
     conditions = (f"{len(ids)} {args.split} sentences of {args.run_dir} ({args.weights}), beam "
                   f"{args.beam}, alpha {args.alpha}, {'int8' if args.int8 else 'fp32'}, one thread; "
                   f"median of {args.repeats} interleaved repetitions (a sentence's time includes "
                   f"its joining); the shares of the time in the kernels' one call a step (int8) "
-                  f"and in joining, from one more run of each size\ndevice: {device_description()}")
+                  f"and in joining, and a step's Python around that call (int8: a quiet step, "
+                  f"nothing joined or ended since the last; a step at or after a change), from one "
+                  f"more run of each size\ndevice: {device_description()}")
     print_table(["sentences in the search", "steps", "ms a step", "in the kernels' call",
-                 "joining", "ms joining a sentence", "ms a sentence",
+                 "joining", "ms joining a sentence", "us of Python a quiet step",
+                 "a step at a change", "ms a sentence",
                  f"a sentence / at {sizes[-1]}"], rows, conditions, args.json)
 
 

@@ -320,6 +320,24 @@ def test_server_cost_prices_each_kind_of_request_against_health(run_dir, tmp_pat
     assert rows[0][2] in ("1.00x", "n/a (/health took under a clock tick)")
 
 
+# ---------------------------------------------------------------- lane_steps.py, quick
+def test_lane_steps_splits_a_steps_python_by_kind_of_step(run_dir, tmp_path, monkeypatch):
+    """benchmarks/lane_steps.py end to end on the tiny run with int8: a row a size, with the
+    kernels' share and the microseconds of Python at a quiet step and at a step at a change
+    (a sentence ending at it, or one joined or ended just before it)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    main = runpy.run_path(str(BENCHMARKS / "lane_steps.py"))["main"]
+    out = tmp_path / "lanes.json"
+    main(["--run-dir", str(run_dir), "--int8", "--limit", "12", "--sizes", "1,3", "--repeats",
+          "1", "--json", str(out)])
+    record = json.loads(out.read_text(encoding="utf-8"))
+    assert record["headers"][6:8] == ["us of Python a quiet step", "a step at a change"]
+    rows = record["rows"]
+    assert [row[0] for row in rows] == ["1", "3"]
+    for row in rows:
+        assert row[3].endswith("%") and float(row[7]) > 0 and float(row[6]) >= 0
+
+
 # ---------------------------------------------------------------- kernel_ab.py, quick
 def test_kernel_ab_compares_the_kernels_of_two_revisions_in_one_process(run_dir, tmp_path,
                                                                         monkeypatch, capsys):
