@@ -8,6 +8,8 @@ refusals.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -924,6 +926,56 @@ def test_a_sentence_leaving_as_another_joins_is_not_stepped_on_the_old_places(mo
         alone = beam_search(model, src[i:i + 1], 4, 0.6, 20, 4, kernel=kernel)[0]
         assert [h.ids for h in got[i]] == [h.ids for h in alone]
         assert [h.score for h in got[i]] == pytest.approx([h.score for h in alone], abs=1e-5)
+
+
+def joined_two_at_a_time(model: Transformer, search: Search, src: torch.Tensor, most: int,
+                         wake: int | None = None) -> tuple[dict, list[int]]:
+    """Each sentence's (ids, score, log-probs) lists from a search that holds two sentences,
+    the next joining as one ends, stepped with ``most``; and the steps each call took."""
+    joinable, got, sent, taken = JoinableSearch(model, search, Int8Output(model.generator)), {}, 0, []
+    while len(got) < len(src):
+        if sent < len(src) and len(joinable) < 2:
+            joinable.add([sent], src[sent:sent + 1])
+            sent += 1
+        for key, hyps in joinable.step(most, wake):
+            got[key] = [(h.ids, h.score, h.log_probs) for h in hyps]
+        taken.append(joinable.taken)
+    return got, taken
+
+
+@pytest.mark.parametrize("guard", [0, 2], ids=["no-guard", "guard-2"])
+def test_quiet_steps_taken_in_one_call_are_the_steps_taken_one_at_a_time(guard):
+    """A search's steps while nothing ends may go in one call of the kernel
+    (``JoinableSearch.step(most)``): with sentences joining as others end, and with the
+    repetition guard, every sentence gets the same hypotheses, scores and per-token
+    log-probabilities as from one step a call (the same kernels: equal floats), in as many
+    steps, some calls taking several."""
+    model = int8_model(sharp_model(True, False))
+    src = random_sources([9, 6, 8, 12, 5, 7], vocab=40, seed=4)
+    search = Search(4, 0.6, no_repeat_ngram=guard, max_len_b=20)
+    one, one_taken = joined_two_at_a_time(model, search, src, 1)
+    several, taken = joined_two_at_a_time(model, search, src, 8)
+    assert several == one and len(one) == len(src)
+    assert set(one_taken) == {1} and sum(taken) == sum(one_taken) and max(taken) > 1
+
+
+def test_a_call_of_several_steps_stops_once_something_arrives():
+    """The steps of one call stop after the first where the file descriptor ``wake`` has
+    something to read (a serving lane's pipe: a sentence joining or leaving waits for no
+    more than a step), and go on where it has nothing."""
+    model = int8_model(sharp_model(True, False))
+    src = random_sources([9, 6, 8, 12, 5, 7], vocab=40, seed=4)
+    search = Search(4, 0.6, max_len_b=20)
+    quiet, empty = os.pipe()
+    woken, written = os.pipe()
+    os.write(written, b"x")
+    try:
+        expected, taken = joined_two_at_a_time(model, search, src, 8, quiet)
+        got, woken_taken = joined_two_at_a_time(model, search, src, 8, woken)
+    finally:
+        for fd in (quiet, empty, woken, written):
+            os.close(fd)
+    assert max(taken) > 1 and set(woken_taken) == {1} and got == expected
 
 
 def test_the_whole_beam_step_holds_what_its_places_point_into(monkeypatch):

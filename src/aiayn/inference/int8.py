@@ -533,7 +533,11 @@ class StepAgain:
         self.kept, self.keys = cache.kernel_places, cache.layers[0]["self"]["store"].keys
         self.memory = cache.layers[0]["cross"].get("k")
 
-    def __call__(self, tokens: Tensor, scores: Tensor, history, totals=None) -> tuple | None:
+    def __call__(self, tokens: Tensor, scores: Tensor, history, totals=None, most: int = 1,
+                 wake: int | None = None) -> tuple | None:
+        """The step; with ``totals`` and ``most`` > 1, up to ``most`` steps in one call of the
+        kernel while nothing ends (``native.beam_steps``), the cache as long again: the last
+        step's answer, with the rows' history and totals before it (None: it was the only)."""
         cache, rows = self.cache, tokens.numel()
         store = cache.layers[0]["self"]["store"]  # every layer's store has the same slots
         # Whoever changes the cache otherwise drops this (``DecoderState``); these guard the
@@ -546,15 +550,30 @@ class StepAgain:
         places = _moved(self.kept, cache, rows)
         if places is None:
             return None
-        followed = torch.empty(rows, store.length + 1, dtype=torch.long)
         start = None if cache.start is None else cache.start.contiguous()
-        host, alive_scores, alive_tokens, rows = native.beam_step(
-            self.decoder, places, self.choice, tokens, start, scores, history,
-            store.ancestry, followed, totals)
-        for layer_cache in cache.layers:
-            layer_cache["self"]["store"].length += 1
-        cache.length += 1
-        return host, alive_scores, alive_tokens, rows, followed, self
+        most = min(most, self.kept[2][1] - store.length)  # positions the stores have room for
+        if totals is None or most <= 1:
+            followed = torch.empty(rows, store.length + 1, dtype=torch.long)
+            host, alive_scores, alive_tokens, rows = native.beam_step(
+                self.decoder, places, self.choice, tokens, start, scores, history,
+                store.ancestry, followed, totals)
+            _lengthen(cache, 1)
+            return host, alive_scores, alive_tokens, rows, followed, self, None
+        host, alive_scores, alive_tokens, rows, followed, taken, earlier = native.beam_steps(
+            self.decoder, places, self.choice, tokens, start, scores, history, totals,
+            store.ancestry, store.length, most, wake)
+        if earlier is not None:  # the steps before the last only followed their beams
+            _lengthen(cache, taken - 1)
+            cache.follow(earlier[2])
+        _lengthen(cache, 1)
+        return host, alive_scores, alive_tokens, rows, followed, self, earlier and earlier[:2]
+
+
+def _lengthen(cache, positions: int) -> None:
+    """An indirect cache whose stores a fused step wrote ``positions`` more positions into."""
+    for layer_cache in cache.layers:
+        layer_cache["self"]["store"].length += positions
+    cache.length += positions
 
 
 def _fits_mask(mask: Tensor | None, sets: int, keys: int) -> bool:

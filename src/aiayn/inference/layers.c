@@ -298,6 +298,15 @@ int decoder_step(const Decoder *D, const Step *steps, const int64_t *tokens, con
   return failed;
 }
 
+/* A step's places moved to the next position (search_step.c's beam_steps): layer 0's
+ * position and slot table, which decoder_step reads for every layer. */
+void move_step(Step *steps, long position, const int64_t *ancestry, long ancestry_row, long written) {
+  steps[0].position = position;
+  steps[0].ancestry = ancestry;
+  steps[0].ancestry_row = ancestry_row;
+  steps[0].written = written;
+}
+
 typedef struct { /* the encoder and the decoder's memory products (int8.py fills it): from a
                     joining sentence's ids to the cross-attention K/V each decoder layer reads */
   const Layer *layers;            /* the encoder's */

@@ -151,6 +151,12 @@ def _library() -> ctypes.CDLL:
                               pointer, pointer, pointer, pointer, pointer, size, size, size, pointer,
                               pointer, pointer, pointer, ctypes.c_int]
     lib.beam_step.restype = ctypes.c_int
+    lib.beam_steps.argtypes = [ctypes.POINTER(DecoderWeights), ctypes.POINTER(StepPlaces), size,
+                               ctypes.POINTER(Choice), pointer, pointer, size, size, pointer, size,
+                               pointer, pointer, pointer, pointer, pointer, size, size, size, pointer,
+                               pointer, pointer, pointer, size, ctypes.c_int, ctypes.c_int,
+                               ctypes.POINTER(ctypes.c_long)]
+    lib.beam_steps.restype = ctypes.c_int
     return lib
 
 
@@ -617,15 +623,74 @@ def beam_step(decoder: DecoderWeights, places: ctypes.Array, choice: Choice, tok
                                   *((totals.ctypes.data, _address(following[0]),
                                      _address(following[1])) if totals is not None else (None,) * 3),
                                   int(_avx512_path(avx512)))
+    _check_step(failed, decoder, choice, A, K)
+    return host, alive_scores, alive_tokens, None if totals is None else (*following, failed == 1)
+
+
+def beam_steps(decoder: DecoderWeights, places: ctypes.Array, choice: Choice, tokens: Tensor,
+               start: Tensor | None, scores: Tensor, history: np.ndarray, totals: np.ndarray,
+               ancestry: Tensor | None, length: int, most: int, wake: int | None = None,
+               avx512: bool | None = None) -> tuple:
+    """Up to ``most`` of ``beam_step``'s steps in one call (``search_step.c``'s beam_steps),
+    each with ``totals`` and the cache's slot table followed (``ancestry``, of a store of
+    ``length`` positions before the first), the next taken while the last ended nothing and
+    nothing has arrived on the file descriptor ``wake`` (None: none); ``places`` move with
+    them. -> the last step's ``beam_step`` answer (host rows, survivors' scores and tokens,
+    the rows' history and totals after it and whether it ended nothing), its slot table
+    ((A*K, length + taken)), the steps taken, and the rows' history, totals and slot table
+    before it (None where it was the first): what the caller's quiet steps made of them."""
+    A, K = scores.shape
+    rows, t = A * K, history.shape[1]
+    if history.shape != (rows, t) or totals.shape != history.shape or most < 1:
+        raise ValueError(f"history and totals must be ({rows}, t), a row per beam, for 1 step or more")
+    _check_ancestry(ancestry, rows)
+    ancestry = ancestry if ancestry is not None and ancestry.numel() else None
+    history = np.ascontiguousarray(history, dtype=np.int64)
+    totals = np.ascontiguousarray(totals, dtype=np.float64)
+    host = np.empty((A, 3 * choice.candidates + 3 * K))
+    alive_scores, alive_tokens = torch.empty(A, K), torch.empty(A, K, dtype=torch.long)
+    tables = torch.empty(2, rows * (length + most), dtype=torch.long)  # the answers of steps in turn
+    histories, all_totals = np.empty((2, rows * (t + most)), dtype=np.int64), np.empty((2, rows * (t + most)))
+    taken = ctypes.c_long(0)
+    failed = _library().beam_steps(ctypes.byref(decoder), places, decoder.output.n, ctypes.byref(choice),
+                                   tokens.data_ptr(), _pointer(start), A, K, history.ctypes.data, t,
+                                   scores.data_ptr(), _address(host), alive_scores.data_ptr(),
+                                   alive_tokens.data_ptr(), _pointer(ancestry),
+                                   0 if ancestry is None else ancestry.stride(0),
+                                   0 if ancestry is None else ancestry.size(1), length, tables.data_ptr(),
+                                   totals.ctypes.data, _address(histories), _address(all_totals), most,
+                                   -1 if wake is None else wake, int(_avx512_path(avx512)),
+                                   ctypes.byref(taken))
+    _check_step(failed, decoder, choice, A, K)
+
+    def answer(i: int) -> tuple[np.ndarray, np.ndarray, Tensor]:  # step i's, from 0: its half
+        h, width = i % 2, t + i + 1
+        return (histories[h, :rows * width].reshape(rows, width),
+                all_totals[h, :rows * width].reshape(rows, width),
+                tables[h, :rows * (length + i + 1)].view(rows, length + i + 1))
+
+    steps = taken.value
+    history, totals, followed = answer(steps - 1)
+    return (host, alive_scores, alive_tokens, (history, totals, failed == 1), followed, steps,
+            answer(steps - 2) if steps > 1 else None)
+
+
+def _check_ancestry(ancestry: Tensor | None, rows: int) -> None:
+    if ancestry is not None and ancestry.numel() and (
+            ancestry.shape[0] != rows or ancestry.dtype != torch.long or ancestry.stride(1) != 1):
+        raise ValueError(f"ancestry must be its store's ({rows}, positions) int64 slots, unit column stride")
+
+
+def _check_step(failed: int, decoder: DecoderWeights, choice: Choice, A: int, K: int) -> None:
+    """A beam step's failure (``search_step.c``'s codes), raised in a line."""
     if failed == -2:
         raise ValueError(f"token ids or positions outside the tables ({decoder.vocab} ids, "
                          f"{decoder.positions} positions)")
     if failed == -3:
         raise ValueError(f"beam_step takes up to {MAX_CANDIDATES} candidates from at least beam's, "
-                         f"got {C} of {K} x {choice.width}")
+                         f"got {choice.candidates} of {K} x {choice.width}")
     if failed < 0:
         raise MemoryError(f"a beam step could not allocate its scratch for {A * K} rows")
-    return host, alive_scores, alive_tokens, None if totals is None else (*following, failed == 1)
 
 
 def choice(never: Sequence[int], n_gram: int, to_column: Tensor | None, ids: Tensor | None,

@@ -8,6 +8,10 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+#ifndef _WIN32
+#include <poll.h>
+#endif
 
 /* The columns a step must not choose, set to -inf in place in the (rows, cols) logits: the
  * `never` columns of every row (PAD, BOS), and with n > 0 the repetition guard's: every
@@ -122,6 +126,7 @@ typedef struct {
 int decoder_step(const void *decoder, const void *steps, const int64_t *tokens, const int64_t *start,
                  long rows, float *logits, int wide);
 void top_log_softmax(const float *x, long rows, long n, long k, float *value, long *column, int wide);
+void move_step(void *steps, long position, const int64_t *ancestry, long ancestry_row, long written);
 
 /* Each row's slots in a cache's store after a beam step's choice (cache.py's Store.reorder of
  * the rows the choice follows, every sentence kept): row a K + k follows its parent p = a K +
@@ -218,4 +223,57 @@ int beam_step(const void *decoder, const void *steps, long cols, const Choice *c
   free(best);
   free(columns);
   return failed;
+}
+
+/* Whether `wake` (a file descriptor; -1: none) has something to read, without waiting. */
+static int readable(int wake) {
+#ifndef _WIN32
+  if (wake >= 0) {
+    struct pollfd fd = {wake, POLLIN, 0};
+    return poll(&fd, 1, 0) > 0;
+  }
+#endif
+  (void)wake;
+  return 0;
+}
+
+/* Up to `most` whole beam steps in one call, each beam_step's with `totals` (the rows
+ * followed): the next is taken while the last ended nothing (quiet) and nothing has arrived
+ * on `wake`. Between two steps a serving lane's Python did nothing but hand each step's
+ * answer to the next (steps.py's go_on), ~50 us a step at its few rows. The arguments are
+ * beam_step's for the first step; the steps' own answers go, in turns, to the two halves of
+ * `tables` (each (A K, length + most): the slot tables followed), `histories` and
+ * `all_totals` (each (A K, t + most)), every answer laid out as beam_step's (step i's at
+ * half i % 2, of length + i + 1 and t + i + 1 columns), `host`, `alive_scores` and
+ * `alive_tokens` those of the last step. `steps` moves with them (move_step). Sets `taken`
+ * to the steps taken (1 to most); returns the last one's beam_step answer (a failure stops
+ * there). */
+int beam_steps(const void *decoder, void *steps, long cols, const Choice *c, const int64_t *tokens,
+               const int64_t *start, long A, long K, const int64_t *history, long t, const float *scores,
+               double *host, float *alive_scores, int64_t *alive_tokens, const int64_t *ancestry,
+               long ancestry_row, long written, long length, int64_t *tables, const double *totals,
+               int64_t *histories, double *all_totals, long most, int wake, int wide, long *taken) {
+  const long rows = A * K, table = rows * (length + most), row = rows * (t + most);
+  int64_t *next_tokens = malloc(sizeof(int64_t) * rows + 64);
+  float *next_scores = malloc(sizeof(float) * A * K + 64);
+  int answer = -1;
+  long i = 0;
+  while (next_tokens && next_scores && i < most) {
+    const long h = i % 2; /* this step's half of the answers' buffers */
+    answer = beam_step(decoder, steps, cols, c, tokens, start, A, K, history, t + i, scores, host,
+                       alive_scores, alive_tokens, ancestry, ancestry_row, written, length + i,
+                       tables + h * table, totals, histories + h * row, all_totals + h * row, wide);
+    i++;
+    if (answer != 1 || i == most || readable(wake)) break;
+    memcpy(next_tokens, alive_tokens, sizeof(int64_t) * rows);
+    memcpy(next_scores, alive_scores, sizeof(float) * rows);
+    tokens = next_tokens, scores = next_scores;
+    history = histories + h * row, totals = all_totals + h * row;
+    ancestry = tables + h * table, ancestry_row = written = length + i;
+    move_step(steps, length + i, ancestry, ancestry_row, written);
+  }
+  *taken = i;
+  free(next_tokens);
+  free(next_scores);
+  return answer;
 }

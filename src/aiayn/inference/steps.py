@@ -139,16 +139,21 @@ class DecoderState:
         return logits
 
     def beam_step(self, token: Tensor, scores: Tensor, history: np.ndarray,
-                  totals: np.ndarray | None = None
-                  ) -> tuple[Tensor, Tensor, Candidates | Followed] | None:
+                  totals: np.ndarray | None = None, most: int = 1, wake: int | None = None
+                  ) -> tuple[Tensor, Tensor, Candidates | Followed, Followed | None] | None:
         """``next_logits`` and ``expand`` in one call of the output kernel's ``beam_step``
         (the int8 engine's: the same kernels, its final layer norm in C, equal up to
         rounding), for the (A, K) newest ``token`` and live ``scores``; None where there is
         none or it does not take this step. With the rows' ``totals`` (``Rows``) the kernel
         also follows every beam: a step at which nothing ends answers ``Followed`` (``go_on``),
-        any other ``Candidates`` with it (``advance`` takes it where every sentence goes on)."""
+        any other ``Candidates`` with it (``advance`` takes it where every sentence goes on).
+        With totals, a kernel that repeats its step (``again``) takes up to ``most`` steps in
+        one call while nothing ends and nothing arrives on the file descriptor ``wake``: the
+        fourth answer is then the rows' history and totals before the last (``Followed``; the
+        cache has followed those steps), else None."""
         K = scores.size(1)
-        answer = None if self.again is None else self.again(token.view(-1), scores, history, totals)
+        answer = (None if self.again is None else
+                  self.again(token.view(-1), scores, history, totals, most, wake))
         if answer is None:
             own = getattr(self.kernel, "beam_step", None)
             if own is None or self.cache is None:
@@ -158,12 +163,13 @@ class DecoderState:
                          self._never, self.no_repeat_ngram, self._to_column, self.ids, width, C, totals)
             if answer is None:
                 return None
-        host, scores, token, rows, self.followed, self.again = answer
+        host, scores, token, rows, self.followed, self.again, earlier = answer
         followed = None if rows is None else Followed(*rows[:2])
+        earlier = None if earlier is None else Followed(*earlier)
         if rows is not None and rows[2]:  # nothing ends
-            return scores, token, followed
+            return scores, token, followed, earlier
         return scores, token, _candidates(host, candidate_widths(K, self.rows[0].size(0))[1], K,
-                                          followed)
+                                          followed), earlier
 
     def follow(self) -> None:
         """Every row takes the beam a fused ``beam_step`` chose for it, every sentence
@@ -392,18 +398,26 @@ def _candidates(host: np.ndarray, C: int, K: int, followed: Followed | None = No
 
 
 def decode_and_choose(step: int, token: Tensor, scores: Tensor, state: DecoderState, rows: Rows,
-                      sampling: Sampling | None, given: Given | None = None, use_cache: bool = True
+                      sampling: Sampling | None, given: Given | None = None, use_cache: bool = True,
+                      most: int = 1, wake: int | None = None
                       ) -> tuple[Tensor, Tensor, Candidates | Followed]:
     """A step from the (A, K) newest tokens to its choice: ``state.next_logits`` of the
     rows, then ``choose``; a beam step that no prefix rules, with an output kernel that does
     both at once (``DecoderState.beam_step``: the int8 engine's), in one call of it, which
     answers ``Followed`` where nothing ends at this step (no sentence is at its limit, and
-    the kernel finds no EOS among any sentence's best K and a live beam in each)."""
+    the kernel finds no EOS among any sentence's best K and a live beam in each). There,
+    up to ``most`` steps while nothing ends and nothing arrives on the file descriptor
+    ``wake`` (none reaching a sentence's limit): ``rows`` then hold every step but the last,
+    whose choice this answers (its number: ``rows.history``'s columns + 1)."""
     if sampling is None and given is None and use_cache:
-        answer = state.beam_step(token, scores, rows.history,
-                                 rows.totals if step < rows.soonest else None)
+        quiet = step < rows.soonest
+        answer = state.beam_step(token, scores, rows.history, rows.totals if quiet else None,
+                                 min(most, rows.soonest - step) if quiet else 1, wake)
         if answer is not None:
-            return answer
+            scores, token, host, earlier = answer
+            if earlier is not None:  # the steps before the last went on (``go_on``)
+                rows.history, rows.totals = earlier
+            return scores, token, host
     logits = state.next_logits(rows.decoder_input(token.reshape(-1), use_cache), rows.history,
                                None if given is None else given.rows)
     return choose(step, logits, scores, state, rows, sampling, given)
