@@ -125,6 +125,30 @@ def test_a_lane_answers_each_sentence_with_its_own_requests_nbest(translator):
             [score for _, score in want[:len(got)]], abs=1e-5)
 
 
+def test_the_jobs_of_one_search_in_a_round_join_it_in_one_add(translator, monkeypatch):
+    """Jobs of the same search that arrive between two steps join it together (one add:
+    one encoding, one join of the cache), each sentence answered as alone; a job that
+    cannot join (a prefix of an id the model has not got) fails alone, the others join."""
+    real, adds = JoinableSearch.add, []
+    monkeypatch.setattr(JoinableSearch, "add",
+                        lambda self, keys, *a, **k: adds.append(list(keys)) or real(self, keys, *a, **k))
+    lane, search = LaneSearches(translator.model), Search(2, 0.6)
+    ids = translator.prepare(["red green", "sun moon", "blue"]).ids
+    first = lane.round([(search, [1], ids[:1], [[]], [1]), (search, [2], ids[1:2], [[]], [1])])
+    assert adds == [[1, 2]] and not first.failed
+    adds.clear()
+    second = lane.round([(search, [3], ids[2:], [[]], [1]), (search, [4], ids[:1], [[10 ** 6]], [1])])
+    assert adds == [[3, 4], [3], [4]] and [ids for ids, _ in second.failed] == [[4]]
+    done = dict(first.done) | dict(second.done)
+    for _ in range(200):
+        if len(done) == 3:
+            break
+        done.update(lane.round([]).done)
+    for key, text in ((1, "red green"), (2, "sun moon"), (3, "blue")):
+        got = translator.finish(translator.prepare([text]), [done[key]], 1)[0][0][0]
+        assert got == translator.translate([text], translator.resolve(beam=2, alpha=0.6))[0]
+
+
 def test_a_sentence_whose_add_failed_midway_does_not_stop_its_lane(translator, monkeypatch):
     """An add that fails after its rows joined the search fails its sentences (the server
     answers their requests with the error); should such a sentence still finish, the lane

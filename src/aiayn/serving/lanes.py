@@ -48,6 +48,9 @@ from aiayn.serving.pipes import CAN_COUNT_UNREAD, Frames, arrival_check, unread_
 
 log = logging.getLogger(__name__)
 Key = Search  # a request's resolved search: only equal ones (nbest aside) share a search
+# A lane's process steps a search up to this many times in one call of the int8 kernel while
+# nothing ends and nothing arrives on its pipe (``JoinableSearch.step``): a bound, not a wait.
+QUIET_STEPS = 32
 # (settings, sentence ids, source ids, target prefixes: [] where none, hypotheses each
 # sentence's request keeps: its nbest, which searches of equal settings need not share)
 Adds = list[tuple[Key, list[int], list[list[int]], list[list[int]], list[int]]]
@@ -81,26 +84,36 @@ class LaneSearches:
         # the others never cross to the server (at beam 4, nbest 1: two thirds of the bytes).
         self.members: dict[Key, dict[int, int]] = {}
 
-    def round(self, adds: Adds, removes: Sequence[int] = ()) -> Round:
-        """Add the sentences of ``adds`` to their searches, take the sentences ``removes``
-        out (their requests are gone), then step every search once. A failure fails only the
-        sentences it touched: those added, or, in a step, every sentence of that search
-        (which then starts empty)."""
+    def round(self, adds: Adds, removes: Sequence[int] = (), wake: int | None = None) -> Round:
+        """Add the sentences of ``adds`` to their searches (a search's jobs in one add: one
+        encoding, one join of its cache), take the sentences ``removes`` out (their requests
+        are gone), then step every search once; with ``wake`` (the lane's pipe), up to
+        ``QUIET_STEPS`` steps while no hypothesis ends and nothing arrives there. A failure
+        fails only the sentences it touched: those of a job that could not join, or, in a
+        step, every sentence of that search (which then starts empty)."""
         if torch.get_num_threads() != 1:
             torch.set_num_threads(1)
         started = time.monotonic()
-        result = Round()
-        for key, sentences, sources, prefixes, kept in adds:
+        result, by_search = Round(), {}
+        for key, *job in adds:  # each search's jobs, in the order they came
+            by_search.setdefault(key, []).append(job)
+        for key, jobs in by_search.items():
             search = self.searches.get(key)
             if search is None:
                 search = self.searches[key] = JoinableSearch(self.model, key, self.kernel)
                 self.members[key] = {}
+            live = len(search)
             try:
-                with self._autocast():
-                    search.add(sentences, pad(sources), prefixes)
-                self.members[key].update(zip(sentences, kept, strict=True))
+                self._add(key, jobs)
             except Exception as exc:
-                result.failed.append((sentences, exc))
+                if len(jobs) == 1 or len(search) != live:  # alone, or midway: all of them fail
+                    result.failed.append(([s for job in jobs for s in job[0]], exc))
+                    continue
+                for job in jobs:  # each on its own: only one that cannot join fails
+                    try:
+                        self._add(key, [job])
+                    except Exception as exc:
+                        result.failed.append((job[0], exc))
         for key, search in self.searches.items():  # after the adds: those sent before
             members = self.members[key]
             if gone := members.keys() & set(removes):
@@ -109,11 +122,12 @@ class LaneSearches:
                     del members[sentence]
         for key, search in list(self.searches.items()):
             if len(search):
-                result.steps += 1
-                result.step_sentences += len(search)
+                live = len(search)
                 try:
                     with self._autocast():
-                        done = search.step()
+                        done = search.step() if wake is None else search.step(QUIET_STEPS, wake)
+                    result.steps += search.taken
+                    result.step_sentences += live * search.taken
                 except Exception as exc:
                     result.failed.append((sorted(self.members[key]), exc))
                     search, done = JoinableSearch(self.model, key, self.kernel), []
@@ -126,6 +140,14 @@ class LaneSearches:
                 del self.searches[key], self.members[key]
         result.seconds = time.monotonic() - started
         return result
+
+    def _add(self, key: Key, jobs: list[tuple]) -> None:
+        """The sentences of ``jobs`` (``Adds``' tuples less the key) join ``key``'s search."""
+        sentences = [s for job in jobs for s in job[0]]
+        with self._autocast():
+            self.searches[key].add(sentences, pad([s for job in jobs for s in job[1]]),
+                                   [p for job in jobs for p in job[2]])
+        self.members[key].update(zip(sentences, (n for job in jobs for n in job[3]), strict=True))
 
     def close(self) -> None:
         self.searches.clear()
@@ -443,7 +465,7 @@ def _lane_main(conn, cfg, state: dict, kernel, bf16: bool, int8: bool) -> None:
 def _lane_loop(conn, lane: LaneSearches) -> None:
     """``_lane_main``'s decoding, until told to stop or the server is gone."""
     steps, sentences, seconds = 0, 0, 0.0
-    arrived = arrival_check(conn)
+    arrived, wake = arrival_check(conn), conn.fileno()
     while True:
         adds: Adds = []
         removes: list[int] = []
@@ -456,7 +478,7 @@ def _lane_loop(conn, lane: LaneSearches) -> None:
                 removes.extend(message[1])
         except (EOFError, OSError):
             return
-        result = lane.round(adds, removes)
+        result = lane.round(adds, removes, wake)
         steps, sentences = steps + result.steps, sentences + result.step_sentences
         seconds += result.seconds
         if result.done or result.failed or result.ended:
