@@ -12,7 +12,9 @@ also says what share of the time a step spends in the kernels' one call (the res
 is Python around it), what share joining sentences (encoding each, adding its rows), and the
 microseconds of Python around the call at a quiet step (the search only follows its beams)
 and at a step where sentences end or just joined or ended (settling them, taking them out of
-the rows and the cache, making the kernel's places again).
+the rows and the cache, making the kernel's places again). As a lane's process does, a call
+takes up to ``--quiet-steps`` steps while nothing ends (a call's Python is shared by its
+steps); ``--quiet-steps 1`` times one step a call.
 
     python benchmarks/lane_steps.py --run-dir runs/demo --int8 --limit 120 --sizes 1,4,16,32
 """
@@ -42,6 +44,7 @@ from aiayn.data.batching import pad  # noqa: E402
 from aiayn.inference import native  # noqa: E402
 from aiayn.inference.joinable import JoinableSearch  # noqa: E402
 from aiayn.inference.translator import Translator  # noqa: E402
+from aiayn.serving.lanes import QUIET_STEPS  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None):
@@ -52,6 +55,9 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--alpha", type=float, default=0.6)
     p.add_argument("--int8", action="store_true", help="decode with aiayn's int8 engine")
+    p.add_argument("--quiet-steps", type=int, default=QUIET_STEPS,
+                   help="steps a call may take while nothing ends (int8; default the lanes' "
+                        f"{QUIET_STEPS}; 1: a call a step)")
     add_repeats_option(p, 3)
     add_json_option(p)
     return p.parse_args(argv)
@@ -70,26 +76,30 @@ class Clock:
         self.quiet, self.changed = [0, 0.0], [0, 0.0]
 
     def __enter__(self) -> Clock:
-        self.beam_step = native.beam_step
+        self.calls = {name: getattr(native, name) for name in ("beam_step", "beam_steps")}
+        for name, call in self.calls.items():
+            setattr(native, name, self._timed(call))
+        return self
 
+    def _timed(self, call):
         def timed(*args, **kwargs):
             start = time.perf_counter()
             try:
-                return self.beam_step(*args, **kwargs)
+                return call(*args, **kwargs)
             finally:
                 self.kernel += time.perf_counter() - start
-
-        native.beam_step = timed
-        return self
+        return timed
 
     def __exit__(self, *exc) -> None:
-        native.beam_step = self.beam_step
+        for name, call in self.calls.items():
+            setattr(native, name, call)
 
 
-def lane(translator: Translator, search, ids: list[list[int]], size: int,
+def lane(translator: Translator, search, ids: list[list[int]], size: int, most: int,
          clock: Clock | None = None) -> int:
-    """Decode ``ids`` as a lane does, ``size`` sentences in the search at a time; the steps.
-    ``clock``: add the joining's seconds and each step's Python to it."""
+    """Decode ``ids`` as a lane does, ``size`` sentences in the search at a time, up to
+    ``most`` quiet steps a call; the steps. ``clock``: add the joining's seconds and each
+    call's Python to it (a call of several steps counts them all)."""
     joinable, sent, done, steps = JoinableSearch(translator.model, search, translator.kernel), 0, 0, 0
     changed = True  # a step after sentences joined or ended
     with torch.inference_mode():  # as a lane's process holds it
@@ -102,12 +112,12 @@ def lane(translator: Translator, search, ids: list[list[int]], size: int,
                 sent += 1
                 changed = True
             start, kernel = time.perf_counter(), clock.kernel if clock is not None else 0.0
-            ended = joinable.step()
+            ended = joinable.step(most)
             if clock is not None:
                 part = clock.changed if changed or ended else clock.quiet
-                part[0] += 1
+                part[0] += joinable.taken
                 part[1] += time.perf_counter() - start - (clock.kernel - kernel)
-            done, steps, changed = done + len(ended), steps + 1, bool(ended)
+            done, steps, changed = done + len(ended), steps + joinable.taken, bool(ended)
     return steps
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
@@ -117,8 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     sources = [src for src, _ in run_pairs(args)]
     ids = translator.tokenizers.encode_src(translator.tagged(sources))
     sizes = [int(s) for s in args.sizes.split(",")]
-    steps = {size: lane(translator, search, ids, size) for size in sizes}  # also the warm-up
-    times = interleave({size: (lambda size=size: lane(translator, search, ids, size))
+    most = args.quiet_steps
+    steps = {size: lane(translator, search, ids, size, most) for size in sizes}  # also the warm-up
+    times = interleave({size: (lambda size=size: lane(translator, search, ids, size, most))
                         for size in sizes}, args.repeats, warmup=0)
     seconds = {size: median(sum(rep) for rep in times[size]) for size in sizes}
     per_sentence = {size: 1e3 * seconds[size] / len(ids) for size in sizes}
@@ -126,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     for size in sizes:
         with Clock() as clock:
             start = time.perf_counter()
-            lane(translator, search, ids, size, clock)
+            lane(translator, search, ids, size, most, clock)
             parts[size] = (clock, time.perf_counter() - start)
     rows = [[str(size), str(steps[size]), f"{1e3 * seconds[size] / steps[size]:.3f}",
              (f"{clock.kernel / total:.0%}" if clock.kernel else "–"),
@@ -139,8 +150,9 @@ def main(argv: list[str] | None = None) -> None:
                   f"{args.beam}, alpha {args.alpha}, {'int8' if args.int8 else 'fp32'}, one thread; "
                   f"median of {args.repeats} interleaved repetitions (a sentence's time includes "
                   f"its joining); the shares of the time in the kernels' one call a step (int8) "
-                  f"and in joining, and a step's Python around that call (int8: a quiet step, "
-                  f"nothing joined or ended since the last; a step at or after a change), from one "
+                  f"and in joining, and a step's Python around that call (int8, up to {most} quiet "
+                  f"steps a call: a quiet step, nothing joined or ended since the last; a step at "
+                  f"or after a change), from one "
                   f"more run of each size\ndevice: {device_description()}")
     print_table(["sentences in the search", "steps", "ms a step", "in the kernels' call",
                  "joining", "ms joining a sentence", "us of Python a quiet step",
