@@ -943,16 +943,21 @@ def joined_two_at_a_time(model: Transformer, search: Search, src: torch.Tensor, 
     return got, taken
 
 
-@pytest.mark.parametrize("guard", [0, 2], ids=["no-guard", "guard-2"])
-def test_quiet_steps_taken_in_one_call_are_the_steps_taken_one_at_a_time(guard):
+@pytest.mark.parametrize("guard, a, b, eos", [(0, 1.0, 20, 3.0), (2, 1.0, 20, 3.0), (0, 0.5, 2, -20.0)],
+                         ids=["no-guard", "guard-2", "no-eos-short-limits"])
+def test_quiet_steps_taken_in_one_call_are_the_steps_taken_one_at_a_time(guard, a, b, eos):
     """A search's steps while nothing ends may go in one call of the kernel
-    (``JoinableSearch.step(most)``): with sentences joining as others end, and with the
-    repetition guard, every sentence gets the same hypotheses, scores and per-token
-    log-probabilities as from one step a call (the same kernels: equal floats), in as many
-    steps, some calls taking several."""
-    model = int8_model(sharp_model(True, False))
+    (``JoinableSearch.step(most)``): with sentences joining as others end, with the
+    repetition guard, and with sentences that never choose EOS and end at their length
+    limits (a call must stop before a sentence's last step), every sentence gets the same
+    hypotheses, scores and per-token log-probabilities as from one step a call (the same
+    kernels: equal floats), in as many steps, some calls taking several."""
+    model = sharp_model(True, False)
+    with torch.no_grad():
+        model.generator.proj.bias[EOS_ID] = eos
+    model = int8_model(model)
     src = random_sources([9, 6, 8, 12, 5, 7], vocab=40, seed=4)
-    search = Search(4, 0.6, no_repeat_ngram=guard, max_len_b=20)
+    search = Search(4, 0.6, no_repeat_ngram=guard, max_len_a=a, max_len_b=b)
     one, one_taken = joined_two_at_a_time(model, search, src, 1)
     several, taken = joined_two_at_a_time(model, search, src, 8)
     assert several == one and len(one) == len(src)

@@ -139,7 +139,11 @@ def test_the_jobs_of_one_search_in_a_round_join_it_in_one_add(translator, monkey
     adds.clear()
     second = lane.round([(search, [3], ids[2:], [[]], [1]), (search, [4], ids[:1], [[10 ** 6]], [1])])
     assert adds == [[3, 4], [3], [4]] and [ids for ids, _ in second.failed] == [[4]]
-    done = dict(first.done) | dict(second.done)
+    adds.clear()
+    again = lane.round([(search, [5], ids[:1], [[]], [1]), (search, [5], ids[1:2], [[]], [1])])
+    assert adds == [[5, 5], [5], [5]] and [ids for ids, _ in again.failed] == [[5]]  # once only
+    done = dict(first.done) | dict(second.done) | dict(again.done)
+    done.update(lane.round([], removes=[5]).done)
     for _ in range(200):
         if len(done) == 3:
             break
@@ -147,6 +151,36 @@ def test_the_jobs_of_one_search_in_a_round_join_it_in_one_add(translator, monkey
     for key, text in ((1, "red green"), (2, "sun moon"), (3, "blue")):
         got = translator.finish(translator.prepare([text]), [done[key]], 1)[0][0][0]
         assert got == translator.translate([text], translator.resolve(beam=2, alpha=0.6))[0]
+
+
+def test_a_lane_given_its_pipe_takes_quiet_steps_several_to_a_call(run_dir):
+    """With its pipe as ``wake`` (as a lane's process steps), an int8 lane takes a search's
+    steps several to a round while nothing ends and nothing arrives: the same answers as a
+    step a round, in as many steps (``Round.steps``, what /stats counts) over fewer rounds;
+    with something to read on the pipe, a step a round."""
+    translator = Translator.from_pretrained(run_dir, int8=True)
+    search = Search(4, 0.6)
+    texts = [" ".join(["red green blue"] * 4), "sun moon star tree river", "blue", "tree sun"]
+    sources = translator.prepare(texts).ids
+
+    def decoded(wake: int | None) -> tuple[dict, int, int]:
+        lane = LaneSearches(translator.model, kernel=translator.kernel)
+        rounds = [lane.round([(search, [0, 1, 2, 3], sources, [[]] * 4, [4] * 4)], wake=wake)]
+        while len(done := {k: h for r in rounds for k, h in r.done}) < len(texts):
+            rounds.append(lane.round([], wake=wake))
+        return done, sum(r.steps for r in rounds), len(rounds)
+
+    quiet, woken = os.pipe(), os.pipe()
+    os.write(woken[1], b"x")
+    try:
+        alone, steps, rounds = decoded(None)
+        together, together_steps, fewer = decoded(quiet[0])
+        interrupted, _, each = decoded(woken[0])
+    finally:
+        for fd in (*quiet, *woken):
+            os.close(fd)
+    assert together == alone == interrupted and together_steps == steps
+    assert fewer < rounds == each == steps
 
 
 def test_a_sentence_whose_add_failed_midway_does_not_stop_its_lane(translator, monkeypatch):

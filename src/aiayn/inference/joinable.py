@@ -78,10 +78,12 @@ class JoinableSearch:
     def add(self, keys: list[int], src: Tensor,
             prefixes: Sequence[Sequence[int]] | None = None) -> None:
         """Sentences ``src`` ((n, S) padded source ids), known by ``keys``, join the search;
-        ``prefixes``: the target tokens each starts with (``decode_beam``'s)."""
+        ``prefixes``: the target tokens each starts with (``decode_beam``'s). Keys that are
+        not new and prefixes the model cannot write raise a ValueError before anything
+        changes, as do ids outside int8's tables (the sentences are encoded before they join)."""
         if not keys:
             return
-        if len(keys) != src.size(0) or set(keys) & set(self.finished):
+        if len(keys) != src.size(0) or len(set(keys)) < len(keys) or set(keys) & set(self.finished):
             raise ValueError("add needs one new key per source row")
         if prefixes is not None:
             check_prefixes(self.model, prefixes)

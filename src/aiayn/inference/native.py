@@ -643,7 +643,7 @@ def beam_steps(decoder: DecoderWeights, places: ctypes.Array, choice: Choice, to
     rows, t = A * K, history.shape[1]
     if history.shape != (rows, t) or totals.shape != history.shape or most < 1:
         raise ValueError(f"history and totals must be ({rows}, t), a row per beam, for 1 step or more")
-    _check_ancestry(ancestry, rows)
+    _check_ancestry(ancestry, rows, length)
     ancestry = ancestry if ancestry is not None and ancestry.numel() else None
     history = np.ascontiguousarray(history, dtype=np.int64)
     totals = np.ascontiguousarray(totals, dtype=np.float64)
@@ -675,10 +675,12 @@ def beam_steps(decoder: DecoderWeights, places: ctypes.Array, choice: Choice, to
             answer(steps - 2) if steps > 1 else None)
 
 
-def _check_ancestry(ancestry: Tensor | None, rows: int) -> None:
+def _check_ancestry(ancestry: Tensor | None, rows: int, length: int) -> None:
     if ancestry is not None and ancestry.numel() and (
-            ancestry.shape[0] != rows or ancestry.dtype != torch.long or ancestry.stride(1) != 1):
-        raise ValueError(f"ancestry must be its store's ({rows}, positions) int64 slots, unit column stride")
+            ancestry.shape[0] != rows or ancestry.size(1) > length or ancestry.dtype != torch.long
+            or ancestry.stride(1) != 1):
+        raise ValueError(f"ancestry must be its store's ({rows}, up to {length} positions) int64 slots, "
+                         "unit column stride")
 
 
 def _check_step(failed: int, decoder: DecoderWeights, choice: Choice, A: int, K: int) -> None:

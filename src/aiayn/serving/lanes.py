@@ -64,7 +64,7 @@ class Round:
     done: list[tuple[int, list[Hypothesis]]] = field(default_factory=list)
     failed: list[tuple[list[int], Exception]] = field(default_factory=list)  # (sentences, why)
     ended: list[Key] = field(default_factory=list)  # searches that have no sentence left
-    steps: int = 0  # searches stepped
+    steps: int = 0  # steps its searches took (one that failed: none)
     step_sentences: int = 0  # sentences decoded in those steps
     seconds: float = 0.0  # spent in the round (or since the last report)
 
@@ -88,9 +88,11 @@ class LaneSearches:
         """Add the sentences of ``adds`` to their searches (a search's jobs in one add: one
         encoding, one join of its cache), take the sentences ``removes`` out (their requests
         are gone), then step every search once; with ``wake`` (the lane's pipe), up to
-        ``QUIET_STEPS`` steps while no hypothesis ends and nothing arrives there. A failure
-        fails only the sentences it touched: those of a job that could not join, or, in a
-        step, every sentence of that search (which then starts empty)."""
+        ``QUIET_STEPS`` steps while no hypothesis ends, nothing arrives there and no earlier
+        search of the round has finished a sentence. A failure fails only the sentences it
+        touched: those of a job refused (a ValueError, which leaves the search as it was),
+        every job of its add where it failed otherwise, or, in a step, every sentence of
+        that search (which then starts empty)."""
         if torch.get_num_threads() != 1:
             torch.set_num_threads(1)
         started = time.monotonic()
@@ -106,7 +108,7 @@ class LaneSearches:
             try:
                 self._add(key, jobs)
             except Exception as exc:
-                if len(jobs) == 1 or len(search) != live:  # alone, or midway: all of them fail
+                if len(jobs) == 1 or not isinstance(exc, ValueError) or len(search) != live:
                     result.failed.append(([s for job in jobs for s in job[0]], exc))
                     continue
                 for job in jobs:  # each on its own: only one that cannot join fails
@@ -125,7 +127,8 @@ class LaneSearches:
                 live = len(search)
                 try:
                     with self._autocast():
-                        done = search.step() if wake is None else search.step(QUIET_STEPS, wake)
+                        quiet = wake is None or result.done or result.failed  # answers wait
+                        done = search.step() if quiet else search.step(QUIET_STEPS, wake)
                     result.steps += search.taken
                     result.step_sentences += live * search.taken
                 except Exception as exc:
