@@ -48,9 +48,7 @@ from aiayn.serving.pipes import CAN_COUNT_UNREAD, Frames, arrival_check, unread_
 
 log = logging.getLogger(__name__)
 Key = Search  # a request's resolved search: only equal ones (nbest aside) share a search
-# A lane's process steps a search up to this many times in one call of the int8 kernel while
-# nothing ends and nothing arrives on its pipe (``JoinableSearch.step``): a bound, not a wait.
-QUIET_STEPS = 32
+QUIET_STEPS = 32  # a lane process's steps in one call while nothing ends or arrives: a bound
 # (settings, sentence ids, source ids, target prefixes: [] where none, hypotheses each
 # sentence's request keeps: its nbest, which searches of equal settings need not share)
 Adds = list[tuple[Key, list[int], list[list[int]], list[list[int]], list[int]]]
