@@ -125,8 +125,8 @@ class LaneSearches:
                 live = len(search)
                 try:
                     with self._autocast():
-                        quiet = wake is None or result.done or result.failed  # answers wait
-                        done = search.step() if quiet else search.step(QUIET_STEPS, wake)
+                        singly = wake is None or result.done or result.failed  # answers wait
+                        done = search.step() if singly else search.step(QUIET_STEPS, wake)
                     result.steps += search.taken
                     result.step_sentences += live * search.taken
                 except Exception as exc:
