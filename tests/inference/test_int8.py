@@ -929,18 +929,23 @@ def test_a_sentence_leaving_as_another_joins_is_not_stepped_on_the_old_places(mo
 
 
 def joined_two_at_a_time(model: Transformer, search: Search, src: torch.Tensor, most: int,
-                         wake: int | None = None) -> tuple[dict, list[int]]:
+                         wake: int | None = None) -> tuple[dict, list[int], list[int]]:
     """Each sentence's (ids, score, log-probs) lists from a search that holds two sentences,
-    the next joining as one ends, stepped with ``most``; and the steps each call took."""
-    joinable, got, sent, taken = JoinableSearch(model, search, Int8Output(model.generator)), {}, 0, []
+    the next joining as one ends, stepped with ``most``; the steps each call took, and those
+    of each call right after a sentence joined."""
+    joinable, got, sent = JoinableSearch(model, search, Int8Output(model.generator)), {}, 0
+    taken, after_join = [], []
     while len(got) < len(src):
-        if sent < len(src) and len(joinable) < 2:
+        joined = sent < len(src) and len(joinable) < 2
+        if joined:
             joinable.add([sent], src[sent:sent + 1])
             sent += 1
         for key, hyps in joinable.step(most, wake):
             got[key] = [(h.ids, h.score, h.log_probs) for h in hyps]
         taken.append(joinable.taken)
-    return got, taken
+        if joined:
+            after_join.append(joinable.taken)
+    return got, taken, after_join
 
 
 @pytest.mark.parametrize("guard, a, b, eos", [(0, 1.0, 20, 3.0), (2, 1.0, 20, 3.0), (0, 0.5, 2, -20.0)],
@@ -951,17 +956,21 @@ def test_quiet_steps_taken_in_one_call_are_the_steps_taken_one_at_a_time(guard, 
     repetition guard, and with sentences that never choose EOS and end at their length
     limits (a call must stop before a sentence's last step), every sentence gets the same
     hypotheses, scores and per-token log-probabilities as from one step a call (the same
-    kernels: equal floats), in as many steps, some calls taking several."""
+    kernels: equal floats), in as many steps, some calls taking several: where hypotheses end
+    only at the limits, a call right after a sentence joined among them (the step that makes
+    the kernel's places anew)."""
     model = sharp_model(True, False)
     with torch.no_grad():
         model.generator.proj.bias[EOS_ID] = eos
     model = int8_model(model)
     src = random_sources([9, 6, 8, 12, 5, 7], vocab=40, seed=4)
     search = Search(4, 0.6, no_repeat_ngram=guard, max_len_a=a, max_len_b=b)
-    one, one_taken = joined_two_at_a_time(model, search, src, 1)
-    several, taken = joined_two_at_a_time(model, search, src, 8)
+    one, one_taken, _ = joined_two_at_a_time(model, search, src, 1)
+    several, taken, after_join = joined_two_at_a_time(model, search, src, 8)
     assert several == one and len(one) == len(src)
     assert set(one_taken) == {1} and sum(taken) == sum(one_taken) and max(taken) > 1
+    if eos < 0:  # nothing ends before the limits: a call after a join has quiet steps too
+        assert max(after_join) > 1
 
 
 def test_a_call_of_several_steps_stops_once_something_arrives():
@@ -975,8 +984,8 @@ def test_a_call_of_several_steps_stops_once_something_arrives():
     woken, written = os.pipe()
     os.write(written, b"x")
     try:
-        expected, taken = joined_two_at_a_time(model, search, src, 8, quiet)
-        got, woken_taken = joined_two_at_a_time(model, search, src, 8, woken)
+        expected, taken, _ = joined_two_at_a_time(model, search, src, 8, quiet)
+        got, woken_taken, _ = joined_two_at_a_time(model, search, src, 8, woken)
     finally:
         for fd in (quiet, empty, woken, written):
             os.close(fd)

@@ -70,12 +70,13 @@ class Int8Output:
 
     def beam_step(self, model: nn.Module, tokens: Tensor, scores: Tensor, src_pad: Tensor, cache,
                   history, never, n_gram: int, to_column: Tensor | None, ids: Tensor | None, width: int,
-                  candidates: int, totals=None):
+                  candidates: int, totals=None, most: int = 1, wake: int | None = None):
         """A whole beam step of ``model`` (``int8_model``'s) in one call of aiayn's kernel
         (``NativeTransformer.beam_step``): the step's decoding, masks (``never``, the guard's
         ``n_gram`` over ``history``), top ``width`` and ``candidates``; its answer
         (``beam_choose``'s, the rows followed, the cache's slot table and the ``StepAgain``
-        that repeats the step), or None where it does not take it.
+        that repeats the step), or None where it does not take it; with ``totals``, up to
+        ``most`` steps while nothing ends or arrives on ``wake`` (``StepAgain``'s).
         ``steps.DecoderState.beam_step`` calls it."""
         if not isinstance(model, NativeTransformer) or candidates > native.MAX_CANDIDATES:
             return None
@@ -84,7 +85,8 @@ class Int8Output:
         if seen is None or seen[0] != key or seen[1] is not to_column or seen[2] is not ids:
             seen = self._choice = (key, to_column, ids,
                                    native.choice(never, n_gram, to_column, ids, width, candidates))
-        return model.beam_step(self.product, seen[3], tokens, scores, src_pad, cache, history, totals)
+        return model.beam_step(self.product, seen[3], tokens, scores, src_pad, cache, history, totals,
+                               most, wake)
 
     def beam_choose(self, best: Tensor, columns: Tensor, scores: Tensor, ids: Tensor | None,
                     width: int, candidates: int):
@@ -390,7 +392,8 @@ class NativeTransformer(Transformer):
         return seen[1]
 
     def beam_step(self, output: PackedInt8, choice: native.Choice, tokens: Tensor, scores: Tensor,
-                  src_pad: Tensor, cache, history, totals=None) -> tuple | None:
+                  src_pad: Tensor, cache, history, totals=None, most: int = 1,
+                  wake: int | None = None) -> tuple | None:
         """A whole beam step in one call of aiayn's kernel (``native.beam_step``): the (A*K,)
         newest tokens through the decoder and ``output`` (the output layer's product), the
         search's ``choice`` with its (A, K) live scores, the rows' ``history`` and ``totals``
@@ -400,7 +403,9 @@ class NativeTransformer(Transformer):
         the next step while the cache only follows, the cache one position longer; or None,
         nothing done, where the kernel does not take it (then ``decode`` and the search's own
         steps). The same kernels as ``decode``'s step and ``Int8Output``'s calls, in one: at a
-        serving lane's few rows the calls between them cost as much as the kernels."""
+        serving lane's few rows the calls between them cost as much as the kernels. ``most``,
+        ``wake``: ``StepAgain``'s, from this first step on (a lane's step after a sentence
+        joined or left need not be a call of its own)."""
         if (cache is None or not cache.indirect or cache.length == 0 or self.training
                 or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or tokens.dtype != torch.long
                 or not tokens.is_cpu or scores.dtype != torch.float32 or not scores.is_cpu):
@@ -412,7 +417,7 @@ class NativeTransformer(Transformer):
         if places is None:
             return None
         return StepAgain(decoder, choice, cache, src_mask)(tokens.contiguous(), scores.contiguous(),
-                                                          history, totals)
+                                                          history, totals, most, wake)
 
     def _step_places(self, rows: int, src_mask: Tensor, cache) -> ctypes.Array | None:
         """Each decoder layer's places for a step of ``rows`` rows (their self-attention masks

@@ -160,7 +160,8 @@ class DecoderState:
                 return None
             width, C = candidate_widths(K, self.rows[0].size(0))
             answer = own(self.model, token.reshape(-1), scores, self.src_pad, self.cache, history,
-                         self._never, self.no_repeat_ngram, self._to_column, self.ids, width, C, totals)
+                         self._never, self.no_repeat_ngram, self._to_column, self.ids, width, C, totals,
+                         most, wake)
             if answer is None:
                 return None
         host, scores, token, rows, self.followed, self.again, earlier = answer
