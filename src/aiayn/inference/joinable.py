@@ -18,6 +18,7 @@ from aiayn.inference.steps import (
     DecoderState,
     Followed,
     Hypothesis,
+    Outputs,
     Rows,
     advance,
     check_prefixes,
@@ -28,7 +29,6 @@ from aiayn.inference.steps import (
     settle,
 )
 from aiayn.model import OutputKernel, Transformer
-from aiayn.util.device import parameter_device
 
 
 class JoinableSearch:
@@ -50,20 +50,24 @@ class JoinableSearch:
     (the weights of a model being served do not change): a model trained further needs a new
     search. The guard and sampling: as ``decode_beam``'s (a sample depends on its sentence
     alone, not on when it joined). ``kernel``: the output layer's product
-    (``decode_beam``'s).
+    (``decode_beam``'s); ``outputs``: the model's ``Outputs`` with it, where another search
+    made them already (a serving lane's searches share them; a search that empties and
+    starts again keeps its own).
     """
 
     taken = 0  # the steps the last ``step`` took
 
-    def __init__(self, model: Transformer, search: Search, kernel: OutputKernel | None = None):
-        self.model, self.search, self.kernel = model, search, kernel
+    def __init__(self, model: Transformer, search: Search, kernel: OutputKernel | None = None,
+                 outputs: Outputs | None = None):
+        self.model, self.search, self.kernel, self.outputs = model, search, kernel, outputs
         self.beam, self.alpha, self.sampling = search.beam, search.alpha, search.sampling
         self._start()
 
     def _start(self) -> None:
-        K, device = self.beam, parameter_device(self.model)
         self.state = DecoderState.joinable(self.model, self.search.no_repeat_ngram,
-                                            self.kernel)
+                                            self.kernel, self.outputs)
+        self.outputs = self.state.outputs
+        K, device = self.beam, self.state.src_pad.device
         self.rows = Rows(np.zeros(0, dtype=np.int64), copies=K,
                           keys=None if self.sampling is None else np.zeros(0, np.uint64))
         self.scores = torch.zeros(0, K, device=device)

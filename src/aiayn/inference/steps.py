@@ -46,7 +46,6 @@ from aiayn.inference.sampling import ban_repeated_ngrams, sampling_distribution,
 from aiayn.inference.settings import Sampling, Search
 from aiayn.inference.topk import topk_rows
 from aiayn.model import OutputKernel, Transformer
-from aiayn.util.device import parameter_device
 
 NEVER_GENERATED = (PAD_ID, BOS_ID)
 
@@ -87,6 +86,30 @@ def length_penalty(length: int | Tensor, alpha: float) -> float | Tensor:
     return ((5 + length) / 6) ** alpha
 
 
+class Outputs(NamedTuple):
+    """What a search's steps read of the model's output layer, fixed while its weights are
+    (``outputs_of``): the token id of each column of the logits (None: column = id), the
+    columns never generated, token id -> column (None: the same), the allowed weight rows
+    (and bias) and the product that multiplies by them. A search that restarts, and the
+    searches of one serving lane, share one: selecting the rows copies the output layer."""
+
+    ids: Tensor | None
+    never: list[int]
+    to_column: Tensor | None
+    rows: tuple[Tensor, Tensor | None]
+    kernel: OutputKernel | None
+
+
+def outputs_of(model: Transformer, kernel: OutputKernel | None,
+               dtype: torch.dtype | None = None) -> Outputs:
+    """The model's ``Outputs`` now, its rows cast to ``dtype`` if given, ``kernel`` the
+    output layer's product (``for_fixed_weight``'s of it)."""
+    ids, never = _columns(model)
+    with torch.no_grad():  # a search's rows are constants, not part of a graph
+        rows = model.generator.allowed_rows(dtype)
+    return Outputs(ids, never, _to_column(model), rows, for_fixed_weight(kernel, rows[0]))
+
+
 class DecoderState:
     """The encoder output and decoder cache for the rows still being decoded.
 
@@ -108,12 +131,17 @@ class DecoderState:
         self.src_len = source_lengths(self.src_pad)  # (B,) on the host: limits, narrowing
         self.memory = model.encode(src, self.src_pad)  # encoded once, read by every beam
         self.cache = model.new_cache() if use_cache else None
-        self.ids, self._never = _columns(model)
-        self._to_column = _to_column(model)
         dtype = torch.get_autocast_dtype(src.device.type)  # cast once, not at every step
-        self.rows = model.generator.allowed_rows(  # once per search: the weights are fixed
-            dtype if torch.is_autocast_enabled(src.device.type) else None)
-        self.kernel = for_fixed_weight(kernel, self.rows[0])  # the output layer's product
+        self._take(outputs_of(model, kernel, dtype if torch.is_autocast_enabled(src.device.type)
+                              else None))
+
+    def _take(self, outputs: Outputs) -> None:
+        self.ids, self._never, self._to_column, self.rows, self.kernel = outputs
+
+    @property
+    def outputs(self) -> Outputs:
+        """The output layer's parts this state's steps read (``Outputs``)."""
+        return Outputs(self.ids, self._never, self._to_column, self.rows, self.kernel)
 
     def next_logits(self, tokens: Tensor, history: np.ndarray | None = None,
                     given: np.ndarray | None = None) -> Tensor:
@@ -202,18 +230,15 @@ class DecoderState:
 
     @classmethod
     def joinable(cls, model: Transformer, no_repeat_ngram: int = 0,
-                 kernel: OutputKernel | None = None) -> DecoderState:
+                 kernel: OutputKernel | None = None, outputs: Outputs | None = None) -> DecoderState:
         """No rows yet: sentences ``join`` it. The cross-attention K/V of every row are
-        computed when it joins, so the memory itself is not kept."""
+        computed when it joins, so the memory itself is not kept. ``outputs``: the model's
+        ``Outputs`` with ``kernel`` made already (None: made here)."""
         state = cls.__new__(cls)
         state.model, state.memory = model, None
         state.no_repeat_ngram = no_repeat_ngram
-        state.ids, state._never = _columns(model)
-        state._to_column = _to_column(model)
-        with torch.no_grad():  # a search's rows are constants, not part of a graph
-            state.rows = model.generator.allowed_rows()
-        state.kernel = for_fixed_weight(kernel, state.rows[0])
-        state.src_pad = torch.zeros(0, 0, dtype=torch.bool, device=parameter_device(model))
+        state._take(outputs if outputs is not None else outputs_of(model, kernel))
+        state.src_pad = torch.zeros(0, 0, dtype=torch.bool, device=state.rows[0].device)
         state.src_len = np.zeros(0, dtype=np.int64)
         state.cache = model.new_cache()
         return state

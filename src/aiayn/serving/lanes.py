@@ -43,6 +43,7 @@ from aiayn.inference.int8 import Int8Output, int8_decoding
 from aiayn.inference.joinable import JoinableSearch
 from aiayn.inference.search import Hypothesis
 from aiayn.inference.settings import Search
+from aiayn.inference.steps import Outputs
 from aiayn.model import OutputKernel, Transformer
 from aiayn.serving.pipes import CAN_COUNT_UNREAD, Frames, arrival_check, unread_bytes
 
@@ -81,6 +82,7 @@ class LaneSearches:
         # The sentences in each search, each with the hypotheses its request keeps (nbest):
         # the others never cross to the server (at beam 4, nbest 1: two thirds of the bytes).
         self.members: dict[Key, dict[int, int]] = {}
+        self.outputs: Outputs | None = None  # what every search reads of the output layer
 
     def round(self, adds: Adds, removes: Sequence[int] = (), wake: int | None = None) -> Round:
         """Add the sentences of ``adds`` to their searches (a search's jobs in one add: one
@@ -100,8 +102,8 @@ class LaneSearches:
         for key, jobs in by_search.items():
             search = self.searches.get(key)
             if search is None:
-                search = self.searches[key] = JoinableSearch(self.model, key, self.kernel)
-                self.members[key] = {}
+                search = self.searches[key] = JoinableSearch(self.model, key, self.kernel, self.outputs)
+                self.outputs, self.members[key] = search.outputs, {}
             live = len(search)
             try:
                 self._add(key, jobs)
@@ -115,11 +117,9 @@ class LaneSearches:
                     except Exception as exc:
                         result.failed.append((job[0], exc))
         for key, search in self.searches.items():  # after the adds: those sent before
-            members = self.members[key]
-            if gone := members.keys() & set(removes):
+            if gone := self.members[key].keys() & set(removes):
                 search.remove(gone)
-                for sentence in gone:
-                    del members[sentence]
+                self.members[key] = {s: n for s, n in self.members[key].items() if s not in gone}
         for key, search in list(self.searches.items()):
             if len(search):
                 live = len(search)
@@ -131,7 +131,7 @@ class LaneSearches:
                     result.step_sentences += live * search.taken
                 except Exception as exc:
                     result.failed.append((sorted(self.members[key]), exc))
-                    search, done = JoinableSearch(self.model, key, self.kernel), []
+                    search, done = JoinableSearch(self.model, key, self.kernel, self.outputs), []
                     self.searches[key], self.members[key] = search, {}
                 for sentence, hyps in done:
                     # (None: a sentence whose add failed midway, answered to no one)
