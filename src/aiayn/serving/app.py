@@ -394,7 +394,9 @@ def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
           f"{batcher.decode_tokens} tokens x beam, an idle server waiting up to "
           f"{max_wait_ms:g} ms; open http://{_url_host(host)}:{port}/", flush=True)
     try:
-        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+        # No access log: its lines are INFO, never shown at this level, yet uvicorn formats
+        # each request's (client address, quoted path) before the level check drops it.
+        uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
     finally:
         service.close()
 
