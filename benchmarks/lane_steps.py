@@ -69,7 +69,9 @@ class Clock:
     ``Clock`` is on): the rest of a step is the Python around that call, counted apart for
     the steps at which nothing joined or ended since the last (``quiet``: the search only
     follows its beams) and the others (``changed``: a sentence ended at it, or one joined
-    or ended just before it), as (steps, seconds)."""
+    or ended just before it), as (steps, seconds). A call that starts at a change and goes
+    on with quiet steps counts its Python at its first step, its other steps as quiet ones
+    with none of their own."""
 
     def __init__(self):
         self.joining = self.kernel = 0.0
@@ -113,10 +115,13 @@ def lane(translator: Translator, search, ids: list[list[int]], size: int, most: 
                 changed = True
             start, kernel = time.perf_counter(), clock.kernel if clock is not None else 0.0
             ended = joinable.step(most)
-            if clock is not None:
-                part = clock.changed if changed or ended else clock.quiet
-                part[0] += joinable.taken
-                part[1] += time.perf_counter() - start - (clock.kernel - kernel)
+            if clock is not None:  # a call after a change: its first step changed, the rest quiet
+                python = time.perf_counter() - start - (clock.kernel - kernel)
+                if changed or ended:
+                    clock.changed[0], clock.changed[1] = clock.changed[0] + 1, clock.changed[1] + python
+                    clock.quiet[0] += joinable.taken - 1
+                else:
+                    clock.quiet[0], clock.quiet[1] = clock.quiet[0] + joinable.taken, clock.quiet[1] + python
             done, steps, changed = done + len(ended), steps + joinable.taken, bool(ended)
     return steps
 def main(argv: list[str] | None = None) -> None:

@@ -126,27 +126,27 @@ def test_a_lane_answers_each_sentence_with_its_own_requests_nbest(translator):
 
 
 def test_a_lanes_searches_share_one_copy_of_the_output_layer(translator, monkeypatch):
-    """Selecting the output layer's rows copies it: a lane makes them once, for its first
-    search, and every other search, and a search that emptied and started again, reads the
-    same copy; the sentences of each are answered as before."""
+    """Selecting a restricted output layer's rows copies them: a lane selects them once, for
+    its first search, and every other search, and a search that emptied and started again,
+    reads the same copy; the sentences of each are answered as before."""
     real, copies = translator.model.generator.allowed_rows, []
     monkeypatch.setattr(translator.model.generator, "allowed_rows",
                         lambda *a, **k: copies.append(1) or real(*a, **k))
     lane, searches = LaneSearches(translator.model), [Search(2, 0.6), Search(3, 0.6)]
     texts = ["red green blue", "sun moon star tree"]
     sources = translator.prepare(texts)
-    done, rows = {}, set()
+    done, rows = {}, []
     for turn in range(2):  # the second turn's searches start after the first's emptied
         keys = [10 * turn + 1, 10 * turn + 2]
         adds = [(search, [key], [ids], [[]], [1]) for search, key, ids in zip(searches, keys, sources.ids)]
         done.update(lane.round(adds).done)
         for _ in range(200):
-            rows.update(id(s.state.rows[0]) for s in lane.searches.values())
+            rows.extend(s.state.rows[0] for s in lane.searches.values())
             if all(key in done for key in keys):
                 break
             done.update(lane.round([]).done)
         assert not lane.searches  # every search emptied
-    assert len(copies) == 1 and len(rows) == 1
+    assert len(copies) == 1 and all(r is rows[0] for r in rows)
     want = [translator.translate_nbest([text], translator.resolve(beam=search.beam, alpha=0.6))[0][0]
             for search, text in zip(searches, texts)]
     for key in (1, 2, 11, 12):

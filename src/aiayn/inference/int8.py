@@ -400,7 +400,8 @@ class NativeTransformer(Transformer):
         -> ``native.beam_step``'s answer (``beam_choose``'s and the rows followed, or None),
         the cache's slot table after the choice (what its ``reorder`` makes of the rows the
         choice follows: ``KVCache.reorder``'s ``ancestry``) and the ``StepAgain`` that takes
-        the next step while the cache only follows, the cache one position longer; or None,
+        the next step while the cache only follows, the cache as many positions longer as the
+        call took steps; or None,
         nothing done, where the kernel does not take it (then ``decode`` and the search's own
         steps). The same kernels as ``decode``'s step and ``Int8Output``'s calls, in one: at a
         serving lane's few rows the calls between them cost as much as the kernels. ``most``,

@@ -50,9 +50,9 @@ class JoinableSearch:
     (the weights of a model being served do not change): a model trained further needs a new
     search. The guard and sampling: as ``decode_beam``'s (a sample depends on its sentence
     alone, not on when it joined). ``kernel``: the output layer's product
-    (``decode_beam``'s); ``outputs``: the model's ``Outputs`` with it, where another search
-    made them already (a serving lane's searches share them; a search that empties and
-    starts again keeps its own).
+    (``decode_beam``'s); ``outputs``: the model's ``Outputs`` with that kernel, where a search
+    of the same model and kernel made them already (a serving lane's searches share them; a
+    search that empties and starts again keeps its own): their kernel is the one used.
     """
 
     taken = 0  # the steps the last ``step`` took
