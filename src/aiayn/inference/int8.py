@@ -401,12 +401,11 @@ class NativeTransformer(Transformer):
         the cache's slot table after the choice (what its ``reorder`` makes of the rows the
         choice follows: ``KVCache.reorder``'s ``ancestry``) and the ``StepAgain`` that takes
         the next step while the cache only follows, the cache as many positions longer as the
-        call took steps; or None,
-        nothing done, where the kernel does not take it (then ``decode`` and the search's own
-        steps). The same kernels as ``decode``'s step and ``Int8Output``'s calls, in one: at a
-        serving lane's few rows the calls between them cost as much as the kernels. ``most``,
-        ``wake``: ``StepAgain``'s, from this first step on (a lane's step after a sentence
-        joined or left need not be a call of its own)."""
+        call took steps; or None, nothing done, where the kernel does not take it (then
+        ``decode`` and the search's own steps). The same kernels as ``decode``'s step and
+        ``Int8Output``'s calls, in one: at a serving lane's few rows the calls between them
+        cost as much as the kernels. ``most``, ``wake``: ``StepAgain``'s, from this first step
+        on (a lane's step after a sentence joined or left need not be a call of its own)."""
         if (cache is None or not cache.indirect or cache.length == 0 or self.training
                 or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or tokens.dtype != torch.long
                 or not tokens.is_cpu or scores.dtype != torch.float32 or not scores.is_cpu):

@@ -178,9 +178,9 @@ class DecoderState:
         any other ``Candidates`` with it (``advance`` takes it where every sentence goes on).
         With totals, the kernel (its first step after a change, and one that repeats its step:
         ``again``) takes up to ``most`` steps in one call while nothing ends and nothing
-        arrives on the file descriptor ``wake``: the
-        fourth answer is then the rows' history and totals before the last (``Followed``; the
-        cache has followed those steps), else None."""
+        arrives on the file descriptor ``wake``: the fourth answer is then the rows' history
+        and totals before the last (``Followed``; the cache has followed those steps), else
+        None."""
         K = scores.size(1)
         answer = (None if self.again is None else
                   self.again(token.view(-1), scores, history, totals, most, wake))
