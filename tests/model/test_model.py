@@ -11,7 +11,7 @@ import torch
 from helpers import cache_walk, cross_only
 from torch import Tensor, nn
 
-from aiayn.cache import KVCache, append_positions, fold_beams, unfold_beams
+from aiayn.cache import KVCache, Store, append_positions, fold_beams, unfold_beams
 from aiayn.config import Config, ModelConfig, load_config
 from aiayn.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from aiayn.errors import AiaynError
@@ -404,6 +404,32 @@ def test_an_indirect_cache_reads_what_the_copying_one_holds():
                            indirect.start if indirect.start is not None else start)
         grown = max(grown, store.keys.size(0))
     assert grown > 4
+
+def test_a_store_that_keeps_trimming_moves_what_it_keeps_back_to_the_front_of_its_buffer():
+    """A store whose oldest positions keep being trimmed (a search that sentences keep
+    joining and leaving) reads what was written at every step, and where it reaches the end of
+    its buffer with room trimmed at the front it moves its positions back there instead of
+    taking a new buffer: a few buffers for dozens of times the end was reached."""
+    rng = torch.Generator().manual_seed(3)
+    store, B, H, d = Store(positions=8), 3, 2, 4
+    keys = values = torch.zeros(B, H, 0, d)
+    buffers, moves = set(), 0
+    for step in range(200):
+        k, v = torch.randn(B, H, 1, d, generator=rng), torch.randn(B, H, 1, d, generator=rng)
+        before = store.keys.untyped_storage().data_ptr() if store.keys is not None else None
+        at_front = store.keys is not None and store.keys.data_ptr() == before
+        store.append(k, v)
+        keys, values = torch.cat([keys, k], 2), torch.cat([values, v], 2)
+        buffer = store.keys.untyped_storage().data_ptr()
+        moves += buffer == before and not at_front and store.keys.data_ptr() == buffer
+        buffers.add(buffer)
+        if step % 4 != 3:  # three of four steps drop the oldest position: the window grows slowly
+            store.trim(1)
+            keys, values = keys[:, :, 1:], values[:, :, 1:]
+        got_k, got_v = store.gather()
+        assert torch.equal(got_k, keys) and torch.equal(got_v, values)
+    assert moves >= 10 and len(buffers) <= 6, (moves, len(buffers))
+
 
 def _pad_keys(kv: Tensor, width: int) -> Tensor:
     return torch.nn.functional.pad(kv, (0, 0, 0, width - kv.size(2)))
