@@ -52,7 +52,7 @@ from aiayn.inference.native import (
 from aiayn.inference.sampling import ban_repeated_ngrams
 from aiayn.inference.search import beam_search, decode_beam
 from aiayn.inference.settings import Search
-from aiayn.inference.steps import DecoderState, expand
+from aiayn.inference.steps import DecoderState, Rows, expand
 from aiayn.inference.translator import Translator
 from aiayn.model import Generator, HeadNorm, MultiHeadAttention, Transformer
 from aiayn.runs.directory import read_data_dir
@@ -353,8 +353,9 @@ def test_the_native_beam_choice_is_expands(K, width, restricted):
     assert torch.equal(got_scores, want_scores)
     assert torch.equal(got_token[rest], want_token[rest])
     finite = np.isfinite(want.top_scores[rest])
-    assert got.followed is None and want.followed is None  # only a fused step follows the beams
-    for name in want._fields[:-1]:
+    # only a fused step follows the beams, and only a call of several records what ends
+    assert got.followed is got.ended is want.followed is want.ended is None
+    for name in want._fields[:-2]:
         a, b = getattr(got, name)[rest], getattr(want, name)[rest]
         assert np.array_equal(a[finite] if a.shape == finite.shape else a,
                               b[finite] if b.shape == finite.shape else b), name
@@ -950,15 +951,16 @@ def joined_two_at_a_time(model: Transformer, search: Search, src: torch.Tensor, 
 
 @pytest.mark.parametrize("guard, a, b, eos", [(0, 1.0, 20, 3.0), (2, 1.0, 20, 3.0), (0, 0.5, 2, -20.0)],
                          ids=["no-guard", "guard-2", "no-eos-short-limits"])
-def test_quiet_steps_taken_in_one_call_are_the_steps_taken_one_at_a_time(guard, a, b, eos):
-    """A search's steps while nothing ends may go in one call of the kernel
-    (``JoinableSearch.step(most)``): with sentences joining as others end, with the
-    repetition guard, and with sentences that never choose EOS and end at their length
-    limits (a call must stop before a sentence's last step), every sentence gets the same
-    hypotheses, scores and per-token log-probabilities as from one step a call (the same
-    kernels: equal floats), in as many steps, some calls taking several: where hypotheses end
-    only at the limits, a call right after a sentence joined among them (the step that makes
-    the kernel's places anew)."""
+def test_quiet_steps_taken_in_one_call_are_the_steps_taken_one_at_a_time(guard, a, b, eos, monkeypatch):
+    """A search's steps while no sentence is done may go in one call of the kernel
+    (``JoinableSearch.step(most)``), the hypotheses that end meanwhile kept by the kernel:
+    with sentences joining as others end, with the repetition guard, and with sentences that
+    never choose EOS and end at their length limits (a call must stop before a sentence's
+    last step), every sentence gets the same hypotheses, scores and per-token
+    log-probabilities as from one step a call (the same kernels: equal floats), in as many
+    steps, some calls taking several: where EOS is likely, some of them past steps at which
+    hypotheses ended; where hypotheses end only at the limits, a call right after a sentence
+    joined among them (the step that makes the kernel's places anew)."""
     model = sharp_model(True, False)
     with torch.no_grad():
         model.generator.proj.bias[EOS_ID] = eos
@@ -966,11 +968,17 @@ def test_quiet_steps_taken_in_one_call_are_the_steps_taken_one_at_a_time(guard, 
     src = random_sources([9, 6, 8, 12, 5, 7], vocab=40, seed=4)
     search = Search(4, 0.6, no_repeat_ngram=guard, max_len_a=a, max_len_b=b)
     one, one_taken, _ = joined_two_at_a_time(model, search, src, 1)
+    kept, finish_ended = [], Rows.finish_ended
+    monkeypatch.setattr(Rows, "finish_ended",
+                        lambda rows, finished, ended, alpha: (kept.append(len(ended[0])),
+                                                              finish_ended(rows, finished, ended, alpha)))
     several, taken, after_join = joined_two_at_a_time(model, search, src, 8)
     assert several == one and len(one) == len(src)
     assert set(one_taken) == {1} and sum(taken) == sum(one_taken) and max(taken) > 1
     if eos < 0:  # nothing ends before the limits: a call after a join has quiet steps too
-        assert max(after_join) > 1
+        assert max(after_join) > 1 and not kept
+    else:  # hypotheses ended within calls: the kernel kept them, the same as a step a call
+        assert sum(kept) >= 3
 
 
 def test_a_call_of_several_steps_stops_once_something_arrives():

@@ -70,14 +70,15 @@ class Int8Output:
 
     def beam_step(self, model: nn.Module, tokens: Tensor, scores: Tensor, src_pad: Tensor, cache,
                   history, never, n_gram: int, to_column: Tensor | None, ids: Tensor | None, width: int,
-                  candidates: int, totals=None, most: int = 1, wake: int | None = None):
+                  candidates: int, totals=None, most: int = 1, wake: int | None = None,
+                  finished=None):
         """A whole beam step of ``model`` (``int8_model``'s) in one call of aiayn's kernel
         (``NativeTransformer.beam_step``): the step's decoding, masks (``never``, the guard's
         ``n_gram`` over ``history``), top ``width`` and ``candidates``; its answer
         (``beam_choose``'s, the rows followed, the cache's slot table and the ``StepAgain``
         that repeats the step), or None where it does not take it; with ``totals``, up to
-        ``most`` steps while nothing ends or arrives on ``wake`` (``StepAgain``'s).
-        ``steps.DecoderState.beam_step`` calls it."""
+        ``most`` steps while nothing ends or arrives on ``wake`` (``StepAgain``'s, as
+        ``finished``). ``steps.DecoderState.beam_step`` calls it."""
         if not isinstance(model, NativeTransformer) or candidates > native.MAX_CANDIDATES:
             return None
         key = (tuple(never), n_gram, width, candidates)
@@ -86,7 +87,7 @@ class Int8Output:
             seen = self._choice = (key, to_column, ids,
                                    native.choice(never, n_gram, to_column, ids, width, candidates))
         return model.beam_step(self.product, seen[3], tokens, scores, src_pad, cache, history, totals,
-                               most, wake)
+                               most, wake, finished)
 
     def beam_choose(self, best: Tensor, columns: Tensor, scores: Tensor, ids: Tensor | None,
                     width: int, candidates: int):
@@ -393,7 +394,7 @@ class NativeTransformer(Transformer):
 
     def beam_step(self, output: PackedInt8, choice: native.Choice, tokens: Tensor, scores: Tensor,
                   src_pad: Tensor, cache, history, totals=None, most: int = 1,
-                  wake: int | None = None) -> tuple | None:
+                  wake: int | None = None, finished=None) -> tuple | None:
         """A whole beam step in one call of aiayn's kernel (``native.beam_step``): the (A*K,)
         newest tokens through the decoder and ``output`` (the output layer's product), the
         search's ``choice`` with its (A, K) live scores, the rows' ``history`` and ``totals``
@@ -404,8 +405,9 @@ class NativeTransformer(Transformer):
         call took steps; or None, nothing done, where the kernel does not take it (then
         ``decode`` and the search's own steps). The same kernels as ``decode``'s step and
         ``Int8Output``'s calls, in one: at a serving lane's few rows the calls between them
-        cost as much as the kernels. ``most``, ``wake``: ``StepAgain``'s, from this first step
-        on (a lane's step after a sentence joined or left need not be a call of its own)."""
+        cost as much as the kernels. ``most``, ``wake``, ``finished``: ``StepAgain``'s, from
+        this first step on (a lane's step after a sentence joined or left need not be a call of
+        its own)."""
         if (cache is None or not cache.indirect or cache.length == 0 or self.training
                 or torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or tokens.dtype != torch.long
                 or not tokens.is_cpu or scores.dtype != torch.float32 or not scores.is_cpu):
@@ -417,7 +419,7 @@ class NativeTransformer(Transformer):
         if places is None:
             return None
         return StepAgain(decoder, choice, cache, src_mask)(tokens.contiguous(), scores.contiguous(),
-                                                          history, totals, most, wake)
+                                                          history, totals, most, wake, finished)
 
     def _step_places(self, rows: int, src_mask: Tensor, cache) -> ctypes.Array | None:
         """Each decoder layer's places for a step of ``rows`` rows (their self-attention masks
@@ -539,10 +541,12 @@ class StepAgain:
         self.memory = cache.layers[0]["cross"].get("k")
 
     def __call__(self, tokens: Tensor, scores: Tensor, history, totals=None, most: int = 1,
-                 wake: int | None = None) -> tuple | None:
+                 wake: int | None = None, finished=None) -> tuple | None:
         """The step; with ``totals`` and ``most`` > 1, up to ``most`` steps in one call of the
-        kernel while nothing ends (``native.beam_steps``), the cache as long again: the last
-        step's answer, with the rows' history and totals before it (None: it was the only)."""
+        kernel while nothing ends (``native.beam_steps``; with ``finished``, each sentence's
+        finished hypotheses, nor while hypotheses end and every sentence goes on), the cache as
+        long again: the last step's answer, with the rows' history and totals before it (None:
+        it was the only) and the hypotheses that ended before it or at it (None: none)."""
         cache, rows = self.cache, tokens.numel()
         store = cache.layers[0]["self"]["store"]  # every layer's store has the same slots
         # Whoever changes the cache otherwise drops this (``DecoderState``); these guard the
@@ -563,15 +567,15 @@ class StepAgain:
                 self.decoder, places, self.choice, tokens, start, scores, history,
                 store.ancestry, followed, totals)
             _lengthen(cache, 1)
-            return host, alive_scores, alive_tokens, rows, followed, self, None
-        host, alive_scores, alive_tokens, rows, followed, taken, earlier = native.beam_steps(
+            return host, alive_scores, alive_tokens, rows, followed, self, None, None
+        host, alive_scores, alive_tokens, rows, followed, taken, earlier, ended = native.beam_steps(
             self.decoder, places, self.choice, tokens, start, scores, history, totals,
-            store.ancestry, store.length, most, wake)
+            store.ancestry, store.length, most, wake, finished=finished)
         if earlier is not None:  # the steps before the last only followed their beams
             _lengthen(cache, taken - 1)
             cache.follow(earlier[2])
         _lengthen(cache, 1)
-        return host, alive_scores, alive_tokens, rows, followed, self, earlier and earlier[:2]
+        return host, alive_scores, alive_tokens, rows, followed, self, earlier and earlier[:2], ended
 
 
 def _lengthen(cache, positions: int) -> None:

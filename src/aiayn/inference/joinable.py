@@ -126,10 +126,11 @@ class JoinableSearch:
     def step(self, most: int = 1, wake: int | None = None) -> list[tuple[int, list[Hypothesis]]]:
         """Decode one token of every live sentence; the sentences done, with their lists.
         ``most`` > 1: where the kernel can (int8's fused step), up to ``most`` tokens in one
-        call while no hypothesis ends and nothing arrives on the file descriptor ``wake``
-        (a serving lane's pipe): the same tokens as as many steps, without the Python
-        between them. (A serving lane holds inference mode for its life: entering it again
-        at every step cost a lane ~2% of a step.)"""
+        call while no sentence is done and nothing arrives on the file descriptor ``wake`` (a
+        serving lane's pipe), the hypotheses that end meanwhile kept by the kernel: the same
+        tokens and hypotheses as as many steps, without the Python between them. (A serving
+        lane holds inference mode for its life: entering it again at every step cost a lane
+        ~2% of a step.)"""
         if torch.is_inference_mode_enabled():
             return self._step(most, wake)
         with torch.inference_mode():
@@ -146,7 +147,9 @@ class JoinableSearch:
                                                           most=most, wake=wake)
         step = rows.history.shape[1] + 1  # the last step's, where it took several
         self.taken = step - first + 1
-        if isinstance(host, Followed):  # nothing ends: every sentence goes on
+        if host.ended is not None:  # hypotheses that ended while every sentence went on
+            rows.finish_ended(self.finished, host.ended, self.alpha)
+        if isinstance(host, Followed):  # every sentence goes on
             go_on(rows, self.state, host)
             return []
         done = settle(rows, self.finished, host, step, self.alpha)

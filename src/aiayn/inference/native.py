@@ -155,7 +155,8 @@ def _library() -> ctypes.CDLL:
                                ctypes.POINTER(Choice), pointer, pointer, size, size, pointer, size,
                                pointer, pointer, pointer, pointer, pointer, size, size, size, pointer,
                                pointer, pointer, pointer, size, ctypes.c_int, ctypes.c_int,
-                               ctypes.POINTER(ctypes.c_long)]
+                               ctypes.POINTER(ctypes.c_long), pointer, ctypes.POINTER(ctypes.c_long),
+                               pointer, pointer, pointer]
     lib.beam_steps.restype = ctypes.c_int
     return lib
 
@@ -630,15 +631,20 @@ def beam_step(decoder: DecoderWeights, places: ctypes.Array, choice: Choice, tok
 def beam_steps(decoder: DecoderWeights, places: ctypes.Array, choice: Choice, tokens: Tensor,
                start: Tensor | None, scores: Tensor, history: np.ndarray, totals: np.ndarray,
                ancestry: Tensor | None, length: int, most: int, wake: int | None = None,
-               avx512: bool | None = None) -> tuple:
+               avx512: bool | None = None, finished: np.ndarray | None = None) -> tuple:
     """Up to ``most`` of ``beam_step``'s steps in one call (``search_step.c``'s beam_steps),
     each with ``totals`` and the cache's slot table followed (``ancestry``, of a store of
     ``length`` positions before the first), the next taken while the last ended nothing and
     nothing has arrived on the file descriptor ``wake`` (None: none); ``places`` move with
-    them. -> the last step's ``beam_step`` answer (host rows, survivors' scores and tokens,
+    them. With ``finished`` ((A,) the hypotheses each sentence has finished), a step at which
+    hypotheses end but no sentence is done counts as ending nothing, its hypotheses recorded.
+    -> the last step's ``beam_step`` answer (host rows, survivors' scores and tokens,
     the rows' history and totals after it and whether it ended nothing), its slot table
-    ((A*K, length + taken)), the steps taken, and the rows' history, totals and slot table
-    before it (None where it was the first): what the caller's quiet steps made of them."""
+    ((A*K, length + taken)), the steps taken, the rows' history, totals and slot table
+    before it (None where it was the first): what the caller's quiet steps made of them, and
+    the hypotheses recorded (None where none): (n, 3) their sentence (row of ``scores``),
+    history columns before their step (t) and score, and (n, >= t) the history and totals of
+    the beam each ends, before its step."""
     A, K = scores.shape
     rows, t = A * K, history.shape[1]
     if history.shape != (rows, t) or totals.shape != history.shape or most < 1:
@@ -651,7 +657,14 @@ def beam_steps(decoder: DecoderWeights, places: ctypes.Array, choice: Choice, to
     alive_scores, alive_tokens = torch.empty(A, K), torch.empty(A, K, dtype=torch.long)
     tables = torch.empty(2, rows * (length + most), dtype=torch.long)  # the answers of steps in turn
     histories, all_totals = np.empty((2, rows * (t + most)), dtype=np.int64), np.empty((2, rows * (t + most)))
-    taken = ctypes.c_long(0)
+    taken, n_ended = ctypes.c_long(0), ctypes.c_long(0)
+    counts = ended = ended_ids = ended_totals = None
+    if finished is not None:
+        counts = np.array(finished, dtype=np.int64)  # a copy: the kernel counts the recorded in
+        if counts.shape != (A,):
+            raise ValueError(f"finished must count each of the {A} sentences' hypotheses")
+        ended = np.empty((rows, 3))  # at most K - 1 a sentence: one more and it would be done
+        ended_ids, ended_totals = np.empty((rows, t + most), dtype=np.int64), np.empty((rows, t + most))
     failed = _library().beam_steps(ctypes.byref(decoder), places, decoder.output.n, ctypes.byref(choice),
                                    tokens.data_ptr(), _pointer(start), A, K, history.ctypes.data, t,
                                    scores.data_ptr(), _address(host), alive_scores.data_ptr(),
@@ -660,7 +673,9 @@ def beam_steps(decoder: DecoderWeights, places: ctypes.Array, choice: Choice, to
                                    0 if ancestry is None else ancestry.size(1), length, tables.data_ptr(),
                                    totals.ctypes.data, _address(histories), _address(all_totals), most,
                                    -1 if wake is None else wake, int(_avx512_path(avx512)),
-                                   ctypes.byref(taken))
+                                   ctypes.byref(taken), None if counts is None else _address(counts),
+                                   ctypes.byref(n_ended), *(None if x is None else _address(x)
+                                                            for x in (ended, ended_ids, ended_totals)))
     _check_step(failed, decoder, choice, A, K)
 
     def answer(i: int) -> tuple[np.ndarray, np.ndarray, Tensor]:  # step i's, from 0: its half
@@ -671,8 +686,10 @@ def beam_steps(decoder: DecoderWeights, places: ctypes.Array, choice: Choice, to
 
     steps = taken.value
     history, totals, followed = answer(steps - 1)
+    n = n_ended.value
     return (host, alive_scores, alive_tokens, (history, totals, failed == 1), followed, steps,
-            answer(steps - 2) if steps > 1 else None)
+            answer(steps - 2) if steps > 1 else None,
+            (ended[:n], ended_ids[:n], ended_totals[:n]) if n else None)
 
 
 def _check_ancestry(ancestry: Tensor | None, rows: int, length: int) -> None:

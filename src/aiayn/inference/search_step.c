@@ -225,6 +225,45 @@ int beam_step(const void *decoder, const void *steps, long cols, const Choice *c
   return failed;
 }
 
+/* Whether every sentence goes on after a step at which hypotheses end (steps.py's `settle` would
+ * finish them and find no sentence done): each keeps a live beam, and the EOS candidates among
+ * its K best leave it under K finished with the `finished` it had. Then records them, each
+ * sentence's in its candidates' order as settle takes them, and counts them in `finished`:
+ * `ended` gets (sentence, t, score) and `ended_ids`, `ended_totals` (rows of `width`) the
+ * history and totals of the beam it ends, before the step (t columns); `n_ended` counts
+ * them. Else records nothing (so too where the A K records' room would not hold them: never
+ * with `finished` counts that are not negative). */
+static int ends_quietly(const double *host, long A, long K, long C, int64_t eos, int64_t *finished,
+                        const int64_t *history, const double *totals, long t, long width,
+                        long *n_ended, double *ended, int64_t *ended_ids, double *ended_totals) {
+  long all = 0;
+  for (long a = 0; a < A; a++) {
+    const double *out = host + a * (3 * C + 3 * K);
+    long live = 0, ends = 0;
+    for (long k = 0; k < K; k++) {
+      live |= isfinite(out[3 * C + k]);
+      ends += (int64_t)out[2 * C + k] == eos && isfinite(out[k]);
+    }
+    if (!live || finished[a] + ends >= K) return 0;
+    all += ends;
+  }
+  if (*n_ended + all > A * K) return 0;
+  for (long a = 0; a < A; a++) {
+    const double *out = host + a * (3 * C + 3 * K);
+    for (long k = 0; k < K; k++) {
+      if ((int64_t)out[2 * C + k] != eos || !isfinite(out[k])) continue;
+      const long parent = a * K + (long)out[C + k], n = (*n_ended)++;
+      ended[3 * n] = (double)a;
+      ended[3 * n + 1] = (double)t;
+      ended[3 * n + 2] = out[k];
+      memcpy(ended_ids + n * width, history + parent * t, sizeof(int64_t) * t);
+      memcpy(ended_totals + n * width, totals + parent * t, sizeof(double) * t);
+      finished[a]++;
+    }
+  }
+  return 1;
+}
+
 /* Whether `wake` (a file descriptor; -1: none) has something to read, without waiting. */
 static int readable(int wake) {
 #ifndef _WIN32
@@ -247,12 +286,15 @@ static int readable(int wake) {
  * half i % 2, of length + i + 1 and t + i + 1 columns), `host`, `alive_scores` and
  * `alive_tokens` those of the last step. `steps` moves with them (move_step). Sets `taken`
  * to the steps taken (1 to most); returns the last one's beam_step answer (a failure stops
- * there). */
+ * there). With `finished` ((A,) the hypotheses each sentence has finished), a step at which
+ * hypotheses end but every sentence goes on (ends_quietly) counts as quiet too, its hypotheses
+ * recorded in `ended`, `ended_ids` and `ended_totals` (room for A K, rows of t + most). */
 int beam_steps(const void *decoder, void *steps, long cols, const Choice *c, const int64_t *tokens,
                const int64_t *start, long A, long K, const int64_t *history, long t, const float *scores,
                double *host, float *alive_scores, int64_t *alive_tokens, const int64_t *ancestry,
                long ancestry_row, long written, long length, int64_t *tables, const double *totals,
-               int64_t *histories, double *all_totals, long most, int wake, int wide, long *taken) {
+               int64_t *histories, double *all_totals, long most, int wake, int wide, long *taken,
+               int64_t *finished, long *n_ended, double *ended, int64_t *ended_ids, double *ended_totals) {
   const long rows = A * K, table = rows * (length + most), row = rows * (t + most);
   int64_t *next_tokens = malloc(sizeof(int64_t) * rows + 64);
   float *next_scores = malloc(sizeof(float) * A * K + 64);
@@ -263,6 +305,9 @@ int beam_steps(const void *decoder, void *steps, long cols, const Choice *c, con
     answer = beam_step(decoder, steps, cols, c, tokens, start, A, K, history, t + i, scores, host,
                        alive_scores, alive_tokens, ancestry, ancestry_row, written, length + i,
                        tables + h * table, totals, histories + h * row, all_totals + h * row, wide);
+    if (answer == 0 && finished)
+      answer = ends_quietly(host, A, K, c->candidates, c->eos, finished, history, totals, t + i,
+                            t + most, n_ended, ended, ended_ids, ended_totals);
     i++;
     if (answer != 1 || i == most || readable(wake)) break;
     memcpy(next_tokens, alive_tokens, sizeof(int64_t) * rows);

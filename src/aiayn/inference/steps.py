@@ -168,7 +168,8 @@ class DecoderState:
         return logits
 
     def beam_step(self, token: Tensor, scores: Tensor, history: np.ndarray,
-                  totals: np.ndarray | None = None, most: int = 1, wake: int | None = None
+                  totals: np.ndarray | None = None, most: int = 1, wake: int | None = None,
+                  finished: np.ndarray | None = None
                   ) -> tuple[Tensor, Tensor, Candidates | Followed, Followed | None] | None:
         """``next_logits`` and ``expand`` in one call of the output kernel's ``beam_step``
         (the int8 engine's: the same kernels, its final layer norm in C, equal up to
@@ -180,10 +181,11 @@ class DecoderState:
         ``again``) takes up to ``most`` steps in one call while nothing ends and nothing
         arrives on the file descriptor ``wake``: the fourth answer is then the rows' history
         and totals before the last (``Followed``; the cache has followed those steps), else
-        None."""
+        None. With ``finished`` too ((A,) the hypotheses each sentence has finished, ``Rows``'),
+        nor while hypotheses end but every sentence goes on: the answer's ``ended`` has them."""
         K = scores.size(1)
         answer = (None if self.again is None else
-                  self.again(token.view(-1), scores, history, totals, most, wake))
+                  self.again(token.view(-1), scores, history, totals, most, wake, finished))
         if answer is None:
             own = getattr(self.kernel, "beam_step", None)
             if own is None or self.cache is None:
@@ -191,16 +193,16 @@ class DecoderState:
             width, C = candidate_widths(K, self.rows[0].size(0))
             answer = own(self.model, token.reshape(-1), scores, self.src_pad, self.cache, history,
                          self._never, self.no_repeat_ngram, self._to_column, self.ids, width, C, totals,
-                         most, wake)
+                         most, wake, finished)
             if answer is None:
                 return None
-        host, scores, token, rows, self.followed, self.again, earlier = answer
-        followed = None if rows is None else Followed(*rows[:2])
+        host, scores, token, rows, self.followed, self.again, earlier, ended = answer
         earlier = None if earlier is None else Followed(*earlier)
-        if rows is not None and rows[2]:  # nothing ends
-            return scores, token, followed, earlier
+        if rows is not None and rows[2]:  # nothing ends (but what ``ended`` holds)
+            return scores, token, Followed(*rows[:2], ended), earlier
+        followed = None if rows is None else Followed(*rows[:2])
         return scores, token, _candidates(host, candidate_widths(K, self.rows[0].size(0))[1], K,
-                                          followed), earlier
+                                          followed, ended), earlier
 
     def follow(self) -> None:
         """Every row takes the beam a fused ``beam_step`` chose for it, every sentence
@@ -360,10 +362,14 @@ def draw(logits: Tensor, scores: Tensor, K: int, state: DecoderState, sampling: 
 class Followed(NamedTuple):
     """The rows' (A*K, t + 1) history and totals after a fused beam step that followed every
     beam (``DecoderState.beam_step``), as ``Rows.follow`` makes them where every sentence
-    goes on; alone, a step at which nothing ends."""
+    goes on; alone, a step at which no sentence is done and, but for ``ended``'s, no
+    hypothesis ends."""
 
     history: np.ndarray
     totals: np.ndarray
+    # the hypotheses that ended at steps a call took while every sentence went on (the kernel's
+    # record: ``Rows.finish_ended``), before this answer's candidates; None: none
+    ended: tuple | None = None
 
 
 class Candidates(NamedTuple):
@@ -377,6 +383,7 @@ class Candidates(NamedTuple):
     beam_of: np.ndarray  # (A, K) int
     token: np.ndarray
     followed: Followed | None = None  # a fused step's rows, every beam followed (``Followed``)
+    ended: tuple | None = None  # ``Followed.ended``: of the steps a call took before this one
 
 
 def expand(logits: Tensor, scores: Tensor, K: int, state: DecoderState,
@@ -417,12 +424,13 @@ def candidate_widths(K: int, V: int) -> tuple[int, int]:
     return width, min(2 * K, K * width)
 
 
-def _candidates(host: np.ndarray, C: int, K: int, followed: Followed | None = None) -> Candidates:
+def _candidates(host: np.ndarray, C: int, K: int, followed: Followed | None = None,
+                ended: tuple | None = None) -> Candidates:
     """``Candidates`` from the (A, 3C + 3K) rows of one transfer: the C candidates' scores,
     beams and tokens, then the K survivors'."""
     top, alive = host[:, C:3 * C].astype(np.int64), host[:, 3 * C + K:].astype(np.int64)
     return Candidates(host[:, :C], top[:, :C], top[:, C:], host[:, 3 * C:3 * C + K], alive[:, :K],
-                      alive[:, K:], followed)
+                      alive[:, K:], followed, ended)
 
 
 def decode_and_choose(step: int, token: Tensor, scores: Tensor, state: DecoderState, rows: Rows,
@@ -436,15 +444,18 @@ def decode_and_choose(step: int, token: Tensor, scores: Tensor, state: DecoderSt
     the kernel finds no EOS among any sentence's best K and a live beam in each). There,
     up to ``most`` steps while nothing ends and nothing arrives on the file descriptor
     ``wake`` (none reaching a sentence's limit): ``rows`` then hold every step but the last,
-    whose choice this answers (its number: ``rows.history``'s columns + 1)."""
+    whose choice this answers (its number: ``rows.history``'s columns + 1). There, steps at
+    which hypotheses end but every sentence goes on are taken too: the answer's ``ended``
+    holds those hypotheses (``Rows.finish_ended``)."""
     if sampling is None and given is None and use_cache:
         quiet = step < rows.soonest
-        answer = state.beam_step(token, scores, rows.history, rows.totals if quiet else None,
-                                 min(most, rows.soonest - step) if quiet else 1, wake)
+        most = min(most, rows.soonest - step) if quiet else 1
+        answer = state.beam_step(token, scores, rows.history, rows.totals if quiet else None, most,
+                                 wake, rows.ends if most > 1 else None)
         if answer is not None:
             scores, token, host, earlier = answer
             if earlier is not None:  # the steps before the last went on (``go_on``)
-                rows.history, rows.totals = earlier
+                rows.history, rows.totals = earlier.history, earlier.totals
             return scores, token, host
     logits = state.next_logits(rows.decoder_input(token.reshape(-1), use_cache), rows.history,
                                None if given is None else given.rows)
@@ -486,7 +497,7 @@ def settle(rows: Rows, finished, c: Candidates, step: int, alpha: float) -> np.n
     if cut:
         done |= at_limit
     if ended or cut:  # a live sentence had fewer than K finished before this step
-        done |= np.array([len(finished[s]) >= K for s in rows.sentence], dtype=bool)
+        done |= rows.ends >= K
     return done
 
 
@@ -494,7 +505,7 @@ def go_on(rows: Rows, state: DecoderState, followed: Followed) -> None:
     """Every sentence goes on after a step its kernel followed (``Followed``): what ``settle``
     (which would finish nothing) and ``advance`` (keeping every sentence) do, made already.
     At a serving lane's four sentences their small operations cost ~14% of a step."""
-    rows.history, rows.totals = followed
+    rows.history, rows.totals = followed.history, followed.totals
     state.follow()
 
 
@@ -545,6 +556,7 @@ class Rows:
         # (A,) most new tokens of each live sentence: at least its prefix
         self.limits = np.maximum(limits, self.prefix_len)
         self.offset = np.zeros(len(self.limits), dtype=np.int64)  # (A,) steps before it joined
+        self.ends = np.zeros(len(self.limits), dtype=np.int64)  # (A,) hypotheses it has finished
         self.history = np.zeros((len(self.limits) * copies, 0), dtype=np.int64)  # (A*K, t)
         self.totals = np.zeros((len(self.limits) * copies, 0))  # (A*K, t) log P so far
         self.longest = int(self.limits.max()) if len(self.limits) else 0
@@ -569,6 +581,7 @@ class Rows:
         self.sentence = np.concatenate([self.sentence, sentences])
         self.limits = np.concatenate([self.limits, np.maximum(limits, prefix_len) + t])
         self.offset = np.concatenate([self.offset, np.full(len(sentences), t)])
+        self.ends = np.concatenate([self.ends, np.zeros(len(sentences), dtype=np.int64)])
         self._limits_changed()
         padding = np.full((len(sentences) * copies, t), PAD_ID, dtype=np.int64)
         self.history = np.concatenate([self.history, padding])
@@ -622,7 +635,7 @@ class Rows:
     def keep(self, sentences: np.ndarray, rows: np.ndarray | None = None) -> None:
         """Keep the live ``sentences`` and (reordered) history ``rows`` (default: the same)."""
         self.sentence, self.limits = self.sentence[sentences], self.limits[sentences]
-        self.offset = self.offset[sentences]
+        self.offset, self.ends = self.offset[sentences], self.ends[sentences]
         self._limits_changed()
         self.prefix, self.prefix_len = self.prefix[sentences], self.prefix_len[sentences]
         self.history = self.history[sentences if rows is None else rows]
@@ -650,18 +663,36 @@ class Rows:
             return
         K = self.history.shape[0] // len(self.sentence)
         for a, c in zip(*np.nonzero(chosen), strict=True):
-            start, row = int(self.offset[a]), a * K + beam_of[a, c]
-            ids = self.history[row, start:].tolist()
-            if last_token is not None:
-                ids.append(int(last_token[a, c]))
-            # log P after each token (and EOS), from 0 before the first: their steps (Python's
-            # float subtraction is numpy's float64 one, in a tenth of the calls for a sentence)
-            score = float(scores[a, c])
-            totals = self.totals[row, start:].tolist()
-            log_probs = tuple(after - before for before, after in
-                              zip([0.0, *totals], [*totals, score], strict=True))
-            penalty = length_penalty(step - start, alpha)
-            finished[self.sentence[a]].append(Hypothesis(ids, score / penalty, log_probs))
+            row = a * K + beam_of[a, c]
+            self._finish(finished, a, self.history[row], self.totals[row], float(scores[a, c]),
+                         None if last_token is None else int(last_token[a, c]), step, alpha)
+
+    def finish_ended(self, finished: list[list[Hypothesis]], ended: tuple, alpha: float) -> None:
+        """Move the hypotheses that ended at steps a kernel's call took while every sentence
+        went on (``Followed.ended``: each one's sentence, history columns before its step and
+        score, and the history and totals of the beam it ends, before that step) to their
+        sentence's finished list, as ``finish`` would have at their steps."""
+        for (a, t, score), history, totals in zip(*ended, strict=True):
+            t = int(t)
+            self._finish(finished, int(a), history[:t], totals[:t], float(score), None, t + 1, alpha)
+
+    def _finish(self, finished: list[list[Hypothesis]], a: int, history: np.ndarray,
+                totals: np.ndarray, score: float, last_token: int | None, step: int,
+                alpha: float) -> None:
+        """Sentence ``a``'s hypothesis of ``step`` steps that ends the beam of ``history`` and
+        ``totals`` (from the search's first step) with EOS or ``last_token``, of ``score``."""
+        start = int(self.offset[a])
+        ids = history[start:].tolist()
+        if last_token is not None:
+            ids.append(last_token)
+        # log P after each token (and EOS), from 0 before the first: their steps (Python's
+        # float subtraction is numpy's float64 one, in a tenth of the calls for a sentence)
+        totals = totals[start:].tolist()
+        log_probs = tuple(after - before for before, after in
+                          zip([0.0, *totals], [*totals, score], strict=True))
+        finished[self.sentence[a]].append(Hypothesis(ids, score / length_penalty(step - start, alpha),
+                                                     log_probs))
+        self.ends[a] += 1
 
 
 class Given(NamedTuple):
