@@ -21,7 +21,9 @@ The searches call the first as ``decode_and_choose`` (``next_logits``, then ``ch
 which takes both in one call where the output kernel offers it (``DecoderState.beam_step``:
 the int8 engine's: the same kernels but for the final layer norm, equal up to rounding).
 That call also follows every beam on the host's side; where it finds that nothing ends, it
-answers ``Followed`` and ``go_on`` stands for the other two.
+answers ``Followed`` and ``go_on`` stands for the other two. A call of several steps
+(``most``) goes on past hypotheses that end while no sentence is done and answers them as
+``ended``, which ``Rows.finish_ended`` settles as ``settle`` would have at their steps.
 
 ``DecoderState`` holds the encoder output and the decoder's KV cache of the live rows (a
 joinable one starts empty and sentences ``join`` it); ``Rows`` holds the host's side (each
@@ -181,8 +183,9 @@ class DecoderState:
         ``again``) takes up to ``most`` steps in one call while nothing ends and nothing
         arrives on the file descriptor ``wake``: the fourth answer is then the rows' history
         and totals before the last (``Followed``; the cache has followed those steps), else
-        None. With ``finished`` too ((A,) the hypotheses each sentence has finished, ``Rows``'),
-        nor while hypotheses end but every sentence goes on: the answer's ``ended`` has them."""
+        None. With ``finished`` too ((A,) the hypotheses each sentence has finished:
+        ``Rows.ends``), a step at which hypotheses end but no sentence is done does not stop
+        it: the third answer's ``ended`` holds those hypotheses."""
         K = scores.size(1)
         answer = (None if self.again is None else
                   self.again(token.view(-1), scores, history, totals, most, wake, finished))
@@ -442,11 +445,11 @@ def decode_and_choose(step: int, token: Tensor, scores: Tensor, state: DecoderSt
     both at once (``DecoderState.beam_step``: the int8 engine's), in one call of it, which
     answers ``Followed`` where nothing ends at this step (no sentence is at its limit, and
     the kernel finds no EOS among any sentence's best K and a live beam in each). There,
-    up to ``most`` steps while nothing ends and nothing arrives on the file descriptor
-    ``wake`` (none reaching a sentence's limit): ``rows`` then hold every step but the last,
-    whose choice this answers (its number: ``rows.history``'s columns + 1). There, steps at
-    which hypotheses end but every sentence goes on are taken too: the answer's ``ended``
-    holds those hypotheses (``Rows.finish_ended``)."""
+    up to ``most`` steps while no sentence is done and nothing arrives on the file
+    descriptor ``wake`` (none reaching a sentence's limit): ``rows`` then hold every step
+    but the last, whose choice this answers (its number: ``rows.history``'s columns + 1),
+    and the answer's ``ended`` the hypotheses that ended at the steps before it or, where it
+    is ``Followed``, at it too (``Rows.finish_ended`` settles them)."""
     if sampling is None and given is None and use_cache:
         quiet = step < rows.soonest
         most = min(most, rows.soonest - step) if quiet else 1
