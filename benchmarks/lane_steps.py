@@ -13,8 +13,8 @@ is Python around it), what share joining sentences (encoding each, adding its ro
 microseconds of Python around the call at a quiet step (the search only follows its beams)
 and at a step where sentences end or just joined or ended (settling them, taking them out of
 the rows and the cache, making the kernel's places again). As a lane's process does, a call
-takes up to ``--quiet-steps`` steps while nothing ends (a call's Python is shared by its
-steps); ``--quiet-steps 1`` times one step a call.
+takes up to ``--quiet-steps`` steps while no sentence is done (a call's Python is shared by
+its steps); ``--quiet-steps 1`` times one step a call.
 
     python benchmarks/lane_steps.py --run-dir runs/demo --int8 --limit 120 --sizes 1,4,16,32
 """
@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--alpha", type=float, default=0.6)
     p.add_argument("--int8", action="store_true", help="decode with aiayn's int8 engine")
     p.add_argument("--quiet-steps", type=int, default=QUIET_STEPS,
-                   help="steps a call may take while nothing ends (int8; default the lanes' "
+                   help="steps a call may take while no sentence is done (int8; default the lanes' "
                         f"{QUIET_STEPS}; 1: a call a step)")
     add_repeats_option(p, 3)
     add_json_option(p)

@@ -261,7 +261,9 @@ class Store:
         if rows <= R and self._to_front(positions):
             return
         R2 = _spare_rows(rows) if rows > R else R
-        L2 = max(positions, 2 * L) if positions > L else L
+        # (more rows alone: as many positions as the buffer had, trims' included, not only the
+        # view's, whose end the next step might reach)
+        L2 = max(positions, 2 * L) if positions > L else self._whole[0].size(0)
         self._whole = tuple(old.new_empty(L2, R2, H, d) for old in (self.keys, self.values))
         for old, new in zip((self.keys, self.values), self._whole, strict=True):
             new[:self.length, :R] = old[:self.length]

@@ -943,6 +943,8 @@ def joined_two_at_a_time(model: Transformer, search: Search, src: torch.Tensor, 
             sent += 1
         for key, hyps in joinable.step(most, wake):
             got[key] = [(h.ids, h.score, h.log_probs) for h in hyps]
+        rows = joinable.rows  # each live sentence's count of finished hypotheses is its list's
+        assert rows.ends.tolist() == [len(joinable.finished[int(s)]) for s in rows.sentence]
         taken.append(joinable.taken)
         if joined:
             after_join.append(joinable.taken)
@@ -967,13 +969,21 @@ def test_quiet_steps_taken_in_one_call_are_the_steps_taken_one_at_a_time(guard, 
     model = int8_model(model)
     src = random_sources([9, 6, 8, 12, 5, 7], vocab=40, seed=4)
     search = Search(4, 0.6, no_repeat_ngram=guard, max_len_a=a, max_len_b=b)
+    finished, finish = [], Rows._finish  # every hypothesis finished, in order, as made
+
+    def logged(rows, lists, a, history, totals, score, last, step, alpha):
+        finished.append((int(rows.sentence[a]), step, history[int(rows.offset[a]):].tolist(), score, last))
+        finish(rows, lists, a, history, totals, score, last, step, alpha)
+
+    monkeypatch.setattr(Rows, "_finish", logged)
     one, one_taken, _ = joined_two_at_a_time(model, search, src, 1)
+    one_finished, finished[:] = finished[:], []
     kept, finish_ended = [], Rows.finish_ended
     monkeypatch.setattr(Rows, "finish_ended",
-                        lambda rows, finished, ended, alpha: (kept.append(len(ended[0])),
-                                                              finish_ended(rows, finished, ended, alpha)))
+                        lambda rows, lists, ended, alpha: (kept.append(len(ended[0])),
+                                                           finish_ended(rows, lists, ended, alpha)))
     several, taken, after_join = joined_two_at_a_time(model, search, src, 8)
-    assert several == one and len(one) == len(src)
+    assert several == one and len(one) == len(src) and finished == one_finished
     assert set(one_taken) == {1} and sum(taken) == sum(one_taken) and max(taken) > 1
     if eos < 0:  # nothing ends before the limits: a call after a join has quiet steps too
         assert max(after_join) > 1 and not kept

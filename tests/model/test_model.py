@@ -407,13 +407,14 @@ def test_an_indirect_cache_reads_what_the_copying_one_holds():
 
 def test_a_store_that_keeps_trimming_moves_what_it_keeps_back_to_the_front_of_its_buffer():
     """A store whose oldest positions keep being trimmed (a search that sentences keep
-    joining and leaving) reads what was written at every step, and where it reaches the end of
-    its buffer with room trimmed at the front it moves its positions back there instead of
-    taking a new buffer: a few buffers for dozens of times the end was reached."""
+    joining and leaving) reads what was written at every step, its beams changing parents
+    too, and where it reaches the end of its buffer with room trimmed at the front it moves
+    its positions back there instead of taking a new buffer: a few buffers for dozens of
+    times the end was reached."""
     rng = torch.Generator().manual_seed(3)
     store, B, H, d = Store(positions=8), 3, 2, 4
     keys = values = torch.zeros(B, H, 0, d)
-    buffers, moves = set(), 0
+    seen, moves = [], 0  # every view seen, held: a freed buffer's address cannot come back
     for step in range(200):
         k, v = torch.randn(B, H, 1, d, generator=rng), torch.randn(B, H, 1, d, generator=rng)
         before = store.keys.untyped_storage().data_ptr() if store.keys is not None else None
@@ -422,12 +423,17 @@ def test_a_store_that_keeps_trimming_moves_what_it_keeps_back_to_the_front_of_it
         keys, values = torch.cat([keys, k], 2), torch.cat([values, v], 2)
         buffer = store.keys.untyped_storage().data_ptr()
         moves += buffer == before and not at_front and store.keys.data_ptr() == buffer
-        buffers.add(buffer)
+        seen.append(store.keys)
+        if step % 5 == 4:  # beams change parents: each row reads another's past
+            parents = torch.randint(0, B, (B,), generator=rng)
+            store.reorder(parents)
+            keys, values = keys[parents], values[parents]
         if step % 4 != 3:  # three of four steps drop the oldest position: the window grows slowly
             store.trim(1)
             keys, values = keys[:, :, 1:], values[:, :, 1:]
         got_k, got_v = store.gather()
         assert torch.equal(got_k, keys) and torch.equal(got_v, values)
+    buffers = {view.untyped_storage().data_ptr() for view in seen}
     assert moves >= 10 and len(buffers) <= 6, (moves, len(buffers))
 
 

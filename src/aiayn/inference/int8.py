@@ -77,8 +77,9 @@ class Int8Output:
         ``n_gram`` over ``history``), top ``width`` and ``candidates``; its answer
         (``beam_choose``'s, the rows followed, the cache's slot table and the ``StepAgain``
         that repeats the step), or None where it does not take it; with ``totals``, up to
-        ``most`` steps while nothing ends or arrives on ``wake`` (``StepAgain``'s, as
-        ``finished``). ``steps.DecoderState.beam_step`` calls it."""
+        ``most`` steps while nothing ends or arrives on ``wake``, with ``finished`` also past
+        hypotheses that end while no sentence is done (``StepAgain``'s).
+        ``steps.DecoderState.beam_step`` calls it."""
         if not isinstance(model, NativeTransformer) or candidates > native.MAX_CANDIDATES:
             return None
         key = (tuple(never), n_gram, width, candidates)
@@ -544,9 +545,10 @@ class StepAgain:
                  wake: int | None = None, finished=None) -> tuple | None:
         """The step; with ``totals`` and ``most`` > 1, up to ``most`` steps in one call of the
         kernel while nothing ends (``native.beam_steps``; with ``finished``, each sentence's
-        finished hypotheses, nor while hypotheses end and every sentence goes on), the cache as
-        long again: the last step's answer, with the rows' history and totals before it (None:
-        it was the only) and the hypotheses that ended before it or at it (None: none)."""
+        finished hypotheses, also past steps at which hypotheses end but no sentence is done),
+        the cache as long again: the last step's answer, with the rows' history and totals
+        before it (None: it was the only) and the hypotheses that ended before it or at it
+        (None: none)."""
         cache, rows = self.cache, tokens.numel()
         store = cache.layers[0]["self"]["store"]  # every layer's store has the same slots
         # Whoever changes the cache otherwise drops this (``DecoderState``); these guard the

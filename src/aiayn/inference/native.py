@@ -639,7 +639,8 @@ def beam_steps(decoder: DecoderWeights, places: ctypes.Array, choice: Choice, to
     them. With ``finished`` ((A,) the hypotheses each sentence has finished), a step at which
     hypotheses end but no sentence is done counts as ending nothing, its hypotheses recorded.
     -> the last step's ``beam_step`` answer (host rows, survivors' scores and tokens,
-    the rows' history and totals after it and whether it ended nothing), its slot table
+    the rows' history and totals after it and whether it ended nothing, or with
+    ``finished`` whether every sentence goes on after it), its slot table
     ((A*K, length + taken)), the steps taken, the rows' history, totals and slot table
     before it (None where it was the first): what the caller's quiet steps made of them, and
     the hypotheses recorded (None where none): (n, 3) their sentence (row of ``scores``),

@@ -444,7 +444,8 @@ def decode_and_choose(step: int, token: Tensor, scores: Tensor, state: DecoderSt
     rows, then ``choose``; a beam step that no prefix rules, with an output kernel that does
     both at once (``DecoderState.beam_step``: the int8 engine's), in one call of it, which
     answers ``Followed`` where nothing ends at this step (no sentence is at its limit, and
-    the kernel finds no EOS among any sentence's best K and a live beam in each). There,
+    the kernel finds no EOS among any sentence's best K and a live beam in each; with
+    ``most`` > 1, where no sentence is done). There,
     up to ``most`` steps while no sentence is done and nothing arrives on the file
     descriptor ``wake`` (none reaching a sentence's limit): ``rows`` then hold every step
     but the last, whose choice this answers (its number: ``rows.history``'s columns + 1),
@@ -482,7 +483,8 @@ def choose(step: int, logits: Tensor, scores: Tensor, state: DecoderState, rows:
 
 def settle(rows: Rows, finished, c: Candidates, step: int, alpha: float) -> np.ndarray:
     """Move this step's finished hypotheses to ``finished[sentence]``; (A,) which sentences
-    are done: ``beam`` hypotheses finished, or at their length limit, or nothing alive."""
+    are done: ``beam`` hypotheses finished (``Rows.ends``, which ``Rows.finish`` and
+    ``finish_ended`` count), or at their length limit, or nothing alive."""
     K = c.scores.shape[1]
     # Most steps end nothing: each test below is a few operations on the host's small arrays,
     # and at a serving lane's few rows each of those costs as much as the rows' arithmetic.

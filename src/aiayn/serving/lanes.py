@@ -49,7 +49,7 @@ from aiayn.serving.pipes import CAN_COUNT_UNREAD, Frames, arrival_check, unread_
 
 log = logging.getLogger(__name__)
 Key = Search  # a request's resolved search: only equal ones (nbest aside) share a search
-QUIET_STEPS = 32  # a lane process's steps in one call while nothing ends or arrives: a bound
+QUIET_STEPS = 32  # a lane process's steps in one call while no sentence is done and nothing arrives
 # (settings, sentence ids, source ids, target prefixes: [] where none, hypotheses each
 # sentence's request keeps: its nbest, which searches of equal settings need not share)
 Adds = list[tuple[Key, list[int], list[list[int]], list[list[int]], list[int]]]
@@ -88,7 +88,7 @@ class LaneSearches:
         """Add the sentences of ``adds`` to their searches (a search's jobs in one add: one
         encoding, one join of its cache), take the sentences ``removes`` out (their requests
         are gone), then step every search once; with ``wake`` (the lane's pipe), up to
-        ``QUIET_STEPS`` steps while no hypothesis ends, nothing arrives there and no earlier
+        ``QUIET_STEPS`` steps while no sentence is done, nothing arrives there and no earlier
         search of the round has finished a sentence. A failure fails only the sentences it
         touched: those of a job refused (a ValueError, which leaves the search as it was),
         every job of its add where it failed otherwise, or, in a step, every sentence of
